@@ -1,0 +1,256 @@
+//! Length-prefixed frames with file descriptors, over a Unix stream socket.
+//!
+//! ```text
+//!  0      4        6        8            12       13      16
+//!  +------+--------+--------+------------+--------+-------+----------------+
+//!  | PGFK | version| flags  | payload len| n fds  | 0 0 0 | payload ...    |
+//!  +------+--------+--------+------------+--------+-------+----------------+
+//!   magic   u16 LE   u16 LE    u32 LE       u8
+//! ```
+//!
+//! A frame is written with one `sendmsg`; its fds (SCM_RIGHTS) travel with
+//! the header bytes. The reader takes the header with `recvmsg`, and the
+//! frame is valid only if exactly `n fds` descriptors arrived with it.
+//! Descriptors are received with `MSG_CMSG_CLOEXEC` and owned by the caller.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+
+/// Frame magic, "PGFK".
+pub const MAGIC: [u8; 4] = *b"PGFK";
+/// Protocol version spoken by this build.
+pub const VERSION: u16 = 1;
+/// Header size in bytes.
+pub const HEADER_LEN: usize = 16;
+/// Largest payload accepted.
+pub const MAX_PAYLOAD: u32 = 1 << 20;
+/// Largest number of fds one frame may carry.
+pub const MAX_FDS: u8 = 16;
+
+/// Errors of framing and fd passing.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("peer closed the connection")]
+    Closed,
+    #[error("connection closed in the middle of a frame")]
+    Truncated,
+    #[error("bad frame magic {0:02x?}: the peer does not speak the pagefork VMM protocol")]
+    BadMagic([u8; 4]),
+    #[error("unsupported protocol version {0}; this server speaks version {VERSION}")]
+    BadVersion(u16),
+    #[error("frame payload of {0} bytes exceeds the limit of {MAX_PAYLOAD}")]
+    TooLarge(u32),
+    #[error("frame declares {declared} fds but {received} arrived")]
+    FdCount { declared: u8, received: usize },
+    #[error("reserved header bytes are not zero")]
+    Reserved,
+    #[error("cannot receive a frame")]
+    Recv(#[source] nix::Error),
+    #[error("cannot send a frame")]
+    Send(#[source] nix::Error),
+    #[error("cannot decode message")]
+    Decode(#[source] postcard::Error),
+    #[error("cannot encode message")]
+    Encode(#[source] postcard::Error),
+}
+
+/// Result alias of this module.
+pub type Result<T> = std::result::Result<T, FrameError>;
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Protocol version.
+    pub version: u16,
+    /// Flags (none defined yet).
+    pub flags: u16,
+    /// Payload length in bytes.
+    pub len: u32,
+    /// Number of fds carried.
+    pub nfds: u8,
+}
+
+impl Header {
+    /// Encode the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..12].copy_from_slice(&self.len.to_le_bytes());
+        b[12] = self.nfds;
+        b
+    }
+
+    /// Decode and validate a header.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Self> {
+        let magic = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(FrameError::BadVersion(version));
+        }
+        if b[13..16] != [0, 0, 0] {
+            return Err(FrameError::Reserved);
+        }
+        let len = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+        if len > MAX_PAYLOAD {
+            return Err(FrameError::TooLarge(len));
+        }
+        if b[12] > MAX_FDS {
+            return Err(FrameError::FdCount { declared: b[12], received: 0 });
+        }
+        Ok(Header { version, flags: u16::from_le_bytes([b[6], b[7]]), len, nfds: b[12] })
+    }
+}
+
+/// Send one frame carrying `payload` and `fds` with a single `sendmsg`.
+pub fn send_frame(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<()> {
+    let len = u32::try_from(payload.len()).map_err(|_| FrameError::TooLarge(u32::MAX))?;
+    if len > MAX_PAYLOAD {
+        return Err(FrameError::TooLarge(len));
+    }
+    let nfds = u8::try_from(fds.len())
+        .ok()
+        .filter(|n| *n <= MAX_FDS)
+        .ok_or(FrameError::FdCount { declared: MAX_FDS, received: fds.len() })?;
+    let header = Header { version: VERSION, flags: 0, len, nfds }.encode();
+    let mut sent = 0usize;
+    let total = HEADER_LEN + payload.len();
+    while sent < total {
+        let (h, p) = if sent < HEADER_LEN {
+            (&header[sent..], payload)
+        } else {
+            (&header[..0], &payload[sent - HEADER_LEN..])
+        };
+        let iov = [IoSlice::new(h), IoSlice::new(p)];
+        let cmsg = [ControlMessage::ScmRights(fds)];
+        let cmsgs: &[ControlMessage] = if sent == 0 && !fds.is_empty() { &cmsg } else { &[] };
+        match sendmsg::<()>(sock, &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) => sent += n,
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(FrameError::Send(e)),
+        }
+    }
+    Ok(())
+}
+
+fn recv_some(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<usize> {
+    let mut cmsg_space = nix::cmsg_space!([RawFd; MAX_FDS as usize]);
+    loop {
+        let mut iov = [IoSliceMut::new(buf)];
+        let res = recvmsg::<()>(sock, &mut iov, Some(&mut cmsg_space), MsgFlags::MSG_CMSG_CLOEXEC);
+        let msg = match res {
+            Ok(m) => m,
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(FrameError::Recv(e)),
+        };
+        let n = msg.bytes;
+        let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+        for c in msg.cmsgs().map_err(FrameError::Recv)? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                for fd in raw {
+                    // SAFETY: the kernel just installed `fd` in our table for
+                    // this message; nothing else owns it.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+        }
+        if truncated {
+            return Err(FrameError::FdCount { declared: MAX_FDS, received: MAX_FDS as usize + 1 });
+        }
+        return Ok(n);
+    }
+}
+
+/// Receive one frame: its payload and the fds that came with it.
+///
+/// Blocks until a whole frame has arrived. Returns [`FrameError::Closed`] on
+/// a clean hang-up between frames.
+pub fn recv_frame(sock: &impl AsRawFd) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let fd = sock.as_raw_fd();
+    let mut header = [0u8; HEADER_LEN];
+    let mut fds = Vec::new();
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let n = recv_some(fd, &mut header[got..], &mut fds)?;
+        if n == 0 {
+            return Err(if got == 0 { FrameError::Closed } else { FrameError::Truncated });
+        }
+        got += n;
+    }
+    let h = Header::decode(&header)?;
+    let mut payload = vec![0u8; h.len as usize];
+    let mut got = 0;
+    while got < payload.len() {
+        let n = recv_some(fd, &mut payload[got..], &mut fds)?;
+        if n == 0 {
+            return Err(FrameError::Truncated);
+        }
+        got += n;
+    }
+    if fds.len() != usize::from(h.nfds) {
+        return Err(FrameError::FdCount { declared: h.nfds, received: fds.len() });
+    }
+    Ok((payload, fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn frame_round_trips_with_fds() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let f = std::fs::File::open("/dev/null").unwrap();
+        send_frame(a.as_raw_fd(), b"hello", &[f.as_raw_fd(), f.as_raw_fd()]).unwrap();
+        let (p, fds) = recv_frame(&b).unwrap();
+        assert_eq!(p, b"hello");
+        assert_eq!(fds.len(), 2);
+    }
+
+    #[test]
+    fn wrong_fd_count_is_an_error() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let mut h = Header { version: VERSION, flags: 0, len: 0, nfds: 1 }.encode().to_vec();
+        a.write_all(&mut h).unwrap();
+        assert!(matches!(recv_frame(&b), Err(FrameError::FdCount { declared: 1, received: 0 })));
+    }
+
+    #[test]
+    fn hang_up_mid_frame_is_truncated() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&Header { version: VERSION, flags: 0, len: 10, nfds: 0 }.encode()).unwrap();
+        a.write_all(b"abc").unwrap();
+        drop(a);
+        assert!(matches!(recv_frame(&b), Err(FrameError::Truncated)));
+    }
+
+    proptest! {
+        #[test]
+        fn header_decoder_never_panics(bytes in proptest::array::uniform16(any::<u8>())) {
+            let _ = Header::decode(&bytes);
+        }
+
+        #[test]
+        fn header_round_trips(flags: u16, len in 0..=MAX_PAYLOAD, nfds in 0..=MAX_FDS) {
+            let h = Header { version: VERSION, flags, len, nfds };
+            prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        }
+
+        #[test]
+        fn arbitrary_stream_bytes_give_errors_not_panics(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let (mut a, b) = UnixStream::pair().unwrap();
+            a.write_all(&bytes).unwrap();
+            drop(a);
+            let _ = recv_frame(&b);
+        }
+    }
+}

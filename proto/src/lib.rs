@@ -1,0 +1,12 @@
+//! pagefork's wire protocols.
+//!
+//! - [`frame`]: the length-prefixed frame format with SCM_RIGHTS fds, and
+//!   blocking send/receive over a Unix stream socket.
+//! - [`vmm`]: the messages a VMM and the server exchange in those frames.
+//! - [`api`]: request and response bodies of the REST control API.
+//!
+//! Decoders never panic on bad bytes: every failure is an error value.
+
+pub mod api;
+pub mod frame;
+pub mod vmm;

@@ -1,0 +1,182 @@
+//! Messages between a VMM and the server, carried in [`crate::frame`]s.
+//!
+//! ```text
+//!  VMM                                             uffd-server
+//!   |-- Hello{version, token, pid} ------------------->|  token issued at launch,
+//!   |                                                  |  pid checked with SO_PEERCRED
+//!   |<-- Welcome{vm_id, config}  + fds [memfd.., disk]-|
+//!   |   mmap memfds, create uffd, register MISSING|WP  |
+//!   |-- UffdReady{bases}         + fds [uffd] -------->|  server starts serving faults
+//!   |   start vCPUs; agent waits for its first command |
+//!   |-- Running ---------------------------------------->|
+//!   |<-- Request{seq, Pause|Resume|CaptureState|Exec|Stop}
+//!   |-- Reply{seq, result} ---------------------------->|
+//!   |-- Console{text} / Exited{code} ------------------>|  unsolicited
+//! ```
+//!
+//! Any message that breaks the sequence, or a frame with the wrong number of
+//! fds, is answered with [`ServerMsg::Error`] and the connection is closed.
+
+use serde::{Deserialize, Serialize};
+use shared::{GuestOp, GuestRegion, OpResult, VmId, VmState};
+
+use crate::frame::{self, FrameError};
+
+/// Messages the VMM sends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum VmmMsg {
+    /// First message: who the VMM is. No fds.
+    Hello { version: u16, token: String, pid: u32 },
+    /// Guest RAM is mapped and registered; carries the uffd as the only fd.
+    /// `bases[i]` is the VMM's host virtual address of region `i`.
+    UffdReady { bases: Vec<u64> },
+    /// The vCPUs run and the guest agent waits for commands. No fds.
+    Running,
+    /// Answer to a server request.
+    Reply { seq: u64, result: Result<Reply, String> },
+    /// Guest console output.
+    Console { text: String },
+    /// The VMM is about to exit.
+    Exited { code: i32, reason: String },
+}
+
+/// Messages the server sends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ServerMsg {
+    /// Answer to `Hello`: carries one memfd per region, then the disk fd if
+    /// `config.disk_bytes` is set.
+    Welcome { vm_id: VmId, config: LaunchConfig },
+    /// A request the VMM must answer with `Reply{seq}`.
+    Request { seq: u64, request: Request },
+    /// The server refuses what the VMM sent; the connection closes next.
+    Error { message: String },
+}
+
+/// How the VMM must build the VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LaunchConfig {
+    /// Guest RAM regions, one memfd each, in order.
+    pub regions: Vec<GuestRegion>,
+    /// Number of vCPUs.
+    pub vcpus: u8,
+    /// Size of the disk volume if one is attached (its fd follows the memfds).
+    pub disk_bytes: Option<u64>,
+    /// Start from this state (a fork child) instead of booting the agent.
+    pub start_state: Option<VmState>,
+}
+
+/// Requests from the server to the VMM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// Stop all vCPUs at an instruction boundary (pending I/O completed).
+    Pause,
+    /// Let paused vCPUs run again.
+    Resume,
+    /// Return the state of the paused vCPUs and devices.
+    CaptureState,
+    /// Run one guest agent command and return its result.
+    Exec(GuestOp),
+    /// Shut down the VM and exit.
+    Stop,
+}
+
+/// Successful answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Pause, resume or stop done.
+    Done,
+    /// The captured state.
+    State(VmState),
+    /// The guest op's result.
+    Op(OpResult),
+}
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum MsgError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
+/// Encode a message into a frame payload.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
+    postcard::to_stdvec(msg).map_err(FrameError::Encode)
+}
+
+/// Decode a frame payload; trailing bytes are an error.
+pub fn decode<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Result<T, FrameError> {
+    match postcard::take_from_bytes(payload) {
+        Ok((m, rest)) if rest.is_empty() => Ok(m),
+        Ok(_) => Err(FrameError::Decode(postcard::Error::DeserializeBadEncoding)),
+        Err(e) => Err(FrameError::Decode(e)),
+    }
+}
+
+/// Send a message with fds on a socket.
+pub fn send<T: Serialize>(
+    sock: &impl std::os::fd::AsRawFd,
+    msg: &T,
+    fds: &[std::os::fd::RawFd],
+) -> Result<(), FrameError> {
+    frame::send_frame(sock.as_raw_fd(), &encode(msg)?, fds)
+}
+
+/// Receive a message and its fds from a socket.
+pub fn recv<T: for<'a> Deserialize<'a>>(
+    sock: &impl std::os::fd::AsRawFd,
+) -> Result<(T, Vec<std::os::fd::OwnedFd>), FrameError> {
+    let (payload, fds) = frame::recv_frame(sock)?;
+    Ok((decode(&payload)?, fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_op() -> impl Strategy<Value = GuestOp> {
+        prop_oneof![
+            (any::<u64>(), any::<u64>(), any::<u64>())
+                .prop_map(|(a, b, c)| GuestOp::Fill { start_page: a, pages: b, seed: c }),
+            (any::<u64>(), any::<u64>(), any::<bool>())
+                .prop_map(|(a, b, w)| GuestOp::Touch { start_page: a, pages: b, write: w }),
+            (any::<u64>(), any::<u64>()).prop_map(|(a, b)| GuestOp::Checksum { start_page: a, pages: b }),
+            Just(GuestOp::Identity),
+        ]
+    }
+
+    fn arb_vmm_msg() -> impl Strategy<Value = VmmMsg> {
+        prop_oneof![
+            (any::<u16>(), ".{0,40}", any::<u32>())
+                .prop_map(|(version, token, pid)| VmmMsg::Hello { version, token, pid }),
+            proptest::collection::vec(any::<u64>(), 0..4).prop_map(|bases| VmmMsg::UffdReady { bases }),
+            Just(VmmMsg::Running),
+            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(seq, value, elapsed_us)| VmmMsg::Reply {
+                seq,
+                result: Ok(Reply::Op(OpResult { value, elapsed_us }))
+            }),
+            ".{0,40}".prop_map(|text| VmmMsg::Console { text }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn vmm_messages_round_trip(m in arb_vmm_msg()) {
+            let bytes = encode(&m).unwrap();
+            prop_assert_eq!(decode::<VmmMsg>(&bytes).unwrap(), m);
+        }
+
+        #[test]
+        fn server_requests_round_trip(seq: u64, op in arb_op()) {
+            let m = ServerMsg::Request { seq, request: Request::Exec(op) };
+            let bytes = encode(&m).unwrap();
+            prop_assert_eq!(decode::<ServerMsg>(&bytes).unwrap(), m);
+        }
+
+        #[test]
+        fn arbitrary_payloads_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode::<VmmMsg>(&bytes);
+            let _ = decode::<ServerMsg>(&bytes);
+        }
+    }
+}

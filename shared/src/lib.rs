@@ -1,0 +1,16 @@
+//! Types that both sides of pagefork use: ids, page geometry, guest agent
+//! operations and their reference implementations, and the opaque vCPU
+//! state that travels from a VMM to the server and on to a fork child.
+//!
+//! This crate does no I/O.
+
+pub mod geometry;
+pub mod id;
+pub mod op;
+pub mod pattern;
+pub mod state;
+
+pub use geometry::{GuestRegion, PAGE_SIZE, PAGE_SHIFT};
+pub use id::{ParseVmIdError, VmId};
+pub use op::{GuestOp, OpResult};
+pub use state::{VcpuState, VmState};

@@ -1,0 +1,1 @@
+//! Reflink volume engine (placeholder).
