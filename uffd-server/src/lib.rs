@@ -2,4 +2,5 @@
 //! table per VM, serves the VMs' userfaultfd faults, and exposes a REST
 //! control API.
 
+pub mod client;
 pub mod volume;
