@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Loop-mounted test filesystems for the volume tests and benchmarks.
+#
+#   scripts/xfs-loop.sh up DIR            sparse image + mkfs.xfs -m reflink=1,
+#                                         loop device, mounted at DIR; prints DIR
+#   scripts/xfs-loop.sh up-noreflink DIR  tmpfs mounted at DIR (cannot reflink);
+#                                         prints DIR
+#   scripts/xfs-loop.sh down DIR          unmount DIR, detach its loop device,
+#                                         remove its image
+#
+# Idempotent: `up` on a DIR that is already an XFS mount with reflink prints
+# DIR and succeeds; `down` on a DIR that is not mounted succeeds.
+# Environment: XFS_LOOP_SIZE (default 24G; the image is sparse),
+#              XFS_LOOP_IMAGE_DIR (default /var/tmp).
+set -euo pipefail
+
+SIZE="${XFS_LOOP_SIZE:-24G}"
+IMAGE_DIR="${XFS_LOOP_IMAGE_DIR:-/var/tmp}"
+
+die() {
+	echo "xfs-loop: $*" >&2
+	exit 1
+}
+
+usage() {
+	echo "usage: $0 {up|up-noreflink|down} DIR" >&2
+	exit 2
+}
+
+# The image of DIR: one per mount point, named after its absolute path.
+image_for() {
+	local key
+	key="$(printf '%s' "$1" | sed 's#[^A-Za-z0-9]#_#g')"
+	echo "$IMAGE_DIR/pagefork-xfs${key}.img"
+}
+
+need_root() {
+	[ "$(id -u)" -eq 0 ] || die "must run as root (mount and losetup need it)"
+}
+
+ensure_xfsprogs() {
+	if command -v mkfs.xfs >/dev/null 2>&1; then
+		return
+	fi
+	echo "xfs-loop: mkfs.xfs missing, installing xfsprogs" >&2
+	command -v apt-get >/dev/null 2>&1 || die "mkfs.xfs missing and no apt-get; install xfsprogs"
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || die "apt-get update failed"
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq xfsprogs >&2 ||
+		die "apt-get install xfsprogs failed"
+	command -v mkfs.xfs >/dev/null 2>&1 || die "xfsprogs installed but mkfs.xfs not found"
+}
+
+fstype_of() {
+	findmnt -n -o FSTYPE --mountpoint "$1" 2>/dev/null || true
+}
+
+cmd_up() {
+	local dir="$1"
+	need_root
+	mkdir -p "$dir" || die "cannot create $dir"
+	dir="$(cd "$dir" && pwd -P)"
+	case "$(fstype_of "$dir")" in
+	xfs)
+		if xfs_info "$dir" 2>/dev/null | grep -q 'reflink=1'; then
+			echo "$dir"
+			return
+		fi
+		die "$dir is already an XFS mount without reflink; run '$0 down $dir' first"
+		;;
+	"") ;;
+	*) die "$dir is already a $(fstype_of "$dir") mount; run '$0 down $dir' first" ;;
+	esac
+	ensure_xfsprogs
+	grep -qw xfs /proc/filesystems || modprobe xfs 2>/dev/null || true
+	grep -qw xfs /proc/filesystems || die "the kernel has no XFS support (modprobe xfs failed)"
+
+	local img loopdev
+	img="$(image_for "$dir")"
+	mkdir -p "$IMAGE_DIR" || die "cannot create $IMAGE_DIR"
+	rm -f "$img"
+	truncate -s "$SIZE" "$img" || die "cannot create sparse image $img"
+	mkfs.xfs -q -f -m reflink=1 "$img" >&2 || die "mkfs.xfs -m reflink=1 failed on $img"
+	loopdev="$(losetup --find --show "$img")" || die "losetup failed (are loop devices available?)"
+	if ! mount -t xfs "$loopdev" "$dir"; then
+		losetup -d "$loopdev" || true
+		die "mounting $loopdev at $dir failed"
+	fi
+	echo "$dir"
+}
+
+cmd_up_noreflink() {
+	local dir="$1"
+	need_root
+	mkdir -p "$dir" || die "cannot create $dir"
+	dir="$(cd "$dir" && pwd -P)"
+	case "$(fstype_of "$dir")" in
+	tmpfs)
+		echo "$dir"
+		return
+		;;
+	"") ;;
+	*) die "$dir is already a $(fstype_of "$dir") mount; run '$0 down $dir' first" ;;
+	esac
+	mount -t tmpfs -o size=64m tmpfs "$dir" || die "mounting tmpfs at $dir failed"
+	echo "$dir"
+}
+
+cmd_down() {
+	local dir="$1"
+	need_root
+	[ -d "$dir" ] || return 0
+	dir="$(cd "$dir" && pwd -P)"
+	local src fstype
+	fstype="$(fstype_of "$dir")"
+	if [ -n "$fstype" ]; then
+		src="$(findmnt -n -o SOURCE --mountpoint "$dir")"
+		umount "$dir" || die "cannot unmount $dir (busy? see 'fuser -m $dir')"
+		case "$src" in
+		/dev/loop*) losetup -d "$src" 2>/dev/null || true ;;
+		esac
+	fi
+	# Detach any loop device still bound to our image, then drop the image.
+	local img
+	img="$(image_for "$dir")"
+	if [ -e "$img" ]; then
+		losetup -j "$img" -O NAME -n 2>/dev/null | while read -r dev; do
+			losetup -d "$dev" || true
+		done
+		rm -f "$img"
+	fi
+}
+
+[ $# -eq 2 ] || usage
+case "$1" in
+up) cmd_up "$2" ;;
+up-noreflink) cmd_up_noreflink "$2" ;;
+down) cmd_down "$2" ;;
+*) usage ;;
+esac
