@@ -22,6 +22,13 @@ pub struct CreateVm {
     /// Name of a disk volume to attach.
     #[serde(default)]
     pub volume: Option<String>,
+    /// Fault-around block for image-backed faults in KiB (0 = one page per
+    /// fault); the server's default if absent.
+    #[serde(default)]
+    pub fault_around_kib: Option<u64>,
+    /// Install every page before the guest starts (no faults at all).
+    #[serde(default)]
+    pub prefetch: bool,
 }
 
 fn default_vcpus() -> u8 {
@@ -58,6 +65,19 @@ pub struct VmInfo {
     pub parent: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub volume: Option<String>,
+    /// Fault engine counters.
+    #[serde(default)]
+    pub faults: FaultCounters,
+}
+
+/// Fault engine counters of one VM.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FaultCounters {
+    pub missing: u64,
+    pub write_protect: u64,
+    pub pages_installed: u64,
+    pub removes: u64,
+    pub fault_around_kib: u64,
 }
 
 /// `POST /v1/vms/{id}/exec` body: a flat form of [`GuestOp`] that gives

@@ -2,5 +2,10 @@
 //! table per VM, serves the VMs' userfaultfd faults, and exposes a REST
 //! control API.
 
+pub mod api;
 pub mod client;
+pub mod core;
+pub mod memory;
+pub mod pages;
+pub mod vmm_conn;
 pub mod volume;

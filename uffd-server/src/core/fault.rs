@@ -1,0 +1,194 @@
+//! The fault engine: resolves a VM's userfaultfd events from its page-source
+//! table.
+//!
+//! Pages are installed by writing the bytes through the server's own mapping
+//! of the VM's memfd and then `UFFDIO_WAKE` (DESIGN §2): this never races
+//! with EEXIST (a plain UFFDIO_COPY that finds the page present does not
+//! wake the faulting thread) and it keeps write protection where a plain
+//! UFFDIO_COPY would drop it.
+
+use std::rc::Rc;
+
+use shared::{VmId, PAGE_SIZE};
+use tracing::{debug, warn};
+use userfaultfd::{Event, FaultKind};
+
+use super::Registry;
+use crate::pages::{PageSource, UNINITIALIZED};
+
+/// Outcome of handling one event.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Handled {
+    Ok,
+    /// The VMM's address space is gone (ESRCH): treat the VMM as exited.
+    VmmGone,
+}
+
+impl Registry {
+    /// Handle one uffd event of `vm`.
+    pub fn handle_event(&mut self, vm: VmId, event: Event) -> Handled {
+        match event {
+            Event::Pagefault { kind, addr, .. } => self.handle_fault(vm, kind, addr as u64),
+            Event::Remove { start, end } => self.handle_remove(vm, start as u64, end as u64),
+            other => {
+                debug!("{vm}: ignoring uffd event {other:?}");
+                Handled::Ok
+            }
+        }
+    }
+
+    fn handle_fault(&mut self, vm: VmId, kind: FaultKind, addr: u64) -> Handled {
+        let Some(v) = self.vms.get(&vm) else { return Handled::Ok };
+        let Some(page) = v.page_of(addr) else {
+            warn!("{vm}: fault at {addr:#x} outside guest RAM; ignoring");
+            return Handled::Ok;
+        };
+        match kind {
+            FaultKind::Missing => self.resolve_missing(vm, page),
+            FaultKind::WriteProtected => self.resolve_write_protect(vm, page),
+            // Minor faults are never registered; wake so nothing hangs.
+            FaultKind::Minor => {
+                let Some(v) = self.vms.get(&vm) else { return Handled::Ok };
+                wake(v, page, 1)
+            }
+        }
+    }
+
+    /// Make `page` present in `vm`'s memfd from its source, then wake.
+    fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
+        let (first, count) = match self.materialize(vm, page) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("{vm}: cannot resolve fault on page {page}: {e}");
+                // Waking lets the vCPU retry the access; it faults again and
+                // the error is logged again rather than hanging the guest.
+                (page, 1)
+            }
+        };
+        let Some(v) = self.vms.get_mut(&vm) else { return Handled::Ok };
+        v.stats.missing += 1;
+        wake(v, first, count)
+    }
+
+    /// Copy-on-write step for a WP fault: give the pre-write page to every
+    /// VM that still reads it from `vm`, then lift the protection.
+    fn resolve_write_protect(&mut self, vm: VmId, page: u64) -> Handled {
+        self.preserve_for_dependents(vm, page);
+        let Some(v) = self.vms.get_mut(&vm) else { return Handled::Ok };
+        v.stats.write_protect += 1;
+        let Some(uffd) = v.uffd.clone() else { return Handled::Ok };
+        match uffd.get_ref().remove_write_protection(v.addr_of(page), PAGE_SIZE as usize, true) {
+            Ok(()) => Handled::Ok,
+            Err(e) => errno_outcome(vm, "remove write protection", &e),
+        }
+    }
+
+    /// Install `page` (and, for image sources, the surrounding fault-around
+    /// block) into `vm`'s memfd. Returns the page range installed.
+    pub fn materialize(&mut self, vm: VmId, page: u64) -> Result<(u64, u64), String> {
+        let v = self.vms.get(&vm).ok_or("no such vm")?;
+        let src_id = v.table.get(page);
+        if src_id == v.self_src {
+            return Ok((page, 1)); // Already present: a concurrent fault.
+        }
+        let source = self.arena.get(src_id).cloned().ok_or_else(|| format!("unknown source id {src_id}"))?;
+        match &*source {
+            PageSource::Uninitialized => {
+                v.memory.zero_page(page).map_err(|e| e.to_string())?;
+                self.mark_present(vm, page, 1);
+                Ok((page, 1))
+            }
+            PageSource::File(f) => {
+                let block = v.fault_around_pages.max(1);
+                let start = page - page % block;
+                let end = (start + block).min(v.memory.pages());
+                // Install the run of pages around `page` that still read
+                // from the same file.
+                let mut lo = page;
+                while lo > start && v.table.get(lo - 1) == src_id {
+                    lo -= 1;
+                }
+                let mut hi = page + 1;
+                while hi < end && v.table.get(hi) == src_id {
+                    hi += 1;
+                }
+                let path = f.path.display().to_string();
+                v.memory
+                    .fill_from_file(lo, hi - lo, &f.file, &path, lo * PAGE_SIZE)
+                    .map_err(|e| super::chain(&e))?;
+                self.mark_present(vm, lo, hi - lo);
+                Ok((lo, hi - lo))
+            }
+            PageSource::Vm(owner) => {
+                let owner_mem = self
+                    .vms
+                    .get(owner)
+                    .map(|o| Rc::clone(&o.memory))
+                    .ok_or_else(|| format!("source {owner} of page {page} is gone"))?;
+                v.memory.copy_page_from(&owner_mem, page).map_err(|e| e.to_string())?;
+                self.mark_present(vm, page, 1);
+                Ok((page, 1))
+            }
+        }
+    }
+
+    fn mark_present(&mut self, vm: VmId, page: u64, pages: u64) {
+        if let Some(v) = self.vms.get_mut(&vm) {
+            let me = v.self_src;
+            v.table.set_range(page, pages, me);
+            v.stats.pages_installed += pages;
+        }
+    }
+
+    /// Before `vm` overwrites `page`, copy its current bytes to every VM
+    /// whose table still reads that page from `vm`.
+    fn preserve_for_dependents(&mut self, vm: VmId, page: u64) {
+        let Some(src) = self.arena.vm_id(vm) else { return };
+        let Some(mem) = self.vms.get(&vm).map(|v| Rc::clone(&v.memory)) else { return };
+        for (id, dep) in self.vms.iter_mut() {
+            if *id == vm || dep.table.get(page) != src {
+                continue;
+            }
+            if let Err(e) = dep.memory.copy_page_from(&mem, page) {
+                warn!("{id}: cannot preserve page {page} from {vm}: {e}");
+                continue;
+            }
+            let me = dep.self_src;
+            dep.table.set(page, me);
+            dep.stats.pages_installed += 1;
+        }
+    }
+
+    fn handle_remove(&mut self, vm: VmId, start: u64, end: u64) -> Handled {
+        let Some(v) = self.vms.get_mut(&vm) else { return Handled::Ok };
+        let (Some(first), Some(last)) = (v.page_of(start), v.page_of(end.saturating_sub(1))) else {
+            return Handled::Ok;
+        };
+        let pages = last - first + 1;
+        v.stats.removes += 1;
+        // The discarded pages read as zero from now on.
+        v.table.set_range(first, pages, UNINITIALIZED);
+        if let Err(e) = v.memory.punch_hole(first, pages) {
+            warn!("{vm}: cannot drop removed pages {first}..{}: {e}", first + pages);
+        }
+        Handled::Ok
+    }
+}
+
+fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {
+    let Some(uffd) = v.uffd.clone() else { return Handled::Ok };
+    match uffd.get_ref().wake(v.addr_of(first), (count * PAGE_SIZE) as usize) {
+        Ok(()) => Handled::Ok,
+        Err(e) => errno_outcome(v.id, "wake", &e),
+    }
+}
+
+fn errno_outcome(vm: VmId, what: &str, e: &userfaultfd::Error) -> Handled {
+    if let userfaultfd::Error::SystemError(errno) = e {
+        if *errno as i32 == libc::ESRCH {
+            return Handled::VmmGone;
+        }
+    }
+    warn!("{vm}: uffd {what} failed: {e}");
+    Handled::Ok
+}

@@ -1,0 +1,296 @@
+//! Creating a VM: validate the request, create its memory and table, spawn
+//! its `vmm` process with a launch token, and wait until the guest agent
+//! runs. Stopping a VMM.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Read;
+use std::process::Stdio;
+use std::rc::Rc;
+use std::time::Duration;
+
+use proto::api::{CreateVm, MemorySource};
+use proto::vmm::{LaunchConfig, Request};
+use serde_json::Value;
+use shared::{GuestRegion, VmId, PAGE_SIZE};
+use tokio::sync::oneshot;
+use tracing::{info, warn};
+
+use super::vm::{FaultStats, RunState, Vm};
+use super::{not_found, ApiError, ApiResult, Core};
+use crate::memory::GuestMemory;
+use crate::pages::{FileSource, PageSource, PageTable, UNINITIALIZED};
+use crate::vmm_conn::PendingLaunch;
+
+/// Largest guest the host can hold, from /proc/meminfo.
+fn host_memory_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map(|kb| kb / 1024)
+        .unwrap_or(u64::MAX)
+}
+
+fn new_token() -> String {
+    let mut b = [0u8; 16];
+    if File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_err() {
+        // Fall back to time and pid; tokens are also bound to the pid.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        b = (t ^ u128::from(std::process::id())).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The launch config for `v` and its disk file, if any.
+pub(super) fn launch_config(
+    v: &Vm,
+    volumes: Option<&crate::volume::VolumeEngine>,
+) -> Result<(LaunchConfig, Option<File>), String> {
+    let (disk_bytes, disk) = match (&v.volume, volumes) {
+        (Some(name), Some(engine)) => {
+            let (f, size) = engine.open_for_vm(name).map_err(|e| super::chain(&e))?;
+            (Some(size), Some(f))
+        }
+        (Some(name), None) => return Err(format!("volume {name} requested but volumes are unavailable")),
+        (None, _) => (None, None),
+    };
+    let config = LaunchConfig {
+        regions: vec![GuestRegion { guest_phys: 0, size: v.memory.size() }],
+        vcpus: v.vcpus,
+        disk_bytes,
+        start_state: None,
+    };
+    Ok((config, disk))
+}
+
+impl Core {
+    /// `POST /v1/vms`.
+    pub(super) async fn create_vm(self: Rc<Self>, req: CreateVm) -> ApiResult<Value> {
+        let (id, ready_rx) = self.prepare_vm(&req)?;
+        if let Err(e) = self.spawn_vmm(id).await {
+            self.reg.borrow_mut().vms.remove(&id);
+            return Err(e);
+        }
+        let timeout = self.settings.start_timeout;
+        let outcome = tokio::time::timeout(timeout, ready_rx).await;
+        let failure = match outcome {
+            Ok(Ok(Ok(()))) => None,
+            Ok(Ok(Err(e))) => Some(ApiError::vmm(format!("{id} failed to start: {e}"))),
+            Ok(Err(_)) => Some(ApiError::vmm(format!("{id} failed to start"))),
+            Err(_) => Some(ApiError::timeout(format!("{id}'s vmm did not start within {timeout:?}"))),
+        };
+        if let Some(err) = failure {
+            let log = self.settings.state_dir.join("logs").join(format!("{id}.log"));
+            let tail = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(5).collect();
+            self.stop_vmm(id).await;
+            self.reg.borrow_mut().vms.remove(&id);
+            let detail = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
+            return Err(ApiError {
+                status: err.status,
+                message: format!("{}; vmm log {}: {detail}", err.message, log.display()),
+            });
+        }
+        info!("{id}: running");
+        self.vm_info(id)
+    }
+
+    /// Validate `req` and register the VM with its memory and table.
+    fn prepare_vm(&self, req: &CreateVm) -> ApiResult<(VmId, oneshot::Receiver<Result<(), String>>)> {
+        if req.memory_mib == 0 {
+            return Err(ApiError::bad_request("memory_mib must be at least 1"));
+        }
+        let host = host_memory_mib();
+        if req.memory_mib > host {
+            return Err(ApiError::bad_request(format!(
+                "memory_mib {} is more than this host's {host} MiB of RAM; ask for less",
+                req.memory_mib
+            )));
+        }
+        if req.vcpus == 0 || req.vcpus > 32 {
+            return Err(ApiError::bad_request("vcpus must be between 1 and 32"));
+        }
+        if let Some(k) = req.fault_around_kib {
+            if k != 0 && (k % 4 != 0 || !(k / 4).is_power_of_two() || k > 4096) {
+                return Err(ApiError::bad_request(
+                    "fault_around_kib must be 0 (off) or a power-of-two multiple of 4 up to 4096",
+                ));
+            }
+        }
+        if let Some(name) = &req.volume {
+            match &self.volumes {
+                None => {
+                    return Err(ApiError::bad_request(
+                        "this server has no volume engine (its state directory cannot reflink); create the VM without a volume",
+                    ))
+                }
+                Some(engine) => {
+                    engine.open_for_vm(name).map_err(|e| ApiError::bad_request(super::chain(&e)))?;
+                }
+            }
+        }
+        let size = req.memory_mib << 20;
+        let file = match &req.memory_source {
+            None => None,
+            Some(MemorySource::File { path }) => Some(open_image(path, size)?),
+        };
+        let mut reg = self.reg.borrow_mut();
+        reg.next_id += 1;
+        let id = VmId(reg.next_id);
+        let memory = GuestMemory::create(&format!("pagefork-{id}"), size)
+            .map_err(|e| ApiError::internal(format!("cannot create guest memory: {}", super::chain(&e))))?;
+        let self_src = reg.arena.vm(id);
+        let initial = match file {
+            None => UNINITIALIZED,
+            Some(f) => reg.arena.insert(PageSource::File(f)),
+        };
+        let pages = size / PAGE_SIZE;
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let fault_around_pages = match req.fault_around_kib {
+            Some(0) => 1,
+            Some(k) => k / 4,
+            None => self.settings.fault_around_pages,
+        };
+        let vm = Vm {
+            id,
+            state: RunState::Starting,
+            memory: Rc::new(memory),
+            table: PageTable::new(pages, initial),
+            self_src,
+            vcpus: req.vcpus,
+            pid: None,
+            writer: None,
+            uffd: None,
+            vmm_base: 0,
+            pending: HashMap::new(),
+            next_seq: 0,
+            ready: Some(ready_tx),
+            exit_reason: None,
+            fault_around_pages,
+            stats: FaultStats::default(),
+            parent: None,
+            volume: req.volume.clone(),
+        };
+        reg.vms.insert(id, vm);
+        if req.prefetch {
+            for p in 0..pages {
+                if let Err(e) = reg.materialize(id, p) {
+                    reg.vms.remove(&id);
+                    return Err(ApiError::internal(format!("prefetch failed at page {p}: {e}")));
+                }
+            }
+        }
+        Ok((id, ready_rx))
+    }
+
+    /// Start `id`'s vmm process and register its launch token.
+    async fn spawn_vmm(self: &Rc<Self>, id: VmId) -> ApiResult<()> {
+        let token = new_token();
+        let logs = self.settings.state_dir.join("logs");
+        let _ = std::fs::create_dir_all(&logs);
+        let log = File::create(logs.join(format!("{id}.log")))
+            .map_err(|e| ApiError::internal(format!("cannot create vmm log in {}: {e}", logs.display())))?;
+        let log2 = log.try_clone().map_err(|e| ApiError::internal(e.to_string()))?;
+        // Hold the pending-launch lock across the spawn so the token is
+        // registered with the child's pid before the child can connect.
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let child = tokio::process::Command::new(&self.settings.vmm_bin)
+            .arg("--socket")
+            .arg(self.settings.state_dir.join("vmm.sock"))
+            .arg("--token")
+            .arg(&token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log2))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                ApiError::internal(format!(
+                    "cannot start the vmm binary {}: {e}; pass --vmm-bin",
+                    self.settings.vmm_bin.display()
+                ))
+            })?;
+        let pid = child.id().unwrap_or(0);
+        pending.insert(token.clone(), PendingLaunch { vm: id, pid });
+        drop(pending);
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+            v.pid = Some(pid);
+        }
+        let core = self.clone();
+        tokio::task::spawn_local(async move {
+            let mut child = child;
+            let status = child.wait().await;
+            core.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&token);
+            let reason = match status {
+                Ok(s) => format!("vmm process exited: {s}"),
+                Err(e) => format!("vmm process lost: {e}"),
+            };
+            core.mark_exited(id, &reason);
+        });
+        Ok(())
+    }
+
+    /// Ask `id`'s VMM to stop; kill it if it does not within a few seconds.
+    pub(super) async fn stop_vmm(self: &Rc<Self>, id: VmId) {
+        let (state, pid) = match self.reg.borrow().vms.get(&id) {
+            Some(v) => (v.state, v.pid),
+            None => return,
+        };
+        if matches!(state, RunState::Running | RunState::Paused) {
+            let _ = self.request(id, Request::Stop, Duration::from_secs(3)).await;
+        }
+        // Wait for the process to go, then make sure.
+        for _ in 0..30 {
+            if self.reg.borrow().vms.get(&id).is_none_or(|v| v.state == RunState::Exited) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+            warn!("{id}: vmm pid {pid} did not stop; killing it");
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+        }
+        self.mark_exited(id, "stopped");
+    }
+
+    /// `DELETE /v1/vms/{id}`.
+    pub(super) async fn delete_vm(self: Rc<Self>, id: VmId) -> ApiResult<Value> {
+        if !self.reg.borrow().vms.contains_key(&id) {
+            return Err(not_found(id));
+        }
+        self.stop_vmm(id).await;
+        let mut reg = self.reg.borrow_mut();
+        if let Some(v) = reg.vms.remove(&id) {
+            reg.arena.release(v.self_src);
+        }
+        info!("{id}: deleted");
+        Ok(serde_json::json!({ "id": id.to_string(), "deleted": true }))
+    }
+}
+
+/// Open an image file and check it covers `size` bytes of guest RAM.
+fn open_image(path: &str, size: u64) -> ApiResult<FileSource> {
+    let file = File::open(path).map_err(|e| {
+        ApiError::bad_request(format!("cannot open memory image {path}: {e}; give the path of a readable raw image"))
+    })?;
+    let meta = file.metadata().map_err(|e| ApiError::bad_request(format!("cannot stat {path}: {e}")))?;
+    if !meta.is_file() {
+        return Err(ApiError::bad_request(format!("memory image {path} is not a regular file")));
+    }
+    if meta.len() < size {
+        return Err(ApiError::bad_request(format!(
+            "memory image {path} is {} bytes, smaller than the {size} bytes of guest memory asked for; \
+             use a smaller memory_mib or a larger image",
+            meta.len()
+        )));
+    }
+    Ok(FileSource { path: path.into(), file, len: meta.len() })
+}

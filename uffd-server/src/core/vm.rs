@@ -1,0 +1,109 @@
+//! One VM as the core sees it.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use proto::vmm::Reply;
+use shared::{VmId, PAGE_SIZE};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::oneshot;
+use userfaultfd::Uffd;
+
+use crate::memory::GuestMemory;
+use crate::pages::{PageTable, SourceId};
+use crate::vmm_conn::VmmWriter;
+
+/// Life-cycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    /// Launched; waiting for the VMM to connect and start its guest.
+    Starting,
+    Running,
+    Paused,
+    /// The VMM is gone; memory may still serve dependents.
+    Exited,
+}
+
+impl RunState {
+    /// Name as the API shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RunState::Starting => "starting",
+            RunState::Running => "running",
+            RunState::Paused => "paused",
+            RunState::Exited => "exited",
+        }
+    }
+}
+
+/// Counters of the fault engine for one VM.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FaultStats {
+    /// MISSING faults resolved.
+    pub missing: u64,
+    /// WP faults resolved.
+    pub write_protect: u64,
+    /// Pages installed into the memfd by the server.
+    pub pages_installed: u64,
+    /// REMOVE events handled.
+    pub removes: u64,
+}
+
+/// A pending answer from the VMM.
+pub type ReplySender = oneshot::Sender<Result<Reply, String>>;
+
+/// One VM.
+#[derive(Debug)]
+pub struct Vm {
+    pub id: VmId,
+    pub state: RunState,
+    pub memory: Rc<GuestMemory>,
+    pub table: PageTable,
+    /// Arena id of `Vm(self)`.
+    pub self_src: SourceId,
+    pub vcpus: u8,
+    pub pid: Option<u32>,
+    pub writer: Option<Arc<VmmWriter>>,
+    pub uffd: Option<Rc<AsyncFd<Uffd>>>,
+    /// VMM's host virtual address of guest RAM.
+    pub vmm_base: u64,
+    pub pending: HashMap<u64, ReplySender>,
+    pub next_seq: u64,
+    /// Fulfilled when the VMM reports `Running` (or fails first).
+    pub ready: Option<oneshot::Sender<Result<(), String>>>,
+    pub exit_reason: Option<String>,
+    /// Pages installed around a file-backed fault, at most.
+    pub fault_around_pages: u64,
+    pub stats: FaultStats,
+    pub parent: Option<VmId>,
+    pub volume: Option<String>,
+}
+
+impl Vm {
+    /// Guest RAM size in MiB.
+    pub fn memory_mib(&self) -> u64 {
+        self.memory.size() >> 20
+    }
+
+    /// Guest page that VMM address `addr` falls in, if inside guest RAM.
+    pub fn page_of(&self, addr: u64) -> Option<u64> {
+        let off = addr.checked_sub(self.vmm_base)?;
+        (off < self.memory.size()).then_some(off / PAGE_SIZE)
+    }
+
+    /// VMM address of `page`.
+    pub fn addr_of(&self, page: u64) -> *mut libc::c_void {
+        (self.vmm_base + page * PAGE_SIZE) as *mut libc::c_void
+    }
+
+    /// Fail every request still waiting for the VMM.
+    pub fn fail_pending(&mut self, why: &str) {
+        for (_, tx) in self.pending.drain() {
+            let _ = tx.send(Err(why.to_owned()));
+        }
+        if let Some(tx) = self.ready.take() {
+            let _ = tx.send(Err(why.to_owned()));
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! The per-server arena of page sources.
+//!
+//! A table entry is a [`SourceId`] (4 bytes) naming an `Rc<PageSource>` in
+//! the arena. Id 0 is always [`PageSource::Uninitialized`]. A VM gets one id
+//! for `Vm(its id)` when it is created; each image file opened gets one id.
+//! Ids are never reused while the server runs, so a stale id in a table can
+//! never be mistaken for another source.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::PathBuf;
+use std::rc::Rc;
+
+use shared::VmId;
+
+/// Index of a source in the arena; what a table entry stores.
+pub type SourceId = u32;
+
+/// The id of [`PageSource::Uninitialized`].
+pub const UNINITIALIZED: SourceId = 0;
+
+/// A plain image file: guest page p is at byte `p * PAGE_SIZE`.
+#[derive(Debug)]
+pub struct FileSource {
+    /// Path as given by the client (for debugging output).
+    pub path: PathBuf,
+    /// The open file.
+    pub file: File,
+    /// Size of the file in bytes when opened.
+    pub len: u64,
+}
+
+/// Where a page's bytes come from.
+#[derive(Debug)]
+pub enum PageSource {
+    /// Never written: all zeroes.
+    Uninitialized,
+    /// Materialized in this VM's memfd.
+    Vm(VmId),
+    /// A raw image file.
+    File(FileSource),
+}
+
+impl PageSource {
+    /// The kind's name as the API reports it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PageSource::Uninitialized => "uninitialized",
+            PageSource::Vm(_) => "vm",
+            PageSource::File(_) => "file",
+        }
+    }
+
+    /// A short human description: `uninitialized`, `vm-3`, `file:/path`.
+    pub fn describe(&self) -> String {
+        match self {
+            PageSource::Uninitialized => "uninitialized".into(),
+            PageSource::Vm(id) => id.to_string(),
+            PageSource::File(f) => format!("file:{}", f.path.display()),
+        }
+    }
+}
+
+/// All sources the server knows, by id.
+#[derive(Debug)]
+pub struct SourceArena {
+    slots: Vec<Option<Rc<PageSource>>>,
+    vm_ids: HashMap<VmId, SourceId>,
+}
+
+impl Default for SourceArena {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SourceArena {
+    /// An arena holding only `Uninitialized`.
+    pub fn new() -> Self {
+        SourceArena { slots: vec![Some(Rc::new(PageSource::Uninitialized))], vm_ids: HashMap::new() }
+    }
+
+    /// Add a source and return its id.
+    pub fn insert(&mut self, source: PageSource) -> SourceId {
+        let id = SourceId::try_from(self.slots.len()).unwrap_or(SourceId::MAX);
+        if let PageSource::Vm(vm) = source {
+            self.vm_ids.insert(vm, id);
+        }
+        self.slots.push(Some(Rc::new(source)));
+        id
+    }
+
+    /// The id of `Vm(vm)`, registering it on first use.
+    pub fn vm(&mut self, vm: VmId) -> SourceId {
+        match self.vm_ids.get(&vm) {
+            Some(id) => *id,
+            None => self.insert(PageSource::Vm(vm)),
+        }
+    }
+
+    /// The id of `Vm(vm)` if registered.
+    pub fn vm_id(&self, vm: VmId) -> Option<SourceId> {
+        self.vm_ids.get(&vm).copied()
+    }
+
+    /// The source behind `id`.
+    pub fn get(&self, id: SourceId) -> Option<&Rc<PageSource>> {
+        self.slots.get(id as usize).and_then(Option::as_ref)
+    }
+
+    /// Forget a source no table refers to any more (its id stays retired).
+    pub fn release(&mut self, id: SourceId) {
+        if id == UNINITIALIZED {
+            return;
+        }
+        if let Some(slot) = self.slots.get_mut(id as usize) {
+            if let Some(src) = slot.take() {
+                if let PageSource::Vm(vm) = *src {
+                    self.vm_ids.remove(&vm);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_ids_are_stable_and_not_reused() {
+        let mut a = SourceArena::new();
+        let v1 = a.vm(VmId(1));
+        assert_eq!(a.vm(VmId(1)), v1);
+        a.release(v1);
+        assert!(a.get(v1).is_none());
+        let v2 = a.vm(VmId(2));
+        assert_ne!(v1, v2);
+        assert_eq!(a.get(UNINITIALIZED).map(|s| s.kind()), Some("uninitialized"));
+    }
+}

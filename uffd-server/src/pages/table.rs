@@ -1,0 +1,235 @@
+//! The page-source table: one [`SourceId`] per guest page, in fixed chunks
+//! held by `Rc`.
+//!
+//! A fork clones the chunk pointers (O(pages / CHUNK_PAGES)) and shares
+//! every chunk; whichever side changes an entry first copies that chunk
+//! (`Rc::make_mut`). Each table also keeps its own count of pages per
+//! source, so "pages by source" and "does anyone still read from VM X" are
+//! answered without a scan.
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use super::source::{SourceId, UNINITIALIZED};
+
+/// Pages per chunk: 4096 entries, 16 KiB, covering 16 MiB of guest RAM.
+pub const CHUNK_PAGES: usize = 4096;
+
+/// A run of pages with the same source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub start: u64,
+    pub pages: u64,
+    pub source: SourceId,
+}
+
+/// One VM's page-source table.
+#[derive(Debug, Clone)]
+pub struct PageTable {
+    chunks: Vec<Rc<[SourceId; CHUNK_PAGES]>>,
+    pages: u64,
+    counts: BTreeMap<SourceId, u64>,
+}
+
+impl PageTable {
+    /// A table of `pages` entries, all `source`.
+    pub fn new(pages: u64, source: SourceId) -> Self {
+        let nchunks = usize::try_from(pages.div_ceil(CHUNK_PAGES as u64)).unwrap_or(0);
+        let chunk = Rc::new([source; CHUNK_PAGES]);
+        let mut counts = BTreeMap::new();
+        if pages > 0 {
+            counts.insert(source, pages);
+        }
+        PageTable { chunks: vec![chunk; nchunks], pages, counts }
+    }
+
+    /// Number of pages.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Share every chunk with a new table (the fork of this one).
+    pub fn fork(&self) -> Self {
+        self.clone()
+    }
+
+    fn split(page: u64) -> (usize, usize) {
+        let p = usize::try_from(page).unwrap_or(usize::MAX);
+        (p / CHUNK_PAGES, p % CHUNK_PAGES)
+    }
+
+    /// The source of `page`; pages past the end read as `Uninitialized`.
+    pub fn get(&self, page: u64) -> SourceId {
+        if page >= self.pages {
+            return UNINITIALIZED;
+        }
+        let (c, i) = Self::split(page);
+        self.chunks[c][i]
+    }
+
+    /// Set the source of `page`. Returns the previous source.
+    pub fn set(&mut self, page: u64, source: SourceId) -> SourceId {
+        assert!(page < self.pages, "page {page} outside table of {}", self.pages);
+        let (c, i) = Self::split(page);
+        let old = self.chunks[c][i];
+        if old != source {
+            Rc::make_mut(&mut self.chunks[c])[i] = source;
+            self.count(old, -1);
+            self.count(source, 1);
+        }
+        old
+    }
+
+    /// Set `[start, start + pages)` to `source`.
+    pub fn set_range(&mut self, start: u64, pages: u64, source: SourceId) {
+        for p in start..start.saturating_add(pages).min(self.pages) {
+            self.set(p, source);
+        }
+    }
+
+    fn count(&mut self, source: SourceId, delta: i64) {
+        let e = self.counts.entry(source).or_insert(0);
+        *e = e.saturating_add_signed(delta);
+        if *e == 0 {
+            self.counts.remove(&source);
+        }
+    }
+
+    /// Pages per source.
+    pub fn counts(&self) -> &BTreeMap<SourceId, u64> {
+        &self.counts
+    }
+
+    /// Pages whose source is `source`.
+    pub fn count_of(&self, source: SourceId) -> u64 {
+        self.counts.get(&source).copied().unwrap_or(0)
+    }
+
+    /// The table as coalesced runs, in page order.
+    pub fn extents(&self) -> Vec<Extent> {
+        let mut out: Vec<Extent> = Vec::new();
+        for (c, chunk) in self.chunks.iter().enumerate() {
+            let base = (c * CHUNK_PAGES) as u64;
+            let n = (self.pages - base).min(CHUNK_PAGES as u64) as usize;
+            for (i, &s) in chunk[..n].iter().enumerate() {
+                let p = base + i as u64;
+                match out.last_mut() {
+                    Some(e) if e.source == s && e.start + e.pages == p => e.pages += 1,
+                    _ => out.push(Extent { start: p, pages: 1, source: s }),
+                }
+            }
+        }
+        out
+    }
+
+    /// Runs of pages with source `source` (e.g. the pages to write-protect).
+    pub fn ranges_of(&self, source: SourceId) -> Vec<(u64, u64)> {
+        self.extents()
+            .into_iter()
+            .filter(|e| e.source == source)
+            .map(|e| (e.start, e.pages))
+            .collect()
+    }
+
+    /// How many chunks this table shares with `other` (same allocation).
+    pub fn shared_chunks(&self, other: &PageTable) -> usize {
+        self.chunks
+            .iter()
+            .zip(&other.chunks)
+            .filter(|(a, b)| Rc::ptr_eq(a, b))
+            .count()
+    }
+
+    /// Number of chunks.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn entries_are_four_bytes() {
+        assert_eq!(std::mem::size_of::<SourceId>(), 4);
+        assert_eq!(std::mem::size_of::<[SourceId; CHUNK_PAGES]>(), 4 * CHUNK_PAGES);
+    }
+
+    #[test]
+    fn fork_shares_chunks_until_a_write() {
+        let mut a = PageTable::new(3 * CHUNK_PAGES as u64 + 5, 0);
+        a.set(10, 1);
+        let mut b = a.fork();
+        assert_eq!(b.shared_chunks(&a), 4);
+        b.set(CHUNK_PAGES as u64 + 1, 2);
+        assert_eq!(b.shared_chunks(&a), 3);
+        assert_eq!(a.get(CHUNK_PAGES as u64 + 1), 0);
+        assert_eq!(b.get(CHUNK_PAGES as u64 + 1), 2);
+        assert_eq!(b.get(10), 1);
+        assert_eq!(a.count_of(2), 0);
+        assert_eq!(b.count_of(2), 1);
+    }
+
+    #[test]
+    fn extents_coalesce_across_chunks() {
+        let n = 2 * CHUNK_PAGES as u64;
+        let mut t = PageTable::new(n, 0);
+        t.set_range(CHUNK_PAGES as u64 - 2, 4, 7);
+        assert_eq!(
+            t.extents(),
+            vec![
+                Extent { start: 0, pages: CHUNK_PAGES as u64 - 2, source: 0 },
+                Extent { start: CHUNK_PAGES as u64 - 2, pages: 4, source: 7 },
+                Extent { start: CHUNK_PAGES as u64 + 2, pages: CHUNK_PAGES as u64 - 2, source: 0 },
+            ]
+        );
+        assert_eq!(t.ranges_of(7), vec![(CHUNK_PAGES as u64 - 2, 4)]);
+    }
+
+    proptest! {
+        #[test]
+        fn table_matches_a_plain_vector(
+            pages in 1u64..10_000,
+            writes in proptest::collection::vec((0u64..10_000, 0u32..4), 0..200),
+            fork_at in 0usize..200,
+        ) {
+            let mut t = PageTable::new(pages, 0);
+            let mut model = vec![0u32; pages as usize];
+            let mut forked: Option<(PageTable, Vec<u32>)> = None;
+            for (i, (p, s)) in writes.iter().enumerate() {
+                if i == fork_at {
+                    forked = Some((t.fork(), model.clone()));
+                }
+                let p = p % pages;
+                t.set(p, *s);
+                model[p as usize] = *s;
+            }
+            for p in 0..pages {
+                prop_assert_eq!(t.get(p), model[p as usize]);
+            }
+            // Counts agree with the model.
+            for s in 0..4u32 {
+                prop_assert_eq!(t.count_of(s), model.iter().filter(|x| **x == s).count() as u64);
+            }
+            // Extents cover every page exactly once, in order, coalesced.
+            let ex = t.extents();
+            let mut next = 0;
+            for w in ex.windows(2) {
+                prop_assert!(w[0].source != w[1].source);
+            }
+            for e in &ex {
+                prop_assert_eq!(e.start, next);
+                next += e.pages;
+            }
+            prop_assert_eq!(next, pages);
+            // A fork taken earlier is unaffected by later writes.
+            if let Some((f, m)) = forked {
+                for p in 0..pages {
+                    prop_assert_eq!(f.get(p), m[p as usize]);
+                }
+            }
+        }
+    }
+}
