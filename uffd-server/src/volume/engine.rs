@@ -1,0 +1,729 @@
+//! The volume engine: operations on volumes and snapshots.
+//!
+//! Every mutation runs under the index's write lock: checking and
+//! reserving the name, the filesystem change (mkdir, FICLONE, rename,
+//! unlink) and the index update form one critical section. By design (§8)
+//! they are constant-time metadata operations, so serializing them costs
+//! little and rules out every interleaving (a snapshot racing the deletion
+//! of its volume, two creators of one name). Reads take the read lock only
+//! to copy names, then stat and FIEMAP outside it.
+//!
+//! Each mutation is crash-safe with the rules of [`super::index`]: new
+//! volumes and rollbacks are written to a hidden temporary file and renamed
+//! into place; a snapshot is created empty, tagged with its sequence number
+//! and filled by one FICLONE, so a crash leaves at most a zero-byte file.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use serde::Serialize;
+
+use super::error::{Result, VolumeError};
+use super::extents::{self, Usage};
+use super::index::{self, Index, Order, Repair, Snap, SEQ_XATTR};
+use super::probe::{self, Reflink};
+use super::{ffi, name};
+
+/// Sizes are multiples of this (one sector of the guest block device).
+pub const SECTOR: u64 = 512;
+
+/// A volume as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VolumeInfo {
+    pub name: String,
+    /// Logical size.
+    pub size_bytes: u64,
+    #[serde(flatten)]
+    pub usage: Usage,
+    /// How many snapshots the volume has.
+    pub snapshots: usize,
+}
+
+/// A snapshot as listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SnapshotInfo {
+    pub name: String,
+    /// The volume it was taken of (the ultimate ancestor, for a snapshot of
+    /// a snapshot).
+    pub volume: String,
+    /// Whether that volume still exists.
+    pub volume_exists: bool,
+    /// Creation sequence number (0 for snapshots not made by the engine).
+    pub seq: u64,
+    /// Creation time, milliseconds since the Unix epoch.
+    pub created_unix_ms: i64,
+    pub size_bytes: u64,
+    #[serde(flatten)]
+    pub usage: Usage,
+}
+
+/// The result of a rollback.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Rollback {
+    pub volume: String,
+    pub snapshot: String,
+    /// Snapshots newer than the target that were deleted (empty unless
+    /// asked for).
+    pub deleted_snapshots: Vec<String>,
+}
+
+/// The reflink volume engine over `ROOT/volumes/`. `Send + Sync`; share it
+/// with an `Arc`.
+#[derive(Debug)]
+pub struct VolumeEngine {
+    root: PathBuf,
+    volumes_dir: PathBuf,
+    reflink: Reflink,
+    repairs: Vec<Repair>,
+    index: RwLock<Index>,
+}
+
+impl VolumeEngine {
+    /// Open the engine on `root`: create `root/volumes/` if needed, probe
+    /// reflink support, and rebuild the index from the filesystem with the
+    /// crash rules. Opening succeeds on a filesystem that cannot reflink;
+    /// every operation then fails with [`VolumeError::ReflinkUnsupported`].
+    pub fn open(root: &Path) -> Result<Self> {
+        let volumes_dir = root.join("volumes");
+        fs::create_dir_all(&volumes_dir).map_err(|source| VolumeError::OpenRoot {
+            path: volumes_dir.clone(),
+            source,
+        })?;
+        let reflink = probe::probe(root).map_err(|source| VolumeError::Probe {
+            path: root.to_owned(),
+            source,
+        })?;
+        if let Reflink::Unsupported { fs, errno } = &reflink {
+            tracing::warn!(
+                root = %root.display(), fs, errno,
+                "volumes disabled: the state directory cannot reflink; use XFS with reflink=1 or btrfs"
+            );
+        }
+        let (index, repairs) = index::scan(&volumes_dir).map_err(|source| VolumeError::Scan {
+            path: volumes_dir.clone(),
+            source,
+        })?;
+        for r in &repairs {
+            tracing::warn!("volume index: {r}");
+        }
+        Ok(VolumeEngine {
+            root: root.to_owned(),
+            volumes_dir,
+            reflink,
+            repairs,
+            index: RwLock::new(index),
+        })
+    }
+
+    /// The state directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether the filesystem can reflink (volumes are available).
+    pub fn reflink(&self) -> &Reflink {
+        &self.reflink
+    }
+
+    /// What the start-up scan repaired or skipped.
+    pub fn repairs(&self) -> &[Repair] {
+        &self.repairs
+    }
+
+    /// Create an empty sparse volume of `size` bytes.
+    pub fn create(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        self.available()?;
+        validate(name)?;
+        validate_size(size)?;
+        let mut index = self.write();
+        reserve(&index, name)?;
+        let err = |source| VolumeError::Create {
+            name: name.to_owned(),
+            source,
+        };
+        self.materialize(name, |file| file.set_len(size))
+            .map_err(err)?;
+        index.volumes.insert(name.to_owned());
+        drop(index);
+        self.show(name)
+    }
+
+    /// Create volume `name` from snapshot `snapshot` (one FICLONE).
+    pub fn clone_snapshot(&self, snapshot: &str, name: &str) -> Result<VolumeInfo> {
+        self.available()?;
+        validate(name)?;
+        let mut index = self.write();
+        reserve(&index, name)?;
+        let snap = index
+            .snapshots
+            .get(snapshot)
+            .ok_or_else(|| VolumeError::SnapshotNotFound(snapshot.into()))?;
+        let src_path = self.file_path(&snap.volume, snapshot);
+        self.clone_into_new(&mut index, &src_path, snapshot, name)?;
+        drop(index);
+        self.show(name)
+    }
+
+    /// Create volume `name` as a reflink of the live volume `src`, without
+    /// a snapshot (for forks: pause the writer first so the copy is
+    /// consistent).
+    pub fn reflink_volume(&self, src: &str, name: &str) -> Result<VolumeInfo> {
+        self.available()?;
+        validate(name)?;
+        let mut index = self.write();
+        reserve(&index, name)?;
+        if !index.volumes.contains(src) {
+            return Err(VolumeError::VolumeNotFound(src.into()));
+        }
+        let src_path = self.volume_path(src);
+        self.clone_into_new(&mut index, &src_path, src, name)?;
+        drop(index);
+        self.show(name)
+    }
+
+    /// Grow volume `name` to `size` bytes (equal size is a no-op).
+    pub fn grow(&self, name: &str, size: u64) -> Result<VolumeInfo> {
+        self.available()?;
+        validate_size(size)?;
+        let index = self.write();
+        if !index.volumes.contains(name) {
+            return Err(VolumeError::VolumeNotFound(name.into()));
+        }
+        let err = |source| VolumeError::Grow {
+            name: name.to_owned(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .write(true)
+            .open(self.volume_path(name))
+            .map_err(err)?;
+        let current = file.metadata().map_err(err)?.len();
+        if size < current {
+            return Err(VolumeError::Shrink {
+                name: name.into(),
+                current,
+                requested: size,
+            });
+        }
+        file.set_len(size).map_err(err)?;
+        file.sync_all().map_err(err)?;
+        drop(index);
+        self.show(name)
+    }
+
+    /// Delete volume `name`. Its snapshots stay (and keep the name reserved
+    /// until the last one is deleted).
+    pub fn delete(&self, name: &str) -> Result<()> {
+        self.available()?;
+        let mut index = self.write();
+        if !index.volumes.contains(name) {
+            return Err(VolumeError::VolumeNotFound(name.into()));
+        }
+        let err = |source| VolumeError::Delete {
+            name: name.to_owned(),
+            source,
+        };
+        fs::remove_file(self.volume_path(name)).map_err(err)?;
+        index.volumes.remove(name);
+        if !index.has_snapshots(name) {
+            self.remove_dir(name);
+        }
+        sync_dir(&self.volumes_dir).map_err(err)
+    }
+
+    /// Snapshot `from` (a volume, or a snapshot: then the new one is
+    /// recorded against the same volume) as `name`, with one FICLONE.
+    pub fn snapshot(&self, from: &str, name: &str) -> Result<SnapshotInfo> {
+        self.available()?;
+        validate(name)?;
+        let mut index = self.write();
+        reserve(&index, name)?;
+        let volume = if index.volumes.contains(from) {
+            from.to_owned()
+        } else if let Some(s) = index.snapshots.get(from) {
+            s.volume.clone()
+        } else {
+            return Err(VolumeError::SourceNotFound(from.into()));
+        };
+        let seq = index.next_seq.max(1);
+        let src_path = self.file_path(&volume, from);
+        let path = self.file_path(&volume, name);
+        let err = |source| VolumeError::Snapshot {
+            from: from.to_owned(),
+            name: name.to_owned(),
+            source,
+        };
+        let created = write_snapshot(&src_path, &path, seq);
+        if created.is_err() {
+            let _ = fs::remove_file(&path);
+        }
+        let mtime_ns = created.map_err(err)?;
+        index.snapshots.insert(
+            name.to_owned(),
+            Snap {
+                volume,
+                order: Order { seq, mtime_ns },
+            },
+        );
+        index.next_seq = seq + 1;
+        drop(index);
+        self.snapshot_info(name)
+    }
+
+    /// Delete snapshot `name`; the directory of a deleted volume goes with
+    /// its last snapshot.
+    pub fn delete_snapshot(&self, name: &str) -> Result<()> {
+        self.available()?;
+        let mut index = self.write();
+        let volume = match index.snapshots.get(name) {
+            Some(s) => s.volume.clone(),
+            None => return Err(VolumeError::SnapshotNotFound(name.into())),
+        };
+        let err = |source| VolumeError::DeleteSnapshot {
+            name: name.to_owned(),
+            source,
+        };
+        fs::remove_file(self.file_path(&volume, name)).map_err(err)?;
+        index.snapshots.remove(name);
+        if !index.volumes.contains(&volume) && !index.has_snapshots(&volume) {
+            self.remove_dir(&volume);
+        }
+        sync_dir(&self.volumes_dir.join(&volume))
+            .or_else(ignore_not_found)
+            .map_err(err)
+    }
+
+    /// Roll volume `name` back to its snapshot `snapshot`: the volume's
+    /// content and size become the snapshot's. Snapshots taken after it are
+    /// deleted if `delete_newer` (ZFS `rollback -r`), kept otherwise
+    /// (qemu-img `snapshot -a`). The swap is a rename, so a VM holding the
+    /// volume open keeps the old data: stop it first.
+    pub fn rollback(&self, name: &str, snapshot: &str, delete_newer: bool) -> Result<Rollback> {
+        self.available()?;
+        let mut index = self.write();
+        if !index.volumes.contains(name) {
+            return Err(VolumeError::VolumeNotFound(name.into()));
+        }
+        let target = index
+            .snapshots
+            .get(snapshot)
+            .ok_or_else(|| VolumeError::SnapshotNotFound(snapshot.into()))?;
+        if target.volume != name {
+            return Err(VolumeError::NotSnapshotOf {
+                snapshot: snapshot.into(),
+                volume: name.into(),
+                owner: target.volume.clone(),
+            });
+        }
+        let target_order = target.order;
+        let err = |source| VolumeError::Rollback {
+            name: name.to_owned(),
+            snapshot: snapshot.to_owned(),
+            source,
+        };
+        let dir = self.volumes_dir.join(name);
+        let tmp = dir.join(format!(".tmp-rollback-{name}"));
+        let replaced = replace_with_clone(
+            &self.file_path(name, snapshot),
+            &tmp,
+            &self.volume_path(name),
+        );
+        if replaced.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        replaced.map_err(err)?;
+        let mut deleted_snapshots = Vec::new();
+        if delete_newer {
+            for (sname, snap) in index.snapshots_of(name) {
+                if (snap.order, sname.as_str()) > (target_order, snapshot) {
+                    let del = |source| VolumeError::DeleteSnapshot {
+                        name: sname.clone(),
+                        source,
+                    };
+                    fs::remove_file(self.file_path(name, &sname)).map_err(del)?;
+                    index.snapshots.remove(&sname);
+                    deleted_snapshots.push(sname);
+                }
+            }
+            sync_dir(&dir).map_err(err)?;
+        }
+        Ok(Rollback {
+            volume: name.into(),
+            snapshot: snapshot.into(),
+            deleted_snapshots,
+        })
+    }
+
+    /// All volumes, by name.
+    pub fn list(&self) -> Result<Vec<VolumeInfo>> {
+        self.available()?;
+        let names: Vec<String> = self.read().volumes.iter().cloned().collect();
+        let mut out = Vec::with_capacity(names.len());
+        for n in names {
+            match self.show(&n) {
+                Ok(v) => out.push(v),
+                // Deleted since the names were copied.
+                Err(VolumeError::VolumeNotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    /// One volume.
+    pub fn show(&self, name: &str) -> Result<VolumeInfo> {
+        self.available()?;
+        let snapshots = {
+            let index = self.read();
+            if !index.volumes.contains(name) {
+                return Err(VolumeError::VolumeNotFound(name.into()));
+            }
+            index.snapshots_of(name).len()
+        };
+        let (size_bytes, usage, _) = match inspect(&self.volume_path(name)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(VolumeError::VolumeNotFound(name.into()))
+            }
+            r => r.map_err(|source| VolumeError::Inspect {
+                name: name.into(),
+                source,
+            })?,
+        };
+        Ok(VolumeInfo {
+            name: name.into(),
+            size_bytes,
+            usage,
+            snapshots,
+        })
+    }
+
+    /// The snapshots of `volume` (which may be deleted while its snapshots
+    /// remain), oldest first.
+    pub fn list_snapshots(&self, volume: &str) -> Result<Vec<SnapshotInfo>> {
+        self.available()?;
+        let snaps = {
+            let index = self.read();
+            let snaps = index.snapshots_of(volume);
+            if snaps.is_empty() && !index.volumes.contains(volume) {
+                return Err(VolumeError::VolumeNotFound(volume.into()));
+            }
+            snaps
+        };
+        self.snapshot_infos(snaps)
+    }
+
+    /// Every snapshot, grouped by volume, oldest first.
+    pub fn list_all_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
+        self.available()?;
+        let snaps = {
+            let index = self.read();
+            let dirs: std::collections::BTreeSet<&String> =
+                index.snapshots.values().map(|s| &s.volume).collect();
+            dirs.into_iter()
+                .flat_map(|d| index.snapshots_of(d))
+                .collect()
+        };
+        self.snapshot_infos(snaps)
+    }
+
+    /// One snapshot.
+    pub fn snapshot_info(&self, name: &str) -> Result<SnapshotInfo> {
+        self.available()?;
+        let snap = self.read().snapshots.get(name).cloned();
+        let snap = snap.ok_or_else(|| VolumeError::SnapshotNotFound(name.into()))?;
+        self.snapshot_infos(vec![(name.to_owned(), snap)])?
+            .pop()
+            .ok_or_else(|| VolumeError::SnapshotNotFound(name.into()))
+    }
+
+    /// Open volume `name` read-write for a VM's block device; returns the
+    /// file and its size.
+    pub fn open_for_vm(&self, name: &str) -> Result<(File, u64)> {
+        self.available()?;
+        let index = self.read();
+        if !index.volumes.contains(name) {
+            return Err(VolumeError::VolumeNotFound(name.into()));
+        }
+        let err = |source| VolumeError::OpenForVm {
+            name: name.to_owned(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(self.volume_path(name))
+            .map_err(err)?;
+        let size = file.metadata().map_err(err)?.len();
+        Ok((file, size))
+    }
+
+    /// The path of volume `name`'s file (whether or not it exists).
+    pub fn volume_path(&self, name: &str) -> PathBuf {
+        self.file_path(name, name)
+    }
+
+    fn file_path(&self, volume: &str, file: &str) -> PathBuf {
+        self.volumes_dir.join(volume).join(file)
+    }
+
+    fn snapshot_infos(&self, snaps: Vec<(String, Snap)>) -> Result<Vec<SnapshotInfo>> {
+        let mut out = Vec::with_capacity(snaps.len());
+        for (name, snap) in snaps {
+            let (size_bytes, usage, created_unix_ms) =
+                match inspect(&self.file_path(&snap.volume, &name)) {
+                    // Deleted since the names were copied.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    r => r.map_err(|source| VolumeError::Inspect {
+                        name: name.clone(),
+                        source,
+                    })?,
+                };
+            let volume_exists = self.read().volumes.contains(&snap.volume);
+            out.push(SnapshotInfo {
+                name,
+                volume: snap.volume,
+                volume_exists,
+                seq: snap.order.seq,
+                created_unix_ms,
+                size_bytes,
+                usage,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Make volume `name` from a clone of `src_path`; `src` names the source
+    /// in errors.
+    fn clone_into_new(
+        &self,
+        index: &mut Index,
+        src_path: &Path,
+        src: &str,
+        name: &str,
+    ) -> Result<()> {
+        let err = |source| VolumeError::Clone {
+            from: src.to_owned(),
+            name: name.to_owned(),
+            source,
+        };
+        let src_file = File::open(src_path).map_err(err)?;
+        self.materialize(name, |file| ffi::ficlone(file, &src_file))
+            .map_err(err)?;
+        index.volumes.insert(name.to_owned());
+        Ok(())
+    }
+
+    /// Create `volumes/<name>/<name>`: mkdir, fill a hidden temporary file
+    /// with `fill`, rename it into place. Undoes itself on failure.
+    fn materialize(
+        &self,
+        name: &str,
+        fill: impl FnOnce(&File) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let dir = self.volumes_dir.join(name);
+        fs::create_dir(&dir)?;
+        let tmp = dir.join(format!(".tmp-{name}"));
+        let result = (|| {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&tmp)?;
+            fill(&file)?;
+            file.sync_all()?;
+            fs::rename(&tmp, dir.join(name))?;
+            sync_dir(&dir)?;
+            sync_dir(&self.volumes_dir)
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+            let _ = fs::remove_file(dir.join(name));
+            let _ = fs::remove_dir(&dir);
+        }
+        result
+    }
+
+    /// Remove the (now empty) directory of volume `name`; a failure leaves
+    /// it for the next start-up scan.
+    fn remove_dir(&self, name: &str) {
+        if let Err(e) = fs::remove_dir(self.volumes_dir.join(name)) {
+            tracing::warn!(volume = name, error = %e, "cannot remove the volume directory; the next start-up retries");
+        }
+    }
+
+    fn available(&self) -> Result<()> {
+        match &self.reflink {
+            Reflink::Supported => Ok(()),
+            Reflink::Unsupported { fs, .. } => Err(VolumeError::ReflinkUnsupported {
+                root: self.root.clone(),
+                fs: fs.clone(),
+            }),
+        }
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Index> {
+        // The index is updated only after its filesystem change succeeded,
+        // so a panicking holder cannot leave it half-written.
+        self.index.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Index> {
+        self.index.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn validate(name: &str) -> Result<()> {
+    name::validate(name).map_err(|reason| VolumeError::InvalidName {
+        name: name.into(),
+        reason,
+    })
+}
+
+fn validate_size(size: u64) -> Result<()> {
+    if size == 0 {
+        return Err(VolumeError::InvalidSize {
+            size,
+            reason: "a volume needs at least one sector",
+        });
+    }
+    if size & (SECTOR - 1) != 0 {
+        return Err(VolumeError::InvalidSize {
+            size,
+            reason: "must be a multiple of 512",
+        });
+    }
+    if i64::try_from(size).is_err() {
+        return Err(VolumeError::InvalidSize {
+            size,
+            reason: "larger than the filesystem allows",
+        });
+    }
+    Ok(())
+}
+
+fn reserve(index: &Index, name: &str) -> Result<()> {
+    match index.holder(name) {
+        Some(holder) => Err(VolumeError::NameTaken {
+            name: name.into(),
+            holder,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Create snapshot file `path` tagged with `seq` and clone `src_path` into
+/// it; returns its mtime in nanoseconds.
+fn write_snapshot(src_path: &Path, path: &Path, seq: u64) -> io::Result<i128> {
+    let src = File::open(src_path)?;
+    let dst = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)?;
+    ffi::fsetxattr(&dst, SEQ_XATTR, seq.to_string().as_bytes())?;
+    ffi::ficlone(&dst, &src)?;
+    dst.sync_all()?;
+    if let Some(dir) = path.parent() {
+        sync_dir(dir)?;
+    }
+    let meta = dst.metadata()?;
+    Ok(mtime_ns(&meta))
+}
+
+/// Atomically replace `target` with a clone of `src`, via `tmp`.
+fn replace_with_clone(src: &Path, tmp: &Path, target: &Path) -> io::Result<()> {
+    let src = File::open(src)?;
+    let _ = fs::remove_file(tmp);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(tmp)?;
+    ffi::ficlone(&file, &src)?;
+    file.sync_all()?;
+    fs::rename(tmp, target)?;
+    match target.parent() {
+        Some(dir) => sync_dir(dir),
+        None => Ok(()),
+    }
+}
+
+/// Size, usage and mtime (ms) of the file at `path`.
+fn inspect(path: &Path) -> io::Result<(u64, Usage, i64)> {
+    let file = File::open(path)?;
+    let meta = file.metadata()?;
+    let usage = extents::usage(&file)?;
+    let ms = i64::try_from(mtime_ns(&meta) / 1_000_000).unwrap_or(i64::MAX);
+    Ok((meta.len(), usage, ms))
+}
+
+fn mtime_ns(meta: &fs::Metadata) -> i128 {
+    use std::os::unix::fs::MetadataExt;
+    i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec())
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+fn ignore_not_found(e: io::Error) -> io::Result<()> {
+    if e.kind() == io::ErrorKind::NotFound {
+        Ok(())
+    } else {
+        Err(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_must_be_whole_sectors() {
+        assert!(validate_size(0).is_err());
+        assert!(validate_size(511).is_err());
+        assert!(validate_size(u64::MAX - 511).is_err());
+        assert!(validate_size(SECTOR).is_ok());
+        assert!(validate_size(1 << 30).is_ok());
+    }
+
+    #[test]
+    fn engine_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<VolumeEngine>();
+    }
+
+    /// /tmp may or may not reflink; whichever it is, the engine agrees with
+    /// the probe and the refusal names the filesystem.
+    #[test]
+    fn operations_are_refused_with_the_filesystem_named_when_reflink_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = VolumeEngine::open(dir.path()).unwrap();
+        match engine.reflink() {
+            Reflink::Supported => assert!(engine.create("v", 1 << 20).is_ok()),
+            Reflink::Unsupported { fs, .. } => {
+                let err = engine.create("v", 1 << 20).unwrap_err();
+                let msg = err.to_string();
+                assert!(matches!(err, VolumeError::ReflinkUnsupported { .. }));
+                assert!(
+                    msg.contains(fs.as_str()) && msg.contains("reflink=1"),
+                    "{msg}"
+                );
+                assert!(!engine.volume_path("v").exists(), "nothing may be written");
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_names_are_refused_before_touching_the_filesystem() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = VolumeEngine::open(dir.path()).unwrap();
+        if engine.reflink() != &Reflink::Supported {
+            return; // refused earlier, covered above
+        }
+        let err = engine.create("../x", 1 << 20).unwrap_err();
+        assert!(matches!(err, VolumeError::InvalidName { .. }), "{err}");
+    }
+}

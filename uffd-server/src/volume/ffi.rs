@@ -1,0 +1,212 @@
+//! Raw kernel interfaces of the volume engine, behind safe wrappers:
+//! `FICLONE`, `FICLONERANGE`, `FS_IOC_FIEMAP` and file extended attributes.
+//!
+//! Everything unsafe in `volume/` lives here; the rest of the module tree is
+//! safe Rust working on `std::fs::File`.
+
+use std::ffi::CStr;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+
+/// `FICLONE = _IOW(0x94, 9, int)`: share all of `src`'s extents with `dst`.
+const FICLONE: libc::Ioctl = 0x4004_9409;
+/// `FICLONERANGE = _IOW(0x94, 13, struct file_clone_range)`.
+const FICLONERANGE: libc::Ioctl = 0x4020_940d;
+/// `FS_IOC_FIEMAP = _IOWR('f', 11, struct fiemap)`.
+const FS_IOC_FIEMAP: libc::Ioctl = 0xc020_660b;
+
+const _: () = assert!(FICLONE == libc::FICLONE);
+const _: () = assert!(FICLONERANGE == libc::FICLONERANGE);
+
+/// `FIEMAP_FLAG_SYNC`: flush dirty data first so delayed allocations show.
+const FIEMAP_FLAG_SYNC: u32 = 0x1;
+/// `FIEMAP_EXTENT_LAST`: this is the file's last extent.
+const FIEMAP_EXTENT_LAST: u32 = 0x1;
+/// `FIEMAP_EXTENT_SHARED`: the extent's blocks are shared with another file.
+pub const FIEMAP_EXTENT_SHARED: u32 = 0x2000;
+
+/// `struct file_clone_range` of `<linux/fs.h>`.
+#[repr(C)]
+struct FileCloneRange {
+    src_fd: i64,
+    src_offset: u64,
+    src_length: u64,
+    dest_offset: u64,
+}
+const _: () = assert!(std::mem::size_of::<FileCloneRange>() == 32);
+
+/// `struct fiemap_extent` of `<linux/fiemap.h>`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct FiemapExtent {
+    fe_logical: u64,
+    fe_physical: u64,
+    fe_length: u64,
+    fe_reserved64: [u64; 2],
+    fe_flags: u32,
+    fe_reserved: [u32; 3],
+}
+const _: () = assert!(std::mem::size_of::<FiemapExtent>() == 56);
+
+/// `struct fiemap` header of `<linux/fiemap.h>`.
+#[repr(C)]
+#[derive(Default)]
+struct FiemapHeader {
+    fm_start: u64,
+    fm_length: u64,
+    fm_flags: u32,
+    fm_mapped_extents: u32,
+    fm_extent_count: u32,
+    fm_reserved: u32,
+}
+const _: () = assert!(std::mem::size_of::<FiemapHeader>() == 32);
+
+/// Extents fetched per `FS_IOC_FIEMAP` call.
+const BATCH_U32: u32 = 256;
+const BATCH: usize = BATCH_U32 as usize;
+
+/// A `struct fiemap` followed by room for [`BATCH`] extents, as one
+/// contiguous `repr(C)` buffer the kernel fills in.
+#[repr(C)]
+struct FiemapBuf {
+    header: FiemapHeader,
+    extents: [FiemapExtent; BATCH],
+}
+
+/// One extent as reported by FIEMAP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    /// Offset in the file.
+    pub logical: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// `FIEMAP_EXTENT_*` flags.
+    pub flags: u32,
+}
+
+/// Make `dst` share all of `src`'s data (`ioctl(dst, FICLONE, src)`).
+pub fn ficlone(dst: &File, src: &File) -> io::Result<()> {
+    // SAFETY: FICLONE takes the source fd as its integer argument; both fds
+    // are open for the duration of the call and the kernel reads no memory.
+    let rc = unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Share `len` bytes of `src` at `src_offset` into `dst` at `dst_offset`
+/// (`ioctl(dst, FICLONERANGE, ...)`); offsets and length must be block
+/// aligned (except a range ending at `src`'s EOF).
+pub fn ficlonerange(
+    dst: &File,
+    dst_offset: u64,
+    src: &File,
+    src_offset: u64,
+    len: u64,
+) -> io::Result<()> {
+    let arg = FileCloneRange {
+        src_fd: i64::from(src.as_raw_fd()),
+        src_offset,
+        src_length: len,
+        dest_offset: dst_offset,
+    };
+    // SAFETY: `arg` is a valid `struct file_clone_range` that outlives the
+    // call; the kernel only reads it. Both fds are open.
+    let rc = unsafe { libc::ioctl(dst.as_raw_fd(), FICLONERANGE, &arg as *const FileCloneRange) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// All extents of `file`, after flushing its dirty data.
+pub fn fiemap(file: &File) -> io::Result<Vec<Extent>> {
+    let mut out = Vec::new();
+    let mut start = 0u64;
+    loop {
+        let mut buf = FiemapBuf {
+            header: FiemapHeader {
+                fm_start: start,
+                fm_length: u64::MAX - start,
+                fm_flags: FIEMAP_FLAG_SYNC,
+                fm_extent_count: BATCH_U32,
+                ..FiemapHeader::default()
+            },
+            extents: [FiemapExtent::default(); BATCH],
+        };
+        // SAFETY: `buf` is a `struct fiemap` header immediately followed by
+        // `fm_extent_count` extents, as the ABI requires (both repr(C), sizes
+        // asserted above, no padding between them); it lives across the call
+        // and the kernel writes at most `fm_extent_count` extents.
+        let rc =
+            unsafe { libc::ioctl(file.as_raw_fd(), FS_IOC_FIEMAP, &mut buf as *mut FiemapBuf) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mapped = (buf.header.fm_mapped_extents as usize).min(BATCH);
+        if mapped == 0 {
+            return Ok(out);
+        }
+        let mut last = false;
+        for e in &buf.extents[..mapped] {
+            out.push(Extent {
+                logical: e.fe_logical,
+                length: e.fe_length,
+                flags: e.fe_flags,
+            });
+            last |= e.fe_flags & FIEMAP_EXTENT_LAST != 0;
+        }
+        let tail = &buf.extents[mapped - 1];
+        let next = tail.fe_logical.saturating_add(tail.fe_length);
+        if last || next <= start || next == u64::MAX {
+            return Ok(out);
+        }
+        start = next;
+    }
+}
+
+/// Set the extended attribute `name` of `file` to `value`.
+pub fn fsetxattr(file: &File, name: &CStr, value: &[u8]) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated and `value` is valid for
+    // `value.len()` bytes; both outlive the call, which only reads them.
+    let rc = unsafe {
+        libc::fsetxattr(
+            file.as_raw_fd(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The extended attribute `name` of `file`, or `None` if it has none
+/// (values longer than 64 bytes are reported as `E2BIG`).
+pub fn fgetxattr(file: &File, name: &CStr) -> io::Result<Option<Vec<u8>>> {
+    let mut buf = [0u8; 64];
+    // SAFETY: `name` is NUL-terminated; `buf` is writable for `buf.len()`
+    // bytes and outlives the call.
+    let rc = unsafe {
+        libc::fgetxattr(
+            file.as_raw_fd(),
+            name.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if rc < 0 {
+        let err = io::Error::last_os_error();
+        return match err.raw_os_error() {
+            Some(libc::ENODATA) | Some(libc::ENOTSUP) => Ok(None),
+            _ => Err(err),
+        };
+    }
+    let len = usize::try_from(rc).map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
+    Ok(Some(buf[..len.min(buf.len())].to_vec()))
+}
