@@ -3,6 +3,7 @@
 //! control API.
 
 pub mod api;
+pub mod cli;
 pub mod client;
 pub mod core;
 pub mod memory;

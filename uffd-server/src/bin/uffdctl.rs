@@ -1,1 +1,80 @@
-fn main() {}
+//! `uffdctl`: the pagefork control CLI and memory-source debugging tool.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use uffd_server::cli::{demo, vm};
+use uffd_server::client::Client;
+
+/// Control a pagefork uffd-server over its REST API.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// The server's API socket (default: STATE_DIR/api.sock).
+    #[arg(long, global = true)]
+    socket: Option<PathBuf>,
+    /// The server's state directory.
+    #[arg(long, global = true, env = "PAGEFORK_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// Print raw JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Manage VMs.
+    #[command(subcommand)]
+    Vm(vm::VmCmd),
+    /// Start a server in a temporary directory and show a VM, a fork, a snapshot.
+    Demo(demo::DemoArgs),
+    /// Call any API route: uffdctl api GET /v1/vms ['{"json": 1}'].
+    Api { method: String, path: String, body: Option<String> },
+}
+
+fn socket(args: &Args) -> PathBuf {
+    if let Some(s) = &args.socket {
+        return s.clone();
+    }
+    let dir = args.state_dir.clone().unwrap_or_else(|| {
+        std::env::var_os("XDG_STATE_HOME")
+            .map(|d| PathBuf::from(d).join("pagefork"))
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into())).join(".local/state/pagefork")
+            })
+    });
+    dir.join("api.sock")
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let client = Client::new(socket(&args));
+    let result = match args.cmd {
+        Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
+        Cmd::Demo(d) => demo::run(d),
+        Cmd::Api { method, path, body } => {
+            let body = match body.map(|b| serde_json::from_str(&b)) {
+                Some(Ok(v)) => Some(v),
+                Some(Err(e)) => {
+                    eprintln!("uffdctl: body is not JSON: {e}");
+                    return ExitCode::from(2);
+                }
+                None => None,
+            };
+            client
+                .request(&method.to_uppercase(), &path, body.as_ref())
+                .map_err(|e| uffd_server::core::chain(&e))
+                .map(|r| println!("{}", serde_json::to_string_pretty(&r.body).unwrap_or_default()))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("uffdctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

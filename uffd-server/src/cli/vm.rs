@@ -1,0 +1,137 @@
+//! `uffdctl vm ...`.
+
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+use super::table::render;
+use crate::client::Client;
+
+/// VM commands.
+#[derive(Debug, Subcommand)]
+pub enum VmCmd {
+    /// Create a VM and wait until its guest agent runs.
+    Create {
+        /// Guest RAM in MiB.
+        #[arg(long, default_value_t = 256)]
+        memory_mib: u64,
+        #[arg(long, default_value_t = 1)]
+        vcpus: u8,
+        /// Raw memory image to serve the guest's RAM from (lazily).
+        #[arg(long)]
+        image: Option<String>,
+        /// Disk volume to attach.
+        #[arg(long)]
+        volume: Option<String>,
+        /// Fault-around block in KiB for image-backed faults (0 = off).
+        #[arg(long)]
+        fault_around_kib: Option<u64>,
+        /// Install all memory before the guest starts.
+        #[arg(long)]
+        prefetch: bool,
+    },
+    /// List VMs.
+    List,
+    /// Show one VM.
+    Show { id: String },
+    /// Stop and delete a VM.
+    Delete { id: String },
+    /// Pause a VM's vCPUs.
+    Pause { id: String },
+    /// Resume a VM's vCPUs.
+    Resume { id: String },
+    /// Run a guest agent op: fill, touch, checksum, verify, digest, identity,
+    /// disk_fill, disk_checksum.
+    Exec {
+        id: String,
+        op: String,
+        #[arg(long)]
+        start_page: Option<u64>,
+        #[arg(long)]
+        pages: Option<u64>,
+        #[arg(long)]
+        seed: Option<u64>,
+        #[arg(long)]
+        write: bool,
+        #[arg(long)]
+        sector: Option<u64>,
+        #[arg(long)]
+        count: Option<u64>,
+    },
+}
+
+/// Call the API and return the body, or the server's error text.
+pub fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> Result<Value, String> {
+    let r = client.request(method, path, body).map_err(|e| crate::core::chain(&e))?;
+    if r.ok() {
+        Ok(r.body)
+    } else {
+        Err(format!("{} (HTTP {})", r.error_text(), r.status))
+    }
+}
+
+fn pages_summary(v: &Value) -> String {
+    v["pages"]
+        .as_object()
+        .map(|m| m.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn vm_row(v: &Value) -> Vec<String> {
+    let s = |k: &str| match &v[k] {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    };
+    vec![s("id"), s("state"), s("pid"), s("memory_mib"), s("resident_pages"), pages_summary(v), s("parent")]
+}
+
+const HEADERS: [&str; 7] = ["ID", "STATE", "PID", "MEM_MIB", "RESIDENT", "PAGES BY SOURCE", "PARENT"];
+
+/// Run a VM command.
+pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
+    let out = match cmd {
+        VmCmd::Create { memory_mib, vcpus, image, volume, fault_around_kib, prefetch } => {
+            let body = json!({
+                "memory_mib": memory_mib,
+                "vcpus": vcpus,
+                "memory_source": image.map(|p| json!({"kind": "file", "path": p})),
+                "volume": volume,
+                "fault_around_kib": fault_around_kib,
+                "prefetch": prefetch,
+            });
+            call(client, "POST", "/v1/vms", Some(&body))?
+        }
+        VmCmd::List => {
+            let v = call(client, "GET", "/v1/vms", None)?;
+            if !as_json {
+                let rows: Vec<Vec<String>> =
+                    v["vms"].as_array().map(|a| a.iter().map(vm_row).collect()).unwrap_or_default();
+                print!("{}", render(&HEADERS, &rows));
+                return Ok(());
+            }
+            v
+        }
+        VmCmd::Show { id } => call(client, "GET", &format!("/v1/vms/{id}"), None)?,
+        VmCmd::Delete { id } => call(client, "DELETE", &format!("/v1/vms/{id}"), None)?,
+        VmCmd::Pause { id } => call(client, "POST", &format!("/v1/vms/{id}/pause"), None)?,
+        VmCmd::Resume { id } => call(client, "POST", &format!("/v1/vms/{id}/resume"), None)?,
+        VmCmd::Exec { id, op, start_page, pages, seed, write, sector, count } => {
+            let body = json!({
+                "op": op, "start_page": start_page, "pages": pages, "seed": seed,
+                "write": write.then_some(true), "sector": sector, "count": count,
+            });
+            let v = call(client, "POST", &format!("/v1/vms/{id}/exec"), Some(&body))?;
+            if !as_json {
+                println!("{} {} = {} ({} us)", id, v["op"].as_str().unwrap_or("?"), v["result"], v["elapsed_us"]);
+                return Ok(());
+            }
+            v
+        }
+    };
+    if as_json || out.get("id").is_none() {
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+    } else {
+        print!("{}", render(&HEADERS, &[vm_row(&out)]));
+    }
+    Ok(())
+}
