@@ -1,1 +1,91 @@
-fn main() {}
+//! `vmm`: pagefork's minimal KVM VMM.
+//!
+//! Server mode (`vmm --socket PATH --token TOKEN`): guest RAM comes from the
+//! page server as memfds and faults through a userfaultfd the server serves
+//! (see [`server`]). `vmm standalone` runs the same VM over anonymous RAM to
+//! test the guest agent without a server (see [`standalone`]).
+
+mod agent;
+mod cli;
+mod connection;
+mod devices;
+mod kvm;
+mod layout;
+mod memory;
+mod ops;
+mod server;
+mod standalone;
+mod state;
+mod uffd;
+mod uffd_ffi;
+
+use clap::Parser;
+
+/// Top-level errors of the VMM binary.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("server mode needs --socket and --token (or use `vmm standalone`)")]
+    Usage,
+    #[error("the server sent {got} fds, the launch config needs {want}")]
+    FdCount { want: usize, got: usize },
+    #[error("bad --exec step {step}")]
+    Step {
+        step: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("cannot set up the standalone disk")]
+    Disk(#[source] std::io::Error),
+    #[error("{0}")]
+    Guest(String),
+    #[error(transparent)]
+    Connection(#[from] connection::ConnectionError),
+    #[error(transparent)]
+    Memory(#[from] memory::MemoryError),
+    #[error(transparent)]
+    Uffd(#[from] uffd::UffdError),
+    #[error(transparent)]
+    Vm(#[from] kvm::vm::VmError),
+    #[error(transparent)]
+    Ops(#[from] ops::OpsError),
+}
+
+/// Result alias of the binary.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// An error and its sources, one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        src = c.source();
+    }
+    s
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = cli::Cli::parse();
+    let res = match &cli.command {
+        Some(cli::Command::Standalone(args)) => standalone::run(args),
+        None => match (&cli.server.socket, &cli.server.token) {
+            (Some(socket), Some(token)) => server::run(socket, token),
+            _ => Err(Error::Usage),
+        },
+    };
+    if let Err(e) = res {
+        eprintln!("vmm: {}", error_chain(&e));
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,130 @@
+//! Port-IO devices of the agent vCPU: the identity port and a paravirtual
+//! block device over the disk fd; plus the device state blob that travels
+//! in [`shared::VmState::devices`].
+//!
+//! Block device: the guest puts a sector number and a buffer address in the
+//! mailbox and writes [`DISK_WRITE`] or [`DISK_READ`] to [`DISK_PORT`]; the
+//! VMM moves 512 bytes between the disk fd and guest memory. A failure is
+//! remembered and turns the running op's reply into an error.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+use shared::pattern::SECTOR_SIZE;
+
+use crate::agent::{mailbox, DISK_PORT, DISK_READ, DISK_WRITE, IDENTITY_PORT};
+use crate::layout::{MAILBOX, STACK_TOP};
+use crate::memory::GuestRam;
+
+/// The disk volume attached to the VM.
+#[derive(Debug)]
+pub struct Disk {
+    /// The volume's fd.
+    pub file: File,
+    /// Its size in bytes.
+    pub bytes: u64,
+}
+
+impl Disk {
+    /// Whole sectors on the disk.
+    pub fn sectors(&self) -> u64 {
+        self.bytes / SECTOR_SIZE
+    }
+}
+
+/// Devices seen by the agent vCPU.
+#[derive(Debug)]
+pub struct Devices {
+    vm_id: u32,
+    disk: Option<Disk>,
+    error: Option<String>,
+}
+
+impl Devices {
+    /// Devices of VM `vm_id`, with an optional disk.
+    pub fn new(vm_id: u32, disk: Option<Disk>) -> Self {
+        Devices { vm_id, disk, error: None }
+    }
+
+    /// Value of an IN from `port`, or `None` if no device answers there.
+    pub fn io_in(&mut self, port: u16) -> Option<u32> {
+        (port == IDENTITY_PORT).then_some(self.vm_id)
+    }
+
+    /// Handle an OUT; returns false if no device answers at `port`.
+    pub fn io_out(&mut self, mem: &GuestRam, port: u16, data: &[u8]) -> bool {
+        if port != DISK_PORT {
+            return false;
+        }
+        if let Err(e) = self.disk_command(mem, data.first().copied().unwrap_or(0)) {
+            tracing::warn!(error = %e, "block device command failed");
+            self.error.get_or_insert(e);
+        }
+        true
+    }
+
+    fn disk_command(&mut self, mem: &GuestRam, cmd: u8) -> Result<(), String> {
+        let disk = self.disk.as_ref().ok_or("the VM has no disk")?;
+        let sector = mem.read_u64(MAILBOX + mailbox::DISK_SECTOR).map_err(|e| e.to_string())?;
+        let buf = mem.read_u64(MAILBOX + mailbox::DISK_BUF).map_err(|e| e.to_string())?;
+        if sector >= disk.sectors() {
+            return Err(format!("sector {sector} is past the end of the disk ({} sectors)", disk.sectors()));
+        }
+        let mut bytes = [0u8; SECTOR_SIZE as usize];
+        let off = sector * SECTOR_SIZE;
+        match cmd {
+            DISK_WRITE => {
+                mem.read(buf, &mut bytes).map_err(|e| e.to_string())?;
+                disk.file.write_all_at(&bytes, off).map_err(|e| format!("cannot write sector {sector}: {e}"))
+            }
+            DISK_READ => {
+                disk.file.read_exact_at(&mut bytes, off).map_err(|e| format!("cannot read sector {sector}: {e}"))?;
+                mem.write(buf, &bytes).map_err(|e| e.to_string())
+            }
+            other => Err(format!("unknown block device command {other}")),
+        }
+    }
+
+    /// The first device error since the last call.
+    pub fn take_error(&mut self) -> Option<String> {
+        self.error.take()
+    }
+}
+
+/// Version tag of the device state blob.
+const DEVICE_STATE_V1: u32 = 1;
+/// The private pages that hold agent state: mailbox, sector buffer, stack.
+const STATE_START: u64 = MAILBOX;
+const STATE_END: u64 = STACK_TOP;
+
+/// Errors of saving or restoring device state.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceStateError {
+    #[error("device state is {0} bytes or has an unknown version; was it captured by another build?")]
+    Format(usize),
+    #[error(transparent)]
+    Memory(#[from] crate::memory::MemoryError),
+}
+
+/// Device state: the agent's mailbox, sector buffer and stack, so a child
+/// forked in the middle of an op finds its arguments where it left them.
+pub fn save(mem: &GuestRam) -> Result<Vec<u8>, DeviceStateError> {
+    let mut blob = DEVICE_STATE_V1.to_le_bytes().to_vec();
+    let mut pages = vec![0u8; (STATE_END - STATE_START) as usize];
+    mem.read(STATE_START, &mut pages)?;
+    blob.extend_from_slice(&pages);
+    Ok(blob)
+}
+
+/// Restore what [`save`] captured; an empty blob restores nothing.
+pub fn restore(mem: &GuestRam, blob: &[u8]) -> Result<(), DeviceStateError> {
+    if blob.is_empty() {
+        return Ok(());
+    }
+    let want = 4 + (STATE_END - STATE_START) as usize;
+    if blob.len() != want || blob[..4] != DEVICE_STATE_V1.to_le_bytes() {
+        return Err(DeviceStateError::Format(blob.len()));
+    }
+    mem.write(STATE_START, &blob[4..])?;
+    Ok(())
+}

@@ -1,0 +1,261 @@
+//! The VM: KVM memory slots over [`GuestRam`], the private region's initial
+//! image, vCPU creation (boot or restore), and pause/resume/capture/stop.
+
+use std::os::raw::{c_int, c_void};
+use std::sync::{Arc, Once};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::{Kvm, VmFd};
+use shared::VmState;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use super::control::{Control, Job};
+use super::vcpu::{self, VcpuThread};
+use crate::agent::{self, Agent};
+use crate::devices::{self, Devices, Disk};
+use crate::layout::{self, PRIV_BASE};
+use crate::memory::GuestRam;
+use crate::state;
+
+/// What vCPU threads report to the VMM's owner.
+#[derive(Debug, Clone)]
+pub enum VcpuEvent {
+    /// vCPU 0 reached its first command wait.
+    Ready,
+    /// A vCPU failed; the VM cannot go on.
+    Fatal(String),
+}
+
+/// Receiver of [`VcpuEvent`]s.
+pub type EventSink = Arc<dyn Fn(VcpuEvent) + Send + Sync>;
+
+/// Errors of building or driving the VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("cannot open /dev/kvm")]
+    OpenKvm(#[source] kvm_ioctls::Error),
+    #[error("cannot create a KVM VM")]
+    CreateVm(#[source] kvm_ioctls::Error),
+    #[error("cannot add KVM memory slot {slot} at {guest_phys:#x}")]
+    SetMemoryRegion {
+        slot: u32,
+        guest_phys: u64,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("cannot create vCPU {index}")]
+    CreateVcpu {
+        index: usize,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("cannot set CPUID of vCPU {index}")]
+    SetCpuid {
+        index: usize,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("the start state has {got} vCPUs, the VM has {want}")]
+    StateVcpus { want: usize, got: usize },
+    #[error("cannot install the vCPU kick signal handler")]
+    Signal(#[source] vmm_sys_util::errno::Error),
+    #[error("cannot start a vCPU thread")]
+    SpawnThread(#[source] std::io::Error),
+    #[error(transparent)]
+    Agent(#[from] agent::AgentError),
+    #[error(transparent)]
+    Layout(#[from] layout::LayoutError),
+    #[error(transparent)]
+    Memory(#[from] crate::memory::MemoryError),
+    #[error(transparent)]
+    Vcpu(#[from] vcpu::VcpuError),
+    #[error(transparent)]
+    State(#[from] state::StateError),
+    #[error(transparent)]
+    DeviceState(#[from] devices::DeviceStateError),
+}
+
+/// Result alias of this module.
+pub type Result<T> = std::result::Result<T, VmError>;
+
+/// How to build the VM.
+#[derive(Debug)]
+pub struct MachineConfig {
+    /// Number of vCPUs (at least 1).
+    pub vcpus: usize,
+    /// The VM id the identity port answers.
+    pub vm_id: u32,
+    /// The disk volume, if any.
+    pub disk: Option<Disk>,
+    /// Restore this state instead of booting the agent (a fork child).
+    pub start_state: Option<VmState>,
+}
+
+/// A running VM.
+pub struct Machine {
+    ctl: Arc<Control>,
+    threads: Vec<JoinHandle<()>>,
+    mem: Arc<GuestRam>,
+    disk_sectors: Option<u64>,
+    _vm: VmFd,
+}
+
+/// How long a pause may take before it is reported as failed.
+const PAUSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Interval between kicks of vCPUs that have not parked yet.
+const KICK_INTERVAL: Duration = Duration::from_millis(2);
+
+extern "C" fn kick_handler(_: c_int, _: *mut libc::siginfo_t, _: *mut c_void) {}
+
+/// The signal that kicks a vCPU out of KVM_RUN.
+fn kick_signal() -> c_int {
+    SIGRTMIN()
+}
+
+fn install_kick_handler() -> Result<()> {
+    static ONCE: Once = Once::new();
+    let mut res = Ok(());
+    ONCE.call_once(|| res = register_signal_handler(kick_signal(), kick_handler).map_err(VmError::Signal));
+    res
+}
+
+impl Machine {
+    /// Build the VM over `mem` and start its vCPU threads.
+    pub fn start(mem: Arc<GuestRam>, cfg: MachineConfig, events: EventSink) -> Result<Self> {
+        install_kick_handler()?;
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let vm = kvm.create_vm().map_err(VmError::CreateVm)?;
+        for (slot, (guest_phys, size, host)) in (0u32..).zip(mem.slots()) {
+            let region = kvm_userspace_memory_region {
+                slot,
+                flags: 0,
+                guest_phys_addr: guest_phys,
+                memory_size: size,
+                userspace_addr: host,
+            };
+            // SAFETY: `host..host+size` is a live mapping owned by `mem`,
+            // which this Machine keeps alive (Arc) at least as long as the VM.
+            unsafe { vm.set_user_memory_region(region) }
+                .map_err(|source| VmError::SetMemoryRegion { slot, guest_phys, source })?;
+        }
+
+        let agent = agent::build()?;
+        let image = layout::private_image(mem.ram_end(), &agent.code)?;
+        mem.write(PRIV_BASE, &image)?;
+        if let Some(s) = &cfg.start_state {
+            if s.vcpus.len() != cfg.vcpus {
+                return Err(VmError::StateVcpus { want: cfg.vcpus, got: s.vcpus.len() });
+            }
+            devices::restore(&mem, &s.devices)?;
+        }
+
+        let cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(VmError::OpenKvm)?;
+        let ctl = Arc::new(Control::new(cfg.vcpus));
+        let disk_sectors = cfg.disk.as_ref().map(Disk::sectors);
+        let mut devices = Some(Devices::new(cfg.vm_id, cfg.disk));
+        let mut vcpus = Vec::with_capacity(cfg.vcpus);
+        for index in 0..cfg.vcpus {
+            let fd = vm.create_vcpu(index as u64).map_err(|source| VmError::CreateVcpu { index, source })?;
+            fd.set_cpuid2(&cpuid).map_err(|source| VmError::SetCpuid { index, source })?;
+            match &cfg.start_state {
+                Some(s) => state::restore(&fd, &s.vcpus[index])?,
+                None => vcpu::setup_long_mode(&fd, entry_of(&agent, index))?,
+            }
+            vcpus.push(VcpuThread {
+                index,
+                fd,
+                ctl: ctl.clone(),
+                mem: mem.clone(),
+                devices: if index == 0 { devices.take() } else { None },
+                events: events.clone(),
+            });
+        }
+        let mut threads = Vec::with_capacity(vcpus.len());
+        for v in vcpus {
+            let name = format!("vcpu{}", v.index);
+            threads.push(std::thread::Builder::new().name(name).spawn(move || v.run()).map_err(VmError::SpawnThread)?);
+        }
+        Ok(Machine { ctl, threads, mem, disk_sectors, _vm: vm })
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &Arc<GuestRam> {
+        &self.mem
+    }
+
+    /// Sectors of the attached disk, if any.
+    pub fn disk_sectors(&self) -> Option<u64> {
+        self.disk_sectors
+    }
+
+    /// Queue a command for the agent.
+    pub fn queue(&self, job: Job) {
+        self.ctl.update(|s| s.queue.push_back(job));
+    }
+
+    /// Stop every vCPU at a consistent point; returns once all are parked.
+    pub fn pause(&self) -> std::result::Result<(), String> {
+        self.ctl.update(|s| s.pause = true);
+        let deadline = Instant::now() + PAUSE_TIMEOUT;
+        let mut s = self.ctl.lock();
+        loop {
+            if s.paused.iter().all(Option::is_some) {
+                return Ok(());
+            }
+            if self.threads.iter().any(JoinHandle::is_finished) {
+                return Err("a vCPU thread has exited".into());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("vCPUs did not pause within {PAUSE_TIMEOUT:?}"));
+            }
+            for (t, p) in self.threads.iter().zip(&s.paused) {
+                if p.is_none() {
+                    // A kick that lands outside KVM_RUN is lost; the next
+                    // one, KICK_INTERVAL later, catches it.
+                    let _ = t.kill(kick_signal());
+                }
+            }
+            s = self.ctl.wait_timeout(s, KICK_INTERVAL);
+        }
+    }
+
+    /// Let paused vCPUs run again.
+    pub fn resume(&self) {
+        self.ctl.update(|s| s.pause = false);
+    }
+
+    /// The paused VM's state.
+    pub fn capture(&self) -> std::result::Result<VmState, String> {
+        let s = self.ctl.lock();
+        if !s.pause || s.paused.iter().any(Option::is_none) {
+            return Err("the VM is not paused; pause it before capturing its state".into());
+        }
+        let vcpus = s.paused.iter().flatten().cloned().collect();
+        let devices = devices::save(&self.mem).map_err(|e| e.to_string())?;
+        Ok(VmState { vcpus, devices })
+    }
+
+    /// Stop the vCPU threads and wait for them.
+    pub fn shutdown(self) {
+        self.ctl.update(|s| s.stop = true);
+        for t in &self.threads {
+            while !t.is_finished() {
+                let _ = t.kill(kick_signal());
+                std::thread::sleep(KICK_INTERVAL);
+            }
+        }
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn entry_of(agent: &Agent, index: usize) -> u64 {
+    if index == 0 {
+        agent.entry
+    } else {
+        agent.park
+    }
+}

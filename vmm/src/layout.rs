@@ -1,0 +1,180 @@
+//! Guest-physical layout: where the VMM-private region lives and what it
+//! holds (page tables, GDT, mailbox, sector buffer, stack, agent code).
+//!
+//! Invariant: guest RAM holds only data. Everything the VMM writes at set-up
+//! lives in the private region at [`PRIV_BASE`], which is anonymous VMM
+//! memory in its own KVM slot, well above any guest RAM. The page tables
+//! identity-map `[0, ram_end)` and the private region with 2 MiB pages; the
+//! guest never rewrites them.
+
+use shared::GuestRegion;
+
+/// Guest-physical (and, identity-mapped, virtual) base of the private region.
+pub const PRIV_BASE: u64 = 0x10_0000_0000;
+/// Size of the private region: one 2 MiB page.
+pub const PRIV_SIZE: u64 = 2 << 20;
+/// Guest RAM must end at or below this address.
+pub const MAX_RAM_END: u64 = PRIV_BASE;
+
+/// Top-level page table.
+pub const PML4: u64 = PRIV_BASE;
+/// The one page-directory-pointer table (covers the low 512 GiB).
+pub const PDPT: u64 = PRIV_BASE + 0x1000;
+/// Page directory mapping the private region's GiB.
+pub const PD_PRIV: u64 = PRIV_BASE + 0x2000;
+/// Global descriptor table.
+pub const GDT: u64 = PRIV_BASE + 0x3000;
+/// Mailbox page shared by the VMM and the agent (see [`crate::agent`]).
+pub const MAILBOX: u64 = PRIV_BASE + 0x4000;
+/// One-sector bounce buffer of the block device.
+pub const SECTOR_BUF: u64 = PRIV_BASE + 0x5000;
+/// Initial stack pointer; the stack grows down to `PRIV_BASE + 0x6000`.
+pub const STACK_TOP: u64 = PRIV_BASE + 0x8000;
+/// Start of the agent code.
+pub const CODE: u64 = PRIV_BASE + 0x8000;
+/// Room for agent code.
+pub const CODE_MAX: u64 = 0x8000;
+/// Page directories for guest RAM, one per GiB, from here on.
+pub const PD_RAM: u64 = PRIV_BASE + 0x10000;
+
+/// Code segment selector (GDT entry 1).
+pub const CS_SELECTOR: u16 = 0x8;
+/// Data segment selector (GDT entry 2).
+pub const DS_SELECTOR: u16 = 0x10;
+/// The GDT: null, 64-bit code, data.
+pub const GDT_ENTRIES: [u64; 3] = [0, 0x00af_9b00_0000_ffff, 0x00cf_9300_0000_ffff];
+
+const PTE_PRESENT: u64 = 1;
+const PTE_WRITE: u64 = 2;
+const PTE_HUGE: u64 = 1 << 7;
+const GIB: u64 = 1 << 30;
+const TWO_MIB: u64 = 2 << 20;
+
+/// Errors of laying out the guest.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    #[error("guest RAM has no regions")]
+    NoRegions,
+    #[error("guest RAM region at {guest_phys:#x} of {size:#x} bytes is not page aligned")]
+    Unaligned { guest_phys: u64, size: u64 },
+    #[error("guest RAM ends at {0:#x}, above the VMM's limit of {MAX_RAM_END:#x}")]
+    TooLarge(u64),
+    #[error("guest RAM regions overlap or are not sorted by address")]
+    Overlap,
+    #[error("agent code of {0} bytes does not fit the private region")]
+    CodeTooLarge(usize),
+}
+
+/// Result alias of this module.
+pub type Result<T> = std::result::Result<T, LayoutError>;
+
+/// Byte offset of `gpa` inside the private region.
+pub fn offset(gpa: u64) -> usize {
+    usize::try_from(gpa - PRIV_BASE).unwrap_or(usize::MAX)
+}
+
+/// Check guest RAM regions and return where RAM ends.
+pub fn ram_end(regions: &[GuestRegion]) -> Result<u64> {
+    let mut end = 0u64;
+    if regions.is_empty() {
+        return Err(LayoutError::NoRegions);
+    }
+    for r in regions {
+        if r.guest_phys % shared::PAGE_SIZE != 0 || r.size % shared::PAGE_SIZE != 0 || r.size == 0 {
+            return Err(LayoutError::Unaligned { guest_phys: r.guest_phys, size: r.size });
+        }
+        if r.guest_phys < end {
+            return Err(LayoutError::Overlap);
+        }
+        end = r.guest_phys.checked_add(r.size).ok_or(LayoutError::TooLarge(u64::MAX))?;
+    }
+    if end > MAX_RAM_END {
+        return Err(LayoutError::TooLarge(end));
+    }
+    Ok(end)
+}
+
+/// The initial bytes of the private region (from [`PRIV_BASE`]): page
+/// tables, GDT and agent code. Everything else in the region starts zero.
+pub fn private_image(ram_end: u64, code: &[u8]) -> Result<Vec<u8>> {
+    if ram_end > MAX_RAM_END {
+        return Err(LayoutError::TooLarge(ram_end));
+    }
+    if code.len() as u64 > CODE_MAX {
+        return Err(LayoutError::CodeTooLarge(code.len()));
+    }
+    let ram_gibs = ram_end.div_ceil(GIB);
+    let len = (PD_RAM - PRIV_BASE + ram_gibs * 0x1000).max(CODE + CODE_MAX - PRIV_BASE);
+    let mut img = vec![0u8; usize::try_from(len).map_err(|_| LayoutError::TooLarge(ram_end))?];
+    let mut put = |gpa: u64, value: u64| {
+        let o = offset(gpa);
+        img[o..o + 8].copy_from_slice(&value.to_le_bytes());
+    };
+    put(PML4, PDPT | PTE_PRESENT | PTE_WRITE);
+    for g in 0..ram_gibs {
+        let pd = PD_RAM + g * 0x1000;
+        put(PDPT + g * 8, pd | PTE_PRESENT | PTE_WRITE);
+        for i in 0..512 {
+            let addr = g * GIB + i * TWO_MIB;
+            if addr >= ram_end {
+                break;
+            }
+            put(pd + i * 8, addr | PTE_PRESENT | PTE_WRITE | PTE_HUGE);
+        }
+    }
+    put(PDPT + (PRIV_BASE / GIB) * 8, PD_PRIV | PTE_PRESENT | PTE_WRITE);
+    put(PD_PRIV + ((PRIV_BASE % GIB) / TWO_MIB) * 8, PRIV_BASE | PTE_PRESENT | PTE_WRITE | PTE_HUGE);
+    for (i, e) in GDT_ENTRIES.iter().enumerate() {
+        put(GDT + i as u64 * 8, *e);
+    }
+    let c = offset(CODE);
+    img[c..c + code.len()].copy_from_slice(code);
+    Ok(img)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(img: &[u8], gpa: u64) -> u64 {
+        let o = offset(gpa);
+        u64::from_le_bytes(img[o..o + 8].try_into().unwrap())
+    }
+
+    /// Walk the tables in `img` like the MMU does for a 2 MiB mapping.
+    fn translate(img: &[u8], va: u64) -> Option<u64> {
+        let pml4e = entry(img, PML4 + ((va >> 39) & 511) * 8);
+        if pml4e & 1 == 0 {
+            return None;
+        }
+        let pdpte = entry(img, (pml4e & !0xfff) + ((va >> 30) & 511) * 8);
+        if pdpte & 1 == 0 {
+            return None;
+        }
+        let pde = entry(img, (pdpte & !0xfff) + ((va >> 21) & 511) * 8);
+        if pde & 1 == 0 || pde & PTE_HUGE == 0 {
+            return None;
+        }
+        Some((pde & !(TWO_MIB - 1) & !(1 << 7)) + (va & (TWO_MIB - 1)))
+    }
+
+    #[test]
+    fn page_tables_identity_map_ram_and_private_region() {
+        let end = 5 * GIB + 4 * TWO_MIB;
+        let img = private_image(end, &[0xf4]).unwrap();
+        for va in [0, 0x1234_5678, GIB, 5 * GIB + 0x10_0000, end - 8, MAILBOX, CODE, STACK_TOP - 8] {
+            assert_eq!(translate(&img, va), Some(va), "va {va:#x}");
+        }
+        assert_eq!(translate(&img, end), None);
+        assert_eq!(entry(&img, CODE) & 0xff, 0xf4);
+    }
+
+    #[test]
+    fn ram_end_rejects_overlap_and_too_large() {
+        let r = |guest_phys, size| GuestRegion { guest_phys, size };
+        assert_eq!(ram_end(&[r(0, 0x1000), r(0x2000, 0x1000)]).unwrap(), 0x3000);
+        assert!(matches!(ram_end(&[r(0, 0x2000), r(0x1000, 0x1000)]), Err(LayoutError::Overlap)));
+        assert!(matches!(ram_end(&[r(0, MAX_RAM_END + 0x1000)]), Err(LayoutError::TooLarge(_))));
+        assert!(matches!(ram_end(&[]), Err(LayoutError::NoRegions)));
+    }
+}

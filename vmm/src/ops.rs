@@ -1,0 +1,142 @@
+//! Guest ops and server requests: validation, encoding into agent jobs,
+//! the VMM-side digest, and the dispatcher both modes share.
+//!
+//! Nothing here blocks behind a running op: agent ops are queued for vCPU 0
+//! and digests run on a worker thread; each answers through its callback.
+
+use std::sync::mpsc;
+use std::time::Instant;
+
+use proto::vmm::{Reply, Request};
+use shared::{GuestOp, OpResult};
+
+use crate::agent::opcode;
+use crate::kvm::{Job, Machine};
+use crate::memory::GuestRam;
+
+/// Callback that receives a request's answer.
+pub type ReplyFn = Box<dyn FnOnce(Result<Reply, String>) + Send>;
+
+/// Errors of starting the dispatcher.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("cannot start the digest worker thread")]
+    SpawnWorker(#[source] std::io::Error),
+}
+
+/// Whether the caller should keep serving requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Stop,
+}
+
+type HostJob = (u64, u64, Instant, ReplyFn);
+
+/// Dispatches server requests to the VM.
+pub struct Dispatcher {
+    machine: Machine,
+    digests: mpsc::Sender<HostJob>,
+}
+
+fn elapsed_us(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+fn digest_worker(mem: std::sync::Arc<GuestRam>, rx: mpsc::Receiver<HostJob>) {
+    for (start_page, pages, t0, reply) in rx {
+        let r = mem.digest(start_page, pages).map_err(|e| crate::error_chain(&e));
+        reply(r.map(|value| Reply::Op(OpResult { value, elapsed_us: elapsed_us(t0) })));
+    }
+}
+
+/// Check an op against the VM before running it.
+pub fn validate(mem: &GuestRam, disk_sectors: Option<u64>, op: &GuestOp) -> Result<(), String> {
+    if let Some((start, pages)) = op.page_range() {
+        mem.check_pages(start, pages)?;
+    }
+    if let GuestOp::DiskFill { sector, count, .. } | GuestOp::DiskChecksum { sector, count } = *op {
+        let total = disk_sectors.ok_or("the VM has no disk")?;
+        if !sector.checked_add(count).is_some_and(|end| end <= total) {
+            return Err(format!(
+                "sectors {sector}..{} are past the end of the disk ({total} sectors)",
+                sector.saturating_add(count)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The agent op code and mailbox arguments of an op run by the guest.
+pub fn encode(op: &GuestOp) -> Option<(u32, [u64; 3])> {
+    Some(match *op {
+        GuestOp::Fill { start_page, pages, seed } => (opcode::FILL, [start_page, pages, seed]),
+        GuestOp::Touch { start_page, pages, write } => (opcode::TOUCH, [start_page, pages, u64::from(write)]),
+        GuestOp::Checksum { start_page, pages } => (opcode::CHECKSUM, [start_page, pages, 0]),
+        GuestOp::Verify { start_page, pages, seed } => (opcode::VERIFY, [start_page, pages, seed]),
+        GuestOp::Identity => (opcode::IDENTITY, [0; 3]),
+        GuestOp::DiskFill { sector, count, seed } => (opcode::DISK_FILL, [sector, count, seed]),
+        GuestOp::DiskChecksum { sector, count } => (opcode::DISK_CHECKSUM, [sector, count, 0]),
+        GuestOp::Digest { .. } => return None,
+    })
+}
+
+impl Dispatcher {
+    /// Dispatcher over a started VM.
+    pub fn new(machine: Machine) -> Result<Self, OpsError> {
+        let (tx, rx) = mpsc::channel();
+        let mem = machine.memory().clone();
+        std::thread::Builder::new()
+            .name("digest".into())
+            .spawn(move || digest_worker(mem, rx))
+            .map_err(OpsError::SpawnWorker)?;
+        Ok(Dispatcher { machine, digests: tx })
+    }
+
+    /// Run one op; `reply` gets its result.
+    pub fn exec(&self, op: GuestOp, reply: ReplyFn) {
+        let t0 = Instant::now();
+        if let Err(e) = validate(self.machine.memory(), self.machine.disk_sectors(), &op) {
+            return reply(Err(e));
+        }
+        match (op, encode(&op)) {
+            (GuestOp::Digest { start_page, pages }, _) => {
+                if let Err(mpsc::SendError((_, _, _, reply))) = self.digests.send((start_page, pages, t0, reply)) {
+                    reply(Err("the digest worker has stopped".into()));
+                }
+            }
+            (_, Some((opcode, args))) => self.machine.queue(Job {
+                opcode,
+                args,
+                reply: Box::new(move |r| reply(r.map(|value| Reply::Op(OpResult { value, elapsed_us: elapsed_us(t0) })))),
+            }),
+            (_, None) => reply(Err(format!("op {} is not supported", op.name()))),
+        }
+    }
+
+    /// Handle one request. Pause returns once the vCPUs are parked; Exec
+    /// answers later, from the vCPU or digest thread.
+    pub fn handle(&self, request: Request, reply: ReplyFn) -> Flow {
+        match request {
+            Request::Pause => reply(self.machine.pause().map(|()| Reply::Done)),
+            Request::Resume => {
+                self.machine.resume();
+                reply(Ok(Reply::Done));
+            }
+            Request::CaptureState => reply(self.machine.capture().map(Reply::State)),
+            Request::Exec(op) => self.exec(op, reply),
+            Request::Stop => {
+                reply(Ok(Reply::Done));
+                return Flow::Stop;
+            }
+        }
+        Flow::Continue
+    }
+
+    /// Stop the VM and wait for its vCPU threads.
+    pub fn shutdown(self) -> std::sync::Arc<GuestRam> {
+        let mem = self.machine.memory().clone();
+        self.machine.shutdown();
+        mem
+    }
+}

@@ -1,0 +1,127 @@
+//! Server mode: the handshake of [`proto::vmm`], then serving requests.
+//!
+//! ```text
+//!  control thread: recv Request ──▶ Dispatcher ──▶ Pause/Resume/Capture: reply now
+//!                                              └─▶ Exec: queued; the vCPU or digest
+//!                                                  thread replies when done
+//! ```
+//! The control thread never waits for an op, so a Pause can arrive in the
+//! middle of a long fill.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use proto::frame::FrameError;
+use proto::vmm::{ServerMsg, VmmMsg};
+
+use crate::connection::{Connection, ConnectionError};
+use crate::devices::Disk;
+use crate::kvm::{Machine, MachineConfig, VcpuEvent};
+use crate::memory::GuestRam;
+use crate::ops::{Dispatcher, Flow};
+use crate::{uffd, Error, Result};
+
+/// Tell the server why we exit (best effort), then exit.
+fn exit_with(conn: &Connection, code: i32, reason: String) -> ! {
+    let _ = conn.send(&VmmMsg::Exited { code, reason }, &[]);
+    std::process::exit(code)
+}
+
+/// Run in server mode until stopped or the server hangs up.
+pub fn run(socket: &Path, token: &str) -> Result<()> {
+    let (conn, welcome) = Connection::connect(socket, token)?;
+    let conn = Arc::new(conn);
+    let vm_id = welcome.vm_id;
+    let config = welcome.config;
+    tracing::info!(%vm_id, regions = config.regions.len(), vcpus = config.vcpus, "welcomed by the server");
+    match setup_and_serve(&conn, vm_id.0, config, welcome.fds) {
+        Ok(()) => Ok(()),
+        Err(e) => exit_with(&conn, 1, crate::error_chain(&e)),
+    }
+}
+
+fn setup_and_serve(
+    conn: &Arc<Connection>,
+    vm_id: u32,
+    config: proto::vmm::LaunchConfig,
+    mut fds: Vec<std::os::fd::OwnedFd>,
+) -> Result<()> {
+    let want = config.regions.len() + usize::from(config.disk_bytes.is_some());
+    if fds.len() != want {
+        return Err(Error::FdCount { want, got: fds.len() });
+    }
+    let disk = match config.disk_bytes {
+        Some(bytes) => fds.pop().map(|fd| Disk { file: File::from(fd), bytes }),
+        None => None,
+    };
+    let mem = Arc::new(GuestRam::from_memfds(&config.regions, fds)?);
+    let guest_uffd = uffd::create()?;
+    for (addr, len) in mem.ram_host_ranges() {
+        guest_uffd.register(addr, len)?;
+    }
+    let bases = mem.ram_host_ranges().iter().map(|(a, _)| *a as u64).collect();
+    conn.send(&VmmMsg::UffdReady { bases }, &[guest_uffd.uffd.as_raw_fd()])?;
+
+    let events_conn = conn.clone();
+    let announced = Arc::new(AtomicBool::new(false));
+    let events = Arc::new(move |e| match e {
+        VcpuEvent::Ready => {
+            if !announced.swap(true, Ordering::SeqCst) {
+                if let Err(e) = events_conn.send(&VmmMsg::Running, &[]) {
+                    tracing::error!(error = %crate::error_chain(&e), "cannot report Running");
+                }
+            }
+        }
+        VcpuEvent::Fatal(reason) => exit_with(&events_conn, 1, reason),
+    });
+    let cfg = MachineConfig {
+        vcpus: usize::from(config.vcpus.max(1)),
+        vm_id,
+        disk,
+        start_state: config.start_state,
+    };
+    let machine = Machine::start(mem, cfg, events)?;
+    let dispatcher = Dispatcher::new(machine)?;
+    serve(conn, &dispatcher)?;
+    // Keep the uffd open until we exit (the server holds its own copy).
+    drop(guest_uffd);
+    Ok(())
+}
+
+fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
+    loop {
+        let msg = match conn.recv() {
+            Ok((msg, _fds)) => msg,
+            Err(ConnectionError::Recv(FrameError::Closed)) => {
+                tracing::info!("the server hung up; exiting");
+                std::process::exit(0);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match msg {
+            ServerMsg::Request { seq, request } => {
+                tracing::debug!(seq, ?request, "request");
+                let c = conn.clone();
+                let flow = dispatcher.handle(
+                    request,
+                    Box::new(move |result| {
+                        if let Err(e) = c.send(&VmmMsg::Reply { seq, result }, &[]) {
+                            tracing::error!(seq, error = %crate::error_chain(&e), "cannot send a reply");
+                        }
+                    }),
+                );
+                if flow == Flow::Stop {
+                    tracing::info!("stopped by the server");
+                    std::process::exit(0);
+                }
+            }
+            ServerMsg::Error { message } => return Err(ConnectionError::Refused(message).into()),
+            ServerMsg::Welcome { .. } => {
+                return Err(ConnectionError::Unexpected { expected: "Request", got: "a second Welcome".into() }.into())
+            }
+        }
+    }
+}
