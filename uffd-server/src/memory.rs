@@ -161,6 +161,38 @@ impl GuestMemory {
         .map_err(MemoryError::PunchHole)
     }
 
+    /// Page runs present in the memfd, found with SEEK_DATA/SEEK_HOLE (the
+    /// kernel's own view, independent of the table).
+    pub fn present_ranges(&self) -> Vec<(u64, u64)> {
+        let fd = self.memfd.as_raw_fd();
+        let size = libc::off_t::try_from(self.size).unwrap_or(libc::off_t::MAX);
+        let mut out = Vec::new();
+        let mut pos: libc::off_t = 0;
+        while pos < size {
+            // SAFETY: lseek on our own fd has no memory effects.
+            let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+            if data < 0 || data >= size {
+                break;
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            let hole = if hole < 0 { size } else { hole.min(size) };
+            let (d, h) = (data as u64 / PAGE_SIZE, (hole as u64).div_ceil(PAGE_SIZE));
+            out.push((d, h - d));
+            pos = hole;
+        }
+        out
+    }
+
+    /// Whether `page` is present in the memfd.
+    pub fn is_present(&self, page: u64) -> bool {
+        let fd = self.memfd.as_raw_fd();
+        let off = libc::off_t::try_from(page * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
+        // SAFETY: lseek on our own fd has no memory effects.
+        let data = unsafe { libc::lseek(fd, off, libc::SEEK_DATA) };
+        data >= 0 && data < off + PAGE_SIZE as libc::off_t
+    }
+
     /// Bytes the memfd has allocated (st_blocks * 512).
     pub fn allocated_bytes(&self) -> u64 {
         use std::os::unix::fs::MetadataExt;

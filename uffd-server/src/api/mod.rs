@@ -37,6 +37,7 @@ fn vm_id(s: &str) -> Result<VmId, ApiError> {
     s.parse().map_err(|e: shared::ParseVmIdError| ApiError::not_found(e.to_string()))
 }
 
+type ApiResult = ApiResponse;
 type ApiResponse = Result<(StatusCode, Json<Value>), ApiError>;
 
 async fn call(core: &CoreHandle, kind: CommandKind, status: StatusCode) -> ApiResponse {
@@ -78,6 +79,42 @@ async fn exec(State(core): State<CoreHandle>, Path(id): Path<String>, body: Byte
     call(&core, CommandKind::Exec(id, req), StatusCode::OK).await
 }
 
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkBody {
+    #[serde(default = "one")]
+    count: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+async fn fork(State(core): State<CoreHandle>, Path(id): Path<String>, body: Bytes) -> ApiResult {
+    let id = vm_id(&id)?;
+    let count = if body.is_empty() { 1 } else { parse_body::<ForkBody>(&body)?.count };
+    call(&core, CommandKind::Fork(id, count), StatusCode::CREATED).await
+}
+
+async fn sources(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
+    call(&core, CommandKind::Sources(vm_id(&id)?), StatusCode::OK).await
+}
+
+async fn page(State(core): State<CoreHandle>, Path((id, page)): Path<(String, String)>) -> ApiResult {
+    let page = page
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("page '{page}' is not a page number")))?;
+    call(&core, CommandKind::Page(vm_id(&id)?, page), StatusCode::OK).await
+}
+
+async fn tree(State(core): State<CoreHandle>) -> ApiResult {
+    call(&core, CommandKind::Tree, StatusCode::OK).await
+}
+
+async fn invariant(State(core): State<CoreHandle>) -> ApiResult {
+    call(&core, CommandKind::CheckInvariant, StatusCode::OK).await
+}
+
 async fn openapi_doc() -> Json<Value> {
     Json(openapi::document())
 }
@@ -96,6 +133,11 @@ pub fn router(core: CoreHandle, volumes: Option<std::sync::Arc<crate::volume::Vo
         .route("/v1/vms/{id}/pause", post(pause))
         .route("/v1/vms/{id}/resume", post(resume))
         .route("/v1/vms/{id}/exec", post(exec))
+        .route("/v1/vms/{id}/fork", post(fork))
+        .route("/v1/vms/{id}/sources", get(sources))
+        .route("/v1/vms/{id}/pages/{page}", get(page))
+        .route("/v1/tree", get(tree))
+        .route("/v1/debug/invariant", get(invariant))
         .with_state(core);
     let vms = match volumes {
         Some(engine) => vms.merge(volumes_router(engine)),

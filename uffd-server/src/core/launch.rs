@@ -66,7 +66,7 @@ pub(super) fn launch_config(
         regions: vec![GuestRegion { guest_phys: 0, size: v.memory.size() }],
         vcpus: v.vcpus,
         disk_bytes,
-        start_state: None,
+        start_state: v.start_state.as_deref().cloned(),
     };
     Ok((config, disk))
 }
@@ -79,6 +79,21 @@ impl Core {
             self.reg.borrow_mut().vms.remove(&id);
             return Err(e);
         }
+        if let Err(e) = self.wait_ready(id, ready_rx).await {
+            self.reg.borrow_mut().vms.remove(&id);
+            return Err(e);
+        }
+        info!("{id}: running");
+        self.vm_info(id)
+    }
+
+    /// Wait until `id`'s guest agent runs; on failure stop its VMM and
+    /// return an error that quotes the end of its log.
+    pub(super) async fn wait_ready(
+        self: &Rc<Self>,
+        id: VmId,
+        ready_rx: oneshot::Receiver<Result<(), String>>,
+    ) -> ApiResult<()> {
         let timeout = self.settings.start_timeout;
         let outcome = tokio::time::timeout(timeout, ready_rx).await;
         let failure = match outcome {
@@ -92,15 +107,13 @@ impl Core {
             let tail = std::fs::read_to_string(&log).unwrap_or_default();
             let tail: Vec<&str> = tail.lines().rev().take(5).collect();
             self.stop_vmm(id).await;
-            self.reg.borrow_mut().vms.remove(&id);
             let detail = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
             return Err(ApiError {
                 status: err.status,
                 message: format!("{}; vmm log {}: {detail}", err.message, log.display()),
             });
         }
-        info!("{id}: running");
-        self.vm_info(id)
+        Ok(())
     }
 
     /// Validate `req` and register the VM with its memory and table.
@@ -178,6 +191,8 @@ impl Core {
             stats: FaultStats::default(),
             parent: None,
             volume: req.volume.clone(),
+            start_state: None,
+            deleted: false,
         };
         reg.vms.insert(id, vm);
         if req.prefetch {
@@ -192,7 +207,7 @@ impl Core {
     }
 
     /// Start `id`'s vmm process and register its launch token.
-    async fn spawn_vmm(self: &Rc<Self>, id: VmId) -> ApiResult<()> {
+    pub(super) async fn spawn_vmm(self: &Rc<Self>, id: VmId) -> ApiResult<()> {
         let token = new_token();
         let logs = self.settings.state_dir.join("logs");
         let _ = std::fs::create_dir_all(&logs);
@@ -267,12 +282,26 @@ impl Core {
             return Err(not_found(id));
         }
         self.stop_vmm(id).await;
-        let mut reg = self.reg.borrow_mut();
-        if let Some(v) = reg.vms.remove(&id) {
-            reg.arena.release(v.self_src);
+        let frozen = {
+            let mut reg = self.reg.borrow_mut();
+            if let Some(v) = reg.vms.get_mut(&id) {
+                v.deleted = true;
+                if let (Some(vol), Some(engine)) = (v.volume.take(), self.volumes.as_ref()) {
+                    if v.parent.is_some() && vol.ends_with(&format!("-{id}")) {
+                        // A fork child's own reflinked disk goes with it.
+                        let _ = engine.delete(&vol);
+                    }
+                }
+            }
+            reg.collect_garbage();
+            reg.vms.contains_key(&id)
+        };
+        if frozen {
+            info!("{id}: deleted; memory kept while other VMs read from it");
+        } else {
+            info!("{id}: deleted");
         }
-        info!("{id}: deleted");
-        Ok(serde_json::json!({ "id": id.to_string(), "deleted": true }))
+        Ok(serde_json::json!({ "id": id.to_string(), "deleted": true, "frozen": frozen }))
     }
 }
 

@@ -8,6 +8,8 @@
 
 mod error;
 pub mod fault;
+mod fork;
+mod inspect;
 mod launch;
 mod ops;
 pub mod vm;
@@ -45,6 +47,23 @@ pub struct Settings {
     pub exec_timeout: Duration,
 }
 
+impl Registry {
+    /// Release deleted VMs that no other table reads from any more (their
+    /// memfd goes with them). Repeats, since releasing one VM drops its own
+    /// table's references to its ancestors.
+    pub fn collect_garbage(&mut self) {
+        loop {
+            let victim = self.vms.values().filter(|v| v.deleted).map(|v| (v.id, v.self_src)).find(|(id, src)| {
+                !self.vms.values().any(|o| o.id != *id && o.table.count_of(*src) > 0)
+            });
+            let Some((id, src)) = victim else { return };
+            self.vms.remove(&id);
+            self.arena.release(src);
+            info!("{id}: memory released");
+        }
+    }
+}
+
 /// All VMs and sources.
 #[derive(Debug, Default)]
 pub struct Registry {
@@ -77,6 +96,11 @@ pub enum CommandKind {
     Pause(VmId),
     Resume(VmId),
     Exec(VmId, proto::api::ExecRequest),
+    Fork(VmId, u32),
+    Sources(VmId),
+    Page(VmId, u64),
+    Tree,
+    CheckInvariant,
     Shutdown,
 }
 
@@ -157,6 +181,11 @@ impl Core {
             CommandKind::Pause(id) => self.pause(id).await,
             CommandKind::Resume(id) => self.resume(id).await,
             CommandKind::Exec(id, req) => self.exec(id, req).await,
+            CommandKind::Fork(id, count) => self.fork(id, count).await,
+            CommandKind::Sources(id) => self.sources(id),
+            CommandKind::Page(id, page) => self.page(id, page),
+            CommandKind::Tree => Ok(self.tree()),
+            CommandKind::CheckInvariant => self.check_invariant(),
             CommandKind::Shutdown => Ok(Value::Null),
         }
     }
@@ -384,6 +413,7 @@ async fn serve_faults(core: Rc<Core>, vm: VmId, uffd: Rc<AsyncFd<Uffd>>) {
                     Err(e) => warn!("{vm}: bad uffd event: {e}"),
                 }
             }
+            reg.collect_garbage();
         }
         if vmm_gone {
             core.mark_exited(vm, "vmm address space is gone (ESRCH)");

@@ -23,7 +23,7 @@ impl Core {
         }
         Ok(VmInfo {
             id: id.to_string(),
-            state: v.state.name().into(),
+            state: if v.deleted { "deleted".into() } else { v.state.name().into() },
             kind: "pagefork".into(),
             pid: v.pid,
             memory_mib: v.memory_mib(),
@@ -50,7 +50,8 @@ impl Core {
 
     /// `GET /v1/vms`.
     pub fn list_vms(&self) -> Value {
-        let ids: Vec<VmId> = self.reg.borrow().vms.keys().copied().collect();
+        let ids: Vec<VmId> =
+            self.reg.borrow().vms.values().filter(|v| !v.deleted).map(|v| v.id).collect();
         let infos: Vec<VmInfo> = ids.into_iter().filter_map(|id| self.info(id).ok()).collect();
         serde_json::json!({ "vms": infos })
     }

@@ -78,6 +78,11 @@ pub struct Vm {
     pub stats: FaultStats,
     pub parent: Option<VmId>,
     pub volume: Option<String>,
+    /// vCPU state a fork child starts from.
+    pub start_state: Option<Rc<shared::VmState>>,
+    /// Deleted by the user but kept as a frozen source while other tables
+    /// still read pages from it.
+    pub deleted: bool,
 }
 
 impl Vm {

@@ -1,0 +1,122 @@
+//! Memory-source debugging: where a VM's pages come from, one page's
+//! story, the fork tree, and a check of the table invariant against the
+//! kernel's view of each memfd.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
+use shared::VmId;
+
+use super::{not_found, ApiError, ApiResult, Core};
+
+impl Core {
+    /// `GET /v1/vms/{id}/sources`.
+    pub(super) fn sources(&self, id: VmId) -> ApiResult<Value> {
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
+        let describe = |src| reg.arena.get(src).map(|s| s.describe()).unwrap_or_else(|| format!("source-{src}"));
+        let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+        let mut by_source: BTreeMap<String, u64> = BTreeMap::new();
+        for (src, n) in v.table.counts() {
+            let kind = reg.arena.get(*src).map(|s| s.kind()).unwrap_or("unknown");
+            *by_kind.entry(kind.into()).or_default() += n;
+            *by_source.entry(describe(*src)).or_default() += n;
+        }
+        let extents: Vec<Value> = v
+            .table
+            .extents()
+            .into_iter()
+            .map(|e| json!({ "start_page": e.start, "pages": e.pages, "source": describe(e.source) }))
+            .collect();
+        Ok(json!({
+            "id": id.to_string(),
+            "pages": v.table.pages(),
+            "by_kind": by_kind,
+            "by_source": by_source,
+            "extents": extents,
+        }))
+    }
+
+    /// `GET /v1/vms/{id}/pages/{page}`.
+    pub(super) fn page(&self, id: VmId, page: u64) -> ApiResult<Value> {
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
+        if page >= v.table.pages() {
+            return Err(ApiError::bad_request(format!(
+                "page {page} is outside {id}'s {} pages",
+                v.table.pages()
+            )));
+        }
+        let src = v.table.get(page);
+        let source = reg.arena.get(src);
+        Ok(json!({
+            "id": id.to_string(),
+            "page": page,
+            "source": source.map(|s| s.describe()),
+            "kind": source.map(|s| s.kind()),
+            "present": v.memory.is_present(page),
+            "table_says_present": src == v.self_src,
+        }))
+    }
+
+    /// `GET /v1/tree`: every VM (deleted-but-frozen ones too) with its
+    /// parent, children and how many pages it reads from each other VM.
+    pub(super) fn tree(&self) -> Value {
+        let reg = self.reg.borrow();
+        let nodes: Vec<Value> = reg
+            .vms
+            .values()
+            .map(|v| {
+                let mut reads: BTreeMap<String, u64> = BTreeMap::new();
+                for (src, n) in v.table.counts() {
+                    if *src == v.self_src {
+                        continue;
+                    }
+                    if let Some(crate::pages::PageSource::Vm(other)) = reg.arena.get(*src).map(|s| &**s) {
+                        reads.insert(other.to_string(), *n);
+                    }
+                }
+                let children: Vec<String> =
+                    reg.vms.values().filter(|c| c.parent == Some(v.id)).map(|c| c.id.to_string()).collect();
+                json!({
+                    "id": v.id.to_string(),
+                    "parent": v.parent.map(|p| p.to_string()),
+                    "state": if v.deleted { "deleted" } else { v.state.name() },
+                    "children": children,
+                    "own_pages": v.table.count_of(v.self_src),
+                    "reads_from": reads,
+                })
+            })
+            .collect();
+        json!({ "vms": nodes })
+    }
+
+    /// `GET /v1/debug/invariant`: for every VM and page, the table says
+    /// `Vm(self)` exactly where the memfd holds the page.
+    pub(super) fn check_invariant(&self) -> ApiResult<Value> {
+        let reg = self.reg.borrow();
+        let mut violations = Vec::new();
+        let mut checked = 0u64;
+        for v in reg.vms.values() {
+            let mut present = vec![false; usize::try_from(v.table.pages()).unwrap_or(0)];
+            for (start, n) in v.memory.present_ranges() {
+                for p in start..start + n {
+                    if let Some(slot) = present.get_mut(p as usize) {
+                        *slot = true;
+                    }
+                }
+            }
+            for (p, is_present) in present.iter().enumerate() {
+                let says = v.table.get(p as u64) == v.self_src;
+                if says != *is_present {
+                    violations.push(json!({ "id": v.id.to_string(), "page": p, "table_says_present": says, "present": is_present }));
+                    if violations.len() >= 32 {
+                        break;
+                    }
+                }
+            }
+            checked += v.table.pages();
+        }
+        Ok(json!({ "ok": violations.is_empty(), "pages_checked": checked, "violations": violations }))
+    }
+}
