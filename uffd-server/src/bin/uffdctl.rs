@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffd_server::cli::{demo, vm};
+use uffd_server::cli::{demo, inspect, vm};
 use uffd_server::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -29,6 +29,17 @@ enum Cmd {
     /// Manage VMs.
     #[command(subcommand)]
     Vm(vm::VmCmd),
+    /// Where a VM's pages come from: per source, and as extents.
+    Sources {
+        id: String,
+        /// Extents to print at most.
+        #[arg(long, default_value_t = 40)]
+        extents: usize,
+    },
+    /// One page's source and presence.
+    Page { id: String, page: u64 },
+    /// The fork tree and what each VM reads from its ancestors.
+    Tree,
     /// Start a server in a temporary directory and show a VM, a fork, a snapshot.
     Demo(demo::DemoArgs),
     /// Call any API route: uffdctl api GET /v1/vms ['{"json": 1}'].
@@ -55,6 +66,9 @@ fn main() -> ExitCode {
     let result = match args.cmd {
         Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
         Cmd::Demo(d) => demo::run(d),
+        Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
+        Cmd::Page { id, page } => inspect::page(&client, &id, page, args.json),
+        Cmd::Tree => inspect::tree(&client, args.json),
         Cmd::Api { method, path, body } => {
             let body = match body.map(|b| serde_json::from_str(&b)) {
                 Some(Ok(v)) => Some(v),

@@ -2,5 +2,6 @@
 //! readable tables (or the raw JSON with `--json`).
 
 pub mod demo;
+pub mod inspect;
 pub mod table;
 pub mod vm;

@@ -39,6 +39,12 @@ pub enum VmCmd {
     Pause { id: String },
     /// Resume a VM's vCPUs.
     Resume { id: String },
+    /// Fork a running VM into COUNT children without copying its memory.
+    Fork {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
     /// Run a guest agent op: fill, touch, checksum, verify, digest, identity,
     /// disk_fill, disk_checksum.
     Exec {
@@ -115,6 +121,19 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
         VmCmd::Delete { id } => call(client, "DELETE", &format!("/v1/vms/{id}"), None)?,
         VmCmd::Pause { id } => call(client, "POST", &format!("/v1/vms/{id}/pause"), None)?,
         VmCmd::Resume { id } => call(client, "POST", &format!("/v1/vms/{id}/resume"), None)?,
+        VmCmd::Fork { id, count } => {
+            let v = call(client, "POST", &format!("/v1/vms/{id}/fork"), Some(&json!({ "count": count })))?;
+            if !as_json {
+                println!(
+                    "{id} forked into {} (parent paused {} us, table fork {} us)",
+                    v["children"].as_array().map(|a| a.iter().map(|c| c.as_str().unwrap_or("?")).collect::<Vec<_>>().join(", ")).unwrap_or_default(),
+                    v["pause_us"],
+                    v["fork_us"]
+                );
+                return Ok(());
+            }
+            v
+        }
         VmCmd::Exec { id, op, start_page, pages, seed, write, sector, count } => {
             let body = json!({
                 "op": op, "start_page": start_page, "pages": pages, "seed": seed,
