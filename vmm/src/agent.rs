@@ -325,10 +325,17 @@ pub fn build() -> Result<Agent> {
         a.jmp(done)?;
     }
 
-    let res = a.assemble_options(CODE, iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS)?;
+    let res = a.assemble_options(
+        CODE,
+        iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS,
+    )?;
     let entry = res.label_ip(&entry)?;
     let park = res.label_ip(&park)?;
-    Ok(Agent { code: res.inner.code_buffer, entry, park })
+    Ok(Agent {
+        code: res.inner.code_buffer,
+        entry,
+        park,
+    })
 }
 
 #[cfg(test)]

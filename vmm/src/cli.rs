@@ -90,10 +90,25 @@ mod tests {
 
     #[test]
     fn steps_parse_from_json() {
-        let s: Step = serde_json::from_str(r#"{"Exec":{"Fill":{"start_page":1,"pages":2,"seed":3}}}"#).unwrap();
-        assert!(matches!(s, Step::Request(Request::Exec(GuestOp::Fill { start_page: 1, pages: 2, seed: 3 }))));
-        assert!(matches!(serde_json::from_str::<Step>(r#""Pause""#).unwrap(), Step::Request(Request::Pause)));
-        assert!(matches!(serde_json::from_str::<Step>(r#""Restore""#).unwrap(), Step::Extra(Extra::Restore)));
+        let s: Step =
+            serde_json::from_str(r#"{"Exec":{"Fill":{"start_page":1,"pages":2,"seed":3}}}"#)
+                .unwrap();
+        assert!(matches!(
+            s,
+            Step::Request(Request::Exec(GuestOp::Fill {
+                start_page: 1,
+                pages: 2,
+                seed: 3
+            }))
+        ));
+        assert!(matches!(
+            serde_json::from_str::<Step>(r#""Pause""#).unwrap(),
+            Step::Request(Request::Pause)
+        ));
+        assert!(matches!(
+            serde_json::from_str::<Step>(r#""Restore""#).unwrap(),
+            Step::Extra(Extra::Restore)
+        ));
         assert!(matches!(
             serde_json::from_str::<Step>(r#"{"Async":{"Exec":"Identity"}}"#).unwrap(),
             Step::Extra(Extra::Async(Request::Exec(GuestOp::Identity)))

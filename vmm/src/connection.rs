@@ -52,14 +52,31 @@ pub struct Welcome {
 impl Connection {
     /// Connect and say hello; returns the connection and the Welcome.
     pub fn connect(path: &Path, token: &str) -> Result<(Self, Welcome)> {
-        let sock = UnixStream::connect(path)
-            .map_err(|source| ConnectionError::Connect { path: path.display().to_string(), source })?;
-        let conn = Connection { sock, send_lock: Mutex::new(()) };
-        conn.send(&VmmMsg::Hello { version: VERSION, token: token.to_owned(), pid: std::process::id() }, &[])?;
+        let sock = UnixStream::connect(path).map_err(|source| ConnectionError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let conn = Connection {
+            sock,
+            send_lock: Mutex::new(()),
+        };
+        conn.send(
+            &VmmMsg::Hello {
+                version: VERSION,
+                token: token.to_owned(),
+                pid: std::process::id(),
+            },
+            &[],
+        )?;
         match conn.recv()? {
-            (ServerMsg::Welcome { vm_id, config }, fds) => Ok((conn, Welcome { vm_id, config, fds })),
+            (ServerMsg::Welcome { vm_id, config }, fds) => {
+                Ok((conn, Welcome { vm_id, config, fds }))
+            }
             (ServerMsg::Error { message }, _) => Err(ConnectionError::Refused(message)),
-            (other, _) => Err(ConnectionError::Unexpected { expected: "Welcome", got: format!("{other:?}") }),
+            (other, _) => Err(ConnectionError::Unexpected {
+                expected: "Welcome",
+                got: format!("{other:?}"),
+            }),
         }
     }
 
@@ -73,5 +90,4 @@ impl Connection {
     pub fn recv(&self) -> Result<(ServerMsg, Vec<OwnedFd>)> {
         proto::vmm::recv(&self.sock).map_err(ConnectionError::Recv)
     }
-
 }

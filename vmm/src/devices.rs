@@ -43,7 +43,11 @@ pub struct Devices {
 impl Devices {
     /// Devices of VM `vm_id`, with an optional disk.
     pub fn new(vm_id: u32, disk: Option<Disk>) -> Self {
-        Devices { vm_id, disk, error: None }
+        Devices {
+            vm_id,
+            disk,
+            error: None,
+        }
     }
 
     /// Value of an IN from `port`, or `None` if no device answers there.
@@ -65,20 +69,31 @@ impl Devices {
 
     fn disk_command(&mut self, mem: &GuestRam, cmd: u8) -> Result<(), String> {
         let disk = self.disk.as_ref().ok_or("the VM has no disk")?;
-        let sector = mem.read_u64(MAILBOX + mailbox::DISK_SECTOR).map_err(|e| e.to_string())?;
-        let buf = mem.read_u64(MAILBOX + mailbox::DISK_BUF).map_err(|e| e.to_string())?;
+        let sector = mem
+            .read_u64(MAILBOX + mailbox::DISK_SECTOR)
+            .map_err(|e| e.to_string())?;
+        let buf = mem
+            .read_u64(MAILBOX + mailbox::DISK_BUF)
+            .map_err(|e| e.to_string())?;
         if sector >= disk.sectors() {
-            return Err(format!("sector {sector} is past the end of the disk ({} sectors)", disk.sectors()));
+            return Err(format!(
+                "sector {sector} is past the end of the disk ({} sectors)",
+                disk.sectors()
+            ));
         }
-        let mut bytes = [0u8; SECTOR_SIZE as usize];
+        let mut bytes = [0u8; SECTOR_BYTES];
         let off = sector * SECTOR_SIZE;
         match cmd {
             DISK_WRITE => {
                 mem.read(buf, &mut bytes).map_err(|e| e.to_string())?;
-                disk.file.write_all_at(&bytes, off).map_err(|e| format!("cannot write sector {sector}: {e}"))
+                disk.file
+                    .write_all_at(&bytes, off)
+                    .map_err(|e| format!("cannot write sector {sector}: {e}"))
             }
             DISK_READ => {
-                disk.file.read_exact_at(&mut bytes, off).map_err(|e| format!("cannot read sector {sector}: {e}"))?;
+                disk.file
+                    .read_exact_at(&mut bytes, off)
+                    .map_err(|e| format!("cannot read sector {sector}: {e}"))?;
                 mem.write(buf, &bytes).map_err(|e| e.to_string())
             }
             other => Err(format!("unknown block device command {other}")),
@@ -96,11 +111,18 @@ const DEVICE_STATE_V1: u32 = 1;
 /// The private pages that hold agent state: mailbox, sector buffer, stack.
 const STATE_START: u64 = MAILBOX;
 const STATE_END: u64 = STACK_TOP;
+const STATE_LEN: usize = 0x4000;
+const _: () = assert!(STATE_END - STATE_START == STATE_LEN as u64);
+/// [`SECTOR_SIZE`] as a buffer length.
+const SECTOR_BYTES: usize = 512;
+const _: () = assert!(SECTOR_BYTES as u64 == SECTOR_SIZE);
 
 /// Errors of saving or restoring device state.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceStateError {
-    #[error("device state is {0} bytes or has an unknown version; was it captured by another build?")]
+    #[error(
+        "device state is {0} bytes or has an unknown version; was it captured by another build?"
+    )]
     Format(usize),
     #[error(transparent)]
     Memory(#[from] crate::memory::MemoryError),
@@ -110,7 +132,7 @@ pub enum DeviceStateError {
 /// forked in the middle of an op finds its arguments where it left them.
 pub fn save(mem: &GuestRam) -> Result<Vec<u8>, DeviceStateError> {
     let mut blob = DEVICE_STATE_V1.to_le_bytes().to_vec();
-    let mut pages = vec![0u8; (STATE_END - STATE_START) as usize];
+    let mut pages = vec![0u8; STATE_LEN];
     mem.read(STATE_START, &mut pages)?;
     blob.extend_from_slice(&pages);
     Ok(blob)
@@ -121,7 +143,7 @@ pub fn restore(mem: &GuestRam, blob: &[u8]) -> Result<(), DeviceStateError> {
     if blob.is_empty() {
         return Ok(());
     }
-    let want = 4 + (STATE_END - STATE_START) as usize;
+    let want = 4 + STATE_LEN;
     if blob.len() != want || blob[..4] != DEVICE_STATE_V1.to_le_bytes() {
         return Err(DeviceStateError::Format(blob.len()));
     }

@@ -81,12 +81,18 @@ pub fn ram_end(regions: &[GuestRegion]) -> Result<u64> {
     }
     for r in regions {
         if r.guest_phys % shared::PAGE_SIZE != 0 || r.size % shared::PAGE_SIZE != 0 || r.size == 0 {
-            return Err(LayoutError::Unaligned { guest_phys: r.guest_phys, size: r.size });
+            return Err(LayoutError::Unaligned {
+                guest_phys: r.guest_phys,
+                size: r.size,
+            });
         }
         if r.guest_phys < end {
             return Err(LayoutError::Overlap);
         }
-        end = r.guest_phys.checked_add(r.size).ok_or(LayoutError::TooLarge(u64::MAX))?;
+        end = r
+            .guest_phys
+            .checked_add(r.size)
+            .ok_or(LayoutError::TooLarge(u64::MAX))?;
     }
     if end > MAX_RAM_END {
         return Err(LayoutError::TooLarge(end));
@@ -122,8 +128,14 @@ pub fn private_image(ram_end: u64, code: &[u8]) -> Result<Vec<u8>> {
             put(pd + i * 8, addr | PTE_PRESENT | PTE_WRITE | PTE_HUGE);
         }
     }
-    put(PDPT + (PRIV_BASE / GIB) * 8, PD_PRIV | PTE_PRESENT | PTE_WRITE);
-    put(PD_PRIV + ((PRIV_BASE % GIB) / TWO_MIB) * 8, PRIV_BASE | PTE_PRESENT | PTE_WRITE | PTE_HUGE);
+    put(
+        PDPT + (PRIV_BASE / GIB) * 8,
+        PD_PRIV | PTE_PRESENT | PTE_WRITE,
+    );
+    put(
+        PD_PRIV + ((PRIV_BASE % GIB) / TWO_MIB) * 8,
+        PRIV_BASE | PTE_PRESENT | PTE_WRITE | PTE_HUGE,
+    );
     for (i, e) in GDT_ENTRIES.iter().enumerate() {
         put(GDT + i as u64 * 8, *e);
     }
@@ -162,7 +174,16 @@ mod tests {
     fn page_tables_identity_map_ram_and_private_region() {
         let end = 5 * GIB + 4 * TWO_MIB;
         let img = private_image(end, &[0xf4]).unwrap();
-        for va in [0, 0x1234_5678, GIB, 5 * GIB + 0x10_0000, end - 8, MAILBOX, CODE, STACK_TOP - 8] {
+        for va in [
+            0,
+            0x1234_5678,
+            GIB,
+            5 * GIB + 0x10_0000,
+            end - 8,
+            MAILBOX,
+            CODE,
+            STACK_TOP - 8,
+        ] {
             assert_eq!(translate(&img, va), Some(va), "va {va:#x}");
         }
         assert_eq!(translate(&img, end), None);
@@ -173,8 +194,14 @@ mod tests {
     fn ram_end_rejects_overlap_and_too_large() {
         let r = |guest_phys, size| GuestRegion { guest_phys, size };
         assert_eq!(ram_end(&[r(0, 0x1000), r(0x2000, 0x1000)]).unwrap(), 0x3000);
-        assert!(matches!(ram_end(&[r(0, 0x2000), r(0x1000, 0x1000)]), Err(LayoutError::Overlap)));
-        assert!(matches!(ram_end(&[r(0, MAX_RAM_END + 0x1000)]), Err(LayoutError::TooLarge(_))));
+        assert!(matches!(
+            ram_end(&[r(0, 0x2000), r(0x1000, 0x1000)]),
+            Err(LayoutError::Overlap)
+        ));
+        assert!(matches!(
+            ram_end(&[r(0, MAX_RAM_END + 0x1000)]),
+            Err(LayoutError::TooLarge(_))
+        ));
         assert!(matches!(ram_end(&[]), Err(LayoutError::NoRegions)));
     }
 }

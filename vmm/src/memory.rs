@@ -11,8 +11,8 @@ use std::os::fd::OwnedFd;
 
 use shared::{pattern, GuestRegion, PAGE_SIZE};
 use vm_memory::{
-    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
-    MmapRegion,
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+    GuestRegionMmap, MmapRegion,
 };
 
 use crate::layout::{self, PRIV_BASE, PRIV_SIZE};
@@ -54,6 +54,10 @@ pub struct GuestRam {
     pub regions: Vec<GuestRegion>,
 }
 
+/// [`PAGE_SIZE`] as a buffer length.
+const PAGE_BYTES: usize = 4096;
+const _: () = assert!(PAGE_BYTES as u64 == PAGE_SIZE);
+
 fn usize_of(n: u64) -> Result<usize> {
     usize::try_from(n).map_err(|_| MemoryError::Size(n))
 }
@@ -62,12 +66,18 @@ impl GuestRam {
     /// Map the server's memfds, one per region, MAP_SHARED.
     pub fn from_memfds(regions: &[GuestRegion], fds: Vec<OwnedFd>) -> Result<Self> {
         if fds.len() != regions.len() {
-            return Err(MemoryError::FdCount { want: regions.len(), got: fds.len() });
+            return Err(MemoryError::FdCount {
+                want: regions.len(),
+                got: fds.len(),
+            });
         }
         let mut maps = Vec::with_capacity(regions.len());
         for (r, fd) in regions.iter().zip(fds) {
             let map = MmapRegion::from_file(FileOffset::new(File::from(fd), 0), usize_of(r.size)?)
-                .map_err(|source| MemoryError::MapRegion { guest_phys: r.guest_phys, source })?;
+                .map_err(|source| MemoryError::MapRegion {
+                    guest_phys: r.guest_phys,
+                    source,
+                })?;
             maps.push(map);
         }
         Self::build(regions, maps)
@@ -77,8 +87,11 @@ impl GuestRam {
     pub fn anonymous(regions: &[GuestRegion]) -> Result<Self> {
         let mut maps = Vec::with_capacity(regions.len());
         for r in regions {
-            let map = MmapRegion::new(usize_of(r.size)?)
-                .map_err(|source| MemoryError::MapRegion { guest_phys: r.guest_phys, source })?;
+            let map =
+                MmapRegion::new(usize_of(r.size)?).map_err(|source| MemoryError::MapRegion {
+                    guest_phys: r.guest_phys,
+                    source,
+                })?;
             maps.push(map);
         }
         Self::build(regions, maps)
@@ -88,23 +101,42 @@ impl GuestRam {
         layout::ram_end(regions)?;
         let mut all = Vec::with_capacity(maps.len() + 1);
         for (r, map) in regions.iter().zip(maps) {
-            all.push(GuestRegionMmap::new(map, GuestAddress(r.guest_phys)).ok_or(MemoryError::Size(r.size))?);
+            all.push(
+                GuestRegionMmap::new(map, GuestAddress(r.guest_phys))
+                    .ok_or(MemoryError::Size(r.size))?,
+            );
         }
-        let private = MmapRegion::new(usize_of(PRIV_SIZE)?)
-            .map_err(|source| MemoryError::MapRegion { guest_phys: PRIV_BASE, source })?;
-        all.push(GuestRegionMmap::new(private, GuestAddress(PRIV_BASE)).ok_or(MemoryError::Size(PRIV_SIZE))?);
+        let private =
+            MmapRegion::new(usize_of(PRIV_SIZE)?).map_err(|source| MemoryError::MapRegion {
+                guest_phys: PRIV_BASE,
+                source,
+            })?;
+        all.push(
+            GuestRegionMmap::new(private, GuestAddress(PRIV_BASE))
+                .ok_or(MemoryError::Size(PRIV_SIZE))?,
+        );
         let mem = GuestMemoryMmap::from_regions(all).map_err(MemoryError::Collect)?;
-        Ok(GuestRam { mem, regions: regions.to_vec() })
+        Ok(GuestRam {
+            mem,
+            regions: regions.to_vec(),
+        })
     }
 
     /// Host address and length of every guest RAM region, in order.
     pub fn ram_host_ranges(&self) -> Vec<(*mut u8, usize)> {
-        self.mem.iter().take(self.regions.len()).map(|r| (r.as_ptr(), r.size())).collect()
+        self.mem
+            .iter()
+            .take(self.regions.len())
+            .map(|r| (r.as_ptr(), r.size()))
+            .collect()
     }
 
     /// KVM slot description of every region: (guest address, size, host address).
     pub fn slots(&self) -> Vec<(u64, u64, u64)> {
-        self.mem.iter().map(|r| (r.start_addr().0, r.len(), r.as_ptr() as u64)).collect()
+        self.mem
+            .iter()
+            .map(|r| (r.start_addr().0, r.len(), r.as_ptr() as u64))
+            .collect()
     }
 
     /// Where guest RAM ends.
@@ -159,7 +191,7 @@ impl GuestRam {
     /// [`pattern::digest`] of pages `[start, start + pages)`, read through
     /// the VMM's mapping (which faults through the userfaultfd).
     pub fn digest(&self, start: u64, pages: u64) -> Result<u64> {
-        let mut page = vec![0u8; PAGE_SIZE as usize];
+        let mut page = vec![0u8; PAGE_BYTES];
         let mut h = 0;
         for p in start..start.saturating_add(pages) {
             self.read(p * PAGE_SIZE, &mut page)?;
@@ -170,11 +202,16 @@ impl GuestRam {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
 
     fn ram(pages: u64) -> GuestRam {
-        GuestRam::anonymous(&[GuestRegion { guest_phys: 0, size: pages * PAGE_SIZE }]).unwrap()
+        GuestRam::anonymous(&[GuestRegion {
+            guest_phys: 0,
+            size: pages * PAGE_SIZE,
+        }])
+        .unwrap()
     }
 
     #[test]

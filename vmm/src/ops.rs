@@ -45,8 +45,15 @@ fn elapsed_us(start: Instant) -> u64 {
 
 fn digest_worker(mem: std::sync::Arc<GuestRam>, rx: mpsc::Receiver<HostJob>) {
     for (start_page, pages, t0, reply) in rx {
-        let r = mem.digest(start_page, pages).map_err(|e| crate::error_chain(&e));
-        reply(r.map(|value| Reply::Op(OpResult { value, elapsed_us: elapsed_us(t0) })));
+        let r = mem
+            .digest(start_page, pages)
+            .map_err(|e| crate::error_chain(&e));
+        reply(r.map(|value| {
+            Reply::Op(OpResult {
+                value,
+                elapsed_us: elapsed_us(t0),
+            })
+        }));
     }
 }
 
@@ -57,7 +64,7 @@ pub fn validate(mem: &GuestRam, disk_sectors: Option<u64>, op: &GuestOp) -> Resu
     }
     if let GuestOp::DiskFill { sector, count, .. } | GuestOp::DiskChecksum { sector, count } = *op {
         let total = disk_sectors.ok_or("the VM has no disk")?;
-        if !sector.checked_add(count).is_some_and(|end| end <= total) {
+        if sector.checked_add(count).is_none_or(|end| end > total) {
             return Err(format!(
                 "sectors {sector}..{} are past the end of the disk ({total} sectors)",
                 sector.saturating_add(count)
@@ -70,12 +77,28 @@ pub fn validate(mem: &GuestRam, disk_sectors: Option<u64>, op: &GuestOp) -> Resu
 /// The agent op code and mailbox arguments of an op run by the guest.
 pub fn encode(op: &GuestOp) -> Option<(u32, [u64; 3])> {
     Some(match *op {
-        GuestOp::Fill { start_page, pages, seed } => (opcode::FILL, [start_page, pages, seed]),
-        GuestOp::Touch { start_page, pages, write } => (opcode::TOUCH, [start_page, pages, u64::from(write)]),
+        GuestOp::Fill {
+            start_page,
+            pages,
+            seed,
+        } => (opcode::FILL, [start_page, pages, seed]),
+        GuestOp::Touch {
+            start_page,
+            pages,
+            write,
+        } => (opcode::TOUCH, [start_page, pages, u64::from(write)]),
         GuestOp::Checksum { start_page, pages } => (opcode::CHECKSUM, [start_page, pages, 0]),
-        GuestOp::Verify { start_page, pages, seed } => (opcode::VERIFY, [start_page, pages, seed]),
+        GuestOp::Verify {
+            start_page,
+            pages,
+            seed,
+        } => (opcode::VERIFY, [start_page, pages, seed]),
         GuestOp::Identity => (opcode::IDENTITY, [0; 3]),
-        GuestOp::DiskFill { sector, count, seed } => (opcode::DISK_FILL, [sector, count, seed]),
+        GuestOp::DiskFill {
+            sector,
+            count,
+            seed,
+        } => (opcode::DISK_FILL, [sector, count, seed]),
         GuestOp::DiskChecksum { sector, count } => (opcode::DISK_CHECKSUM, [sector, count, 0]),
         GuestOp::Digest { .. } => return None,
     })
@@ -90,7 +113,10 @@ impl Dispatcher {
             .name("digest".into())
             .spawn(move || digest_worker(mem, rx))
             .map_err(OpsError::SpawnWorker)?;
-        Ok(Dispatcher { machine, digests: tx })
+        Ok(Dispatcher {
+            machine,
+            digests: tx,
+        })
     }
 
     /// Run one op; `reply` gets its result.
@@ -101,14 +127,23 @@ impl Dispatcher {
         }
         match (op, encode(&op)) {
             (GuestOp::Digest { start_page, pages }, _) => {
-                if let Err(mpsc::SendError((_, _, _, reply))) = self.digests.send((start_page, pages, t0, reply)) {
+                if let Err(mpsc::SendError((_, _, _, reply))) =
+                    self.digests.send((start_page, pages, t0, reply))
+                {
                     reply(Err("the digest worker has stopped".into()));
                 }
             }
             (_, Some((opcode, args))) => self.machine.queue(Job {
                 opcode,
                 args,
-                reply: Box::new(move |r| reply(r.map(|value| Reply::Op(OpResult { value, elapsed_us: elapsed_us(t0) })))),
+                reply: Box::new(move |r| {
+                    reply(r.map(|value| {
+                        Reply::Op(OpResult {
+                            value,
+                            elapsed_us: elapsed_us(t0),
+                        })
+                    }))
+                }),
             }),
             (_, None) => reply(Err(format!("op {} is not supported", op.name()))),
         }

@@ -51,10 +51,16 @@ fn setup_and_serve(
 ) -> Result<()> {
     let want = config.regions.len() + usize::from(config.disk_bytes.is_some());
     if fds.len() != want {
-        return Err(Error::FdCount { want, got: fds.len() });
+        return Err(Error::FdCount {
+            want,
+            got: fds.len(),
+        });
     }
     let disk = match config.disk_bytes {
-        Some(bytes) => fds.pop().map(|fd| Disk { file: File::from(fd), bytes }),
+        Some(bytes) => fds.pop().map(|fd| Disk {
+            file: File::from(fd),
+            bytes,
+        }),
         None => None,
     };
     let mem = Arc::new(GuestRam::from_memfds(&config.regions, fds)?);
@@ -62,7 +68,11 @@ fn setup_and_serve(
     for (addr, len) in mem.ram_host_ranges() {
         guest_uffd.register(addr, len)?;
     }
-    let bases = mem.ram_host_ranges().iter().map(|(a, _)| *a as u64).collect();
+    let bases = mem
+        .ram_host_ranges()
+        .iter()
+        .map(|(a, _)| *a as u64)
+        .collect();
     conn.send(&VmmMsg::UffdReady { bases }, &[guest_uffd.uffd.as_raw_fd()])?;
 
     let events_conn = conn.clone();
@@ -120,7 +130,11 @@ fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
             }
             ServerMsg::Error { message } => return Err(ConnectionError::Refused(message).into()),
             ServerMsg::Welcome { .. } => {
-                return Err(ConnectionError::Unexpected { expected: "Request", got: "a second Welcome".into() }.into())
+                return Err(ConnectionError::Unexpected {
+                    expected: "Request",
+                    got: "a second Welcome".into(),
+                }
+                .into())
             }
         }
     }

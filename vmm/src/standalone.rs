@@ -52,15 +52,27 @@ impl Session {
             }
         });
         let disk = match &self.disk {
-            Some((f, bytes)) => Some(Disk { file: f.try_clone().map_err(Error::Disk)?, bytes: *bytes }),
+            Some((f, bytes)) => Some(Disk {
+                file: f.try_clone().map_err(Error::Disk)?,
+                bytes: *bytes,
+            }),
             None => None,
         };
-        let cfg = MachineConfig { vcpus: self.args_vcpus, vm_id: self.vm_id, disk, start_state };
+        let cfg = MachineConfig {
+            vcpus: self.args_vcpus,
+            vm_id: self.vm_id,
+            disk,
+            start_state,
+        };
         let machine = Machine::start(mem, cfg, events)?;
         match ready_rx.recv_timeout(READY_TIMEOUT) {
             Ok(Ok(())) => {}
             Ok(Err(reason)) => return Err(Error::Guest(reason)),
-            Err(_) => return Err(Error::Guest("the agent did not reach its command wait".into())),
+            Err(_) => {
+                return Err(Error::Guest(
+                    "the agent did not reach its command wait".into(),
+                ))
+            }
         }
         println!("{}", json!({"event": "Running"}));
         Ok(Dispatcher::new(machine)?)
@@ -82,7 +94,10 @@ fn print_reply(step: usize, request: &Request, result: &std::result::Result<Repl
         Request::CaptureState => "capture_state",
         Request::Stop => "stop",
     };
-    println!("{}", json!({"step": step, "request": name, "result": summarize(result)}));
+    println!(
+        "{}",
+        json!({"step": step, "request": name, "result": summarize(result)})
+    );
 }
 
 /// Run standalone mode.
@@ -90,14 +105,28 @@ pub fn run(args: &StandaloneArgs) -> Result<()> {
     let steps = args
         .steps
         .iter()
-        .map(|s| serde_json::from_str::<Step>(s).map_err(|e| Error::Step { step: s.clone(), source: e }))
+        .map(|s| {
+            serde_json::from_str::<Step>(s).map_err(|e| Error::Step {
+                step: s.clone(),
+                source: e,
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
-    let size = args.memory_mib.checked_mul(1 << 20).ok_or(Error::Guest("--memory-mib is too large".into()))?;
-    let mem = Arc::new(GuestRam::anonymous(&[GuestRegion { guest_phys: 0, size }])?);
+    let size = args
+        .memory_mib
+        .checked_mul(1 << 20)
+        .ok_or(Error::Guest("--memory-mib is too large".into()))?;
+    let mem = Arc::new(GuestRam::anonymous(&[GuestRegion {
+        guest_phys: 0,
+        size,
+    }])?);
     let disk = match args.disk_mib {
         Some(mib) => {
-            let fd = nix::sys::memfd::memfd_create(c"vmm-disk", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC)
-                .map_err(|e| Error::Disk(e.into()))?;
+            let fd = nix::sys::memfd::memfd_create(
+                c"vmm-disk",
+                nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC,
+            )
+            .map_err(|e| Error::Disk(e.into()))?;
             let f = std::fs::File::from(fd);
             f.set_len(mib << 20).map_err(Error::Disk)?;
             Some((f, mib << 20))
@@ -105,13 +134,20 @@ pub fn run(args: &StandaloneArgs) -> Result<()> {
         None => None,
     };
     let (replies_tx, replies_rx) = mpsc::channel();
-    let session = Session { args_vcpus: usize::from(args.vcpus.max(1)), vm_id: args.vm_id, disk, replies_tx };
+    let session = Session {
+        args_vcpus: usize::from(args.vcpus.max(1)),
+        vm_id: args.vm_id,
+        disk,
+        replies_tx,
+    };
     let mut dispatcher = session.start(mem.clone(), None)?;
     let mut outstanding: Vec<(usize, Request)> = Vec::new();
     let mut last_state: Option<VmState> = None;
 
-    let collect = |rx: &mpsc::Receiver<_>, outstanding: &mut Vec<(usize, Request)>, want: Option<usize>,
-                       last_state: &mut Option<VmState>| {
+    let collect = |rx: &mpsc::Receiver<_>,
+                   outstanding: &mut Vec<(usize, Request)>,
+                   want: Option<usize>,
+                   last_state: &mut Option<VmState>| {
         while !outstanding.is_empty() {
             let Ok((step, result)) = rx.recv() else { break };
             if let Some(pos) = outstanding.iter().position(|(s, _)| *s == step) {
@@ -143,10 +179,14 @@ pub fn run(args: &StandaloneArgs) -> Result<()> {
                     break;
                 }
             }
-            Step::Extra(Extra::Wait) => collect(&replies_rx, &mut outstanding, None, &mut last_state),
+            Step::Extra(Extra::Wait) => {
+                collect(&replies_rx, &mut outstanding, None, &mut last_state)
+            }
             Step::Extra(Extra::Sleep(ms)) => std::thread::sleep(Duration::from_millis(ms)),
             Step::Extra(Extra::Restore) => {
-                let state = last_state.clone().ok_or(Error::Guest("Restore needs a CaptureState first".into()))?;
+                let state = last_state
+                    .clone()
+                    .ok_or(Error::Guest("Restore needs a CaptureState first".into()))?;
                 collect(&replies_rx, &mut outstanding, None, &mut last_state);
                 let mem = dispatcher.shutdown();
                 dispatcher = session.start(mem, Some(state))?;

@@ -24,7 +24,11 @@ pub enum StateError {
         source: kvm_ioctls::Error,
     },
     #[error("saved vCPU {what} has {got} bytes, this VMM expects {want}; was it captured by another build?")]
-    Size { what: &'static str, got: usize, want: usize },
+    Size {
+        what: &'static str,
+        got: usize,
+        want: usize,
+    },
 }
 
 /// Result alias of this module.
@@ -57,7 +61,8 @@ const _: () = assert!(std::mem::size_of::<kvm_xcrs>() == 392);
 fn to_bytes<T: RawKvm>(v: &T) -> Vec<u8> {
     // SAFETY: `T: RawKvm` has no padding, so all size_of::<T>() bytes behind
     // the reference are initialized; the slice lives only for this copy.
-    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }.to_vec()
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
+        .to_vec()
 }
 
 fn xsave_to_bytes(x: &kvm_xsave) -> Vec<u8> {
@@ -67,9 +72,16 @@ fn xsave_to_bytes(x: &kvm_xsave) -> Vec<u8> {
 fn xsave_from_bytes(b: &[u8]) -> Result<kvm_xsave> {
     let want = std::mem::size_of::<kvm_xsave>();
     if b.len() != want {
-        return Err(StateError::Size { what: "xsave", got: b.len(), want });
+        return Err(StateError::Size {
+            what: "xsave",
+            got: b.len(),
+            want,
+        });
     }
-    let mut x = kvm_xsave { region: [0; 1024], extra: Default::default() };
+    let mut x = kvm_xsave {
+        region: [0; 1024],
+        extra: Default::default(),
+    };
     for (w, c) in x.region.iter_mut().zip(b.chunks_exact(4)) {
         *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     }
@@ -79,7 +91,11 @@ fn xsave_from_bytes(b: &[u8]) -> Result<kvm_xsave> {
 fn from_bytes<T: RawKvm>(what: &'static str, b: &[u8]) -> Result<T> {
     let want = std::mem::size_of::<T>();
     if b.len() != want {
-        return Err(StateError::Size { what, got: b.len(), want });
+        return Err(StateError::Size {
+            what,
+            got: b.len(),
+            want,
+        });
     }
     let mut v = T::default();
     // SAFETY: `b` holds exactly size_of::<T>() bytes and any bit pattern is
@@ -107,7 +123,8 @@ pub fn restore(vcpu: &VcpuFd, s: &VcpuState) -> Result<()> {
     let sregs: kvm_sregs = from_bytes("sregs", &s.sregs)?;
     vcpu.set_sregs(&sregs).map_err(set("sregs"))?;
     if !s.xcrs.is_empty() {
-        vcpu.set_xcrs(&from_bytes::<kvm_xcrs>("xcrs", &s.xcrs)?).map_err(set("xcrs"))?;
+        vcpu.set_xcrs(&from_bytes::<kvm_xcrs>("xcrs", &s.xcrs)?)
+            .map_err(set("xcrs"))?;
     }
     if !s.xsave.is_empty() {
         let xsave = xsave_from_bytes(&s.xsave)?;
@@ -115,8 +132,10 @@ pub fn restore(vcpu: &VcpuFd, s: &VcpuState) -> Result<()> {
         // exactly the 4096-byte legacy `kvm_xsave`, which `xsave` is.
         unsafe { vcpu.set_xsave(&xsave) }.map_err(set("xsave"))?;
     }
-    vcpu.set_fpu(&from_bytes::<kvm_fpu>("fpu", &s.fpu)?).map_err(set("fpu"))?;
-    vcpu.set_regs(&from_bytes::<kvm_regs>("regs", &s.regs)?).map_err(set("regs"))?;
+    vcpu.set_fpu(&from_bytes::<kvm_fpu>("fpu", &s.fpu)?)
+        .map_err(set("fpu"))?;
+    vcpu.set_regs(&from_bytes::<kvm_regs>("regs", &s.regs)?)
+        .map_err(set("regs"))?;
     Ok(())
 }
 
@@ -126,10 +145,18 @@ mod tests {
 
     #[test]
     fn raw_bytes_round_trip_and_reject_wrong_sizes() {
-        let regs = kvm_regs { rip: 0x1234, rax: 7, rflags: 2, ..Default::default() };
+        let regs = kvm_regs {
+            rip: 0x1234,
+            rax: 7,
+            rflags: 2,
+            ..Default::default()
+        };
         let b = to_bytes(&regs);
         assert_eq!(b.len(), 144);
         assert_eq!(from_bytes::<kvm_regs>("regs", &b).unwrap(), regs);
-        assert!(matches!(from_bytes::<kvm_regs>("regs", &b[1..]), Err(StateError::Size { .. })));
+        assert!(matches!(
+            from_bytes::<kvm_regs>("regs", &b[1..]),
+            Err(StateError::Size { .. })
+        ));
     }
 }

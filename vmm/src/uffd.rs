@@ -58,7 +58,10 @@ pub fn create() -> Result<GuestUffd> {
         match res {
             Ok(uffd) => {
                 if features != FEATURE_LADDER[0] {
-                    tracing::warn!(features = format_args!("{features:#x}"), "userfaultfd: reduced feature set");
+                    tracing::warn!(
+                        features = format_args!("{features:#x}"),
+                        "userfaultfd: reduced feature set"
+                    );
                 }
                 return Ok(GuestUffd { uffd, features });
             }
@@ -68,9 +71,9 @@ pub fn create() -> Result<GuestUffd> {
             }
         }
     }
-    Err(UffdError::Create(last.unwrap_or(userfaultfd::Error::UnsupportedIoctls(
-        userfaultfd::IoctlFlags::empty(),
-    ))))
+    Err(UffdError::Create(last.unwrap_or(
+        userfaultfd::Error::UnsupportedIoctls(userfaultfd::IoctlFlags::empty()),
+    )))
 }
 
 impl GuestUffd {
@@ -84,6 +87,10 @@ impl GuestUffd {
         self.uffd
             .register_with_mode(addr.cast::<c_void>(), len, mode)
             .map(|_| ())
-            .map_err(|source| UffdError::Register { addr: addr as u64, len: len as u64, source })
+            .map_err(|source| UffdError::Register {
+                addr: addr as u64,
+                len: len as u64,
+                source,
+            })
     }
 }

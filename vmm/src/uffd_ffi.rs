@@ -20,5 +20,6 @@ pub const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 const _: () = assert!(FeatureFlags::EVENT_REMOVE.bits() == UFFD_FEATURE_EVENT_REMOVE);
 const _: () = assert!(FeatureFlags::PAGEFAULT_FLAG_WP.bits() == 1);
 const _: () = assert!(
-    FeatureFlags::all().bits() & (UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_WP_UNPOPULATED) == 0
+    FeatureFlags::all().bits() & (UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_WP_UNPOPULATED)
+        == 0
 );

@@ -4,6 +4,9 @@
 //! Skips with a printed reason when /dev/kvm is unusable, except under
 //! `CI=true`, where a missing /dev/kvm is a failure.
 
+// Test images are small; their sizes fit usize on every test host.
+#![allow(clippy::cast_possible_truncation)]
+
 use std::process::Command;
 
 use serde_json::Value;
@@ -11,7 +14,11 @@ use shared::pattern::{self, SECTOR_SIZE};
 use shared::PAGE_SIZE;
 
 fn kvm_available() -> bool {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         Ok(_) => true,
         Err(e) => {
             if std::env::var("CI").is_ok_and(|v| v == "true") {
@@ -44,7 +51,9 @@ fn run(args: &[&str], steps: &[String]) -> Vec<Value> {
 }
 
 fn value(reply: &Value) -> u64 {
-    reply["Ok"]["Op"]["value"].as_u64().unwrap_or_else(|| panic!("not an op result: {reply}"))
+    reply["Ok"]["Op"]["value"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("not an op result: {reply}"))
 }
 
 fn exec(op: &str) -> String {
@@ -62,21 +71,47 @@ fn guest_ops_match_reference_patterns() {
     let sectors = 256u64;
     let steps = vec![
         exec(r#""Identity""#),
-        exec(&format!(r#"{{"Fill":{{"start_page":{start},"pages":{n},"seed":{seed}}}}}"#)),
-        exec(&format!(r#"{{"Verify":{{"start_page":0,"pages":{PAGES},"seed":{seed}}}}}"#)),
-        exec(&format!(r#"{{"Verify":{{"start_page":{start},"pages":{n},"seed":{}}}}}"#, seed + 1)),
-        exec(&format!(r#"{{"Checksum":{{"start_page":0,"pages":{PAGES}}}}}"#)),
-        exec(&format!(r#"{{"Digest":{{"start_page":0,"pages":{PAGES}}}}}"#)),
-        exec(&format!(r#"{{"Touch":{{"start_page":0,"pages":{PAGES},"write":true}}}}"#)),
-        exec(&format!(r#"{{"Digest":{{"start_page":1,"pages":{}}}}}"#, PAGES - 1)),
-        exec(&format!(r#"{{"DiskFill":{{"sector":0,"count":{sectors},"seed":5}}}}"#)),
-        exec(&format!(r#"{{"DiskChecksum":{{"sector":0,"count":{sectors}}}}}"#)),
-        exec(&format!(r#"{{"DiskChecksum":{{"sector":3,"count":10}}}}"#)),
-        exec(&format!(r#"{{"Fill":{{"start_page":{},"pages":2,"seed":1}}}}"#, PAGES - 1)),
+        exec(&format!(
+            r#"{{"Fill":{{"start_page":{start},"pages":{n},"seed":{seed}}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Verify":{{"start_page":0,"pages":{PAGES},"seed":{seed}}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Verify":{{"start_page":{start},"pages":{n},"seed":{}}}}}"#,
+            seed + 1
+        )),
+        exec(&format!(
+            r#"{{"Checksum":{{"start_page":0,"pages":{PAGES}}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Digest":{{"start_page":0,"pages":{PAGES}}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Touch":{{"start_page":0,"pages":{PAGES},"write":true}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Digest":{{"start_page":1,"pages":{}}}}}"#,
+            PAGES - 1
+        )),
+        exec(&format!(
+            r#"{{"DiskFill":{{"sector":0,"count":{sectors},"seed":5}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"DiskChecksum":{{"sector":0,"count":{sectors}}}}}"#
+        )),
+        exec(r#"{"DiskChecksum":{"sector":3,"count":10}}"#),
+        exec(&format!(
+            r#"{{"Fill":{{"start_page":{},"pages":2,"seed":1}}}}"#,
+            PAGES - 1
+        )),
         exec(r#"{"DiskChecksum":{"sector":2047,"count":2}}"#),
     ];
     // A 1 MiB disk: 2048 sectors, of which the first 256 are filled.
-    let r = run(&["--memory-mib", "8", "--disk-mib", "1", "--vm-id", "42"], &steps);
+    let r = run(
+        &["--memory-mib", "8", "--disk-mib", "1", "--vm-id", "42"],
+        &steps,
+    );
 
     let mut mem = vec![0u8; (PAGES * PAGE_SIZE) as usize];
     for p in start..start + n {
@@ -93,15 +128,43 @@ fn guest_ops_match_reference_patterns() {
     assert_eq!(value(&r[1]), 0, "fill");
     assert_eq!(value(&r[2]), PAGES - n, "verify counts the unfilled pages");
     assert_eq!(value(&r[3]), n, "verify with another seed");
-    assert_eq!(value(&r[4]), pattern::checksum(&mem, 0, 0, PAGES), "checksum");
+    assert_eq!(
+        value(&r[4]),
+        pattern::checksum(&mem, 0, 0, PAGES),
+        "checksum"
+    );
     assert_eq!(value(&r[5]), pattern::digest(&mem, 0, 0, PAGES), "digest");
     assert_eq!(value(&r[6]), 0, "touch");
-    assert_eq!(value(&r[7]), pattern::digest(&mem, 0, 1, PAGES - 1), "touch kept memory unchanged");
+    assert_eq!(
+        value(&r[7]),
+        pattern::digest(&mem, 0, 1, PAGES - 1),
+        "touch kept memory unchanged"
+    );
     assert_eq!(value(&r[8]), 0, "disk fill");
-    assert_eq!(value(&r[9]), pattern::disk_checksum(&disk, 0, sectors), "disk checksum");
-    assert_eq!(value(&r[10]), pattern::disk_checksum(&disk, 3, 10), "disk checksum of a sub-range");
-    assert!(r[11]["Err"].as_str().is_some_and(|e| e.contains("outside guest RAM")), "{}", r[11]);
-    assert!(r[12]["Err"].as_str().is_some_and(|e| e.contains("past the end of the disk")), "{}", r[12]);
+    assert_eq!(
+        value(&r[9]),
+        pattern::disk_checksum(&disk, 0, sectors),
+        "disk checksum"
+    );
+    assert_eq!(
+        value(&r[10]),
+        pattern::disk_checksum(&disk, 3, 10),
+        "disk checksum of a sub-range"
+    );
+    assert!(
+        r[11]["Err"]
+            .as_str()
+            .is_some_and(|e| e.contains("outside guest RAM")),
+        "{}",
+        r[11]
+    );
+    assert!(
+        r[12]["Err"]
+            .as_str()
+            .is_some_and(|e| e.contains("past the end of the disk")),
+        "{}",
+        r[12]
+    );
 }
 
 #[test]
@@ -109,8 +172,15 @@ fn disk_ops_without_a_disk_are_errors() {
     if !kvm_available() {
         return;
     }
-    let r = run(&["--memory-mib", "2"], &[exec(r#"{"DiskChecksum":{"sector":0,"count":1}}"#)]);
-    assert!(r[0]["Err"].as_str().is_some_and(|e| e.contains("no disk")), "{}", r[0]);
+    let r = run(
+        &["--memory-mib", "2"],
+        &[exec(r#"{"DiskChecksum":{"sector":0,"count":1}}"#)],
+    );
+    assert!(
+        r[0]["Err"].as_str().is_some_and(|e| e.contains("no disk")),
+        "{}",
+        r[0]
+    );
 }
 
 #[test]
@@ -135,7 +205,10 @@ fn pause_capture_restore_resumes_the_agent() {
         exec(r#"{"Checksum":{"start_page":0,"pages":2048}}"#),
         r#""Stop""#.into(),
     ];
-    let r = run(&["--memory-mib", "8", "--vcpus", "2", "--vm-id", "7"], &steps);
+    let r = run(
+        &["--memory-mib", "8", "--vcpus", "2", "--vm-id", "7"],
+        &steps,
+    );
     let mut mem = vec![0u8; (PAGES * PAGE_SIZE) as usize];
     for p in 0..PAGES {
         let b = (p * PAGE_SIZE) as usize;
@@ -144,7 +217,13 @@ fn pause_capture_restore_resumes_the_agent() {
     assert_eq!(value(&r[0]), 0, "a fill paused in flight still completes");
     assert_eq!(r[1]["Ok"], "Done");
     assert_eq!(r[2]["Ok"]["State"]["vcpus"], 2);
-    assert!(r[5]["Err"].as_str().is_some_and(|e| e.contains("not paused")), "{}", r[5]);
+    assert!(
+        r[5]["Err"]
+            .as_str()
+            .is_some_and(|e| e.contains("not paused")),
+        "{}",
+        r[5]
+    );
     assert_eq!(r[7]["Ok"]["State"]["vcpus"], 2);
     assert_eq!(value(&r[9]), 0, "the restored VM sees the filled memory");
     assert_eq!(value(&r[10]), 7, "the restored agent answers commands");

@@ -26,7 +26,10 @@ pub struct Job {
 
 impl std::fmt::Debug for Job {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Job").field("opcode", &self.opcode).field("args", &self.args).finish()
+        f.debug_struct("Job")
+            .field("opcode", &self.opcode)
+            .field("args", &self.args)
+            .finish()
     }
 }
 
@@ -54,7 +57,12 @@ impl Control {
     /// Control block for `vcpus` vCPUs.
     pub fn new(vcpus: usize) -> Self {
         Control {
-            shared: Mutex::new(Shared { pause: false, stop: false, paused: vec![None; vcpus], queue: VecDeque::new() }),
+            shared: Mutex::new(Shared {
+                pause: false,
+                stop: false,
+                paused: vec![None; vcpus],
+                queue: VecDeque::new(),
+            }),
             cond: Condvar::new(),
         }
     }
@@ -71,7 +79,11 @@ impl Control {
     }
 
     /// Wait for a change, at most `d`.
-    pub fn wait_timeout<'a>(&self, g: MutexGuard<'a, Shared>, d: Duration) -> MutexGuard<'a, Shared> {
+    pub fn wait_timeout<'a>(
+        &self,
+        g: MutexGuard<'a, Shared>,
+        d: Duration,
+    ) -> MutexGuard<'a, Shared> {
         match self.cond.wait_timeout(g, d) {
             Ok((g, _)) => g,
             Err(e) => e.into_inner().0,

@@ -89,7 +89,12 @@ pub fn setup_long_mode(fd: &VcpuFd, entry: u64) -> Result<()> {
     sregs.cr0 = CR0_PE | CR0_MP | CR0_ET | CR0_NE | CR0_WP | CR0_PG;
     sregs.efer = EFER_LME | EFER_LMA;
     fd.set_sregs(&sregs).map_err(VcpuError::Setup)?;
-    let regs = kvm_bindings::kvm_regs { rip: entry, rsp: STACK_TOP, rflags: 2, ..Default::default() };
+    let regs = kvm_bindings::kvm_regs {
+        rip: entry,
+        rsp: STACK_TOP,
+        rflags: 2,
+        ..Default::default()
+    };
     fd.set_regs(&regs).map_err(VcpuError::Setup)?;
     debug_assert!(entry >= layout::CODE);
     Ok(())
@@ -155,7 +160,11 @@ impl VcpuThread {
                     Next::Run
                 }
                 Ok(VcpuExit::IoIn(port, data)) => {
-                    let v = self.devices.as_mut().and_then(|d| d.io_in(port)).unwrap_or(u32::MAX);
+                    let v = self
+                        .devices
+                        .as_mut()
+                        .and_then(|d| d.io_in(port))
+                        .unwrap_or(u32::MAX);
                     put_in(data, v);
                     Next::Run
                 }
@@ -164,7 +173,10 @@ impl VcpuThread {
                     let err = self.devices.as_mut().and_then(Devices::take_error);
                     match current.take() {
                         Some(job) => (job.reply)(err.map_or(Ok(value), Err)),
-                        None => tracing::debug!(value, "agent finished an op this VMM did not start (fork child)"),
+                        None => tracing::debug!(
+                            value,
+                            "agent finished an op this VMM did not start (fork child)"
+                        ),
                     }
                     Next::Run
                 }
@@ -207,7 +219,11 @@ impl VcpuThread {
                 Err(e) if e.errno() == libc::EINTR => break Ok(()),
                 Err(e) if e.errno() == libc::EAGAIN => continue,
                 Err(e) => break Err(VcpuError::Run(e)),
-                Ok(other) => break Err(VcpuError::UnexpectedExit(format!("{other:?} while pausing"))),
+                Ok(other) => {
+                    break Err(VcpuError::UnexpectedExit(format!(
+                        "{other:?} while pausing"
+                    )))
+                }
             }
         };
         self.fd.set_kvm_immediate_exit(0);

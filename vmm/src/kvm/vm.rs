@@ -117,7 +117,9 @@ fn kick_signal() -> c_int {
 fn install_kick_handler() -> Result<()> {
     static ONCE: Once = Once::new();
     let mut res = Ok(());
-    ONCE.call_once(|| res = register_signal_handler(kick_signal(), kick_handler).map_err(VmError::Signal));
+    ONCE.call_once(|| {
+        res = register_signal_handler(kick_signal(), kick_handler).map_err(VmError::Signal)
+    });
     res
 }
 
@@ -137,8 +139,13 @@ impl Machine {
             };
             // SAFETY: `host..host+size` is a live mapping owned by `mem`,
             // which this Machine keeps alive (Arc) at least as long as the VM.
-            unsafe { vm.set_user_memory_region(region) }
-                .map_err(|source| VmError::SetMemoryRegion { slot, guest_phys, source })?;
+            unsafe { vm.set_user_memory_region(region) }.map_err(|source| {
+                VmError::SetMemoryRegion {
+                    slot,
+                    guest_phys,
+                    source,
+                }
+            })?;
         }
 
         let agent = agent::build()?;
@@ -146,19 +153,27 @@ impl Machine {
         mem.write(PRIV_BASE, &image)?;
         if let Some(s) = &cfg.start_state {
             if s.vcpus.len() != cfg.vcpus {
-                return Err(VmError::StateVcpus { want: cfg.vcpus, got: s.vcpus.len() });
+                return Err(VmError::StateVcpus {
+                    want: cfg.vcpus,
+                    got: s.vcpus.len(),
+                });
             }
             devices::restore(&mem, &s.devices)?;
         }
 
-        let cpuid = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(VmError::OpenKvm)?;
+        let cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(VmError::OpenKvm)?;
         let ctl = Arc::new(Control::new(cfg.vcpus));
         let disk_sectors = cfg.disk.as_ref().map(Disk::sectors);
         let mut devices = Some(Devices::new(cfg.vm_id, cfg.disk));
         let mut vcpus = Vec::with_capacity(cfg.vcpus);
         for index in 0..cfg.vcpus {
-            let fd = vm.create_vcpu(index as u64).map_err(|source| VmError::CreateVcpu { index, source })?;
-            fd.set_cpuid2(&cpuid).map_err(|source| VmError::SetCpuid { index, source })?;
+            let fd = vm
+                .create_vcpu(index as u64)
+                .map_err(|source| VmError::CreateVcpu { index, source })?;
+            fd.set_cpuid2(&cpuid)
+                .map_err(|source| VmError::SetCpuid { index, source })?;
             match &cfg.start_state {
                 Some(s) => state::restore(&fd, &s.vcpus[index])?,
                 None => vcpu::setup_long_mode(&fd, entry_of(&agent, index))?,
@@ -175,9 +190,20 @@ impl Machine {
         let mut threads = Vec::with_capacity(vcpus.len());
         for v in vcpus {
             let name = format!("vcpu{}", v.index);
-            threads.push(std::thread::Builder::new().name(name).spawn(move || v.run()).map_err(VmError::SpawnThread)?);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(name)
+                    .spawn(move || v.run())
+                    .map_err(VmError::SpawnThread)?,
+            );
         }
-        Ok(Machine { ctl, threads, mem, disk_sectors, _vm: vm })
+        Ok(Machine {
+            ctl,
+            threads,
+            mem,
+            disk_sectors,
+            _vm: vm,
+        })
     }
 
     /// Guest memory.
