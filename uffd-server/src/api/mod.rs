@@ -5,6 +5,7 @@
 //! error is `{"error": "..."}` with a fitting status.
 
 pub mod openapi;
+pub mod volumes;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -140,12 +141,8 @@ pub fn router(core: CoreHandle, volumes: Option<std::sync::Arc<crate::volume::Vo
         .route("/v1/debug/invariant", get(invariant))
         .with_state(core);
     let vms = match volumes {
-        Some(engine) => vms.merge(volumes_router(engine)),
+        Some(engine) => vms.merge(volumes::router(engine)),
         None => vms,
     };
     vms.fallback(not_found)
-}
-
-fn volumes_router(_engine: std::sync::Arc<crate::volume::VolumeEngine>) -> Router {
-    Router::new()
 }
