@@ -21,43 +21,13 @@ use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use serde::Serialize;
 
 use super::error::{Result, VolumeError};
-use super::extents::{self, Usage};
 use super::index::{self, Index, Order, Repair, Snap, SEQ_XATTR};
 use super::probe::{self, Reflink};
+use super::queries::{SnapshotInfo, VolumeInfo};
 use super::{ffi, name};
 
 /// Sizes are multiples of this (one sector of the guest block device).
 pub const SECTOR: u64 = 512;
-
-/// A volume as listed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct VolumeInfo {
-    pub name: String,
-    /// Logical size.
-    pub size_bytes: u64,
-    #[serde(flatten)]
-    pub usage: Usage,
-    /// How many snapshots the volume has.
-    pub snapshots: usize,
-}
-
-/// A snapshot as listed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct SnapshotInfo {
-    pub name: String,
-    /// The volume it was taken of (the ultimate ancestor, for a snapshot of
-    /// a snapshot).
-    pub volume: String,
-    /// Whether that volume still exists.
-    pub volume_exists: bool,
-    /// Creation sequence number (0 for snapshots not made by the engine).
-    pub seq: u64,
-    /// Creation time, milliseconds since the Unix epoch.
-    pub created_unix_ms: i64,
-    pub size_bytes: u64,
-    #[serde(flatten)]
-    pub usage: Usage,
-}
 
 /// The result of a rollback.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -73,11 +43,11 @@ pub struct Rollback {
 /// with an `Arc`.
 #[derive(Debug)]
 pub struct VolumeEngine {
-    root: PathBuf,
-    volumes_dir: PathBuf,
-    reflink: Reflink,
-    repairs: Vec<Repair>,
-    index: RwLock<Index>,
+    pub(super) root: PathBuf,
+    pub(super) volumes_dir: PathBuf,
+    pub(super) reflink: Reflink,
+    pub(super) repairs: Vec<Repair>,
+    pub(super) index: RwLock<Index>,
 }
 
 impl VolumeEngine {
@@ -356,142 +326,13 @@ impl VolumeEngine {
         })
     }
 
-    /// All volumes, by name.
-    pub fn list(&self) -> Result<Vec<VolumeInfo>> {
-        self.available()?;
-        let names: Vec<String> = self.read().volumes.iter().cloned().collect();
-        let mut out = Vec::with_capacity(names.len());
-        for n in names {
-            match self.show(&n) {
-                Ok(v) => out.push(v),
-                // Deleted since the names were copied.
-                Err(VolumeError::VolumeNotFound(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(out)
-    }
-
-    /// One volume.
-    pub fn show(&self, name: &str) -> Result<VolumeInfo> {
-        self.available()?;
-        let snapshots = {
-            let index = self.read();
-            if !index.volumes.contains(name) {
-                return Err(VolumeError::VolumeNotFound(name.into()));
-            }
-            index.snapshots_of(name).len()
-        };
-        let (size_bytes, usage, _) = match inspect(&self.volume_path(name)) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(VolumeError::VolumeNotFound(name.into()))
-            }
-            r => r.map_err(|source| VolumeError::Inspect {
-                name: name.into(),
-                source,
-            })?,
-        };
-        Ok(VolumeInfo {
-            name: name.into(),
-            size_bytes,
-            usage,
-            snapshots,
-        })
-    }
-
-    /// The snapshots of `volume` (which may be deleted while its snapshots
-    /// remain), oldest first.
-    pub fn list_snapshots(&self, volume: &str) -> Result<Vec<SnapshotInfo>> {
-        self.available()?;
-        let snaps = {
-            let index = self.read();
-            let snaps = index.snapshots_of(volume);
-            if snaps.is_empty() && !index.volumes.contains(volume) {
-                return Err(VolumeError::VolumeNotFound(volume.into()));
-            }
-            snaps
-        };
-        self.snapshot_infos(snaps)
-    }
-
-    /// Every snapshot, grouped by volume, oldest first.
-    pub fn list_all_snapshots(&self) -> Result<Vec<SnapshotInfo>> {
-        self.available()?;
-        let snaps = {
-            let index = self.read();
-            let dirs: std::collections::BTreeSet<&String> =
-                index.snapshots.values().map(|s| &s.volume).collect();
-            dirs.into_iter()
-                .flat_map(|d| index.snapshots_of(d))
-                .collect()
-        };
-        self.snapshot_infos(snaps)
-    }
-
-    /// One snapshot.
-    pub fn snapshot_info(&self, name: &str) -> Result<SnapshotInfo> {
-        self.available()?;
-        let snap = self.read().snapshots.get(name).cloned();
-        let snap = snap.ok_or_else(|| VolumeError::SnapshotNotFound(name.into()))?;
-        self.snapshot_infos(vec![(name.to_owned(), snap)])?
-            .pop()
-            .ok_or_else(|| VolumeError::SnapshotNotFound(name.into()))
-    }
-
-    /// Open volume `name` read-write for a VM's block device; returns the
-    /// file and its size.
-    pub fn open_for_vm(&self, name: &str) -> Result<(File, u64)> {
-        self.available()?;
-        let index = self.read();
-        if !index.volumes.contains(name) {
-            return Err(VolumeError::VolumeNotFound(name.into()));
-        }
-        let err = |source| VolumeError::OpenForVm {
-            name: name.to_owned(),
-            source,
-        };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(self.volume_path(name))
-            .map_err(err)?;
-        let size = file.metadata().map_err(err)?.len();
-        Ok((file, size))
-    }
-
     /// The path of volume `name`'s file (whether or not it exists).
     pub fn volume_path(&self, name: &str) -> PathBuf {
         self.file_path(name, name)
     }
 
-    fn file_path(&self, volume: &str, file: &str) -> PathBuf {
+    pub(super) fn file_path(&self, volume: &str, file: &str) -> PathBuf {
         self.volumes_dir.join(volume).join(file)
-    }
-
-    fn snapshot_infos(&self, snaps: Vec<(String, Snap)>) -> Result<Vec<SnapshotInfo>> {
-        let mut out = Vec::with_capacity(snaps.len());
-        for (name, snap) in snaps {
-            let (size_bytes, usage, created_unix_ms) =
-                match inspect(&self.file_path(&snap.volume, &name)) {
-                    // Deleted since the names were copied.
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    r => r.map_err(|source| VolumeError::Inspect {
-                        name: name.clone(),
-                        source,
-                    })?,
-                };
-            let volume_exists = self.read().volumes.contains(&snap.volume);
-            out.push(SnapshotInfo {
-                name,
-                volume: snap.volume,
-                volume_exists,
-                seq: snap.order.seq,
-                created_unix_ms,
-                size_bytes,
-                usage,
-            });
-        }
-        Ok(out)
     }
 
     /// Make volume `name` from a clone of `src_path`; `src` names the source
@@ -553,7 +394,7 @@ impl VolumeEngine {
         }
     }
 
-    fn available(&self) -> Result<()> {
+    pub(super) fn available(&self) -> Result<()> {
         match &self.reflink {
             Reflink::Supported => Ok(()),
             Reflink::Unsupported { fs, .. } => Err(VolumeError::ReflinkUnsupported {
@@ -563,7 +404,7 @@ impl VolumeEngine {
         }
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, Index> {
+    pub(super) fn read(&self) -> RwLockReadGuard<'_, Index> {
         // The index is updated only after its filesystem change succeeded,
         // so a panicking holder cannot leave it half-written.
         self.index.read().unwrap_or_else(PoisonError::into_inner)
@@ -650,16 +491,7 @@ fn replace_with_clone(src: &Path, tmp: &Path, target: &Path) -> io::Result<()> {
     }
 }
 
-/// Size, usage and mtime (ms) of the file at `path`.
-fn inspect(path: &Path) -> io::Result<(u64, Usage, i64)> {
-    let file = File::open(path)?;
-    let meta = file.metadata()?;
-    let usage = extents::usage(&file)?;
-    let ms = i64::try_from(mtime_ns(&meta) / 1_000_000).unwrap_or(i64::MAX);
-    Ok((meta.len(), usage, ms))
-}
-
-fn mtime_ns(meta: &fs::Metadata) -> i128 {
+pub(super) fn mtime_ns(meta: &fs::Metadata) -> i128 {
     use std::os::unix::fs::MetadataExt;
     i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec())
 }

@@ -20,12 +20,14 @@ mod ffi;
 pub mod index;
 pub mod name;
 pub mod probe;
+mod queries;
 
-pub use engine::{Rollback, SnapshotInfo, VolumeEngine, VolumeInfo, SECTOR};
+pub use engine::{Rollback, VolumeEngine, SECTOR};
 pub use error::{ErrorKind, Result, VolumeError};
 pub use extents::Usage;
 pub use index::Repair;
 pub use probe::Reflink;
+pub use queries::{SnapshotInfo, VolumeInfo};
 
 /// Clone `len` bytes of `src` at `src_offset` into `dst` at `dst_offset`
 /// (FICLONERANGE): block-aligned, shares extents instead of copying. For
