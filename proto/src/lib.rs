@@ -8,5 +8,6 @@
 //! Decoders never panic on bad bytes: every failure is an error value.
 
 pub mod api;
+pub mod firecracker;
 pub mod frame;
 pub mod vmm;
