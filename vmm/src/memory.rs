@@ -162,6 +162,17 @@ impl GuestRam {
         }
     }
 
+    /// Whether `[addr, addr + len)` lies inside one guest RAM region.
+    pub fn is_ram(&self, addr: u64, len: usize) -> bool {
+        let len = len as u64;
+        self.regions.iter().any(|r| {
+            addr >= r.guest_phys
+                && addr
+                    .checked_add(len)
+                    .is_some_and(|end| end <= r.guest_phys + r.size)
+        })
+    }
+
     /// Write bytes at a guest-physical address (private region set-up).
     pub fn write(&self, addr: u64, bytes: &[u8]) -> Result<()> {
         self.mem

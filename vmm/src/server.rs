@@ -65,6 +65,10 @@ fn setup_and_serve(
     };
     let mem = Arc::new(GuestRam::from_memfds(&config.regions, fds)?);
     let guest_uffd = uffd::create()?;
+    tracing::info!(
+        features = format_args!("{:#x}", guest_uffd.features),
+        "userfaultfd created"
+    );
     for (addr, len) in mem.ram_host_ranges() {
         guest_uffd.register(addr, len)?;
     }

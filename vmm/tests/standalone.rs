@@ -230,3 +230,44 @@ fn pause_capture_restore_resumes_the_agent() {
     assert_eq!(value(&r[13]), pattern::checksum(&mem, 0, 0, PAGES));
     assert_eq!(r[14]["Ok"], "Done");
 }
+
+#[test]
+fn ram_over_the_local_apic_page_behaves_like_ram() {
+    if !kvm_available() {
+        return;
+    }
+    // KVM traps the page at 0xfee0_0000 as MMIO; the VMM emulates it on RAM.
+    let apic_page = 0xfee0_0000 / PAGE_SIZE;
+    let (start, n) = (apic_page - 8, 16u64);
+    let steps = vec![
+        exec(&format!(
+            r#"{{"Fill":{{"start_page":{start},"pages":{n},"seed":11}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Verify":{{"start_page":{start},"pages":{n},"seed":11}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Checksum":{{"start_page":{start},"pages":{n}}}}}"#
+        )),
+        exec(&format!(
+            r#"{{"Digest":{{"start_page":{start},"pages":{n}}}}}"#
+        )),
+    ];
+    let r = run(&["--memory-mib", "4100"], &steps);
+    let mut mem = vec![0u8; (n * PAGE_SIZE) as usize];
+    for p in start..start + n {
+        let b = ((p - start) * PAGE_SIZE) as usize;
+        pattern::fill_page(&mut mem[b..b + PAGE_SIZE as usize], p, 11);
+    }
+    assert_eq!(value(&r[1]), 0, "verify");
+    assert_eq!(
+        value(&r[2]),
+        pattern::checksum(&mem, start, start, n),
+        "checksum"
+    );
+    assert_eq!(
+        value(&r[3]),
+        pattern::digest(&mem, start, start, n),
+        "digest"
+    );
+}

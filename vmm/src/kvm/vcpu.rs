@@ -190,6 +190,17 @@ impl VcpuThread {
                     }
                     Next::Run
                 }
+                // KVM traps some RAM pages as MMIO (here: the local APIC page
+                // at 0xfee0_0000, even without an in-kernel irqchip); emulate
+                // those accesses on the RAM mapping so RAM has no holes.
+                Ok(VcpuExit::MmioRead(addr, data)) if self.mem.is_ram(addr, data.len()) => {
+                    self.mem.read(addr, data)?;
+                    Next::Run
+                }
+                Ok(VcpuExit::MmioWrite(addr, data)) if self.mem.is_ram(addr, data.len()) => {
+                    self.mem.write(addr, data)?;
+                    Next::Run
+                }
                 Ok(VcpuExit::Hlt) => {
                     // Parked vCPUs halt; wait for a pause or stop, no spin.
                     let mut s = self.ctl.lock();
