@@ -4,9 +4,12 @@
 
 pub mod api;
 pub mod cli;
+pub mod cli_volume;
 pub mod client;
 pub mod core;
+pub mod firecracker;
 pub mod memory;
 pub mod pages;
+pub mod uffd_ffi;
 pub mod vmm_conn;
 pub mod volume;

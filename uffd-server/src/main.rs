@@ -25,6 +25,14 @@ struct Args {
     /// Pages installed around an image-backed fault, in KiB (0 = off).
     #[arg(long, default_value_t = 64)]
     fault_around_kib: u64,
+    /// Serve Firecracker's UFFD memory backend: SOCKET=IMAGE (repeatable).
+    /// Point Firecracker's `/snapshot/load` `mem_backend.backend_path` at SOCKET.
+    #[arg(long, value_name = "SOCKET=IMAGE")]
+    firecracker: Vec<String>,
+    /// With --firecracker: record the first VM's working set and prefetch
+    /// it for later VMs of the same listener.
+    #[arg(long)]
+    working_set: bool,
 }
 
 fn default_state_dir() -> PathBuf {
@@ -108,6 +116,19 @@ fn run(args: Args) -> Result<(), String> {
 
     let pending: PendingLaunches = Arc::default();
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
+    let core_events = events_tx.clone();
+    let mut fc_listeners = Vec::new();
+    for spec in &args.firecracker {
+        let (sock, image) = spec
+            .split_once('=')
+            .ok_or_else(|| format!("--firecracker {spec}: expected SOCKET=IMAGE"))?;
+        fc_listeners.push(uffd_server::core::firecracker::CreateListener {
+            socket: sock.into(),
+            memory_source: proto::api::MemorySource::File { path: image.into() },
+            fault_around_kib: None,
+            working_set: args.working_set,
+        });
+    }
     {
         let pending = pending.clone();
         std::thread::Builder::new()
@@ -122,7 +143,12 @@ fn run(args: Args) -> Result<(), String> {
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
-        let core = Core::new(settings, pending, volumes.clone());
+        let core = Core::new(settings, pending, volumes.clone(), core_events);
+        for l in fc_listeners {
+            let sock = l.socket.clone();
+            let _ = std::fs::remove_file(&sock);
+            core.add_fc_listener(l).map_err(|e| format!("firecracker listener {}: {}", sock.display(), e.message))?;
+        }
         let (handle, commands) = Core::command_channel();
         api_listener.set_nonblocking(true).map_err(|e| e.to_string())?;
         let listener = tokio::net::UnixListener::from_std(api_listener).map_err(|e| e.to_string())?;

@@ -29,6 +29,10 @@ pub enum ConnEvent {
     Msg { vm: VmId, msg: VmmMsg, fds: Vec<OwnedFd> },
     /// `vm`'s connection is gone (hang-up or protocol error).
     Closed { vm: VmId, reason: String },
+    /// A Firecracker process completed its handshake on a listener.
+    FcHello(crate::firecracker::FcHandshake),
+    /// A Firecracker connection hung up.
+    FcClosed { conn: u64 },
 }
 
 /// A launch the server is waiting for: the token's VM and the pid of the

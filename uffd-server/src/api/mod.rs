@@ -116,6 +116,23 @@ async fn invariant(State(core): State<CoreHandle>) -> ApiResult {
     call(&core, CommandKind::CheckInvariant, StatusCode::OK).await
 }
 
+async fn add_listener(State(core): State<CoreHandle>, body: Bytes) -> ApiResult {
+    let req = parse_body(&body)?;
+    call(&core, CommandKind::AddFcListener(req), StatusCode::CREATED).await
+}
+
+async fn list_listeners(State(core): State<CoreHandle>) -> ApiResult {
+    call(&core, CommandKind::ListFcListeners, StatusCode::OK).await
+}
+
+async fn delete_listener(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
+    let n = id
+        .strip_prefix("fc-")
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| ApiError::not_found(format!("'{id}' is not a listener id; ids look like fc-1")))?;
+    call(&core, CommandKind::DeleteFcListener(n), StatusCode::OK).await
+}
+
 async fn openapi_doc() -> Json<Value> {
     Json(openapi::document())
 }
@@ -139,6 +156,8 @@ pub fn router(core: CoreHandle, volumes: Option<std::sync::Arc<crate::volume::Vo
         .route("/v1/vms/{id}/pages/{page}", get(page))
         .route("/v1/tree", get(tree))
         .route("/v1/debug/invariant", get(invariant))
+        .route("/v1/firecracker/listeners", get(list_listeners).post(add_listener))
+        .route("/v1/firecracker/listeners/{id}", axum::routing::delete(delete_listener))
         .with_state(core);
     let vms = match volumes {
         Some(engine) => vms.merge(volumes::router(engine)),

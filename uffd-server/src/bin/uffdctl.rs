@@ -29,6 +29,9 @@ enum Cmd {
     /// Manage VMs.
     #[command(subcommand)]
     Vm(vm::VmCmd),
+    /// Manage disk volumes and their snapshots.
+    #[command(subcommand)]
+    Volume(uffd_server::cli_volume::VolumeCmd),
     /// Where a VM's pages come from: per source, and as extents.
     Sources {
         id: String,
@@ -66,6 +69,7 @@ fn main() -> ExitCode {
     let result = match args.cmd {
         Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
         Cmd::Demo(d) => demo::run(d),
+        Cmd::Volume(cmd) => uffd_server::cli_volume::run(cmd, &client, args.json),
         Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
         Cmd::Page { id, page } => inspect::page(&client, &id, page, args.json),
         Cmd::Tree => inspect::tree(&client, args.json),

@@ -7,13 +7,32 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 use shared::VmId;
 
-use super::{not_found, ApiError, ApiResult, Core};
+use super::{not_found, ApiError, ApiResult, Core, Registry};
+use crate::memory::GuestMemory;
+use crate::pages::{PageTable, SourceId};
+
+/// What the debugging views need of any VM.
+pub(super) struct TableView<'a> {
+    pub table: &'a PageTable,
+    pub self_src: SourceId,
+    pub memory: Option<&'a GuestMemory>,
+}
+
+impl Registry {
+    /// The table of a pagefork or Firecracker VM.
+    pub(super) fn table_view(&self, id: VmId) -> Option<TableView<'_>> {
+        if let Some(v) = self.vms.get(&id) {
+            return Some(TableView { table: &v.table, self_src: v.self_src, memory: Some(&v.memory) });
+        }
+        self.fc_vms.get(&id).map(|v| TableView { table: &v.table, self_src: v.self_src, memory: None })
+    }
+}
 
 impl Core {
     /// `GET /v1/vms/{id}/sources`.
     pub(super) fn sources(&self, id: VmId) -> ApiResult<Value> {
         let reg = self.reg.borrow();
-        let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
+        let v = reg.table_view(id).ok_or_else(|| not_found(id))?;
         let describe = |src| reg.arena.get(src).map(|s| s.describe()).unwrap_or_else(|| format!("source-{src}"));
         let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
         let mut by_source: BTreeMap<String, u64> = BTreeMap::new();
@@ -40,7 +59,7 @@ impl Core {
     /// `GET /v1/vms/{id}/pages/{page}`.
     pub(super) fn page(&self, id: VmId, page: u64) -> ApiResult<Value> {
         let reg = self.reg.borrow();
-        let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
+        let v = reg.table_view(id).ok_or_else(|| not_found(id))?;
         if page >= v.table.pages() {
             return Err(ApiError::bad_request(format!(
                 "page {page} is outside {id}'s {} pages",
@@ -54,7 +73,9 @@ impl Core {
             "page": page,
             "source": source.map(|s| s.describe()),
             "kind": source.map(|s| s.kind()),
-            "present": v.memory.is_present(page),
+            // Pagefork VMs: the kernel's view of the memfd. Firecracker VMs:
+            // installed into its address space (the table's record).
+            "present": v.memory.map(|m| m.is_present(page)).unwrap_or(src == v.self_src),
             "table_says_present": src == v.self_src,
         }))
     }

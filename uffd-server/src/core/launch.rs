@@ -278,6 +278,9 @@ impl Core {
 
     /// `DELETE /v1/vms/{id}`.
     pub(super) async fn delete_vm(self: Rc<Self>, id: VmId) -> ApiResult<Value> {
+        if let Some(v) = self.delete_fc_vm(id) {
+            return Ok(v);
+        }
         if !self.reg.borrow().vms.contains_key(&id) {
             return Err(not_found(id));
         }

@@ -8,6 +8,7 @@
 
 mod error;
 pub mod fault;
+pub mod firecracker;
 mod fork;
 mod inspect;
 mod launch;
@@ -70,6 +71,9 @@ pub struct Registry {
     pub vms: BTreeMap<VmId, Vm>,
     pub arena: SourceArena,
     next_id: u32,
+    pub fc_listeners: firecracker::FcListeners,
+    pub fc_vms: firecracker::FcVms,
+    next_listener: u32,
 }
 
 /// The core's state.
@@ -78,6 +82,8 @@ pub struct Core {
     pub settings: Settings,
     pub pending: PendingLaunches,
     pub volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+    /// Where connection threads (VMM and Firecracker) report.
+    pub events: mpsc::UnboundedSender<ConnEvent>,
 }
 
 /// A command from the API, with where to send its answer.
@@ -101,6 +107,9 @@ pub enum CommandKind {
     Page(VmId, u64),
     Tree,
     CheckInvariant,
+    AddFcListener(firecracker::CreateListener),
+    ListFcListeners,
+    DeleteFcListener(u32),
     Shutdown,
 }
 
@@ -132,8 +141,9 @@ impl Core {
         settings: Settings,
         pending: PendingLaunches,
         volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+        events: mpsc::UnboundedSender<ConnEvent>,
     ) -> Rc<Self> {
-        Rc::new(Core { reg: RefCell::new(Registry::default()), settings, pending, volumes })
+        Rc::new(Core { reg: RefCell::new(Registry::default()), settings, pending, volumes, events })
     }
 
     /// Run the core until a `Shutdown` command: dispatch API commands and
@@ -186,6 +196,9 @@ impl Core {
             CommandKind::Page(id, page) => self.page(id, page),
             CommandKind::Tree => Ok(self.tree()),
             CommandKind::CheckInvariant => self.check_invariant(),
+            CommandKind::AddFcListener(req) => self.add_fc_listener(req),
+            CommandKind::ListFcListeners => Ok(self.fc_listeners()),
+            CommandKind::DeleteFcListener(id) => self.delete_fc_listener(id),
             CommandKind::Shutdown => Ok(Value::Null),
         }
     }
@@ -196,6 +209,8 @@ impl Core {
             ConnEvent::Hello { vm, writer, pid } => self.on_hello(vm, writer, pid),
             ConnEvent::Msg { vm, msg, fds } => self.on_vmm_msg(vm, msg, fds),
             ConnEvent::Closed { vm, reason } => self.mark_exited(vm, &reason),
+            ConnEvent::FcHello(hs) => self.on_fc_hello(hs),
+            ConnEvent::FcClosed { conn } => self.on_fc_closed(conn),
         }
     }
 

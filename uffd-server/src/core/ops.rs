@@ -15,6 +15,33 @@ impl Core {
     /// `GET /v1/vms/{id}` as a typed value.
     pub fn info(&self, id: VmId) -> ApiResult<VmInfo> {
         let reg = self.reg.borrow();
+        if let Some(v) = reg.fc_vms.get(&id) {
+            let mut pages = BTreeMap::new();
+            for (src, n) in v.table.counts() {
+                let kind = reg.arena.get(*src).map(|s| s.kind()).unwrap_or("unknown");
+                *pages.entry(kind.to_owned()).or_insert(0) += n;
+            }
+            return Ok(VmInfo {
+                id: id.to_string(),
+                state: v.state.name().into(),
+                kind: "firecracker".into(),
+                pid: Some(v.pid),
+                memory_mib: v.regions.iter().map(|r| r.size).sum::<u64>() >> 20,
+                vcpus: 0,
+                pages,
+                resident_pages: v.table.count_of(v.self_src),
+                exit_reason: None,
+                parent: None,
+                volume: None,
+                faults: FaultCounters {
+                    missing: v.stats.missing,
+                    write_protect: 0,
+                    pages_installed: v.stats.pages_installed,
+                    removes: v.stats.removes,
+                    fault_around_kib: v.fault_around_pages * PAGE_SIZE / 1024,
+                },
+            });
+        }
         let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
         let mut pages = BTreeMap::new();
         for (src, n) in v.table.counts() {
@@ -50,8 +77,13 @@ impl Core {
 
     /// `GET /v1/vms`.
     pub fn list_vms(&self) -> Value {
-        let ids: Vec<VmId> =
-            self.reg.borrow().vms.values().filter(|v| !v.deleted).map(|v| v.id).collect();
+        let ids: Vec<VmId> = {
+            let reg = self.reg.borrow();
+            let mut ids: Vec<VmId> = reg.vms.values().filter(|v| !v.deleted).map(|v| v.id).collect();
+            ids.extend(reg.fc_vms.keys().copied());
+            ids.sort();
+            ids
+        };
         let infos: Vec<VmInfo> = ids.into_iter().filter_map(|id| self.info(id).ok()).collect();
         serde_json::json!({ "vms": infos })
     }
