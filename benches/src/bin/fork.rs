@@ -1,0 +1,403 @@
+//! Live fork (issue 3), for VMs of 256 MiB, 1 GiB and 4 GiB (quick: 256 MiB
+//! and 1 GiB) with a quarter of memory materialized, side by side with its
+//! baselines in one run:
+//!
+//! 1. Table work: `PageTable::fork()` in-process (a quarter of the table set
+//!    to another source) and the server's `fork_us`, against (a) cloning an
+//!    8-byte-per-page pointer table (`Vec<u64>`) and (b) memcpy of the
+//!    materialized quarter (source and destination pre-touched: the
+//!    cheapest possible copy fork).
+//! 2. The parent's pause (`pause_us`) against a bare UFFDIO_WRITEPROTECT of
+//!    the same amount of populated shmem ([`pagefork_benches::wp_floor`]).
+//! 3. End to end: from the fork request to every child answering
+//!    `exec identity`, for 1 and 10 children, against cold-starting as many
+//!    empty VMs of the same size until they answer.
+//! 4. Memory added per child right after the fork returns: host `Shmem`
+//!    and the server's RSS, against the materialized size (what a copy fork
+//!    adds).
+//!
+//! Before every fork the parent rewrites its quarter (untimed), so each
+//! pause write-protects writable pages, as the first fork does.
+//!
+//! Usage: `fork [--quick]`. Prints JSON rows.
+
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use pagefork_benches::plan::FORK_COUNTS;
+use pagefork_benches::sys::{meminfo_kib, proc_status_kib};
+use pagefork_benches::wp_floor::WpFloor;
+use pagefork_benches::{Plan, Row};
+use pagefork_tests::{pages_of, TestServer};
+use serde_json::json;
+use uffd_server::pages::{PageTable, CHUNK_PAGES};
+
+const BENCH: &str = "fork";
+const T_TABLE: &str = "Live fork: table work (issue 3)";
+const T_PAUSE: &str = "Live fork: parent pause (issue 3)";
+const T_E2E: &str = "Live fork: end to end (issue 3)";
+const T_MEM: &str = "Live fork: memory added per child (issue 3)";
+
+/// Samples for in-process micro-measurements (cheap, so more of them).
+fn micro_reps(plan: &Plan) -> usize {
+    if plan.quick {
+        3
+    } else {
+        11
+    }
+}
+
+fn us(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e6
+}
+
+/// Samples of the in-process baselines for one size.
+struct InProcess {
+    table_fork_us: Vec<f64>,
+    ptr_copy_us: Vec<f64>,
+    memcpy_us: Vec<f64>,
+    wp_us: Vec<f64>,
+}
+
+fn in_process(plan: &Plan, mib: u64) -> InProcess {
+    let pages = pages_of(mib);
+    let quarter = pages / 4;
+    let n = micro_reps(plan);
+
+    let mut table = PageTable::new(pages, 0);
+    table.set_range(0, quarter, 1);
+    let table_fork_us = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            let f = black_box(table.fork());
+            let took = us(t);
+            drop(f);
+            took
+        })
+        .collect();
+
+    let ptrs: Vec<u64> = (0..pages)
+        .map(|p| p.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .collect();
+    let ptr_copy_us = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            let c = black_box(ptrs.clone());
+            let took = us(t);
+            drop(c);
+            took
+        })
+        .collect();
+    drop(ptrs);
+
+    let bytes = usize::try_from(quarter * shared::PAGE_SIZE).expect("size fits in usize");
+    let src: Vec<u8> = (0..bytes).map(|i| (i as u8) ^ 0x5a).collect();
+    let mut dst = vec![1u8; bytes];
+    let memcpy_us = (0..plan.reps)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(black_box(&src));
+            black_box(&dst);
+            us(t)
+        })
+        .collect();
+    drop((src, dst));
+
+    let len = usize::try_from(mib << 20).expect("size fits in usize");
+    let floor =
+        WpFloor::new(len, bytes).unwrap_or_else(|e| panic!("write-protect floor: {}", chain(&e)));
+    let wp_us = (0..plan.reps.max(5))
+        .map(|_| {
+            floor
+                .measure()
+                .unwrap_or_else(|e| panic!("write-protect floor: {}", chain(&e)))
+                .as_secs_f64()
+                * 1e6
+        })
+        .collect();
+    InProcess {
+        table_fork_us,
+        ptr_copy_us,
+        memcpy_us,
+        wp_us,
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(&format!(": {c}"));
+        cur = c.source();
+    }
+    s
+}
+
+/// Samples of real forks through the API for one size and child count.
+#[derive(Default)]
+struct Forks {
+    fork_us: Vec<f64>,
+    pause_us: Vec<f64>,
+    e2e_ms: Vec<f64>,
+    shmem_kib_per_child: Vec<f64>,
+    rss_kib_per_child: Vec<f64>,
+}
+
+fn delete(server: &TestServer, id: &str) {
+    let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
+    assert!(status < 300, "DELETE {id} failed: {v}");
+}
+
+/// Every VM in `ids` answers `exec identity` (in parallel).
+fn all_answer(server: &TestServer, ids: &[String]) {
+    std::thread::scope(|s| {
+        for id in ids {
+            s.spawn(move || server.exec(id, json!({"op": "identity"})));
+        }
+    });
+}
+
+fn kib_delta(after: Option<u64>, before: Option<u64>) -> f64 {
+    match (after, before) {
+        (Some(a), Some(b)) => a as f64 - b as f64,
+        _ => f64::NAN,
+    }
+}
+
+fn real_forks(
+    server: &TestServer,
+    plan: &Plan,
+    parent: &str,
+    quarter: u64,
+    count: u32,
+    seed: &mut u64,
+) -> Forks {
+    let mut f = Forks::default();
+    for _ in 0..plan.reps {
+        *seed += 1;
+        server.exec(
+            parent,
+            json!({"op": "fill", "start_page": 0, "pages": quarter, "seed": *seed}),
+        );
+        let (shmem0, rss0) = (meminfo_kib("Shmem"), proc_status_kib(server.pid(), "VmRSS"));
+        let t = Instant::now();
+        let (status, v) = server.api(
+            "POST",
+            &format!("/v1/vms/{parent}/fork"),
+            Some(json!({"count": count})),
+        );
+        assert!(
+            status == 200 || status == 201,
+            "fork of {parent} failed ({status}): {v}"
+        );
+        let (shmem1, rss1) = (meminfo_kib("Shmem"), proc_status_kib(server.pid(), "VmRSS"));
+        let children: Vec<String> = v["children"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no children in {v}"))
+            .iter()
+            .map(|c| c.as_str().expect("child id is a string").to_owned())
+            .collect();
+        assert_eq!(children.len(), count as usize, "fork returned {v}");
+        all_answer(server, &children);
+        f.e2e_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        f.fork_us.push(v["fork_us"].as_f64().unwrap_or(f64::NAN));
+        f.pause_us.push(v["pause_us"].as_f64().unwrap_or(f64::NAN));
+        f.shmem_kib_per_child
+            .push(kib_delta(shmem1, shmem0) / f64::from(count));
+        f.rss_kib_per_child
+            .push(kib_delta(rss1, rss0) / f64::from(count));
+        for c in &children {
+            delete(server, c);
+        }
+    }
+    f
+}
+
+/// Cold start of `count` empty VMs of `mib` until each answers identity.
+fn cold_starts(server: &TestServer, plan: &Plan, mib: u64, count: u32) -> Vec<f64> {
+    (0..plan.reps)
+        .map(|_| {
+            let t = Instant::now();
+            let ids: Vec<String> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..count)
+                    .map(|_| {
+                        s.spawn(move || {
+                            let id = server.create_vm(json!({"memory_mib": mib}));
+                            server.exec(&id, json!({"op": "identity"}));
+                            id
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().expect("cold start thread panicked"))
+                    .collect()
+            });
+            let took = t.elapsed().as_secs_f64() * 1e3;
+            for id in &ids {
+                delete(server, id);
+            }
+            took
+        })
+        .collect()
+}
+
+fn size_label(mib: u64) -> String {
+    if mib >= 1024 {
+        format!("{} GiB", mib / 1024)
+    } else {
+        format!("{mib} MiB")
+    }
+}
+
+fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
+    let pages = pages_of(mib);
+    let quarter = pages / 4;
+    let sz = size_label(mib);
+    let mat = size_label(mib / 4);
+    eprintln!("{BENCH}: {sz} VM, {quarter} pages materialized");
+
+    let ip = in_process(plan, mib);
+
+    let parent = server.create_vm(json!({"memory_mib": mib}));
+    let mut seed = 0;
+    let t = Instant::now();
+    server.exec(
+        &parent,
+        json!({"op": "fill", "start_page": 0, "pages": quarter, "seed": 1}),
+    );
+    eprintln!("  first fill of {mat}: {:.1} s", t.elapsed().as_secs_f64());
+    let mut forks = Vec::new();
+    for count in FORK_COUNTS {
+        let t = Instant::now();
+        forks.push((
+            count,
+            real_forks(server, plan, &parent, quarter, count, &mut seed),
+        ));
+        eprintln!(
+            "  {} forks of {count}: {:.1} s",
+            plan.reps,
+            t.elapsed().as_secs_f64()
+        );
+    }
+    delete(server, &parent);
+    let one = &forks[0].1;
+
+    let chunks = pages.div_ceil(CHUNK_PAGES as u64);
+    Row::new(
+        BENCH,
+        &format!("fork.table.{mib}"),
+        T_TABLE,
+        &format!("{sz} VM: PageTable::fork() ({chunks} shared chunks), in-process"),
+        "µs",
+        &ip.table_fork_us,
+        &format!("copy an 8-byte-per-page pointer table ({pages} × u64)"),
+        &ip.ptr_copy_us,
+    )
+    .goal("< 100 µs at every size, flat")
+    .note("a quarter of the table points at another source")
+    .emit();
+    Row::new(
+        BENCH,
+        &format!("fork.table_vs_memcpy.{mib}"),
+        T_TABLE,
+        &format!("{sz} VM: PageTable::fork(), in-process"),
+        "µs",
+        &ip.table_fork_us,
+        &format!("memcpy of the materialized {mat}"),
+        &ip.memcpy_us,
+    )
+    .goal("< 100 µs at every size, flat")
+    .note("memcpy between pre-touched buffers: the cheapest copy fork")
+    .emit();
+    Row::new(
+        BENCH,
+        &format!("fork.server_fork_us.{mib}"),
+        T_TABLE,
+        &format!("{sz} VM: server-side memory fork (fork_us), 1 child"),
+        "µs",
+        &one.fork_us,
+        &format!("copy an 8-byte-per-page pointer table ({pages} × u64)"),
+        &ip.ptr_copy_us,
+    )
+    .goal("< 100 µs at every size, flat")
+    .note("fork_us as reported by POST /v1/vms/{id}/fork (child registration included)")
+    .emit();
+    let pause10 = pagefork_benches::Stats::of(&forks[1].1.pause_us).map_or(f64::NAN, |s| s.median);
+    Row::new(
+        BENCH,
+        &format!("fork.pause.{mib}"),
+        T_PAUSE,
+        &format!("{sz} VM: parent pause (pause_us), 1 child"),
+        "µs",
+        &one.pause_us,
+        &format!("bare UFFDIO_WRITEPROTECT of {mat} populated shmem"),
+        &ip.wp_us,
+    )
+    .goal("≤ 1.2")
+    .note(format!("pause with 10 children: median {pause10:.0} µs"))
+    .emit();
+    for (count, f) in &forks {
+        Row::new(
+            BENCH,
+            &format!("fork.e2e{count}.{mib}"),
+            T_E2E,
+            &format!("{sz} VM: fork request → {count} child(ren) answer exec identity"),
+            "ms",
+            &f.e2e_ms,
+            &format!("cold start of {count} empty {sz} VM(s) until they answer"),
+            &cold_starts(server, plan, mib, *count),
+        )
+        .goal("milliseconds; ≤ cold start")
+        .note("children carry the parent's memory and vCPU state; cold-started VMs carry none")
+        .emit();
+    }
+    let ten = &forks[1].1;
+    let mat_kib = [(quarter * shared::PAGE_SIZE / 1024) as f64];
+    let table_bytes = chunks * 8;
+    Row::new(
+        BENCH,
+        &format!("fork.shmem_per_child.{mib}"),
+        T_MEM,
+        &format!("{sz} VM: host Shmem added per child, 10 children"),
+        "KiB",
+        &ten.shmem_kib_per_child,
+        &format!("the materialized {mat} (what a copy fork adds)"),
+        &mat_kib,
+    )
+    .goal(format!(
+        "table chunks only ({chunks} chunk pointers = {table_bytes} B)"
+    ))
+    .note(
+        "/proc/meminfo Shmem right after the fork returns; host-wide, so other processes add noise",
+    )
+    .emit();
+    Row::new(
+        BENCH,
+        &format!("fork.rss_per_child.{mib}"),
+        T_MEM,
+        &format!("{sz} VM: server RSS added per child, 10 children"),
+        "KiB",
+        &ten.rss_kib_per_child,
+        &format!("the materialized {mat} (what a copy fork adds)"),
+        &mat_kib,
+    )
+    .goal(format!(
+        "table chunks only ({chunks} chunk pointers = {table_bytes} B)"
+    ))
+    .note("VmRSS of uffd-server right after the fork returns (4 KiB granularity)")
+    .emit();
+}
+
+fn main() -> ExitCode {
+    let plan = Plan::from_args();
+    if !pagefork_tests::require_kvm_uffd() {
+        eprintln!("{BENCH}: needs /dev/kvm and /dev/userfaultfd");
+        return ExitCode::FAILURE;
+    }
+    let server = TestServer::start();
+    for &mib in &plan.fork_mib {
+        bench_size(&server, &plan, mib);
+    }
+    ExitCode::SUCCESS
+}

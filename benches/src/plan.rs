@@ -1,0 +1,117 @@
+//! Sizes and repetitions of a run, and the rows every bench must emit.
+//!
+//! Full runs use at least 5 repetitions (the machine is noisy: 2 cores);
+//! `--quick` (CI smoke runs) uses 2 and smaller sizes but still produces
+//! every row, so the report can check completeness without ever judging a
+//! timing.
+
+/// Fault-around sizes swept by `lazy_restore`, in KiB (0 = one page).
+pub const FAULT_AROUND_KIB: [u64; 4] = [0, 16, 64, 256];
+
+/// Fork counts measured end to end.
+pub const FORK_COUNTS: [u32; 2] = [1, 10];
+
+/// What one run measures.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// `--quick`: fewer repetitions, smaller sizes.
+    pub quick: bool,
+    /// Repetitions of every measurement.
+    pub reps: usize,
+    /// Guest RAM of the lazy-restore guest, MiB.
+    pub lazy_mib: u64,
+    /// VM sizes of the fork bench, MiB.
+    pub fork_mib: Vec<u64>,
+    /// Memory the Firecracker-like client touches, MiB.
+    pub fc_mib: u64,
+}
+
+impl Plan {
+    /// The plan for a full or a quick run.
+    pub fn new(quick: bool) -> Plan {
+        if quick {
+            Plan {
+                quick,
+                reps: 2,
+                lazy_mib: 64,
+                fork_mib: vec![256, 1024],
+                fc_mib: 64,
+            }
+        } else {
+            Plan {
+                quick,
+                reps: 5,
+                lazy_mib: 256,
+                fork_mib: vec![256, 1024, 4096],
+                fc_mib: 256,
+            }
+        }
+    }
+
+    /// The plan chosen by the command line: `--quick` anywhere, or
+    /// `PAGEFORK_BENCH_QUICK=1`.
+    pub fn from_args() -> Plan {
+        let quick = std::env::args().skip(1).any(|a| a == "--quick")
+            || std::env::var("PAGEFORK_BENCH_QUICK").is_ok_and(|v| v == "1");
+        Plan::new(quick)
+    }
+
+    /// Keys of the rows `bench` must emit under this plan.
+    pub fn expected_keys(&self, bench: &str) -> Vec<String> {
+        match bench {
+            "lazy_restore" => {
+                let mut k: Vec<String> = FAULT_AROUND_KIB
+                    .iter()
+                    .map(|fa| format!("lazy.touch.fa{fa}"))
+                    .collect();
+                k.push("lazy.touch.warm".into());
+                k.push("lazy.wall.fa64".into());
+                k
+            }
+            "fork" => self
+                .fork_mib
+                .iter()
+                .flat_map(|s| {
+                    let mut k: Vec<String> =
+                        ["table", "table_vs_memcpy", "server_fork_us", "pause"]
+                            .iter()
+                            .map(|m| format!("fork.{m}.{s}"))
+                            .collect();
+                    k.extend(FORK_COUNTS.iter().map(|n| format!("fork.e2e{n}.{s}")));
+                    k.push(format!("fork.shmem_per_child.{s}"));
+                    k.push(format!("fork.rss_per_child.{s}"));
+                    k
+                })
+                .collect(),
+            "fc_baseline" => vec!["fc.seq".into(), "fc.rand".into()],
+            "volume_snapshot" => vec![
+                "volume.snap16_vs_snap1".into(),
+                "volume.snap1_vs_cp".into(),
+                "volume.clone_vs_cp".into(),
+            ],
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// The benches the report expects, in report order.
+pub const BENCHES: [&str; 4] = ["lazy_restore", "fork", "volume_snapshot", "fc_baseline"];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quick_plan_keeps_every_row_kind() {
+        let (q, f) = (Plan::new(true), Plan::new(false));
+        assert!(q.reps >= 2 && f.reps >= 5);
+        for b in BENCHES {
+            assert!(!q.expected_keys(b).is_empty(), "{b} has no rows");
+        }
+        // Quick drops a size, never a kind of row.
+        assert_eq!(
+            q.expected_keys("fork").len() / q.fork_mib.len(),
+            f.expected_keys("fork").len() / f.fork_mib.len()
+        );
+    }
+}

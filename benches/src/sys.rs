@@ -1,0 +1,66 @@
+//! Host counters and machine facts read from /proc.
+
+use std::fs;
+
+/// A field of /proc/meminfo in KiB (`Shmem`, `MemTotal`, ...).
+pub fn meminfo_kib(field: &str) -> Option<u64> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    status_field(&text, field)
+}
+
+/// A field of /proc/PID/status in KiB (`VmRSS`, `RssAnon`, ...).
+pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
+    let text = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status_field(&text, field)
+}
+
+/// `Name:   1234 kB` → 1234.
+fn status_field(text: &str, field: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let (name, rest) = l.split_once(':')?;
+        if name.trim() != field {
+            return None;
+        }
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// The CPU model from /proc/cpuinfo.
+pub fn cpu_model() -> String {
+    fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .and_then(|r| r.split_once(':'))
+                    .map(|(_, m)| m.trim().to_owned())
+            })
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The kernel release (`uname -r`).
+pub fn kernel_release() -> String {
+    fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Online CPUs.
+pub fn cpus() -> usize {
+    std::thread::available_parallelism()
+        .map(usize::from)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_field_reads_the_named_kib_value() {
+        let t = "MemTotal:       24684084 kB\nShmem:            205480 kB\n";
+        assert_eq!(status_field(t, "Shmem"), Some(205_480));
+        assert_eq!(status_field(t, "Mem"), None);
+    }
+}
