@@ -170,7 +170,8 @@ mod tests {
     fn exec_request_says_what_is_missing() {
         let r: ExecRequest = serde_json::from_str(r#"{"op":"fill","pages":3}"#).unwrap();
         assert_eq!(r.to_op(10).unwrap_err(), "op 'fill' needs \"seed\"");
-        let r: ExecRequest = serde_json::from_str(r#"{"op":"checksum","start_page":8,"pages":3}"#).unwrap();
+        let r: ExecRequest =
+            serde_json::from_str(r#"{"op":"checksum","start_page":8,"pages":3}"#).unwrap();
         assert!(r.to_op(10).unwrap_err().contains("outside guest memory"));
     }
 
@@ -180,8 +181,12 @@ mod tests {
         assert_eq!(c.vcpus, 1);
         assert_eq!(c.memory_source, None);
         let c: CreateVm =
-            serde_json::from_str(r#"{"memory_mib":1,"memory_source":{"kind":"file","path":"/x"}}"#).unwrap();
-        assert_eq!(c.memory_source, Some(MemorySource::File { path: "/x".into() }));
+            serde_json::from_str(r#"{"memory_mib":1,"memory_source":{"kind":"file","path":"/x"}}"#)
+                .unwrap();
+        assert_eq!(
+            c.memory_source,
+            Some(MemorySource::File { path: "/x".into() })
+        );
     }
 
     proptest! {

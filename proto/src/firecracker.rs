@@ -67,8 +67,14 @@ pub enum HandshakeError {
     Overflow(usize),
     #[error("regions {0} and {1} overlap")]
     Overlap(usize, usize),
-    #[error("region {index} ends at byte {end} of the memory source, which has only {source_len} bytes")]
-    PastSource { index: usize, end: u64, source_len: u64 },
+    #[error(
+        "region {index} ends at byte {end} of the memory source, which has only {source_len} bytes"
+    )]
+    PastSource {
+        index: usize,
+        end: u64,
+        source_len: u64,
+    },
     #[error("the handshake carries {0} fds; it must carry exactly one userfaultfd")]
     FdCount(usize),
 }
@@ -95,16 +101,33 @@ pub fn parse_regions(bytes: &[u8], source_len: u64) -> Result<Vec<Region>, Hands
         if !SUPPORTED_PAGE_SIZES.contains(&page_size) {
             return Err(HandshakeError::PageSize { index, page_size });
         }
-        if m.size == 0 || m.size % page_size != 0 || m.base_host_virt_addr % page_size != 0 || m.offset % page_size != 0
+        if m.size == 0
+            || m.size % page_size != 0
+            || m.base_host_virt_addr % page_size != 0
+            || m.offset % page_size != 0
         {
             return Err(HandshakeError::Misaligned(index));
         }
-        let end = m.offset.checked_add(m.size).ok_or(HandshakeError::Overflow(index))?;
-        m.base_host_virt_addr.checked_add(m.size).ok_or(HandshakeError::Overflow(index))?;
+        let end = m
+            .offset
+            .checked_add(m.size)
+            .ok_or(HandshakeError::Overflow(index))?;
+        m.base_host_virt_addr
+            .checked_add(m.size)
+            .ok_or(HandshakeError::Overflow(index))?;
         if end > source_len {
-            return Err(HandshakeError::PastSource { index, end, source_len });
+            return Err(HandshakeError::PastSource {
+                index,
+                end,
+                source_len,
+            });
         }
-        out.push(Region { base: m.base_host_virt_addr, size: m.size, offset: m.offset, page_size });
+        out.push(Region {
+            base: m.base_host_virt_addr,
+            size: m.size,
+            offset: m.offset,
+            page_size,
+        });
     }
     for i in 0..out.len() {
         for j in i + 1..out.len() {
@@ -128,7 +151,15 @@ mod tests {
     fn accepts_what_firecracker_sends() {
         let msg = br#"[{"base_host_virt_addr":140000000000000,"size":67108864,"offset":0,"page_size":4096,"page_size_kib":4096}]"#;
         let r = parse_regions(msg, 64 << 20).unwrap();
-        assert_eq!(r, vec![Region { base: 140000000000000, size: 64 << 20, offset: 0, page_size: 4096 }]);
+        assert_eq!(
+            r,
+            vec![Region {
+                base: 140000000000000,
+                size: 64 << 20,
+                offset: 0,
+                page_size: 4096
+            }]
+        );
     }
 
     #[test]
@@ -141,15 +172,30 @@ mod tests {
 
     #[test]
     fn refuses_bad_handshakes() {
-        assert!(matches!(parse_regions(b"hello", 1 << 20), Err(HandshakeError::NotJson(_))));
-        assert_eq!(parse_regions(b"[]", 1 << 20), Err(HandshakeError::NoRegions));
+        assert!(matches!(
+            parse_regions(b"hello", 1 << 20),
+            Err(HandshakeError::NotJson(_))
+        ));
+        assert_eq!(
+            parse_regions(b"[]", 1 << 20),
+            Err(HandshakeError::NoRegions)
+        );
         let overlap = br#"[{"base_host_virt_addr":0,"size":8192,"offset":0,"page_size":4096},
                            {"base_host_virt_addr":4096,"size":4096,"offset":8192,"page_size":4096}]"#;
-        assert_eq!(parse_regions(overlap, 1 << 20), Err(HandshakeError::Overlap(0, 1)));
+        assert_eq!(
+            parse_regions(overlap, 1 << 20),
+            Err(HandshakeError::Overlap(0, 1))
+        );
         let past = br#"[{"base_host_virt_addr":0,"size":8192,"offset":4096,"page_size":4096}]"#;
-        assert!(matches!(parse_regions(past, 8192), Err(HandshakeError::PastSource { .. })));
+        assert!(matches!(
+            parse_regions(past, 8192),
+            Err(HandshakeError::PastSource { .. })
+        ));
         let ps = br#"[{"base_host_virt_addr":0,"size":65536,"offset":0,"page_size":65536}]"#;
-        assert!(matches!(parse_regions(ps, 1 << 20), Err(HandshakeError::PageSize { .. })));
+        assert!(matches!(
+            parse_regions(ps, 1 << 20),
+            Err(HandshakeError::PageSize { .. })
+        ));
     }
 
     proptest! {

@@ -102,9 +102,17 @@ impl Header {
             return Err(FrameError::TooLarge(len));
         }
         if b[12] > MAX_FDS {
-            return Err(FrameError::FdCount { declared: b[12], received: 0 });
+            return Err(FrameError::FdCount {
+                declared: b[12],
+                received: 0,
+            });
         }
-        Ok(Header { version, flags: u16::from_le_bytes([b[6], b[7]]), len, nfds: b[12] })
+        Ok(Header {
+            version,
+            flags: u16::from_le_bytes([b[6], b[7]]),
+            len,
+            nfds: b[12],
+        })
     }
 }
 
@@ -117,8 +125,17 @@ pub fn send_frame(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<()> {
     let nfds = u8::try_from(fds.len())
         .ok()
         .filter(|n| *n <= MAX_FDS)
-        .ok_or(FrameError::FdCount { declared: MAX_FDS, received: fds.len() })?;
-    let header = Header { version: VERSION, flags: 0, len, nfds }.encode();
+        .ok_or(FrameError::FdCount {
+            declared: MAX_FDS,
+            received: fds.len(),
+        })?;
+    let header = Header {
+        version: VERSION,
+        flags: 0,
+        len,
+        nfds,
+    }
+    .encode();
     let mut sent = 0usize;
     let total = HEADER_LEN + payload.len();
     while sent < total {
@@ -129,7 +146,11 @@ pub fn send_frame(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<()> {
         };
         let iov = [IoSlice::new(h), IoSlice::new(p)];
         let cmsg = [ControlMessage::ScmRights(fds)];
-        let cmsgs: &[ControlMessage] = if sent == 0 && !fds.is_empty() { &cmsg } else { &[] };
+        let cmsgs: &[ControlMessage] = if sent == 0 && !fds.is_empty() {
+            &cmsg
+        } else {
+            &[]
+        };
         match sendmsg::<()>(sock, &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
             Ok(n) => sent += n,
             Err(nix::Error::EINTR) => continue,
@@ -143,7 +164,12 @@ fn recv_some(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<usiz
     let mut cmsg_space = nix::cmsg_space!([RawFd; MAX_FDS as usize]);
     loop {
         let mut iov = [IoSliceMut::new(buf)];
-        let res = recvmsg::<()>(sock, &mut iov, Some(&mut cmsg_space), MsgFlags::MSG_CMSG_CLOEXEC);
+        let res = recvmsg::<()>(
+            sock,
+            &mut iov,
+            Some(&mut cmsg_space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        );
         let msg = match res {
             Ok(m) => m,
             Err(nix::Error::EINTR) => continue,
@@ -161,7 +187,10 @@ fn recv_some(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<usiz
             }
         }
         if truncated {
-            return Err(FrameError::FdCount { declared: MAX_FDS, received: MAX_FDS as usize + 1 });
+            return Err(FrameError::FdCount {
+                declared: MAX_FDS,
+                received: MAX_FDS as usize + 1,
+            });
         }
         return Ok(n);
     }
@@ -179,7 +208,11 @@ pub fn recv_frame(sock: &impl AsRawFd) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
     while got < HEADER_LEN {
         let n = recv_some(fd, &mut header[got..], &mut fds)?;
         if n == 0 {
-            return Err(if got == 0 { FrameError::Closed } else { FrameError::Truncated });
+            return Err(if got == 0 {
+                FrameError::Closed
+            } else {
+                FrameError::Truncated
+            });
         }
         got += n;
     }
@@ -194,7 +227,10 @@ pub fn recv_frame(sock: &impl AsRawFd) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
         got += n;
     }
     if fds.len() != usize::from(h.nfds) {
-        return Err(FrameError::FdCount { declared: h.nfds, received: fds.len() });
+        return Err(FrameError::FdCount {
+            declared: h.nfds,
+            received: fds.len(),
+        });
     }
     Ok((payload, fds))
 }
@@ -219,15 +255,37 @@ mod tests {
     #[test]
     fn wrong_fd_count_is_an_error() {
         let (mut a, b) = UnixStream::pair().unwrap();
-        let mut h = Header { version: VERSION, flags: 0, len: 0, nfds: 1 }.encode().to_vec();
-        a.write_all(&mut h).unwrap();
-        assert!(matches!(recv_frame(&b), Err(FrameError::FdCount { declared: 1, received: 0 })));
+        let h = Header {
+            version: VERSION,
+            flags: 0,
+            len: 0,
+            nfds: 1,
+        }
+        .encode()
+        .to_vec();
+        a.write_all(&h).unwrap();
+        assert!(matches!(
+            recv_frame(&b),
+            Err(FrameError::FdCount {
+                declared: 1,
+                received: 0
+            })
+        ));
     }
 
     #[test]
     fn hang_up_mid_frame_is_truncated() {
         let (mut a, b) = UnixStream::pair().unwrap();
-        a.write_all(&Header { version: VERSION, flags: 0, len: 10, nfds: 0 }.encode()).unwrap();
+        a.write_all(
+            &Header {
+                version: VERSION,
+                flags: 0,
+                len: 10,
+                nfds: 0,
+            }
+            .encode(),
+        )
+        .unwrap();
         a.write_all(b"abc").unwrap();
         drop(a);
         assert!(matches!(recv_frame(&b), Err(FrameError::Truncated)));

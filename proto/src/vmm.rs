@@ -26,14 +26,21 @@ use crate::frame::{self, FrameError};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum VmmMsg {
     /// First message: who the VMM is. No fds.
-    Hello { version: u16, token: String, pid: u32 },
+    Hello {
+        version: u16,
+        token: String,
+        pid: u32,
+    },
     /// Guest RAM is mapped and registered; carries the uffd as the only fd.
     /// `bases[i]` is the VMM's host virtual address of region `i`.
     UffdReady { bases: Vec<u64> },
     /// The vCPUs run and the guest agent waits for commands. No fds.
     Running,
     /// Answer to a server request.
-    Reply { seq: u64, result: Result<Reply, String> },
+    Reply {
+        seq: u64,
+        result: Result<Reply, String>,
+    },
     /// Guest console output.
     Console { text: String },
     /// The VMM is about to exit.
@@ -106,7 +113,7 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
 /// Decode a frame payload; trailing bytes are an error.
 pub fn decode<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Result<T, FrameError> {
     match postcard::take_from_bytes(payload) {
-        Ok((m, rest)) if rest.is_empty() => Ok(m),
+        Ok((m, [])) => Ok(m),
         Ok(_) => Err(FrameError::Decode(postcard::Error::DeserializeBadEncoding)),
         Err(e) => Err(FrameError::Decode(e)),
     }
@@ -136,24 +143,41 @@ mod tests {
 
     fn arb_op() -> impl Strategy<Value = GuestOp> {
         prop_oneof![
-            (any::<u64>(), any::<u64>(), any::<u64>())
-                .prop_map(|(a, b, c)| GuestOp::Fill { start_page: a, pages: b, seed: c }),
-            (any::<u64>(), any::<u64>(), any::<bool>())
-                .prop_map(|(a, b, w)| GuestOp::Touch { start_page: a, pages: b, write: w }),
-            (any::<u64>(), any::<u64>()).prop_map(|(a, b)| GuestOp::Checksum { start_page: a, pages: b }),
+            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(a, b, c)| GuestOp::Fill {
+                start_page: a,
+                pages: b,
+                seed: c
+            }),
+            (any::<u64>(), any::<u64>(), any::<bool>()).prop_map(|(a, b, w)| GuestOp::Touch {
+                start_page: a,
+                pages: b,
+                write: w
+            }),
+            (any::<u64>(), any::<u64>()).prop_map(|(a, b)| GuestOp::Checksum {
+                start_page: a,
+                pages: b
+            }),
             Just(GuestOp::Identity),
         ]
     }
 
     fn arb_vmm_msg() -> impl Strategy<Value = VmmMsg> {
         prop_oneof![
-            (any::<u16>(), ".{0,40}", any::<u32>())
-                .prop_map(|(version, token, pid)| VmmMsg::Hello { version, token, pid }),
-            proptest::collection::vec(any::<u64>(), 0..4).prop_map(|bases| VmmMsg::UffdReady { bases }),
+            (any::<u16>(), ".{0,40}", any::<u32>()).prop_map(|(version, token, pid)| {
+                VmmMsg::Hello {
+                    version,
+                    token,
+                    pid,
+                }
+            }),
+            proptest::collection::vec(any::<u64>(), 0..4)
+                .prop_map(|bases| VmmMsg::UffdReady { bases }),
             Just(VmmMsg::Running),
-            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(seq, value, elapsed_us)| VmmMsg::Reply {
-                seq,
-                result: Ok(Reply::Op(OpResult { value, elapsed_us }))
+            (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(seq, value, elapsed_us)| {
+                VmmMsg::Reply {
+                    seq,
+                    result: Ok(Reply::Op(OpResult { value, elapsed_us })),
+                }
             }),
             ".{0,40}".prop_map(|text| VmmMsg::Console { text }),
         ]

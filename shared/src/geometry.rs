@@ -31,6 +31,18 @@ impl GuestRegion {
     }
 }
 
+// pagefork runs on 64-bit hosts only (x86-64 KVM): a u64 byte count or
+// page offset always fits a usize there.
+const _: () = assert!(usize::BITS == 64);
+
+/// A u64 size or offset as a usize (lossless on the 64-bit hosts pagefork
+/// supports; checked at compile time above).
+#[inline]
+#[allow(clippy::cast_possible_truncation)]
+pub const fn usize_of(v: u64) -> usize {
+    v as usize
+}
+
 /// Bytes to whole pages, rounding up.
 pub fn pages_for(bytes: u64) -> u64 {
     bytes.div_ceil(PAGE_SIZE)
@@ -42,7 +54,10 @@ mod tests {
 
     #[test]
     fn contains_pages_rejects_overflow_and_overrun() {
-        let r = GuestRegion { guest_phys: 0, size: 16 * PAGE_SIZE };
+        let r = GuestRegion {
+            guest_phys: 0,
+            size: 16 * PAGE_SIZE,
+        };
         assert!(r.contains_pages(0, 16));
         assert!(r.contains_pages(15, 1));
         assert!(!r.contains_pages(15, 2));

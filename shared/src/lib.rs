@@ -10,7 +10,7 @@ pub mod op;
 pub mod pattern;
 pub mod state;
 
-pub use geometry::{GuestRegion, PAGE_SIZE, PAGE_SHIFT};
+pub use geometry::{GuestRegion, PAGE_SHIFT, PAGE_SIZE};
 pub use id::{ParseVmIdError, VmId};
 pub use op::{GuestOp, OpResult};
 pub use state::{VcpuState, VmState};

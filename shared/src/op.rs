@@ -14,13 +14,25 @@ use serde::{Deserialize, Serialize};
 pub enum GuestOp {
     /// Write [`crate::pattern::pattern_word`] at word 0 and at the sample
     /// word of every page.
-    Fill { start_page: u64, pages: u64, seed: u64 },
+    Fill {
+        start_page: u64,
+        pages: u64,
+        seed: u64,
+    },
     /// Read (or read and write back unchanged) the first byte of every page.
-    Touch { start_page: u64, pages: u64, write: bool },
+    Touch {
+        start_page: u64,
+        pages: u64,
+        write: bool,
+    },
     /// Fold the sample word of every page (guest side); zero pages give 0.
     Checksum { start_page: u64, pages: u64 },
     /// Count pages whose fill words differ from the pattern for `seed`.
-    Verify { start_page: u64, pages: u64, seed: u64 },
+    Verify {
+        start_page: u64,
+        pages: u64,
+        seed: u64,
+    },
     /// Fold every word of every page (VMM side, over its mapping).
     Digest { start_page: u64, pages: u64 },
     /// The guest reads its VM's id from the identity port.
@@ -49,10 +61,16 @@ impl GuestOp {
     /// The guest page range the operation reads or writes, if any.
     pub fn page_range(&self) -> Option<(u64, u64)> {
         match *self {
-            GuestOp::Fill { start_page, pages, .. }
-            | GuestOp::Touch { start_page, pages, .. }
+            GuestOp::Fill {
+                start_page, pages, ..
+            }
+            | GuestOp::Touch {
+                start_page, pages, ..
+            }
             | GuestOp::Checksum { start_page, pages }
-            | GuestOp::Verify { start_page, pages, .. }
+            | GuestOp::Verify {
+                start_page, pages, ..
+            }
             | GuestOp::Digest { start_page, pages } => Some((start_page, pages)),
             _ => None,
         }

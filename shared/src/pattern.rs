@@ -5,7 +5,7 @@
 //! the guest saw. All folds start at 0 and map all-zero input to 0, so
 //! untouched memory checksums as zero.
 
-use crate::geometry::PAGE_SIZE;
+use crate::geometry::{usize_of, PAGE_SIZE};
 
 /// Multiplier of the fold (odd, from FNV-1a 64).
 pub const FOLD_MUL: u64 = 0x0000_0100_0000_01b3;
@@ -68,7 +68,7 @@ pub fn digest(mem: &[u8], first_page: u64, start_page: u64, pages: u64) -> u64 {
     let mut h = 0;
     for p in start_page..start_page + pages {
         let base = (p - first_page) * PAGE_SIZE;
-        h = digest_page(h, &mem[base as usize..(base + PAGE_SIZE) as usize]);
+        h = digest_page(h, &mem[usize_of(base)..usize_of(base + PAGE_SIZE)]);
     }
     h
 }
@@ -76,7 +76,10 @@ pub fn digest(mem: &[u8], first_page: u64, start_page: u64, pages: u64) -> u64 {
 /// Continue a digest over one page's bytes.
 pub fn digest_page(mut h: u64, page: &[u8]) -> u64 {
     for w in page.chunks_exact(8) {
-        h = fold(h, u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]));
+        h = fold(
+            h,
+            u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]),
+        );
     }
     h
 }
@@ -105,6 +108,7 @@ pub fn disk_checksum(disk: &[u8], sector: u64, count: u64) -> u64 {
 }
 
 #[cfg(test)]
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
 

@@ -16,7 +16,11 @@ use serde_json::Value;
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("cannot connect to {path}: is uffd-server running with this state directory?")]
-    Connect { path: PathBuf, #[source] source: std::io::Error },
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot start the client runtime")]
     Runtime(#[source] std::io::Error),
     #[error("HTTP exchange with the server failed")]
@@ -62,7 +66,9 @@ impl Response {
 impl Client {
     /// A client for the API socket at `socket`.
     pub fn new(socket: impl AsRef<Path>) -> Self {
-        Client { socket: socket.as_ref().to_owned() }
+        Client {
+            socket: socket.as_ref().to_owned(),
+        }
     }
 
     /// Send `method path` with an optional JSON body.
@@ -74,10 +80,18 @@ impl Client {
         rt.block_on(self.request_async(method, path, body))
     }
 
-    async fn request_async(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Response> {
+    async fn request_async(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Response> {
         let stream = tokio::net::UnixStream::connect(&self.socket)
             .await
-            .map_err(|source| ClientError::Connect { path: self.socket.clone(), source })?;
+            .map_err(|source| ClientError::Connect {
+                path: self.socket.clone(),
+                source,
+            })?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(ClientError::Http)?;
@@ -92,12 +106,18 @@ impl Client {
             .map_err(ClientError::Build)?;
         let resp = sender.send_request(req).await.map_err(ClientError::Http)?;
         let status = resp.status().as_u16();
-        let collected = resp.into_body().collect().await.map_err(ClientError::Http)?.to_bytes();
+        let collected = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(ClientError::Http)?
+            .to_bytes();
         let body = if collected.is_empty() {
             Value::Null
         } else {
-            serde_json::from_slice(&collected)
-                .map_err(|_| ClientError::NotJson(String::from_utf8_lossy(&collected).into_owned()))?
+            serde_json::from_slice(&collected).map_err(|_| {
+                ClientError::NotJson(String::from_utf8_lossy(&collected).into_owned())
+            })?
         };
         Ok(Response { status, body })
     }

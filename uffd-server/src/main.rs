@@ -39,7 +39,9 @@ fn default_state_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
         return PathBuf::from(d).join("pagefork");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
     home.join(".local/state/pagefork")
 }
 
@@ -60,7 +62,10 @@ fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, String
         .open(dir.join("lock"))
         .map_err(|e| format!("cannot open {}/lock: {e}", dir.display()))?;
     nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
-        format!("another uffd-server already uses {}; stop it or pick another --state-dir", dir.display())
+        format!(
+            "another uffd-server already uses {}; stop it or pick another --state-dir",
+            dir.display()
+        )
     })
 }
 
@@ -92,7 +97,10 @@ fn run(args: Args) -> Result<(), String> {
             .map_err(|e| format!("cannot find own binary: {e}"))?
             .with_file_name("vmm"),
     };
-    if args.fault_around_kib != 0 && !(args.fault_around_kib % 4 == 0 && (args.fault_around_kib / 4).is_power_of_two()) {
+    if args.fault_around_kib != 0
+        && !(args.fault_around_kib.is_multiple_of(4)
+            && (args.fault_around_kib / 4).is_power_of_two())
+    {
         return Err("--fault-around-kib must be 0 or a power-of-two multiple of 4".into());
     }
     let volumes = match uffd_server::volume::VolumeEngine::open(&state_dir) {
@@ -111,8 +119,10 @@ fn run(args: Args) -> Result<(), String> {
     };
     let api_path = state_dir.join("api.sock");
     let vmm_path = state_dir.join("vmm.sock");
-    let vmm_listener = bind_0600(&vmm_path).map_err(|e| format!("cannot listen on {}: {e}", vmm_path.display()))?;
-    let api_listener = bind_0600(&api_path).map_err(|e| format!("cannot listen on {}: {e}", api_path.display()))?;
+    let vmm_listener = bind_0600(&vmm_path)
+        .map_err(|e| format!("cannot listen on {}: {e}", vmm_path.display()))?;
+    let api_listener = bind_0600(&api_path)
+        .map_err(|e| format!("cannot listen on {}: {e}", api_path.display()))?;
 
     let pending: PendingLaunches = Arc::default();
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -147,11 +157,15 @@ fn run(args: Args) -> Result<(), String> {
         for l in fc_listeners {
             let sock = l.socket.clone();
             let _ = std::fs::remove_file(&sock);
-            core.add_fc_listener(l).map_err(|e| format!("firecracker listener {}: {}", sock.display(), e.message))?;
+            core.add_fc_listener(l)
+                .map_err(|e| format!("firecracker listener {}: {}", sock.display(), e.message))?;
         }
         let (handle, commands) = Core::command_channel();
-        api_listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-        let listener = tokio::net::UnixListener::from_std(api_listener).map_err(|e| e.to_string())?;
+        api_listener
+            .set_nonblocking(true)
+            .map_err(|e| e.to_string())?;
+        let listener =
+            tokio::net::UnixListener::from_std(api_listener).map_err(|e| e.to_string())?;
         let app = uffd_server::api::router(handle.clone(), volumes);
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
@@ -164,7 +178,11 @@ fn run(args: Args) -> Result<(), String> {
             info!("signal received; stopping");
             let _ = stopper.call(CommandKind::Shutdown).await;
         });
-        info!("uffd-server listening: api {} vmm {}", api_path.display(), vmm_path.display());
+        info!(
+            "uffd-server listening: api {} vmm {}",
+            api_path.display(),
+            vmm_path.display()
+        );
         core.run(commands, events_rx).await;
         let _ = std::fs::remove_file(&api_path);
         let _ = std::fs::remove_file(&vmm_path);
@@ -175,7 +193,10 @@ fn run(args: Args) -> Result<(), String> {
 
 async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         return std::future::pending().await;
     };
     tokio::select! {

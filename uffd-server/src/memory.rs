@@ -24,7 +24,12 @@ pub enum MemoryError {
     #[error("cannot map guest memory into the server")]
     Map(#[source] nix::Error),
     #[error("cannot read image {path} at byte {offset}")]
-    ReadImage { path: String, offset: u64, #[source] source: std::io::Error },
+    ReadImage {
+        path: String,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot punch a hole in guest memory")]
     PunchHole(#[source] nix::Error),
     #[error("page range {0}..{1} is outside guest memory")]
@@ -50,16 +55,30 @@ impl GuestMemory {
             .create(name)
             .map_err(MemoryError::CreateMemfd)?;
         let memfd = mfd.into_file();
-        memfd.set_len(size).map_err(|e| MemoryError::SizeMemfd(size, e))?;
-        let len = std::num::NonZeroUsize::new(usize::try_from(size).unwrap_or(0))
-            .ok_or(MemoryError::SizeMemfd(size, std::io::Error::from_raw_os_error(libc::EINVAL)))?;
+        memfd
+            .set_len(size)
+            .map_err(|e| MemoryError::SizeMemfd(size, e))?;
+        let len = std::num::NonZeroUsize::new(usize::try_from(size).unwrap_or(0)).ok_or(
+            MemoryError::SizeMemfd(size, std::io::Error::from_raw_os_error(libc::EINVAL)),
+        )?;
         // SAFETY: a fresh shared mapping of a file we own; no existing memory
         // is replaced (no MAP_FIXED) and the mapping lives until Drop.
         let ptr = unsafe {
-            mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &memfd, 0)
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                &memfd,
+                0,
+            )
         }
         .map_err(MemoryError::Map)?;
-        Ok(GuestMemory { memfd, base: ptr.cast(), size })
+        Ok(GuestMemory {
+            memfd,
+            base: ptr.cast(),
+            size,
+        })
     }
 
     /// The memfd (to send to the VMM).
@@ -81,7 +100,11 @@ impl GuestMemory {
         let end = page.checked_add(pages).filter(|e| *e <= self.pages());
         match end {
             // SAFETY: `page * PAGE_SIZE` is inside the mapping (checked above).
-            Some(_) => Ok(unsafe { self.base.as_ptr().add((page * PAGE_SIZE) as usize) }),
+            Some(_) => Ok(unsafe {
+                self.base
+                    .as_ptr()
+                    .add(shared::geometry::usize_of(page * PAGE_SIZE))
+            }),
             None => Err(MemoryError::OutOfRange(page, page.saturating_add(pages))),
         }
     }
@@ -98,9 +121,16 @@ impl GuestMemory {
     }
 
     /// Fill `[page, page+pages)` from `file` at byte `offset` with one pread.
-    pub fn fill_from_file(&self, page: u64, pages: u64, file: &File, path: &str, offset: u64) -> Result<()> {
+    pub fn fill_from_file(
+        &self,
+        page: u64,
+        pages: u64,
+        file: &File,
+        path: &str,
+        offset: u64,
+    ) -> Result<()> {
         let ptr = self.check(page, pages)?;
-        let len = (pages * PAGE_SIZE) as usize;
+        let len = shared::geometry::usize_of(pages * PAGE_SIZE);
         let mut done = 0usize;
         while done < len {
             let off = libc::off_t::try_from(offset + done as u64).unwrap_or(libc::off_t::MAX);
@@ -108,7 +138,7 @@ impl GuestMemory {
             // mapping (checked above); the kernel writes at most that many.
             let n = unsafe { libc::pread(file.as_raw_fd(), ptr.add(done).cast(), len - done, off) };
             match n {
-                n if n > 0 => done += n as usize,
+                n if n > 0 => done += n.unsigned_abs(),
                 0 => {
                     // Past the end of the image: the rest reads as zero.
                     // SAFETY: same range as above.
@@ -120,7 +150,11 @@ impl GuestMemory {
                     if err.kind() == std::io::ErrorKind::Interrupted {
                         continue;
                     }
-                    return Err(MemoryError::ReadImage { path: path.to_owned(), offset, source: err });
+                    return Err(MemoryError::ReadImage {
+                        path: path.to_owned(),
+                        offset,
+                        source: err,
+                    });
                 }
             }
         }
@@ -133,14 +167,14 @@ impl GuestMemory {
         let s = src.check(page, 1)?;
         // SAFETY: both pointers are one page inside live mappings of two
         // different memfds, so they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(s, d, PAGE_SIZE as usize) };
+        unsafe { std::ptr::copy_nonoverlapping(s, d, shared::geometry::usize_of(PAGE_SIZE)) };
         Ok(())
     }
 
     /// Read page bytes (for debugging and snapshots).
     pub fn read_page(&self, page: u64, out: &mut [u8]) -> Result<()> {
         let s = self.check(page, 1)?;
-        let n = out.len().min(PAGE_SIZE as usize);
+        let n = out.len().min(shared::geometry::usize_of(PAGE_SIZE));
         // SAFETY: `s` is one page inside the live mapping; `out` is ours.
         unsafe { std::ptr::copy_nonoverlapping(s, out.as_mut_ptr(), n) };
         Ok(())
@@ -177,7 +211,10 @@ impl GuestMemory {
             // SAFETY: as above.
             let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
             let hole = if hole < 0 { size } else { hole.min(size) };
-            let (d, h) = (data as u64 / PAGE_SIZE, (hole as u64).div_ceil(PAGE_SIZE));
+            let (d, h) = (
+                data.unsigned_abs() / PAGE_SIZE,
+                hole.unsigned_abs().div_ceil(PAGE_SIZE),
+            );
             out.push((d, h - d));
             pos = hole;
         }
@@ -190,7 +227,7 @@ impl GuestMemory {
         let off = libc::off_t::try_from(page * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
         // SAFETY: lseek on our own fd has no memory effects.
         let data = unsafe { libc::lseek(fd, off, libc::SEEK_DATA) };
-        data >= 0 && data < off + PAGE_SIZE as libc::off_t
+        data >= 0 && data < off + libc::off_t::try_from(PAGE_SIZE).unwrap_or(4096)
     }
 
     /// Bytes the memfd has allocated (st_blocks * 512).
@@ -204,7 +241,7 @@ impl Drop for GuestMemory {
     fn drop(&mut self) {
         // SAFETY: `base`/`size` are exactly the mapping created in `create`,
         // and no reference into it outlives `self`.
-        let _ = unsafe { munmap(self.base.cast(), self.size as usize) };
+        let _ = unsafe { munmap(self.base.cast(), shared::geometry::usize_of(self.size)) };
     }
 }
 
@@ -218,9 +255,10 @@ mod tests {
         let m = GuestMemory::create("t", 8 * PAGE_SIZE).unwrap();
         assert_eq!(m.allocated_bytes(), 0);
         let mut f = tempfile::tempfile().unwrap();
-        f.write_all(&vec![0xab; 3 * PAGE_SIZE as usize]).unwrap();
+        f.write_all(&vec![0xab; 3 * shared::geometry::usize_of(PAGE_SIZE)])
+            .unwrap();
         m.fill_from_file(1, 4, &f, "img", 0).unwrap();
-        let mut buf = vec![0u8; PAGE_SIZE as usize];
+        let mut buf = vec![0u8; shared::geometry::usize_of(PAGE_SIZE)];
         m.read_page(3, &mut buf).unwrap();
         assert!(buf.iter().all(|b| *b == 0xab));
         m.read_page(4, &mut buf).unwrap();

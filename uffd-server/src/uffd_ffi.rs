@@ -81,7 +81,13 @@ fn outcome(res: nix::Result<libc::c_int>, result: i64, len: u64) -> Install {
 /// # Safety
 /// `src..src+len` must be readable memory of this process for the call.
 pub unsafe fn copy(uffd: RawFd, src: *const u8, dst: u64, len: u64, mode: u64) -> Install {
-    let mut arg = UffdioCopy { dst, src: src as u64, len, mode, copy: 0 };
+    let mut arg = UffdioCopy {
+        dst,
+        src: src as u64,
+        len,
+        mode,
+        copy: 0,
+    };
     // SAFETY: `arg` is a valid uffdio_copy; the caller guarantees `src`.
     let res = unsafe { ioctl_copy(uffd, &mut arg) };
     outcome(res, arg.copy, len)
@@ -89,7 +95,11 @@ pub unsafe fn copy(uffd: RawFd, src: *const u8, dst: u64, len: u64, mode: u64) -
 
 /// UFFDIO_ZEROPAGE over `len` bytes at `dst`, waking the faulting threads.
 pub fn zeropage(uffd: RawFd, dst: u64, len: u64) -> Install {
-    let mut arg = UffdioZeropage { range: UffdioRange { start: dst, len }, mode: 0, zeropage: 0 };
+    let mut arg = UffdioZeropage {
+        range: UffdioRange { start: dst, len },
+        mode: 0,
+        zeropage: 0,
+    };
     // SAFETY: `arg` is a valid uffdio_zeropage; the kernel only touches the
     // uffd's own registered range in the other process.
     let res = unsafe { ioctl_zeropage(uffd, &mut arg) };

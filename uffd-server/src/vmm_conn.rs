@@ -24,9 +24,17 @@ use tracing::{debug, info, warn};
 #[derive(Debug)]
 pub enum ConnEvent {
     /// A VMM proved it is the one launched for `vm`.
-    Hello { vm: VmId, writer: Arc<VmmWriter>, pid: u32 },
+    Hello {
+        vm: VmId,
+        writer: Arc<VmmWriter>,
+        pid: u32,
+    },
     /// A message (and its fds) from `vm`'s VMM.
-    Msg { vm: VmId, msg: VmmMsg, fds: Vec<OwnedFd> },
+    Msg {
+        vm: VmId,
+        msg: VmmMsg,
+        fds: Vec<OwnedFd>,
+    },
     /// `vm`'s connection is gone (hang-up or protocol error).
     Closed { vm: VmId, reason: String },
     /// A Firecracker process completed its handshake on a listener.
@@ -68,12 +76,22 @@ impl VmmWriter {
 
 fn refuse(stream: &UnixStream, why: &str) {
     warn!("vmm socket: refusing connection: {why}");
-    let _ = msg::send(stream, &ServerMsg::Error { message: why.to_owned() }, &[]);
+    let _ = msg::send(
+        stream,
+        &ServerMsg::Error {
+            message: why.to_owned(),
+        },
+        &[],
+    );
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
 /// Accept connections forever on `listener`, one thread per connection.
-pub fn accept_loop(listener: UnixListener, pending: PendingLaunches, events: UnboundedSender<ConnEvent>) {
+pub fn accept_loop(
+    listener: UnixListener,
+    pending: PendingLaunches,
+    events: UnboundedSender<ConnEvent>,
+) {
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
@@ -94,15 +112,31 @@ pub fn accept_loop(listener: UnixListener, pending: PendingLaunches, events: Unb
     }
 }
 
-fn serve_connection(stream: UnixStream, pending: PendingLaunches, events: UnboundedSender<ConnEvent>) {
-    let peer_pid = getsockopt(&stream, PeerCredentials).map(|c| c.pid()).unwrap_or(-1);
+fn serve_connection(
+    stream: UnixStream,
+    pending: PendingLaunches,
+    events: UnboundedSender<ConnEvent>,
+) {
+    let peer_pid = getsockopt(&stream, PeerCredentials)
+        .map(|c| c.pid())
+        .unwrap_or(-1);
     // A peer has a few seconds to say hello.
     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
     let hello = msg::recv::<VmmMsg>(&stream);
     let (token, pid) = match hello {
-        Ok((VmmMsg::Hello { version, token, pid }, fds)) => {
+        Ok((
+            VmmMsg::Hello {
+                version,
+                token,
+                pid,
+            },
+            fds,
+        )) => {
             if !fds.is_empty() {
-                return refuse(&stream, &format!("hello must carry no fds, got {}", fds.len()));
+                return refuse(
+                    &stream,
+                    &format!("hello must carry no fds, got {}", fds.len()),
+                );
             }
             if version != proto::frame::VERSION {
                 return refuse(&stream, &format!("unsupported protocol version {version}"));
@@ -115,7 +149,9 @@ fn serve_connection(stream: UnixStream, pending: PendingLaunches, events: Unboun
     let launch = {
         let mut map = pending.lock().unwrap_or_else(|p| p.into_inner());
         match map.get(&token) {
-            Some(l) if i64::from(l.pid) == i64::from(peer_pid) && l.pid == pid => map.remove(&token),
+            Some(l) if i64::from(l.pid) == i64::from(peer_pid) && l.pid == pid => {
+                map.remove(&token)
+            }
             Some(l) => {
                 let why = format!(
                     "launch token belongs to pid {}, but the peer is pid {peer_pid} (says {pid})",
@@ -133,11 +169,20 @@ fn serve_connection(stream: UnixStream, pending: PendingLaunches, events: Unboun
     let _ = stream.set_read_timeout(None);
     let vm = launch.vm;
     let writer = match stream.try_clone() {
-        Ok(s) => Arc::new(VmmWriter { stream: Mutex::new(s) }),
+        Ok(s) => Arc::new(VmmWriter {
+            stream: Mutex::new(s),
+        }),
         Err(e) => return refuse(&stream, &format!("internal error: {e}")),
     };
     info!("{vm}: vmm pid {pid} connected");
-    if events.send(ConnEvent::Hello { vm, writer: writer.clone(), pid }).is_err() {
+    if events
+        .send(ConnEvent::Hello {
+            vm,
+            writer: writer.clone(),
+            pid,
+        })
+        .is_err()
+    {
         return;
     }
     loop {
@@ -149,7 +194,10 @@ fn serve_connection(stream: UnixStream, pending: PendingLaunches, events: Unboun
                 }
             }
             Err(FrameError::Closed) => {
-                let _ = events.send(ConnEvent::Closed { vm, reason: "vmm closed its connection".into() });
+                let _ = events.send(ConnEvent::Closed {
+                    vm,
+                    reason: "vmm closed its connection".into(),
+                });
                 return;
             }
             Err(e) => {
@@ -157,7 +205,10 @@ fn serve_connection(stream: UnixStream, pending: PendingLaunches, events: Unboun
                 if !matches!(e, FrameError::Recv(_) | FrameError::Truncated) {
                     refuse(&stream, &why);
                 }
-                let _ = events.send(ConnEvent::Closed { vm, reason: format!("vmm connection failed: {why}") });
+                let _ = events.send(ConnEvent::Closed {
+                    vm,
+                    reason: format!("vmm connection failed: {why}"),
+                });
                 let _ = stream.as_raw_fd();
                 return;
             }

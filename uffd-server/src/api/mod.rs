@@ -29,13 +29,17 @@ impl IntoResponse for ApiError {
 /// Parse a JSON body with a message that says what is wrong.
 pub fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     if body.is_empty() {
-        return Err(ApiError::bad_request("request body is empty; send a JSON object"));
+        return Err(ApiError::bad_request(
+            "request body is empty; send a JSON object",
+        ));
     }
-    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
 fn vm_id(s: &str) -> Result<VmId, ApiError> {
-    s.parse().map_err(|e: shared::ParseVmIdError| ApiError::not_found(e.to_string()))
+    s.parse()
+        .map_err(|e: shared::ParseVmIdError| ApiError::not_found(e.to_string()))
 }
 
 type ApiResult = ApiResponse;
@@ -93,7 +97,11 @@ fn one() -> u32 {
 
 async fn fork(State(core): State<CoreHandle>, Path(id): Path<String>, body: Bytes) -> ApiResult {
     let id = vm_id(&id)?;
-    let count = if body.is_empty() { 1 } else { parse_body::<ForkBody>(&body)?.count };
+    let count = if body.is_empty() {
+        1
+    } else {
+        parse_body::<ForkBody>(&body)?.count
+    };
     call(&core, CommandKind::Fork(id, count), StatusCode::CREATED).await
 }
 
@@ -101,7 +109,10 @@ async fn sources(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiR
     call(&core, CommandKind::Sources(vm_id(&id)?), StatusCode::OK).await
 }
 
-async fn page(State(core): State<CoreHandle>, Path((id, page)): Path<(String, String)>) -> ApiResult {
+async fn page(
+    State(core): State<CoreHandle>,
+    Path((id, page)): Path<(String, String)>,
+) -> ApiResult {
     let page = page
         .parse()
         .map_err(|_| ApiError::bad_request(format!("page '{page}' is not a page number")))?;
@@ -129,7 +140,9 @@ async fn delete_listener(State(core): State<CoreHandle>, Path(id): Path<String>)
     let n = id
         .strip_prefix("fc-")
         .and_then(|n| n.parse().ok())
-        .ok_or_else(|| ApiError::not_found(format!("'{id}' is not a listener id; ids look like fc-1")))?;
+        .ok_or_else(|| {
+            ApiError::not_found(format!("'{id}' is not a listener id; ids look like fc-1"))
+        })?;
     call(&core, CommandKind::DeleteFcListener(n), StatusCode::OK).await
 }
 
@@ -142,7 +155,10 @@ async fn not_found() -> ApiError {
 }
 
 /// The whole API.
-pub fn router(core: CoreHandle, volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>) -> Router {
+pub fn router(
+    core: CoreHandle,
+    volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+) -> Router {
     let vms = Router::new()
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi_doc))
@@ -156,8 +172,14 @@ pub fn router(core: CoreHandle, volumes: Option<std::sync::Arc<crate::volume::Vo
         .route("/v1/vms/{id}/pages/{page}", get(page))
         .route("/v1/tree", get(tree))
         .route("/v1/debug/invariant", get(invariant))
-        .route("/v1/firecracker/listeners", get(list_listeners).post(add_listener))
-        .route("/v1/firecracker/listeners/{id}", axum::routing::delete(delete_listener))
+        .route(
+            "/v1/firecracker/listeners",
+            get(list_listeners).post(add_listener),
+        )
+        .route(
+            "/v1/firecracker/listeners/{id}",
+            axum::routing::delete(delete_listener),
+        )
         .with_state(core);
     let vms = match volumes {
         Some(engine) => vms.merge(volumes::router(engine)),

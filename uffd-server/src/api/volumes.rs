@@ -300,7 +300,10 @@ mod tests {
             ("/v1/snapshots/{name}/snapshots", &["post"]),
         ] {
             for m in methods {
-                assert!(doc[path][m].is_object(), "{m} {path} missing from volumes_openapi.json");
+                assert!(
+                    doc[path][m].is_object(),
+                    "{m} {path} missing from volumes_openapi.json"
+                );
             }
         }
     }

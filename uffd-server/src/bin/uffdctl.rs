@@ -46,7 +46,11 @@ enum Cmd {
     /// Start a server in a temporary directory and show a VM, a fork, a snapshot.
     Demo(demo::DemoArgs),
     /// Call any API route: uffdctl api GET /v1/vms ['{"json": 1}'].
-    Api { method: String, path: String, body: Option<String> },
+    Api {
+        method: String,
+        path: String,
+        body: Option<String>,
+    },
 }
 
 fn socket(args: &Args) -> PathBuf {
@@ -57,7 +61,8 @@ fn socket(args: &Args) -> PathBuf {
         std::env::var_os("XDG_STATE_HOME")
             .map(|d| PathBuf::from(d).join("pagefork"))
             .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into())).join(".local/state/pagefork")
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into()))
+                    .join(".local/state/pagefork")
             })
     });
     dir.join("api.sock")
@@ -85,7 +90,12 @@ fn main() -> ExitCode {
             client
                 .request(&method.to_uppercase(), &path, body.as_ref())
                 .map_err(|e| uffd_server::core::chain(&e))
-                .map(|r| println!("{}", serde_json::to_string_pretty(&r.body).unwrap_or_default()))
+                .map(|r| {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&r.body).unwrap_or_default()
+                    )
+                })
         }
     };
     match result {

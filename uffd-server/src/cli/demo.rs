@@ -36,7 +36,8 @@ struct Server {
 impl Drop for Server {
     fn drop(&mut self) {
         if let Ok(pid) = i32::try_from(self.child.id()) {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGTERM);
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGTERM);
         }
         let _ = self.child.wait();
         if self.temp {
@@ -51,7 +52,9 @@ fn step(n: u32, text: &str) {
 
 fn exec(c: &Client, id: &str, body: Value) -> Result<u64, String> {
     let v = call(c, "POST", &format!("/v1/vms/{id}/exec"), Some(&body))?;
-    v["result"].as_u64().ok_or_else(|| format!("no result in {v}"))
+    v["result"]
+        .as_u64()
+        .ok_or_else(|| format!("no result in {v}"))
 }
 
 fn start_server(args: &DemoArgs) -> Result<Server, String> {
@@ -65,7 +68,9 @@ fn start_server(args: &DemoArgs) -> Result<Server, String> {
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let bin = match &args.server_bin {
         Some(b) => b.clone(),
-        None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("uffd-server"),
+        None => std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .with_file_name("uffd-server"),
     };
     let log = std::fs::File::create(dir.join("server.log")).map_err(|e| e.to_string())?;
     let child = Command::new(&bin)
@@ -85,7 +90,10 @@ fn wait_healthy(sock: &Path) -> Result<(), String> {
     let c = Client::new(sock);
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
-        if c.request("GET", "/v1/health", None).map(|r| r.ok()).unwrap_or(false) {
+        if c.request("GET", "/v1/health", None)
+            .map(|r| r.ok())
+            .unwrap_or(false)
+        {
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -97,25 +105,58 @@ fn wait_healthy(sock: &Path) -> Result<(), String> {
 pub fn run(args: DemoArgs) -> Result<(), String> {
     let server = start_server(&args)?;
     let c = Client::new(server.dir.join("api.sock"));
-    println!("pagefork demo: uffd-server running, state directory {}", server.dir.display());
+    println!(
+        "pagefork demo: uffd-server running, state directory {}",
+        server.dir.display()
+    );
 
-    step(1, &format!("create a {} MiB VM (its RAM is a memfd owned by the server)", args.memory_mib));
+    step(
+        1,
+        &format!(
+            "create a {} MiB VM (its RAM is a memfd owned by the server)",
+            args.memory_mib
+        ),
+    );
     let t = Instant::now();
-    let vm = call(&c, "POST", "/v1/vms", Some(&json!({ "memory_mib": args.memory_mib })))?;
+    let vm = call(
+        &c,
+        "POST",
+        "/v1/vms",
+        Some(&json!({ "memory_mib": args.memory_mib })),
+    )?;
     let parent = vm["id"].as_str().unwrap_or_default().to_owned();
-    println!("    {parent} running (vmm pid {}) in {:.0} ms", vm["pid"], t.elapsed().as_secs_f64() * 1e3);
+    println!(
+        "    {parent} running (vmm pid {}) in {:.0} ms",
+        vm["pid"],
+        t.elapsed().as_secs_f64() * 1e3
+    );
     let pages = args.memory_mib * 256;
 
-    step(2, "the guest fills every page with pattern seed 1, then checksums its RAM");
+    step(
+        2,
+        "the guest fills every page with pattern seed 1, then checksums its RAM",
+    );
     exec(&c, &parent, json!({"op": "fill", "seed": 1}))?;
     let sum = exec(&c, &parent, json!({"op": "checksum"}))?;
     println!("    {parent}: {pages} pages filled, checksum {sum:#018x}");
 
-    step(3, "fork the running VM into 2 children (no memory is copied)");
-    let fork = call(&c, "POST", &format!("/v1/vms/{parent}/fork"), Some(&json!({"count": 2})))?;
+    step(
+        3,
+        "fork the running VM into 2 children (no memory is copied)",
+    );
+    let fork = call(
+        &c,
+        "POST",
+        &format!("/v1/vms/{parent}/fork"),
+        Some(&json!({"count": 2})),
+    )?;
     let children: Vec<String> = fork["children"]
         .as_array()
-        .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
         .unwrap_or_default();
     println!(
         "    children {children:?}; parent paused {} us, table fork {} us",
@@ -123,16 +164,42 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     );
     for ch in &children {
         let s = exec(&c, ch, json!({"op": "checksum"}))?;
-        println!("    {ch}: checksum {s:#018x} ({})", if s == sum { "same as parent" } else { "DIFFERENT" });
+        println!(
+            "    {ch}: checksum {s:#018x} ({})",
+            if s == sum {
+                "same as parent"
+            } else {
+                "DIFFERENT"
+            }
+        );
     }
 
-    step(4, "parent and first child write different data; each sees only its own");
+    step(
+        4,
+        "parent and first child write different data; each sees only its own",
+    );
     let half = pages / 2;
-    exec(&c, &parent, json!({"op": "fill", "start_page": 0, "pages": half, "seed": 2}))?;
+    exec(
+        &c,
+        &parent,
+        json!({"op": "fill", "start_page": 0, "pages": half, "seed": 2}),
+    )?;
     if let Some(ch) = children.first() {
-        exec(&c, ch, json!({"op": "fill", "start_page": half, "pages": pages - half, "seed": 3}))?;
-        let p_ok = exec(&c, &parent, json!({"op": "verify", "start_page": half, "pages": pages - half, "seed": 1}))?;
-        let c_ok = exec(&c, ch, json!({"op": "verify", "start_page": 0, "pages": half, "seed": 1}))?;
+        exec(
+            &c,
+            ch,
+            json!({"op": "fill", "start_page": half, "pages": pages - half, "seed": 3}),
+        )?;
+        let p_ok = exec(
+            &c,
+            &parent,
+            json!({"op": "verify", "start_page": half, "pages": pages - half, "seed": 1}),
+        )?;
+        let c_ok = exec(
+            &c,
+            ch,
+            json!({"op": "verify", "start_page": 0, "pages": half, "seed": 1}),
+        )?;
         println!("    {parent}: upper half still seed 1 ({p_ok} mismatches); {ch}: lower half still seed 1 ({c_ok} mismatches)");
     }
 
@@ -143,12 +210,25 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     }
 
     step(6, "snapshot a disk volume (one FICLONE)");
-    let vol = call(&c, "POST", "/v1/volumes", Some(&json!({"name": "demo-disk", "size_mib": 1024})));
+    let vol = call(
+        &c,
+        "POST",
+        "/v1/volumes",
+        Some(&json!({"name": "demo-disk", "size_mib": 1024})),
+    );
     match vol {
         Ok(_) => {
             let t = Instant::now();
-            call(&c, "POST", "/v1/volumes/demo-disk/snapshots", Some(&json!({"name": "demo-snap"})))?;
-            println!("    volume demo-disk (1 GiB) snapshotted in {:.2} ms", t.elapsed().as_secs_f64() * 1e3);
+            call(
+                &c,
+                "POST",
+                "/v1/volumes/demo-disk/snapshots",
+                Some(&json!({"name": "demo-snap"})),
+            )?;
+            println!(
+                "    volume demo-disk (1 GiB) snapshotted in {:.2} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            );
         }
         Err(e) => println!("    skipped: {e}"),
     }

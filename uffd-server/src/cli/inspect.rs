@@ -42,14 +42,26 @@ pub fn sources(client: &Client, id: &str, max_extents: usize, as_json: bool) -> 
         .unwrap_or_default();
     print!("{}", render(&["SOURCE", "PAGES", "BYTES", "SHARE"], &rows));
     let extents = v["extents"].as_array().cloned().unwrap_or_default();
-    println!("\n{} extents{}", extents.len(), if extents.len() > max_extents { format!(" (first {max_extents})") } else { String::new() });
+    println!(
+        "\n{} extents{}",
+        extents.len(),
+        if extents.len() > max_extents {
+            format!(" (first {max_extents})")
+        } else {
+            String::new()
+        }
+    );
     let rows: Vec<Vec<String>> = extents
         .iter()
         .take(max_extents)
         .map(|e| {
             let start = e["start_page"].as_u64().unwrap_or(0);
             let n = e["pages"].as_u64().unwrap_or(0);
-            vec![format!("{start}..{}", start + n), n.to_string(), s(&e["source"])]
+            vec![
+                format!("{start}..{}", start + n),
+                n.to_string(),
+                s(&e["source"]),
+            ]
         })
         .collect();
     print!("{}", render(&["PAGES", "COUNT", "SOURCE"], &rows));
@@ -66,7 +78,11 @@ pub fn page(client: &Client, id: &str, page: u64, as_json: bool) -> Result<(), S
             "{id} page {page}: source {} ({}), {} in {id}'s memory",
             s(&v["source"]),
             s(&v["kind"]),
-            if v["present"].as_bool() == Some(true) { "present" } else { "not present" }
+            if v["present"].as_bool() == Some(true) {
+                "present"
+            } else {
+                "not present"
+            }
         );
     }
     Ok(())
@@ -81,10 +97,17 @@ pub fn tree(client: &Client, as_json: bool) -> Result<(), String> {
     }
     let nodes = v["vms"].as_array().cloned().unwrap_or_default();
     fn walk(nodes: &[Value], id: &str, depth: usize) {
-        let Some(n) = nodes.iter().find(|n| n["id"] == id) else { return };
+        let Some(n) = nodes.iter().find(|n| n["id"] == id) else {
+            return;
+        };
         let reads = n["reads_from"]
             .as_object()
-            .map(|m| m.iter().map(|(k, c)| format!("{c} pages from {k}")).collect::<Vec<_>>().join(", "))
+            .map(|m| {
+                m.iter()
+                    .map(|(k, c)| format!("{c} pages from {k}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
             .unwrap_or_default();
         println!(
             "{}{} [{}] own {} pages{}",
@@ -92,7 +115,11 @@ pub fn tree(client: &Client, as_json: bool) -> Result<(), String> {
             id,
             s(&n["state"]),
             n["own_pages"],
-            if reads.is_empty() { String::new() } else { format!(", reads {reads}") }
+            if reads.is_empty() {
+                String::new()
+            } else {
+                format!(", reads {reads}")
+            }
         );
         for c in n["children"].as_array().cloned().unwrap_or_default() {
             walk(nodes, c.as_str().unwrap_or_default(), depth + 1);

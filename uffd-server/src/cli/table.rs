@@ -51,7 +51,13 @@ mod tests {
 
     #[test]
     fn columns_line_up() {
-        let t = render(&["ID", "STATE"], &[vec!["vm-1".into(), "running".into()], vec!["vm-10".into(), "x".into()]]);
+        let t = render(
+            &["ID", "STATE"],
+            &[
+                vec!["vm-1".into(), "running".into()],
+                vec!["vm-10".into(), "x".into()],
+            ],
+        );
         assert_eq!(t, "ID     STATE\nvm-1   running\nvm-10  x\n");
         assert_eq!(human_bytes(3 << 20), "3.0 MiB");
     }

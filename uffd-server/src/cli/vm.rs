@@ -66,8 +66,15 @@ pub enum VmCmd {
 }
 
 /// Call the API and return the body, or the server's error text.
-pub fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> Result<Value, String> {
-    let r = client.request(method, path, body).map_err(|e| crate::core::chain(&e))?;
+pub fn call(
+    client: &Client,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<Value, String> {
+    let r = client
+        .request(method, path, body)
+        .map_err(|e| crate::core::chain(&e))?;
     if r.ok() {
         Ok(r.body)
     } else {
@@ -78,7 +85,12 @@ pub fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> 
 fn pages_summary(v: &Value) -> String {
     v["pages"]
         .as_object()
-        .map(|m| m.iter().map(|(k, n)| format!("{k}={n}")).collect::<Vec<_>>().join(" "))
+        .map(|m| {
+            m.iter()
+                .map(|(k, n)| format!("{k}={n}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
         .unwrap_or_default()
 }
 
@@ -88,15 +100,38 @@ fn vm_row(v: &Value) -> Vec<String> {
         Value::Null => "-".into(),
         other => other.to_string(),
     };
-    vec![s("id"), s("state"), s("pid"), s("memory_mib"), s("resident_pages"), pages_summary(v), s("parent")]
+    vec![
+        s("id"),
+        s("state"),
+        s("pid"),
+        s("memory_mib"),
+        s("resident_pages"),
+        pages_summary(v),
+        s("parent"),
+    ]
 }
 
-const HEADERS: [&str; 7] = ["ID", "STATE", "PID", "MEM_MIB", "RESIDENT", "PAGES BY SOURCE", "PARENT"];
+const HEADERS: [&str; 7] = [
+    "ID",
+    "STATE",
+    "PID",
+    "MEM_MIB",
+    "RESIDENT",
+    "PAGES BY SOURCE",
+    "PARENT",
+];
 
 /// Run a VM command.
 pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
     let out = match cmd {
-        VmCmd::Create { memory_mib, vcpus, image, volume, fault_around_kib, prefetch } => {
+        VmCmd::Create {
+            memory_mib,
+            vcpus,
+            image,
+            volume,
+            fault_around_kib,
+            prefetch,
+        } => {
             let body = json!({
                 "memory_mib": memory_mib,
                 "vcpus": vcpus,
@@ -110,8 +145,10 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
         VmCmd::List => {
             let v = call(client, "GET", "/v1/vms", None)?;
             if !as_json {
-                let rows: Vec<Vec<String>> =
-                    v["vms"].as_array().map(|a| a.iter().map(vm_row).collect()).unwrap_or_default();
+                let rows: Vec<Vec<String>> = v["vms"]
+                    .as_array()
+                    .map(|a| a.iter().map(vm_row).collect())
+                    .unwrap_or_default();
                 print!("{}", render(&HEADERS, &rows));
                 return Ok(());
             }
@@ -122,11 +159,23 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
         VmCmd::Pause { id } => call(client, "POST", &format!("/v1/vms/{id}/pause"), None)?,
         VmCmd::Resume { id } => call(client, "POST", &format!("/v1/vms/{id}/resume"), None)?,
         VmCmd::Fork { id, count } => {
-            let v = call(client, "POST", &format!("/v1/vms/{id}/fork"), Some(&json!({ "count": count })))?;
+            let v = call(
+                client,
+                "POST",
+                &format!("/v1/vms/{id}/fork"),
+                Some(&json!({ "count": count })),
+            )?;
             if !as_json {
                 println!(
                     "{id} forked into {} (parent paused {} us, table fork {} us)",
-                    v["children"].as_array().map(|a| a.iter().map(|c| c.as_str().unwrap_or("?")).collect::<Vec<_>>().join(", ")).unwrap_or_default(),
+                    v["children"]
+                        .as_array()
+                        .map(|a| a
+                            .iter()
+                            .map(|c| c.as_str().unwrap_or("?"))
+                            .collect::<Vec<_>>()
+                            .join(", "))
+                        .unwrap_or_default(),
                     v["pause_us"],
                     v["fork_us"]
                 );
@@ -134,14 +183,29 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
             }
             v
         }
-        VmCmd::Exec { id, op, start_page, pages, seed, write, sector, count } => {
+        VmCmd::Exec {
+            id,
+            op,
+            start_page,
+            pages,
+            seed,
+            write,
+            sector,
+            count,
+        } => {
             let body = json!({
                 "op": op, "start_page": start_page, "pages": pages, "seed": seed,
                 "write": write.then_some(true), "sector": sector, "count": count,
             });
             let v = call(client, "POST", &format!("/v1/vms/{id}/exec"), Some(&body))?;
             if !as_json {
-                println!("{} {} = {} ({} us)", id, v["op"].as_str().unwrap_or("?"), v["result"], v["elapsed_us"]);
+                println!(
+                    "{} {} = {} ({} us)",
+                    id,
+                    v["op"].as_str().unwrap_or("?"),
+                    v["result"],
+                    v["elapsed_us"]
+                );
                 return Ok(());
             }
             v

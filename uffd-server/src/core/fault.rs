@@ -38,7 +38,9 @@ impl Registry {
     }
 
     fn handle_fault(&mut self, vm: VmId, kind: FaultKind, addr: u64) -> Handled {
-        let Some(v) = self.vms.get(&vm) else { return Handled::Ok };
+        let Some(v) = self.vms.get(&vm) else {
+            return Handled::Ok;
+        };
         let Some(page) = v.page_of(addr) else {
             warn!("{vm}: fault at {addr:#x} outside guest RAM; ignoring");
             return Handled::Ok;
@@ -48,7 +50,9 @@ impl Registry {
             FaultKind::WriteProtected => self.resolve_write_protect(vm, page),
             // Minor faults are never registered; wake so nothing hangs.
             FaultKind::Minor => {
-                let Some(v) = self.vms.get(&vm) else { return Handled::Ok };
+                let Some(v) = self.vms.get(&vm) else {
+                    return Handled::Ok;
+                };
                 wake(v, page, 1)
             }
         }
@@ -65,7 +69,9 @@ impl Registry {
                 (page, 1)
             }
         };
-        let Some(v) = self.vms.get_mut(&vm) else { return Handled::Ok };
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Handled::Ok;
+        };
         v.stats.missing += 1;
         wake(v, first, count)
     }
@@ -74,10 +80,18 @@ impl Registry {
     /// VM that still reads it from `vm`, then lift the protection.
     fn resolve_write_protect(&mut self, vm: VmId, page: u64) -> Handled {
         self.preserve_for_dependents(vm, page);
-        let Some(v) = self.vms.get_mut(&vm) else { return Handled::Ok };
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Handled::Ok;
+        };
         v.stats.write_protect += 1;
-        let Some(uffd) = v.uffd.clone() else { return Handled::Ok };
-        match uffd.get_ref().remove_write_protection(v.addr_of(page), PAGE_SIZE as usize, true) {
+        let Some(uffd) = v.uffd.clone() else {
+            return Handled::Ok;
+        };
+        match uffd.get_ref().remove_write_protection(
+            v.addr_of(page),
+            shared::geometry::usize_of(PAGE_SIZE),
+            true,
+        ) {
             Ok(()) => Handled::Ok,
             Err(e) => errno_outcome(vm, "remove write protection", &e),
         }
@@ -91,7 +105,11 @@ impl Registry {
         if src_id == v.self_src {
             return Ok((page, 1)); // Already present: a concurrent fault.
         }
-        let source = self.arena.get(src_id).cloned().ok_or_else(|| format!("unknown source id {src_id}"))?;
+        let source = self
+            .arena
+            .get(src_id)
+            .cloned()
+            .ok_or_else(|| format!("unknown source id {src_id}"))?;
         match &*source {
             PageSource::Uninitialized => {
                 v.memory.zero_page(page).map_err(|e| e.to_string())?;
@@ -125,7 +143,9 @@ impl Registry {
                     .get(owner)
                     .map(|o| Rc::clone(&o.memory))
                     .ok_or_else(|| format!("source {owner} of page {page} is gone"))?;
-                v.memory.copy_page_from(&owner_mem, page).map_err(|e| e.to_string())?;
+                v.memory
+                    .copy_page_from(&owner_mem, page)
+                    .map_err(|e| e.to_string())?;
                 self.mark_present(vm, page, 1);
                 Ok((page, 1))
             }
@@ -143,8 +163,12 @@ impl Registry {
     /// Before `vm` overwrites `page`, copy its current bytes to every VM
     /// whose table still reads that page from `vm`.
     fn preserve_for_dependents(&mut self, vm: VmId, page: u64) {
-        let Some(src) = self.arena.vm_id(vm) else { return };
-        let Some(mem) = self.vms.get(&vm).map(|v| Rc::clone(&v.memory)) else { return };
+        let Some(src) = self.arena.vm_id(vm) else {
+            return;
+        };
+        let Some(mem) = self.vms.get(&vm).map(|v| Rc::clone(&v.memory)) else {
+            return;
+        };
         for (id, dep) in self.vms.iter_mut() {
             if *id == vm || dep.table.get(page) != src {
                 continue;
@@ -160,7 +184,9 @@ impl Registry {
     }
 
     fn handle_remove(&mut self, vm: VmId, start: u64, end: u64) -> Handled {
-        let Some(v) = self.vms.get_mut(&vm) else { return Handled::Ok };
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Handled::Ok;
+        };
         let (Some(first), Some(last)) = (v.page_of(start), v.page_of(end.saturating_sub(1))) else {
             return Handled::Ok;
         };
@@ -169,15 +195,23 @@ impl Registry {
         // The discarded pages read as zero from now on.
         v.table.set_range(first, pages, UNINITIALIZED);
         if let Err(e) = v.memory.punch_hole(first, pages) {
-            warn!("{vm}: cannot drop removed pages {first}..{}: {e}", first + pages);
+            warn!(
+                "{vm}: cannot drop removed pages {first}..{}: {e}",
+                first + pages
+            );
         }
         Handled::Ok
     }
 }
 
 fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {
-    let Some(uffd) = v.uffd.clone() else { return Handled::Ok };
-    match uffd.get_ref().wake(v.addr_of(first), (count * PAGE_SIZE) as usize) {
+    let Some(uffd) = v.uffd.clone() else {
+        return Handled::Ok;
+    };
+    match uffd.get_ref().wake(
+        v.addr_of(first),
+        shared::geometry::usize_of(count * PAGE_SIZE),
+    ) {
         Ok(()) => Handled::Ok,
         Err(e) => errno_outcome(v.id, "wake", &e),
     }

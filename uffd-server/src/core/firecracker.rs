@@ -48,27 +48,42 @@ pub struct FileMap {
 impl FileMap {
     /// Map `file` read-only.
     pub fn new(file: &std::fs::File, len: u64) -> Result<Self, String> {
-        let n = std::num::NonZeroUsize::new(usize::try_from(len).unwrap_or(0)).ok_or("memory source is empty")?;
+        let n = std::num::NonZeroUsize::new(usize::try_from(len).unwrap_or(0))
+            .ok_or("memory source is empty")?;
         // SAFETY: a fresh read-only shared mapping of a file we hold open;
         // no MAP_FIXED, unmapped in Drop.
         let ptr = unsafe {
-            nix::sys::mman::mmap(None, n, nix::sys::mman::ProtFlags::PROT_READ, nix::sys::mman::MapFlags::MAP_SHARED, file, 0)
+            nix::sys::mman::mmap(
+                None,
+                n,
+                nix::sys::mman::ProtFlags::PROT_READ,
+                nix::sys::mman::MapFlags::MAP_SHARED,
+                file,
+                0,
+            )
         }
         .map_err(|e| format!("cannot map the memory source: {e}"))?;
-        Ok(FileMap { ptr: ptr.cast(), len })
+        Ok(FileMap {
+            ptr: ptr.cast(),
+            len,
+        })
     }
 
     fn at(&self, offset: u64, len: u64) -> Option<*const u8> {
         let end = offset.checked_add(len)?;
         // SAFETY: `offset + len <= self.len`, inside the mapping.
-        (end <= self.len).then(|| unsafe { self.ptr.as_ptr().add(offset as usize) as *const u8 })
+        (end <= self.len).then(|| unsafe {
+            self.ptr.as_ptr().add(shared::geometry::usize_of(offset)) as *const u8
+        })
     }
 }
 
 impl Drop for FileMap {
     fn drop(&mut self) {
         // SAFETY: exactly the mapping made in `new`.
-        let _ = unsafe { nix::sys::mman::munmap(self.ptr.cast(), self.len as usize) };
+        let _ = unsafe {
+            nix::sys::mman::munmap(self.ptr.cast(), shared::geometry::usize_of(self.len))
+        };
     }
 }
 
@@ -120,7 +135,10 @@ enum Resolved {
 
 impl FcVm {
     fn region_of(&self, addr: u64) -> Option<Region> {
-        self.regions.iter().copied().find(|r| addr >= r.base && addr < r.base + r.size)
+        self.regions
+            .iter()
+            .copied()
+            .find(|r| addr >= r.base && addr < r.base + r.size)
     }
 
     fn raw_uffd(&self) -> i32 {
@@ -142,7 +160,9 @@ impl FcVm {
                 unsafe { uffd_ffi::copy(self.raw_uffd(), zeros.as_ptr(), dst, len, 0) }
             }
         } else {
-            let Some(src) = self.map.at(lo * PAGE_SIZE, len) else { return Err(Resolved::Ok) };
+            let Some(src) = self.map.at(lo * PAGE_SIZE, len) else {
+                return Err(Resolved::Ok);
+            };
             // SAFETY: `src..src+len` lies in our live read-only mapping.
             unsafe { uffd_ffi::copy(self.raw_uffd(), src, dst, len, 0) }
         };
@@ -156,7 +176,10 @@ impl FcVm {
             }
             Install::Gone => return Err(Resolved::Gone),
             Install::Failed(errno) => {
-                warn!("{}: install of pages {lo}..{hi} failed: errno {errno}", self.id);
+                warn!(
+                    "{}: install of pages {lo}..{hi} failed: errno {errno}",
+                    self.id
+                );
                 return Err(Resolved::Ok);
             }
         };
@@ -171,7 +194,10 @@ impl FcVm {
     }
 
     fn wake(&self, addr: u64, len: u64) {
-        let _ = self.uffd.get_ref().wake(addr as *mut libc::c_void, len as usize);
+        let _ = self
+            .uffd
+            .get_ref()
+            .wake(addr as *mut libc::c_void, shared::geometry::usize_of(len));
     }
 
     /// Resolve a MISSING fault at `addr`.
@@ -247,7 +273,7 @@ fn zero_buffer(len: u64) -> Rc<Vec<u8>> {
     ZEROS.with(|z| {
         let mut z = z.borrow_mut();
         if (z.len() as u64) < len {
-            *z = Rc::new(vec![0u8; len as usize]);
+            *z = Rc::new(vec![0u8; shared::geometry::usize_of(len)]);
         }
         z.clone()
     })
@@ -281,27 +307,39 @@ impl Core {
         let fault_around_pages = match req.fault_around_kib {
             Some(0) => 1,
             Some(k) if k % 4 == 0 && (k / 4).is_power_of_two() && k <= 4096 => k / 4,
-            Some(_) => return Err(ApiError::bad_request("fault_around_kib must be 0 or a power-of-two multiple of 4 up to 4096")),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "fault_around_kib must be 0 or a power-of-two multiple of 4 up to 4096",
+                ))
+            }
             None => self.settings.fault_around_pages,
         };
         let map = FileMap::new(&file, len).map_err(ApiError::internal)?;
         if req.socket.exists() {
-            return Err(ApiError::conflict(format!("{} already exists; remove it or pick another path", req.socket.display())));
+            return Err(ApiError::conflict(format!(
+                "{} already exists; remove it or pick another path",
+                req.socket.display()
+            )));
         }
-        let sock = std::os::unix::net::UnixListener::bind(&req.socket)
-            .map_err(|e| ApiError::bad_request(format!("cannot listen on {}: {e}", req.socket.display())))?;
+        let sock = std::os::unix::net::UnixListener::bind(&req.socket).map_err(|e| {
+            ApiError::bad_request(format!("cannot listen on {}: {e}", req.socket.display()))
+        })?;
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&req.socket, std::fs::Permissions::from_mode(0o600));
-        let accept = sock.try_clone().map_err(|e| ApiError::internal(e.to_string()))?;
+        let accept = sock
+            .try_clone()
+            .map_err(|e| ApiError::internal(e.to_string()))?;
         let stats = Arc::new(ListenerStats::default());
         let mut reg = self.reg.borrow_mut();
         reg.next_listener += 1;
         let id = reg.next_listener;
-        let source = reg.arena.insert(crate::pages::PageSource::File(crate::pages::FileSource {
-            path: PathBuf::from(path),
-            file,
-            len,
-        }));
+        let source = reg
+            .arena
+            .insert(crate::pages::PageSource::File(crate::pages::FileSource {
+                path: PathBuf::from(path),
+                file,
+                len,
+            }));
         let ctx = crate::firecracker::ListenerCtx {
             id,
             socket: req.socket.clone(),
@@ -328,7 +366,10 @@ impl Core {
                 sock,
             },
         );
-        info!("firecracker listener fc-{id} on {} serving {path}", req.socket.display());
+        info!(
+            "firecracker listener fc-{id} on {} serving {path}",
+            req.socket.display()
+        );
         drop(reg);
         self.fc_listener_info(id)
     }
@@ -336,8 +377,16 @@ impl Core {
     /// `GET /v1/firecracker/listeners/{id}` body.
     pub fn fc_listener_info(&self, id: u32) -> ApiResult<Value> {
         let reg = self.reg.borrow();
-        let l = reg.fc_listeners.get(&id).ok_or_else(|| ApiError::not_found(format!("no listener fc-{id}")))?;
-        let vms: Vec<String> = reg.fc_vms.values().filter(|v| v.listener == id).map(|v| v.id.to_string()).collect();
+        let l = reg
+            .fc_listeners
+            .get(&id)
+            .ok_or_else(|| ApiError::not_found(format!("no listener fc-{id}")))?;
+        let vms: Vec<String> = reg
+            .fc_vms
+            .values()
+            .filter(|v| v.listener == id)
+            .map(|v| v.id.to_string())
+            .collect();
         Ok(json!({
             "id": format!("fc-{id}"),
             "socket": l.socket,
@@ -376,8 +425,18 @@ impl Core {
 
     /// A Firecracker process completed its handshake: serve it.
     pub(super) fn on_fc_hello(self: &Rc<Self>, hs: FcHandshake) {
-        let FcHandshake { listener, conn, regions, uffd, pid, stream } = hs;
-        if let Err(e) = nix::fcntl::fcntl(uffd.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK)) {
+        let FcHandshake {
+            listener,
+            conn,
+            regions,
+            uffd,
+            pid,
+            stream,
+        } = hs;
+        if let Err(e) = nix::fcntl::fcntl(
+            uffd.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+        ) {
             warn!("firecracker: cannot make uffd non-blocking: {e}");
             return;
         }
@@ -385,18 +444,33 @@ impl Core {
         // moves into the Uffd.
         let uffd = unsafe { Uffd::from_raw_fd(uffd.into_raw_fd()) };
         // SAFETY: the Uffd owns its fd until the AsyncFd drops it.
-        let afd = match unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) } {
-            Ok(a) => Rc::new(a),
-            Err(e) => {
-                warn!("firecracker: cannot poll the uffd: {e}");
-                return;
-            }
-        };
+        let afd =
+            match unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) } {
+                Ok(a) => Rc::new(a),
+                Err(e) => {
+                    warn!("firecracker: cannot poll the uffd: {e}");
+                    return;
+                }
+            };
         let mut reg = self.reg.borrow_mut();
-        let Some(l) = reg.fc_listeners.get(&listener) else { return };
-        let (map, file_src, fault_around, recorded) =
-            (l.map.clone(), l.source, l.fault_around_pages, if l.working_set { l.recorded.clone() } else { None });
-        let pages = regions.iter().map(|r| (r.offset + r.size) / PAGE_SIZE).max().unwrap_or(0);
+        let Some(l) = reg.fc_listeners.get(&listener) else {
+            return;
+        };
+        let (map, file_src, fault_around, recorded) = (
+            l.map.clone(),
+            l.source,
+            l.fault_around_pages,
+            if l.working_set {
+                l.recorded.clone()
+            } else {
+                None
+            },
+        );
+        let pages = regions
+            .iter()
+            .map(|r| (r.offset + r.size) / PAGE_SIZE)
+            .max()
+            .unwrap_or(0);
         let mut table = PageTable::new(pages, UNINITIALIZED);
         for r in &regions {
             table.set_range(r.offset / PAGE_SIZE, r.size / PAGE_SIZE, file_src);
@@ -435,14 +509,26 @@ impl Core {
     /// A Firecracker connection hung up: the VM is gone.
     pub(super) fn on_fc_closed(&self, conn: u64) {
         let mut reg = self.reg.borrow_mut();
-        let Some(id) = reg.fc_vms.values().find(|v| v.conn == conn).map(|v| v.id) else { return };
-        let Some(v) = reg.fc_vms.remove(&id) else { return };
-        info!("{id}: firecracker pid {} disconnected after {} faults", v.pid, v.stats.missing);
+        let Some(id) = reg.fc_vms.values().find(|v| v.conn == conn).map(|v| v.id) else {
+            return;
+        };
+        let Some(v) = reg.fc_vms.remove(&id) else {
+            return;
+        };
+        info!(
+            "{id}: firecracker pid {} disconnected after {} faults",
+            v.pid, v.stats.missing
+        );
         reg.arena.release(v.self_src);
         if let Some(l) = reg.fc_listeners.get_mut(&v.listener) {
             if l.working_set && l.recorded.is_none() && !v.fault_order.is_empty() {
                 let mut seen = std::collections::HashSet::new();
-                let ws: Vec<u64> = v.fault_order.iter().copied().filter(|p| seen.insert(*p)).collect();
+                let ws: Vec<u64> = v
+                    .fault_order
+                    .iter()
+                    .copied()
+                    .filter(|p| seen.insert(*p))
+                    .collect();
                 info!("fc-{}: recorded a working set of {} pages", l.id, ws.len());
                 l.recorded = Some(Rc::new(ws));
             }
@@ -461,20 +547,26 @@ impl Core {
 /// Handle a batch of events for a Firecracker VM; returns faults to retry.
 fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u64>) -> bool {
     let mut reg = core.reg.borrow_mut();
-    let Some(v) = reg.fc_vms.get_mut(&id) else { return false };
+    let Some(v) = reg.fc_vms.get_mut(&id) else {
+        return false;
+    };
     let record = v.fault_order.len() < (1 << 22);
     // Events that change the address space (REMOVE) apply before retrying
     // deferred faults, so a removed page is installed as zero.
     let mut faults = Vec::new();
     for ev in events {
         match ev {
-            Event::Pagefault { kind: FaultKind::Missing, addr, .. } => faults.push(addr as u64),
+            Event::Pagefault {
+                kind: FaultKind::Missing,
+                addr,
+                ..
+            } => faults.push(addr as u64),
             Event::Pagefault { addr, .. } => v.wake(addr as u64 & !(PAGE_SIZE - 1), PAGE_SIZE),
             Event::Remove { start, end } => v.remove(start as u64, end as u64),
             _ => {}
         }
     }
-    let retry: Vec<u64> = deferred.drain(..).collect();
+    let retry: Vec<u64> = std::mem::take(deferred);
     for (i, addr) in retry.into_iter().chain(faults).enumerate() {
         let _ = i;
         v.stats.missing += 1;
@@ -533,11 +625,16 @@ async fn prefetch_working_set(core: Rc<Core>, id: VmId, pages: Rc<Vec<u64>>) {
     for chunk in pages.chunks(256) {
         {
             let mut reg = core.reg.borrow_mut();
-            let Some(v) = reg.fc_vms.get_mut(&id) else { return };
+            let Some(v) = reg.fc_vms.get_mut(&id) else {
+                return;
+            };
             for &p in chunk {
-                let Some(r) = v.regions.iter().copied().find(|r| {
-                    p * PAGE_SIZE >= r.offset && p * PAGE_SIZE < r.offset + r.size
-                }) else {
+                let Some(r) = v
+                    .regions
+                    .iter()
+                    .copied()
+                    .find(|r| p * PAGE_SIZE >= r.offset && p * PAGE_SIZE < r.offset + r.size)
+                else {
                     continue;
                 };
                 if v.table.get(p) == v.self_src {
@@ -553,7 +650,10 @@ async fn prefetch_working_set(core: Rc<Core>, id: VmId, pages: Rc<Vec<u64>>) {
         }
         tokio::task::yield_now().await;
     }
-    info!("{id}: working set prefetched: {installed} pages in {:?}", t.elapsed());
+    info!(
+        "{id}: working set prefetched: {installed} pages in {:?}",
+        t.elapsed()
+    );
 }
 
 /// `BTreeMap` of listeners and Firecracker VMs, kept in the registry.

@@ -37,7 +37,9 @@ impl Core {
     /// `POST /v1/vms/{id}/fork`.
     pub(super) async fn fork(self: Rc<Self>, parent: VmId, count: u32) -> ApiResult<Value> {
         if count == 0 || count > MAX_FORK_COUNT {
-            return Err(ApiError::bad_request(format!("count must be between 1 and {MAX_FORK_COUNT}")));
+            return Err(ApiError::bad_request(format!(
+                "count must be between 1 and {MAX_FORK_COUNT}"
+            )));
         }
         {
             let reg = self.reg.borrow();
@@ -80,7 +82,11 @@ impl Core {
                     let ids: Vec<VmId> = c.iter().map(|(id, _)| *id).collect();
                     self.discard_children(&ids);
                 }
-                return Err(p.err().or(c.err()).or(r.err()).unwrap_or_else(|| ApiError::internal("fork failed")));
+                return Err(p
+                    .err()
+                    .or(c.err())
+                    .or(r.err())
+                    .unwrap_or_else(|| ApiError::internal("fork failed")));
             }
         };
         // Start every child's VMM, then wait for all of them.
@@ -112,12 +118,20 @@ impl Core {
     fn write_protect_materialized(&self, vm: VmId) -> ApiResult<u64> {
         let reg = self.reg.borrow();
         let v = reg.vms.get(&vm).ok_or_else(|| not_found(vm))?;
-        let uffd = v.uffd.clone().ok_or_else(|| ApiError::conflict(format!("{vm} has no userfaultfd")))?;
+        let uffd = v
+            .uffd
+            .clone()
+            .ok_or_else(|| ApiError::conflict(format!("{vm} has no userfaultfd")))?;
         let mut pages = 0;
         for (start, n) in v.table.ranges_of(v.self_src) {
             uffd.get_ref()
-                .write_protect(v.addr_of(start), (n * PAGE_SIZE) as usize)
-                .map_err(|e| ApiError::internal(format!("cannot write-protect {vm} pages {start}..{}: {e}", start + n)))?;
+                .write_protect(v.addr_of(start), shared::geometry::usize_of(n * PAGE_SIZE))
+                .map_err(|e| {
+                    ApiError::internal(format!(
+                        "cannot write-protect {vm} pages {start}..{}: {e}",
+                        start + n
+                    ))
+                })?;
             pages += n;
         }
         Ok(pages)
@@ -133,7 +147,12 @@ impl Core {
         let mut reg = self.reg.borrow_mut();
         let (table, size, vcpus, fault_around) = {
             let p = reg.vms.get(&parent).ok_or_else(|| not_found(parent))?;
-            (p.table.fork(), p.memory.size(), p.vcpus, p.fault_around_pages)
+            (
+                p.table.fork(),
+                p.memory.size(),
+                p.vcpus,
+                p.fault_around_pages,
+            )
         };
         let mut out = Vec::new();
         for _ in 0..count {
@@ -146,7 +165,10 @@ impl Core {
                     for id in ids {
                         reg.vms.remove(&id);
                     }
-                    return Err(ApiError::internal(format!("cannot create memory for a child: {}", super::chain(&e))));
+                    return Err(ApiError::internal(format!(
+                        "cannot create memory for a child: {}",
+                        super::chain(&e)
+                    )));
                 }
             };
             let self_src = reg.arena.vm(id);
@@ -182,14 +204,28 @@ impl Core {
     }
 
     /// Give each child a reflink of the parent's volume.
-    fn fork_volumes(&self, parent: VmId, children: Vec<(VmId, Ready)>) -> ApiResult<Vec<(VmId, Ready)>> {
-        let parent_vol = self.reg.borrow().vms.get(&parent).and_then(|v| v.volume.clone());
-        let (Some(vol), Some(engine)) = (parent_vol, self.volumes.as_ref()) else { return Ok(children) };
+    fn fork_volumes(
+        &self,
+        parent: VmId,
+        children: Vec<(VmId, Ready)>,
+    ) -> ApiResult<Vec<(VmId, Ready)>> {
+        let parent_vol = self
+            .reg
+            .borrow()
+            .vms
+            .get(&parent)
+            .and_then(|v| v.volume.clone());
+        let (Some(vol), Some(engine)) = (parent_vol, self.volumes.as_ref()) else {
+            return Ok(children);
+        };
         for (id, _) in &children {
             let name = format!("{vol}-{id}");
-            engine
-                .reflink_volume(&vol, &name)
-                .map_err(|e| ApiError::internal(format!("cannot reflink volume {vol} for {id}: {}", super::chain(&e))))?;
+            engine.reflink_volume(&vol, &name).map_err(|e| {
+                ApiError::internal(format!(
+                    "cannot reflink volume {vol} for {id}: {}",
+                    super::chain(&e)
+                ))
+            })?;
             if let Some(v) = self.reg.borrow_mut().vms.get_mut(id) {
                 v.volume = Some(name);
             }

@@ -22,9 +22,17 @@ impl Registry {
     /// The table of a pagefork or Firecracker VM.
     pub(super) fn table_view(&self, id: VmId) -> Option<TableView<'_>> {
         if let Some(v) = self.vms.get(&id) {
-            return Some(TableView { table: &v.table, self_src: v.self_src, memory: Some(&v.memory) });
+            return Some(TableView {
+                table: &v.table,
+                self_src: v.self_src,
+                memory: Some(&v.memory),
+            });
         }
-        self.fc_vms.get(&id).map(|v| TableView { table: &v.table, self_src: v.self_src, memory: None })
+        self.fc_vms.get(&id).map(|v| TableView {
+            table: &v.table,
+            self_src: v.self_src,
+            memory: None,
+        })
     }
 }
 
@@ -33,7 +41,12 @@ impl Core {
     pub(super) fn sources(&self, id: VmId) -> ApiResult<Value> {
         let reg = self.reg.borrow();
         let v = reg.table_view(id).ok_or_else(|| not_found(id))?;
-        let describe = |src| reg.arena.get(src).map(|s| s.describe()).unwrap_or_else(|| format!("source-{src}"));
+        let describe = |src| {
+            reg.arena
+                .get(src)
+                .map(|s| s.describe())
+                .unwrap_or_else(|| format!("source-{src}"))
+        };
         let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
         let mut by_source: BTreeMap<String, u64> = BTreeMap::new();
         for (src, n) in v.table.counts() {
@@ -93,12 +106,18 @@ impl Core {
                     if *src == v.self_src {
                         continue;
                     }
-                    if let Some(crate::pages::PageSource::Vm(other)) = reg.arena.get(*src).map(|s| &**s) {
+                    if let Some(crate::pages::PageSource::Vm(other)) =
+                        reg.arena.get(*src).map(|s| &**s)
+                    {
                         reads.insert(other.to_string(), *n);
                     }
                 }
-                let children: Vec<String> =
-                    reg.vms.values().filter(|c| c.parent == Some(v.id)).map(|c| c.id.to_string()).collect();
+                let children: Vec<String> = reg
+                    .vms
+                    .values()
+                    .filter(|c| c.parent == Some(v.id))
+                    .map(|c| c.id.to_string())
+                    .collect();
                 json!({
                     "id": v.id.to_string(),
                     "parent": v.parent.map(|p| p.to_string()),
@@ -122,7 +141,7 @@ impl Core {
             let mut present = vec![false; usize::try_from(v.table.pages()).unwrap_or(0)];
             for (start, n) in v.memory.present_ranges() {
                 for p in start..start + n {
-                    if let Some(slot) = present.get_mut(p as usize) {
+                    if let Some(slot) = present.get_mut(shared::geometry::usize_of(p)) {
                         *slot = true;
                     }
                 }
@@ -138,6 +157,8 @@ impl Core {
             }
             checked += v.table.pages();
         }
-        Ok(json!({ "ok": violations.is_empty(), "pages_checked": checked, "violations": violations }))
+        Ok(
+            json!({ "ok": violations.is_empty(), "pages_checked": checked, "violations": violations }),
+        )
     }
 }

@@ -38,7 +38,10 @@ fn host_memory_mib() -> u64 {
 
 fn new_token() -> String {
     let mut b = [0u8; 16];
-    if File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_err() {
+    if File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_err()
+    {
         // Fall back to time and pid; tokens are also bound to the pid.
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -59,11 +62,18 @@ pub(super) fn launch_config(
             let (f, size) = engine.open_for_vm(name).map_err(|e| super::chain(&e))?;
             (Some(size), Some(f))
         }
-        (Some(name), None) => return Err(format!("volume {name} requested but volumes are unavailable")),
+        (Some(name), None) => {
+            return Err(format!(
+                "volume {name} requested but volumes are unavailable"
+            ))
+        }
         (None, _) => (None, None),
     };
     let config = LaunchConfig {
-        regions: vec![GuestRegion { guest_phys: 0, size: v.memory.size() }],
+        regions: vec![GuestRegion {
+            guest_phys: 0,
+            size: v.memory.size(),
+        }],
         vcpus: v.vcpus,
         disk_bytes,
         start_state: v.start_state.as_deref().cloned(),
@@ -100,10 +110,16 @@ impl Core {
             Ok(Ok(Ok(()))) => None,
             Ok(Ok(Err(e))) => Some(ApiError::vmm(format!("{id} failed to start: {e}"))),
             Ok(Err(_)) => Some(ApiError::vmm(format!("{id} failed to start"))),
-            Err(_) => Some(ApiError::timeout(format!("{id}'s vmm did not start within {timeout:?}"))),
+            Err(_) => Some(ApiError::timeout(format!(
+                "{id}'s vmm did not start within {timeout:?}"
+            ))),
         };
         if let Some(err) = failure {
-            let log = self.settings.state_dir.join("logs").join(format!("{id}.log"));
+            let log = self
+                .settings
+                .state_dir
+                .join("logs")
+                .join(format!("{id}.log"));
             let tail = std::fs::read_to_string(&log).unwrap_or_default();
             let tail: Vec<&str> = tail.lines().rev().take(5).collect();
             self.stop_vmm(id).await;
@@ -117,7 +133,10 @@ impl Core {
     }
 
     /// Validate `req` and register the VM with its memory and table.
-    fn prepare_vm(&self, req: &CreateVm) -> ApiResult<(VmId, oneshot::Receiver<Result<(), String>>)> {
+    fn prepare_vm(
+        &self,
+        req: &CreateVm,
+    ) -> ApiResult<(VmId, oneshot::Receiver<Result<(), String>>)> {
         if req.memory_mib == 0 {
             return Err(ApiError::bad_request("memory_mib must be at least 1"));
         }
@@ -158,8 +177,9 @@ impl Core {
         let mut reg = self.reg.borrow_mut();
         reg.next_id += 1;
         let id = VmId(reg.next_id);
-        let memory = GuestMemory::create(&format!("pagefork-{id}"), size)
-            .map_err(|e| ApiError::internal(format!("cannot create guest memory: {}", super::chain(&e))))?;
+        let memory = GuestMemory::create(&format!("pagefork-{id}"), size).map_err(|e| {
+            ApiError::internal(format!("cannot create guest memory: {}", super::chain(&e)))
+        })?;
         let self_src = reg.arena.vm(id);
         let initial = match file {
             None => UNINITIALIZED,
@@ -199,7 +219,9 @@ impl Core {
             for p in 0..pages {
                 if let Err(e) = reg.materialize(id, p) {
                     reg.vms.remove(&id);
-                    return Err(ApiError::internal(format!("prefetch failed at page {p}: {e}")));
+                    return Err(ApiError::internal(format!(
+                        "prefetch failed at page {p}: {e}"
+                    )));
                 }
             }
         }
@@ -211,9 +233,12 @@ impl Core {
         let token = new_token();
         let logs = self.settings.state_dir.join("logs");
         let _ = std::fs::create_dir_all(&logs);
-        let log = File::create(logs.join(format!("{id}.log")))
-            .map_err(|e| ApiError::internal(format!("cannot create vmm log in {}: {e}", logs.display())))?;
-        let log2 = log.try_clone().map_err(|e| ApiError::internal(e.to_string()))?;
+        let log = File::create(logs.join(format!("{id}.log"))).map_err(|e| {
+            ApiError::internal(format!("cannot create vmm log in {}: {e}", logs.display()))
+        })?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| ApiError::internal(e.to_string()))?;
         // Hold the pending-launch lock across the spawn so the token is
         // registered with the child's pid before the child can connect.
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -243,7 +268,10 @@ impl Core {
         tokio::task::spawn_local(async move {
             let mut child = child;
             let status = child.wait().await;
-            core.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&token);
+            core.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&token);
             let reason = match status {
                 Ok(s) => format!("vmm process exited: {s}"),
                 Err(e) => format!("vmm process lost: {e}"),
@@ -260,18 +288,27 @@ impl Core {
             None => return,
         };
         if matches!(state, RunState::Running | RunState::Paused) {
-            let _ = self.request(id, Request::Stop, Duration::from_secs(3)).await;
+            let _ = self
+                .request(id, Request::Stop, Duration::from_secs(3))
+                .await;
         }
         // Wait for the process to go, then make sure.
         for _ in 0..30 {
-            if self.reg.borrow().vms.get(&id).is_none_or(|v| v.state == RunState::Exited) {
+            if self
+                .reg
+                .borrow()
+                .vms
+                .get(&id)
+                .is_none_or(|v| v.state == RunState::Exited)
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
             warn!("{id}: vmm pid {pid} did not stop; killing it");
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
         }
         self.mark_exited(id, "stopped");
     }
@@ -311,11 +348,17 @@ impl Core {
 /// Open an image file and check it covers `size` bytes of guest RAM.
 fn open_image(path: &str, size: u64) -> ApiResult<FileSource> {
     let file = File::open(path).map_err(|e| {
-        ApiError::bad_request(format!("cannot open memory image {path}: {e}; give the path of a readable raw image"))
+        ApiError::bad_request(format!(
+            "cannot open memory image {path}: {e}; give the path of a readable raw image"
+        ))
     })?;
-    let meta = file.metadata().map_err(|e| ApiError::bad_request(format!("cannot stat {path}: {e}")))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| ApiError::bad_request(format!("cannot stat {path}: {e}")))?;
     if !meta.is_file() {
-        return Err(ApiError::bad_request(format!("memory image {path} is not a regular file")));
+        return Err(ApiError::bad_request(format!(
+            "memory image {path} is not a regular file"
+        )));
     }
     if meta.len() < size {
         return Err(ApiError::bad_request(format!(
@@ -324,5 +367,9 @@ fn open_image(path: &str, size: u64) -> ApiResult<FileSource> {
             meta.len()
         )));
     }
-    Ok(FileSource { path: path.into(), file, len: meta.len() })
+    Ok(FileSource {
+        path: path.into(),
+        file,
+        len: meta.len(),
+    })
 }

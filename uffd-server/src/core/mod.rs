@@ -54,9 +54,17 @@ impl Registry {
     /// table's references to its ancestors.
     pub fn collect_garbage(&mut self) {
         loop {
-            let victim = self.vms.values().filter(|v| v.deleted).map(|v| (v.id, v.self_src)).find(|(id, src)| {
-                !self.vms.values().any(|o| o.id != *id && o.table.count_of(*src) > 0)
-            });
+            let victim = self
+                .vms
+                .values()
+                .filter(|v| v.deleted)
+                .map(|v| (v.id, v.self_src))
+                .find(|(id, src)| {
+                    !self
+                        .vms
+                        .values()
+                        .any(|o| o.id != *id && o.table.count_of(*src) > 0)
+                });
             let Some((id, src)) = victim else { return };
             self.vms.remove(&id);
             self.arena.release(src);
@@ -126,7 +134,8 @@ impl CoreHandle {
         self.tx
             .send(Command { kind, reply })
             .map_err(|_| ApiError::internal("the server is shutting down"))?;
-        rx.await.map_err(|_| ApiError::internal("the server is shutting down"))?
+        rx.await
+            .map_err(|_| ApiError::internal("the server is shutting down"))?
     }
 }
 
@@ -143,7 +152,13 @@ impl Core {
         volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
         events: mpsc::UnboundedSender<ConnEvent>,
     ) -> Rc<Self> {
-        Rc::new(Core { reg: RefCell::new(Registry::default()), settings, pending, volumes, events })
+        Rc::new(Core {
+            reg: RefCell::new(Registry::default()),
+            settings,
+            pending,
+            volumes,
+            events,
+        })
     }
 
     /// Run the core until a `Shutdown` command: dispatch API commands and
@@ -214,7 +229,12 @@ impl Core {
         }
     }
 
-    fn on_hello(self: &Rc<Self>, vm: VmId, writer: std::sync::Arc<crate::vmm_conn::VmmWriter>, pid: u32) {
+    fn on_hello(
+        self: &Rc<Self>,
+        vm: VmId,
+        writer: std::sync::Arc<crate::vmm_conn::VmmWriter>,
+        pid: u32,
+    ) {
         let mut reg = self.reg.borrow_mut();
         let Some(v) = reg.vms.get_mut(&vm) else {
             writer.shutdown();
@@ -228,7 +248,13 @@ impl Core {
         };
         fds.extend(disk);
         let sent = match &config {
-            Ok((cfg, _)) => writer.send(&ServerMsg::Welcome { vm_id: vm, config: cfg.clone() }, &fds),
+            Ok((cfg, _)) => writer.send(
+                &ServerMsg::Welcome {
+                    vm_id: vm,
+                    config: cfg.clone(),
+                },
+                &fds,
+            ),
             Err(e) => {
                 let _ = writer.send(&ServerMsg::Error { message: e.clone() }, &[]);
                 writer.shutdown();
@@ -278,19 +304,38 @@ impl Core {
 
     fn protocol_error(self: &Rc<Self>, vm: VmId, why: &str) {
         warn!("{vm}: protocol error: {why}");
-        let writer = self.reg.borrow().vms.get(&vm).and_then(|v| v.writer.clone());
+        let writer = self
+            .reg
+            .borrow()
+            .vms
+            .get(&vm)
+            .and_then(|v| v.writer.clone());
         if let Some(w) = writer {
-            let _ = w.send(&ServerMsg::Error { message: why.to_owned() }, &[]);
+            let _ = w.send(
+                &ServerMsg::Error {
+                    message: why.to_owned(),
+                },
+                &[],
+            );
             w.shutdown();
         }
         self.mark_exited(vm, &format!("protocol error: {why}"));
     }
 
-    fn on_uffd_ready(self: &Rc<Self>, vm: VmId, bases: Vec<u64>, mut fds: Vec<std::os::fd::OwnedFd>) {
+    fn on_uffd_ready(
+        self: &Rc<Self>,
+        vm: VmId,
+        bases: Vec<u64>,
+        mut fds: Vec<std::os::fd::OwnedFd>,
+    ) {
         if fds.len() != 1 || bases.len() != 1 {
             return self.protocol_error(
                 vm,
-                &format!("uffd-ready needs exactly one fd and one base, got {} fds and {} bases", fds.len(), bases.len()),
+                &format!(
+                    "uffd-ready needs exactly one fd and one base, got {} fds and {} bases",
+                    fds.len(),
+                    bases.len()
+                ),
             );
         }
         let fd = fds.remove(0);
@@ -305,13 +350,16 @@ impl Core {
         let uffd = unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) };
         // SAFETY: the Uffd owns its fd, which stays open and unchanged
         // until the Uffd (moved into the AsyncFd) is dropped.
-        let afd = match unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) } {
-            Ok(a) => Rc::new(a),
-            Err(e) => return self.protocol_error(vm, &format!("cannot poll the uffd: {e}")),
-        };
+        let afd =
+            match unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) } {
+                Ok(a) => Rc::new(a),
+                Err(e) => return self.protocol_error(vm, &format!("cannot poll the uffd: {e}")),
+            };
         {
             let mut reg = self.reg.borrow_mut();
-            let Some(v) = reg.vms.get_mut(&vm) else { return };
+            let Some(v) = reg.vms.get_mut(&vm) else {
+                return;
+            };
             if v.uffd.is_some() {
                 drop(reg);
                 return self.protocol_error(vm, "uffd-ready sent twice");
@@ -325,7 +373,9 @@ impl Core {
     /// Record that `vm`'s VMM is gone; its memory stays for dependents.
     pub fn mark_exited(&self, vm: VmId, reason: &str) {
         let mut reg = self.reg.borrow_mut();
-        let Some(v) = reg.vms.get_mut(&vm) else { return };
+        let Some(v) = reg.vms.get_mut(&vm) else {
+            return;
+        };
         if v.state != RunState::Exited {
             info!("{vm}: exited: {reason}");
         }
@@ -365,7 +415,9 @@ impl Core {
             Ok(Ok(Ok(reply))) => Ok(reply),
             Ok(Ok(Err(e))) => Err(ApiError::vmm(format!("{vm}: {e}"))),
             Ok(Err(_)) => Err(ApiError::vmm(format!("{vm}'s vmm went away"))),
-            Err(_) => Err(ApiError::timeout(format!("{vm}'s vmm did not answer within {timeout:?}"))),
+            Err(_) => Err(ApiError::timeout(format!(
+                "{vm}'s vmm did not answer within {timeout:?}"
+            ))),
         }
     }
 
@@ -380,8 +432,12 @@ impl Core {
     }
 }
 
-async fn futures_join_all<F: std::future::Future<Output = ()> + 'static>(futs: impl Iterator<Item = F>) {
-    let set: Vec<_> = futs.map(|f| tokio::task::spawn_local(async move { f.await })).collect::<Vec<_>>();
+async fn futures_join_all<F: std::future::Future<Output = ()> + 'static>(
+    futs: impl Iterator<Item = F>,
+) {
+    let set: Vec<_> = futs
+        .map(|f| tokio::task::spawn_local(f))
+        .collect::<Vec<_>>();
     for h in set {
         let _ = h.await;
     }
@@ -413,7 +469,12 @@ async fn serve_faults(core: Rc<Core>, vm: VmId, uffd: Rc<AsyncFd<Uffd>>) {
         if events.is_empty() {
             guard.clear_ready();
             // The VM may have exited and dropped its uffd: stop then.
-            let gone = core.reg.borrow().vms.get(&vm).is_none_or(|v| v.uffd.is_none());
+            let gone = core
+                .reg
+                .borrow()
+                .vms
+                .get(&vm)
+                .is_none_or(|v| v.uffd.is_none());
             if gone {
                 return;
             }

@@ -50,7 +50,11 @@ impl Core {
         }
         Ok(VmInfo {
             id: id.to_string(),
-            state: if v.deleted { "deleted".into() } else { v.state.name().into() },
+            state: if v.deleted {
+                "deleted".into()
+            } else {
+                v.state.name().into()
+            },
             kind: "pagefork".into(),
             pid: v.pid,
             memory_mib: v.memory_mib(),
@@ -79,19 +83,28 @@ impl Core {
     pub fn list_vms(&self) -> Value {
         let ids: Vec<VmId> = {
             let reg = self.reg.borrow();
-            let mut ids: Vec<VmId> = reg.vms.values().filter(|v| !v.deleted).map(|v| v.id).collect();
+            let mut ids: Vec<VmId> = reg
+                .vms
+                .values()
+                .filter(|v| !v.deleted)
+                .map(|v| v.id)
+                .collect();
             ids.extend(reg.fc_vms.keys().copied());
             ids.sort();
             ids
         };
-        let infos: Vec<VmInfo> = ids.into_iter().filter_map(|id| self.info(id).ok()).collect();
+        let infos: Vec<VmInfo> = ids
+            .into_iter()
+            .filter_map(|id| self.info(id).ok())
+            .collect();
         serde_json::json!({ "vms": infos })
     }
 
     /// `POST /v1/vms/{id}/pause`.
     pub(super) async fn pause(self: Rc<Self>, id: VmId) -> ApiResult<Value> {
         self.expect_state(id, RunState::Running, "pause")?;
-        self.request(id, Request::Pause, self.settings.exec_timeout).await?;
+        self.request(id, Request::Pause, self.settings.exec_timeout)
+            .await?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
             v.state = RunState::Paused;
         }
@@ -101,7 +114,8 @@ impl Core {
     /// `POST /v1/vms/{id}/resume`.
     pub(super) async fn resume(self: Rc<Self>, id: VmId) -> ApiResult<Value> {
         self.expect_state(id, RunState::Paused, "resume")?;
-        self.request(id, Request::Resume, self.settings.exec_timeout).await?;
+        self.request(id, Request::Resume, self.settings.exec_timeout)
+            .await?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
             v.state = RunState::Running;
         }
@@ -117,11 +131,22 @@ impl Core {
         };
         let op = req.to_op(pages).map_err(ApiError::bad_request)?;
         if state == RunState::Paused {
-            return Err(ApiError::conflict(format!("{id} is paused; resume it before exec")));
+            return Err(ApiError::conflict(format!(
+                "{id} is paused; resume it before exec"
+            )));
         }
-        match self.request(id, Request::Exec(op), self.settings.exec_timeout).await? {
-            Reply::Op(r) => to_json(&ExecResponse { op: op.name().into(), result: r.value, elapsed_us: r.elapsed_us }),
-            other => Err(ApiError::vmm(format!("{id}: unexpected reply to exec: {other:?}"))),
+        match self
+            .request(id, Request::Exec(op), self.settings.exec_timeout)
+            .await?
+        {
+            Reply::Op(r) => to_json(&ExecResponse {
+                op: op.name().into(),
+                result: r.value,
+                elapsed_us: r.elapsed_us,
+            }),
+            other => Err(ApiError::vmm(format!(
+                "{id}: unexpected reply to exec: {other:?}"
+            ))),
         }
     }
 

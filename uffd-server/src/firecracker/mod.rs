@@ -19,7 +19,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nix::sys::socket::{getsockopt, recvmsg, sockopt::PeerCredentials, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{
+    getsockopt, recvmsg, sockopt::PeerCredentials, ControlMessageOwned, MsgFlags,
+};
 use proto::firecracker::{parse_regions, HandshakeError, Region, MAX_HANDSHAKE};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
@@ -65,15 +67,19 @@ pub fn accept_loop(listener: UnixListener, ctx: ListenerCtx) {
         match conn {
             Ok(stream) => {
                 let ctx = ctx.clone();
-                let spawned =
-                    std::thread::Builder::new().name("fc-conn".into()).spawn(move || serve_connection(stream, ctx));
+                let spawned = std::thread::Builder::new()
+                    .name("fc-conn".into())
+                    .spawn(move || serve_connection(stream, ctx));
                 if let Err(e) = spawned {
                     warn!("firecracker listener: cannot start a connection thread: {e}");
                 }
             }
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break, // shut down
             Err(e) => {
-                warn!("firecracker listener {}: accept failed: {e}", ctx.socket.display());
+                warn!(
+                    "firecracker listener {}: accept failed: {e}",
+                    ctx.socket.display()
+                );
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
@@ -82,9 +88,15 @@ pub fn accept_loop(listener: UnixListener, ctx: ListenerCtx) {
 }
 
 fn refuse(ctx: &ListenerCtx, stream: &UnixStream, why: &str) {
-    warn!("firecracker listener {}: refusing handshake: {why}", ctx.socket.display());
+    warn!(
+        "firecracker listener {}: refusing handshake: {why}",
+        ctx.socket.display()
+    );
     ctx.stats.refused.fetch_add(1, Ordering::Relaxed);
-    *ctx.stats.last_refusal.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.to_owned());
+    *ctx.stats
+        .last_refusal
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = Some(why.to_owned());
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
@@ -94,7 +106,12 @@ fn read_handshake(stream: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>
     let mut cmsg = nix::cmsg_space!([RawFd; 8]);
     let mut iov = [IoSliceMut::new(&mut buf)];
     let msg = loop {
-        match recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
+        match recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
             Ok(m) => break m,
             Err(nix::Error::EINTR) => continue,
             Err(e) => return Err(e.into()),
@@ -116,7 +133,9 @@ fn read_handshake(stream: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>
 }
 
 fn serve_connection(stream: UnixStream, ctx: ListenerCtx) {
-    let pid = getsockopt(&stream, PeerCredentials).map(|c| c.pid()).unwrap_or(0);
+    let pid = getsockopt(&stream, PeerCredentials)
+        .map(|c| c.pid())
+        .unwrap_or(0);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
     let (bytes, mut fds) = match read_handshake(&stream) {
         Ok(r) => r,
@@ -126,7 +145,11 @@ fn serve_connection(stream: UnixStream, ctx: ListenerCtx) {
         return refuse(&ctx, &stream, "peer closed without a handshake");
     }
     if fds.len() != 1 {
-        return refuse(&ctx, &stream, &HandshakeError::FdCount(fds.len()).to_string());
+        return refuse(
+            &ctx,
+            &stream,
+            &HandshakeError::FdCount(fds.len()).to_string(),
+        );
     }
     let regions = match parse_regions(&bytes, ctx.source_len) {
         Ok(r) => r,

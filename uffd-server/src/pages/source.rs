@@ -77,7 +77,10 @@ impl Default for SourceArena {
 impl SourceArena {
     /// An arena holding only `Uninitialized`.
     pub fn new() -> Self {
-        SourceArena { slots: vec![Some(Rc::new(PageSource::Uninitialized))], vm_ids: HashMap::new() }
+        SourceArena {
+            slots: vec![Some(Rc::new(PageSource::Uninitialized))],
+            vm_ids: HashMap::new(),
+        }
     }
 
     /// Add a source and return its id.
@@ -136,6 +139,9 @@ mod tests {
         assert!(a.get(v1).is_none());
         let v2 = a.vm(VmId(2));
         assert_ne!(v1, v2);
-        assert_eq!(a.get(UNINITIALIZED).map(|s| s.kind()), Some("uninitialized"));
+        assert_eq!(
+            a.get(UNINITIALIZED).map(|s| s.kind()),
+            Some("uninitialized")
+        );
     }
 }

@@ -40,7 +40,11 @@ impl PageTable {
         if pages > 0 {
             counts.insert(source, pages);
         }
-        PageTable { chunks: vec![chunk; nchunks], pages, counts }
+        PageTable {
+            chunks: vec![chunk; nchunks],
+            pages,
+            counts,
+        }
     }
 
     /// Number of pages.
@@ -69,7 +73,11 @@ impl PageTable {
 
     /// Set the source of `page`. Returns the previous source.
     pub fn set(&mut self, page: u64, source: SourceId) -> SourceId {
-        assert!(page < self.pages, "page {page} outside table of {}", self.pages);
+        assert!(
+            page < self.pages,
+            "page {page} outside table of {}",
+            self.pages
+        );
         let (c, i) = Self::split(page);
         let old = self.chunks[c][i];
         if old != source {
@@ -110,12 +118,16 @@ impl PageTable {
         let mut out: Vec<Extent> = Vec::new();
         for (c, chunk) in self.chunks.iter().enumerate() {
             let base = (c * CHUNK_PAGES) as u64;
-            let n = (self.pages - base).min(CHUNK_PAGES as u64) as usize;
+            let n = shared::geometry::usize_of((self.pages - base).min(CHUNK_PAGES as u64));
             for (i, &s) in chunk[..n].iter().enumerate() {
                 let p = base + i as u64;
                 match out.last_mut() {
                     Some(e) if e.source == s && e.start + e.pages == p => e.pages += 1,
-                    _ => out.push(Extent { start: p, pages: 1, source: s }),
+                    _ => out.push(Extent {
+                        start: p,
+                        pages: 1,
+                        source: s,
+                    }),
                 }
             }
         }
@@ -154,7 +166,10 @@ mod tests {
     #[test]
     fn entries_are_four_bytes() {
         assert_eq!(std::mem::size_of::<SourceId>(), 4);
-        assert_eq!(std::mem::size_of::<[SourceId; CHUNK_PAGES]>(), 4 * CHUNK_PAGES);
+        assert_eq!(
+            std::mem::size_of::<[SourceId; CHUNK_PAGES]>(),
+            4 * CHUNK_PAGES
+        );
     }
 
     #[test]
@@ -180,9 +195,21 @@ mod tests {
         assert_eq!(
             t.extents(),
             vec![
-                Extent { start: 0, pages: CHUNK_PAGES as u64 - 2, source: 0 },
-                Extent { start: CHUNK_PAGES as u64 - 2, pages: 4, source: 7 },
-                Extent { start: CHUNK_PAGES as u64 + 2, pages: CHUNK_PAGES as u64 - 2, source: 0 },
+                Extent {
+                    start: 0,
+                    pages: CHUNK_PAGES as u64 - 2,
+                    source: 0
+                },
+                Extent {
+                    start: CHUNK_PAGES as u64 - 2,
+                    pages: 4,
+                    source: 7
+                },
+                Extent {
+                    start: CHUNK_PAGES as u64 + 2,
+                    pages: CHUNK_PAGES as u64 - 2,
+                    source: 0
+                },
             ]
         );
         assert_eq!(t.ranges_of(7), vec![(CHUNK_PAGES as u64 - 2, 4)]);
@@ -196,7 +223,7 @@ mod tests {
             fork_at in 0usize..200,
         ) {
             let mut t = PageTable::new(pages, 0);
-            let mut model = vec![0u32; pages as usize];
+            let mut model = vec![0u32; shared::geometry::usize_of(pages)];
             let mut forked: Option<(PageTable, Vec<u32>)> = None;
             for (i, (p, s)) in writes.iter().enumerate() {
                 if i == fork_at {
@@ -204,10 +231,10 @@ mod tests {
                 }
                 let p = p % pages;
                 t.set(p, *s);
-                model[p as usize] = *s;
+                model[shared::geometry::usize_of(p)] = *s;
             }
             for p in 0..pages {
-                prop_assert_eq!(t.get(p), model[p as usize]);
+                prop_assert_eq!(t.get(p), model[shared::geometry::usize_of(p)]);
             }
             // Counts agree with the model.
             for s in 0..4u32 {
@@ -227,7 +254,7 @@ mod tests {
             // A fork taken earlier is unaffected by later writes.
             if let Some((f, m)) = forked {
                 for p in 0..pages {
-                    prop_assert_eq!(f.get(p), m[p as usize]);
+                    prop_assert_eq!(f.get(p), m[shared::geometry::usize_of(p)]);
                 }
             }
         }
