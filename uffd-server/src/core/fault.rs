@@ -192,6 +192,16 @@ impl Registry {
         };
         let pages = last - first + 1;
         v.stats.removes += 1;
+        let me = v.self_src;
+        let present: Vec<u64> = (first..first + pages).filter(|p| v.table.get(*p) == me).collect();
+        // Dependents that still read these pages from this VM get their
+        // copy before the bytes are dropped.
+        for p in present {
+            self.preserve_for_dependents(vm, p);
+        }
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Handled::Ok;
+        };
         // The discarded pages read as zero from now on.
         v.table.set_range(first, pages, UNINITIALIZED);
         if let Err(e) = v.memory.punch_hole(first, pages) {
