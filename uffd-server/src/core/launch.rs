@@ -292,18 +292,26 @@ impl Core {
                 .request(id, Request::Stop, Duration::from_secs(3))
                 .await;
         }
-        // Wait for the process to go, then make sure.
-        for _ in 0..30 {
-            if self
+        // Wait for the process to go, then make sure. The state turns
+        // Exited as soon as the VMM closes its socket, which is before its
+        // process is gone: also wait until `spawn_vmm`'s wait task (which
+        // runs while we sleep) has reaped it.
+        let alive = || {
+            pid.and_then(|p| i32::try_from(p).ok()).is_some_and(|p| {
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), None).is_ok()
+            })
+        };
+        for _ in 0..150 {
+            let exited = self
                 .reg
                 .borrow()
                 .vms
                 .get(&id)
-                .is_none_or(|v| v.state == RunState::Exited)
-            {
+                .is_none_or(|v| v.state == RunState::Exited);
+            if exited && !alive() {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
             warn!("{id}: vmm pid {pid} did not stop; killing it");
