@@ -184,7 +184,7 @@ pub fn render(
         "\nHow to read: each row puts pagefork next to its baseline, both measured side by side in \
          this run. Figures are medians; spread is min–max over n repetitions; ratio = pagefork \
          median / baseline median (for times, below 1 means pagefork is faster). Goals come from \
-         the issues. Numbered notes follow each table.\n"
+         the issues. Notes follow each table.\n"
     );
 
     for bench in BENCHES {
@@ -234,10 +234,18 @@ pub fn render(
                 );
             }
             let _ = writeln!(md);
-            for (i, r) in rows.iter().enumerate() {
-                if !r.note.is_empty() {
-                    let _ = writeln!(md, "{}. {}", i + 1, r.note);
+            // One line per distinct note, naming the rows it applies to.
+            let mut notes: Vec<(&str, Vec<usize>)> = Vec::new();
+            for (i, r) in rows.iter().enumerate().filter(|(_, r)| !r.note.is_empty()) {
+                match notes.iter_mut().find(|(n, _)| *n == r.note) {
+                    Some((_, idx)) => idx.push(i + 1),
+                    None => notes.push((&r.note, vec![i + 1])),
                 }
+            }
+            for (note, idx) in notes {
+                let idx: Vec<String> = idx.iter().map(ToString::to_string).collect();
+                let rows = if idx.len() == 1 { "Row" } else { "Rows" };
+                let _ = writeln!(md, "- {rows} {}: {note}", idx.join(", "));
             }
             let _ = writeln!(md);
         }

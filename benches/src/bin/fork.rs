@@ -141,6 +141,8 @@ struct Forks {
     pause_us: Vec<f64>,
     e2e_ms: Vec<f64>,
     shmem_kib_per_child: Vec<f64>,
+    /// Pages in each child's own memfd right after the fork (exact).
+    resident_pages_per_child: Vec<f64>,
     rss_kib_per_child: Vec<f64>,
 }
 
@@ -199,6 +201,12 @@ fn real_forks(
             .map(|c| c.as_str().expect("child id is a string").to_owned())
             .collect();
         assert_eq!(children.len(), count as usize, "fork returned {v}");
+        let resident: u64 = children
+            .iter()
+            .map(|c| server.vm(c)["resident_pages"].as_u64().unwrap_or(0))
+            .sum();
+        f.resident_pages_per_child
+            .push(resident as f64 / f64::from(count));
         all_answer(server, &children);
         f.e2e_ms.push(t.elapsed().as_secs_f64() * 1e3);
         f.fork_us.push(v["fork_us"].as_f64().unwrap_or(f64::NAN));
@@ -240,6 +248,14 @@ fn cold_starts(server: &TestServer, plan: &Plan, mib: u64, count: u32) -> Vec<f6
             took
         })
         .collect()
+}
+
+fn children(n: u32) -> String {
+    if n == 1 {
+        "1 child".into()
+    } else {
+        format!("all {n} children")
+    }
 }
 
 fn size_label(mib: u64) -> String {
@@ -342,10 +358,16 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
             BENCH,
             &format!("fork.e2e{count}.{mib}"),
             T_E2E,
-            &format!("{sz} VM: fork request → {count} child(ren) answer exec identity"),
+            &format!(
+                "{sz} VM: fork request → {} answer exec identity",
+                children(*count)
+            ),
             "ms",
             &f.e2e_ms,
-            &format!("cold start of {count} empty {sz} VM(s) until they answer"),
+            &format!(
+                "cold start of {count} empty {sz} VM{} until they answer",
+                if *count == 1 { "" } else { "s" }
+            ),
             &cold_starts(server, plan, mib, *count),
         )
         .goal("milliseconds; ≤ cold start")
@@ -369,7 +391,11 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
         "table chunks only ({chunks} chunk pointers = {table_bytes} B)"
     ))
     .note(
-        "/proc/meminfo Shmem right after the fork returns; host-wide, so other processes add noise",
+        format!(
+            "/proc/meminfo Shmem right after the fork returns; host-wide, so other processes add noise. \
+             Exact: each child's memfd holds {:.1} pages (median; resident_pages of GET /v1/vms/{{id}})",
+            pagefork_benches::Stats::of(&ten.resident_pages_per_child).map_or(f64::NAN, |s| s.median)
+        ),
     )
     .emit();
     Row::new(

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# One benchmark command, one report: pagefork against its baselines, side by
+# side in one run.
+#
+#   scripts/bench.sh [--quick] [--out FILE]
+#
+# Builds the benches, uffd-server and vmm (release; --quick uses the debug
+# build), runs every bench binary and writes one markdown report (default
+# BENCHMARKS.md) with the machine, the exact command and one table per
+# benchmark. --quick (CI) runs fewer repetitions on smaller sizes and only
+# checks that every bench completed and emitted each of its rows: the exit
+# status is non-zero if a bench failed or a row is missing, never because of
+# a timing.
+#
+# The volume bench needs an XFS (reflink=1) directory: $PAGEFORK_XFS_DIR if
+# set, else one is set up with scripts/xfs-loop.sh (needs root) and torn down
+# afterwards.
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 1
+ROOT="$(pwd -P)"
+COMMAND="scripts/bench.sh${*:+ $*}"
+
+QUICK=0
+OUT=BENCHMARKS.md
+while [ $# -gt 0 ]; do
+	case "$1" in
+	--quick) QUICK=1 ;;
+	--out)
+		[ $# -ge 2 ] || { echo "bench.sh: --out needs a FILE" >&2; exit 2; }
+		OUT="$2"
+		shift
+		;;
+	-h | --help)
+		sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
+		exit 0
+		;;
+	*) echo "bench.sh: unknown argument $1 (usage: scripts/bench.sh [--quick] [--out FILE])" >&2; exit 2 ;;
+	esac
+	shift
+done
+
+TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+if [ "$QUICK" = 1 ]; then
+	PROFILE=debug
+	BUILD_DESC="debug (cargo build)"
+	QUICK_ARG=(--quick)
+	cargo build -p pagefork-benches -p uffd-server -p vmm || { echo "bench.sh: build failed" >&2; exit 1; }
+else
+	PROFILE=release
+	BUILD_DESC="release (cargo build --release)"
+	QUICK_ARG=()
+	cargo build --release -p pagefork-benches -p uffd-server -p vmm || { echo "bench.sh: build failed" >&2; exit 1; }
+fi
+BIN="$TARGET_DIR/$PROFILE"
+export PAGEFORK_BIN_DIR="$BIN"
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/pagefork-bench.XXXXXX")"
+XFS_DIR="${PAGEFORK_XFS_DIR:-}"
+XFS_OURS=""
+cleanup() {
+	if [ -n "$XFS_OURS" ]; then
+		"$ROOT/scripts/xfs-loop.sh" down "$XFS_OURS" >/dev/null || echo "bench.sh: could not tear down $XFS_OURS" >&2
+		rmdir "$XFS_OURS" 2>/dev/null || true
+	fi
+	rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# run NAME ARGS...: run a bench binary; rows to WORK/NAME.jsonl, log to
+# WORK/NAME.log (and stderr), its status to WORK/NAME.status.
+run() {
+	local name="$1"
+	shift
+	echo "== $name" >&2
+	local t0=$SECONDS
+	"$BIN/$name" "$@" >"$WORK/$name.jsonl" 2> >(tee "$WORK/$name.log" >&2)
+	local rc=$?
+	wait
+	if [ $rc -eq 0 ]; then echo 0 >"$WORK/$name.status"; else echo "exit status $rc" >"$WORK/$name.status"; fi
+	echo "== $name: exit $rc in $((SECONDS - t0)) s" >&2
+}
+
+run lazy_restore "${QUICK_ARG[@]}"
+run fork "${QUICK_ARG[@]}"
+
+if [ -z "$XFS_DIR" ]; then
+	if [ "$(id -u)" -eq 0 ]; then
+		XFS_OURS="$(mktemp -d "${TMPDIR:-/tmp}/pagefork-bench-xfs.XXXXXX")"
+		if "$ROOT/scripts/xfs-loop.sh" up "$XFS_OURS" >/dev/null; then
+			XFS_DIR="$XFS_OURS"
+		else
+			echo "xfs-loop.sh up failed" >"$WORK/volume_snapshot.status"
+			rmdir "$XFS_OURS" 2>/dev/null || true
+			XFS_OURS=""
+		fi
+	else
+		echo "no XFS directory: set PAGEFORK_XFS_DIR or run as root" >"$WORK/volume_snapshot.status"
+	fi
+fi
+if [ -n "$XFS_DIR" ]; then
+	run volume_snapshot "$XFS_DIR" --json "$WORK/volume_snapshot.json"
+fi
+
+run fc_baseline "${QUICK_ARG[@]}"
+
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+if ! git diff --quiet HEAD 2>/dev/null; then
+	COMMIT="$COMMIT (worktree had uncommitted changes)"
+fi
+mkdir -p "$(dirname "$OUT")"
+"$BIN/bench_report" --dir "$WORK" --out "$OUT" --command "$COMMAND" --commit "$COMMIT" \
+	--date "$(date -u '+%Y-%m-%d %H:%M UTC')" --build "$BUILD_DESC" \
+	"${QUICK_ARG[@]}"
