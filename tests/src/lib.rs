@@ -40,7 +40,9 @@ pub fn bin_dir() -> PathBuf {
     }
     // The test executable is target/<profile>/deps/<name>-<hash>.
     let exe = std::env::current_exe().expect("cannot find the test executable's path");
-    let deps = exe.parent().expect("test executable has no parent directory");
+    let deps = exe
+        .parent()
+        .expect("test executable has no parent directory");
     if deps.file_name().is_some_and(|n| n == "deps") {
         deps.parent().expect("deps/ has no parent").to_owned()
     } else {
@@ -74,8 +76,10 @@ fn device_usable(path: &str) -> Result<(), String> {
 /// Without `/dev/kvm` or `/dev/userfaultfd`: panics if `CI=true` (CI must
 /// run these tests), else prints `skipping: ...` and returns false.
 pub fn require_kvm_uffd() -> bool {
-    let missing: Vec<String> =
-        ["/dev/kvm", "/dev/userfaultfd"].iter().filter_map(|d| device_usable(d).err()).collect();
+    let missing: Vec<String> = ["/dev/kvm", "/dev/userfaultfd"]
+        .iter()
+        .filter_map(|d| device_usable(d).err())
+        .collect();
     if missing.is_empty() {
         return true;
     }
@@ -89,7 +93,9 @@ pub fn require_kvm_uffd() -> bool {
 
 /// Whether process `pid` exists (`kill(pid, 0)` succeeds).
 pub fn process_exists(pid: u32) -> bool {
-    let Ok(pid) = i32::try_from(pid) else { return false };
+    let Ok(pid) = i32::try_from(pid) else {
+        return false;
+    };
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
 }
 
@@ -127,7 +133,10 @@ impl TestServer {
     pub fn start_with_args(args: &[&str]) -> Self {
         let server = bin("uffd-server");
         let vmm = bin("vmm");
-        let dir = tempfile::Builder::new().prefix("pagefork-e2e-").tempdir().expect("cannot create a temp dir");
+        let dir = tempfile::Builder::new()
+            .prefix("pagefork-e2e-")
+            .tempdir()
+            .expect("cannot create a temp dir");
         let state_dir = dir.path().join("state");
         std::fs::create_dir_all(&state_dir).expect("cannot create the state dir");
         let log = File::create(dir.path().join("server.log")).expect("cannot create server.log");
@@ -137,14 +146,23 @@ impl TestServer {
             .arg("--vmm-bin")
             .arg(&vmm)
             .args(args)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", server.display()));
         let client = Client::new(state_dir.join("api.sock"));
-        let mut s = TestServer { child: Some(child), dir: Some(dir), state_dir, client, vmm_pids: Mutex::default() };
+        let mut s = TestServer {
+            child: Some(child),
+            dir: Some(dir),
+            state_dir,
+            client,
+            vmm_pids: Mutex::default(),
+        };
         s.wait_healthy(Duration::from_secs(15));
         s
     }
@@ -152,8 +170,15 @@ impl TestServer {
     fn wait_healthy(&mut self, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                panic!("uffd-server exited during start-up ({status}); log:\n{}", self.server_log_tail(40));
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "uffd-server exited during start-up ({status}); log:\n{}",
+                    self.server_log_tail(40)
+                );
             }
             if let Ok(r) = self.client.request("GET", "/v1/health", None) {
                 if r.status == 200 {
@@ -186,11 +211,17 @@ impl TestServer {
 
     /// The server process's pid.
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().map(Child::id).expect("server already stopped")
+        self.child
+            .as_ref()
+            .map(Child::id)
+            .expect("server already stopped")
     }
 
     fn server_log(&self) -> PathBuf {
-        self.state_dir.parent().map(|p| p.join("server.log")).unwrap_or_default()
+        self.state_dir
+            .parent()
+            .map(|p| p.join("server.log"))
+            .unwrap_or_default()
     }
 
     /// Last `n` lines of the server's log.
@@ -218,13 +249,16 @@ impl TestServer {
     /// text.
     pub fn api_raw(&self, method: &str, path: &str, body: &[u8]) -> (u16, String) {
         let mut s = UnixStream::connect(self.api_sock()).expect("cannot connect to api.sock");
-        s.set_read_timeout(Some(API_TIMEOUT)).expect("set_read_timeout");
+        s.set_read_timeout(Some(API_TIMEOUT))
+            .expect("set_read_timeout");
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
         );
-        s.write_all(head.as_bytes()).and_then(|()| s.write_all(body)).expect("cannot send request");
+        s.write_all(head.as_bytes())
+            .and_then(|()| s.write_all(body))
+            .expect("cannot send request");
         let mut resp = Vec::new();
         s.read_to_end(&mut resp).expect("cannot read response");
         let resp = String::from_utf8_lossy(&resp).into_owned();
@@ -233,7 +267,10 @@ impl TestServer {
             .nth(1)
             .and_then(|s| s.parse().ok())
             .unwrap_or_else(|| panic!("not an HTTP response: {resp:?}"));
-        let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        let body = resp
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
         (status, body)
     }
 
@@ -241,9 +278,15 @@ impl TestServer {
     pub fn create_vm(&self, body: Value) -> String {
         let (status, v) = self.api("POST", "/v1/vms", Some(body.clone()));
         assert_eq!(status, 201, "POST /v1/vms {body} failed: {v}");
-        let id = v["id"].as_str().unwrap_or_else(|| panic!("no id in {v}")).to_owned();
+        let id = v["id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no id in {v}"))
+            .to_owned();
         if let Some(pid) = v["pid"].as_u64().and_then(|p| u32::try_from(p).ok()) {
-            self.vmm_pids.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
+            self.vmm_pids
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(pid);
         }
         id
     }
@@ -252,7 +295,9 @@ impl TestServer {
     pub fn exec(&self, id: &str, body: Value) -> u64 {
         let (status, v) = self.try_exec(id, body.clone());
         assert_eq!(status, 200, "exec {body} on {id} failed: {v}");
-        v["result"].as_u64().unwrap_or_else(|| panic!("no result in {v}"))
+        v["result"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no result in {v}"))
     }
 
     /// Run a guest op and return the raw answer.
@@ -288,7 +333,10 @@ impl TestServer {
             if v["state"] == state {
                 return v;
             }
-            assert!(Instant::now() < deadline, "{id} did not become {state} within {within:?}: {v}");
+            assert!(
+                Instant::now() < deadline,
+                "{id} did not become {state} within {within:?}: {v}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -313,14 +361,21 @@ impl TestServer {
             if Instant::now() >= deadline {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("uffd-server did not stop within {within:?} of SIGTERM; log:\n{}", self.server_log_tail(40));
+                panic!(
+                    "uffd-server did not stop within {within:?} of SIGTERM; log:\n{}",
+                    self.server_log_tail(40)
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
     fn print_logs(&self) {
-        eprintln!("---- uffd-server log ({}) ----\n{}", self.server_log().display(), self.server_log_tail(60));
+        eprintln!(
+            "---- uffd-server log ({}) ----\n{}",
+            self.server_log().display(),
+            self.server_log_tail(60)
+        );
         if let Ok(entries) = std::fs::read_dir(self.state_dir.join("logs")) {
             for e in entries.flatten() {
                 eprintln!("---- {} ----\n{}", e.path().display(), tail(&e.path(), 20));
@@ -344,7 +399,12 @@ impl Drop for TestServer {
             let _ = child.wait();
         }
         // A VMM must not outlive its server; make sure none of ours does.
-        for pid in self.vmm_pids.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for pid in self
+            .vmm_pids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
             if process_exists(pid) {
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap_or(0)),
@@ -355,7 +415,10 @@ impl Drop for TestServer {
         if std::thread::panicking() {
             self.print_logs();
             if let Some(dir) = self.dir.take() {
-                eprintln!("state directory kept for inspection: {}", dir.keep().display());
+                eprintln!(
+                    "state directory kept for inspection: {}",
+                    dir.keep().display()
+                );
             }
         }
     }
@@ -378,7 +441,10 @@ impl RandomImage {
 
     /// An image holding exactly `bytes`.
     pub fn from_bytes(bytes: Vec<u8>) -> Self {
-        let mut file = tempfile::Builder::new().prefix("pagefork-image-").tempfile().expect("cannot create image");
+        let mut file = tempfile::Builder::new()
+            .prefix("pagefork-image-")
+            .tempfile()
+            .expect("cannot create image");
         file.write_all(&bytes).expect("cannot write image");
         file.flush().expect("cannot flush image");
         RandomImage { file, bytes }
@@ -386,7 +452,11 @@ impl RandomImage {
 
     /// The image's path as a string for `memory_source`.
     pub fn path(&self) -> String {
-        self.file.path().to_str().expect("temp path is UTF-8").to_owned()
+        self.file
+            .path()
+            .to_str()
+            .expect("temp path is UTF-8")
+            .to_owned()
     }
 
     /// The `memory_source` JSON for this image.
@@ -429,12 +499,20 @@ pub fn filled_zero_memory(mib: u64, seed: u64) -> Vec<u8> {
 
 /// A field of a VM's `faults` counters.
 pub fn fault_counter(vm: &Value, name: &str) -> u64 {
-    vm["faults"][name].as_u64().unwrap_or_else(|| panic!("no faults.{name} in {vm}"))
+    vm["faults"][name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no faults.{name} in {vm}"))
 }
 
 /// Pages of a VM with source kind `kind` (0 if the kind is absent).
 pub fn pages_by(vm: &Value, kind: &str) -> u64 {
-    vm["pages"].get(kind).map(|n| n.as_u64().unwrap_or_else(|| panic!("pages.{kind} not a number in {vm}"))).unwrap_or(0)
+    vm["pages"]
+        .get(kind)
+        .map(|n| {
+            n.as_u64()
+                .unwrap_or_else(|| panic!("pages.{kind} not a number in {vm}"))
+        })
+        .unwrap_or(0)
 }
 
 /// Sum of a VM's pages over all source kinds.

@@ -9,38 +9,61 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    apply_fill, expected_checksum, expected_digest, fault_counter, filled_zero_memory, pages_by, pages_of,
-    pages_total, process_exists, require_kvm_uffd, signal, RandomImage, TestServer,
+    apply_fill, expected_checksum, expected_digest, fault_counter, filled_zero_memory, pages_by,
+    pages_of, pages_total, process_exists, require_kvm_uffd, signal, RandomImage, TestServer,
 };
 use serde_json::{json, Value};
 
 fn checksum(s: &TestServer, id: &str, start: u64, pages: u64) -> u64 {
-    s.exec(id, json!({"op": "checksum", "start_page": start, "pages": pages}))
+    s.exec(
+        id,
+        json!({"op": "checksum", "start_page": start, "pages": pages}),
+    )
 }
 
 fn digest(s: &TestServer, id: &str, start: u64, pages: u64) -> u64 {
-    s.exec(id, json!({"op": "digest", "start_page": start, "pages": pages}))
+    s.exec(
+        id,
+        json!({"op": "digest", "start_page": start, "pages": pages}),
+    )
 }
 
 fn fill(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64) -> u64 {
-    s.exec(id, json!({"op": "fill", "start_page": start, "pages": pages, "seed": seed}))
+    s.exec(
+        id,
+        json!({"op": "fill", "start_page": start, "pages": pages, "seed": seed}),
+    )
 }
 
 fn verify(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64) -> u64 {
-    s.exec(id, json!({"op": "verify", "start_page": start, "pages": pages, "seed": seed}))
+    s.exec(
+        id,
+        json!({"op": "verify", "start_page": start, "pages": pages, "seed": seed}),
+    )
 }
 
 fn touch(s: &TestServer, id: &str, start: u64, pages: u64, write: bool) -> u64 {
-    s.exec(id, json!({"op": "touch", "start_page": start, "pages": pages, "write": write}))
+    s.exec(
+        id,
+        json!({"op": "touch", "start_page": start, "pages": pages, "write": write}),
+    )
 }
 
 fn pid_of(vm: &Value) -> u32 {
-    vm["pid"].as_u64().and_then(|p| u32::try_from(p).ok()).unwrap_or_else(|| panic!("no pid in {vm}"))
+    vm["pid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .unwrap_or_else(|| panic!("no pid in {vm}"))
 }
 
 fn assert_error(status: u16, body: &Value, want_status: u16, needle: &str, what: &str) {
-    assert_eq!(status, want_status, "{what}: expected {want_status}, got {status}: {body}");
-    let msg = body["error"].as_str().unwrap_or_else(|| panic!("{what}: error body without \"error\": {body}"));
+    assert_eq!(
+        status, want_status,
+        "{what}: expected {want_status}, got {status}: {body}"
+    );
+    let msg = body["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{what}: error body without \"error\": {body}"));
     assert!(
         msg.to_lowercase().contains(&needle.to_lowercase()),
         "{what}: error message {msg:?} does not mention {needle:?}"
@@ -71,22 +94,40 @@ fn image_backed_vm_checksum_and_digest_match_the_image_file() {
     // Touching pages moves them from the file to the VM's own memory.
     touch(&s, &id, 0, 1024, false);
     let vm = s.vm(&id);
-    assert!(pages_by(&vm, "file") <= pages - 1024, "after touching 1024 pages: {vm}");
-    assert!(pages_by(&vm, "vm") >= 1024, "after touching 1024 pages: {vm}");
+    assert!(
+        pages_by(&vm, "file") <= pages - 1024,
+        "after touching 1024 pages: {vm}"
+    );
+    assert!(
+        pages_by(&vm, "vm") >= 1024,
+        "after touching 1024 pages: {vm}"
+    );
     assert_eq!(pages_total(&vm), pages, "{vm}");
-    assert_eq!(pages_by(&vm, "vm"), vm["resident_pages"].as_u64().unwrap(), "table and memfd agree: {vm}");
+    assert_eq!(
+        pages_by(&vm, "vm"),
+        vm["resident_pages"].as_u64().unwrap(),
+        "table and memfd agree: {vm}"
+    );
 
     // The guest's checksum (one word per page) and the VMM's digest (every
     // word) equal what the host computes from the file.
     let want_sum = expected_checksum(&image.bytes, 0, pages);
     assert_ne!(want_sum, 0);
-    assert_eq!(checksum(&s, &id, 0, pages), want_sum, "guest checksum of all RAM");
+    assert_eq!(
+        checksum(&s, &id, 0, pages),
+        want_sum,
+        "guest checksum of all RAM"
+    );
     assert_eq!(
         checksum(&s, &id, 40_000, 777),
         expected_checksum(&image.bytes, 40_000, 777),
         "guest checksum of a sub-range"
     );
-    assert_eq!(digest(&s, &id, 0, pages), expected_digest(&image.bytes, 0, pages), "VMM digest of all RAM");
+    assert_eq!(
+        digest(&s, &id, 0, pages),
+        expected_digest(&image.bytes, 0, pages),
+        "VMM digest of all RAM"
+    );
 
     // Every page has been read: all are now the VM's own.
     let vm = s.vm(&id);
@@ -113,7 +154,10 @@ fn untouched_pages_of_a_vm_without_image_read_as_zero() {
     assert_eq!(sum, 0, "checksum of untouched memory");
     assert_eq!(dig, 0, "digest of untouched memory");
     let vm = s.vm(&id);
-    assert!(fault_counter(&vm, "missing") > 0, "reads were served through missing faults: {vm}");
+    assert!(
+        fault_counter(&vm, "missing") > 0,
+        "reads were served through missing faults: {vm}"
+    );
     assert_eq!(pages_total(&vm), pages, "{vm}");
 }
 
@@ -129,17 +173,45 @@ fn verify_after_fill_reports_no_mismatches_and_checksum_matches_host_model() {
 
     fill(&s, &id, 0, pages, 42);
 
-    assert_eq!(verify(&s, &id, 0, pages, 42), 0, "verify with the fill's seed");
-    assert_eq!(verify(&s, &id, 0, pages, 43), pages, "verify with another seed");
-    assert_eq!(verify(&s, &id, 100, 50, 7), 50, "verify of a sub-range with another seed");
+    assert_eq!(
+        verify(&s, &id, 0, pages, 42),
+        0,
+        "verify with the fill's seed"
+    );
+    assert_eq!(
+        verify(&s, &id, 0, pages, 43),
+        pages,
+        "verify with another seed"
+    );
+    assert_eq!(
+        verify(&s, &id, 100, 50, 7),
+        50,
+        "verify of a sub-range with another seed"
+    );
     let want = filled_zero_memory(mib, 42);
-    assert_eq!(checksum(&s, &id, 0, pages), expected_checksum(&want, 0, pages), "checksum after fill");
-    assert_eq!(digest(&s, &id, 0, pages), expected_digest(&want, 0, pages), "digest after fill");
+    assert_eq!(
+        checksum(&s, &id, 0, pages),
+        expected_checksum(&want, 0, pages),
+        "checksum after fill"
+    );
+    assert_eq!(
+        digest(&s, &id, 0, pages),
+        expected_digest(&want, 0, pages),
+        "digest after fill"
+    );
 
     // A partial refill: only its pages change.
     fill(&s, &id, 1000, 24, 9);
-    assert_eq!(verify(&s, &id, 0, pages, 42), 24, "pages refilled with seed 9");
-    assert_eq!(verify(&s, &id, 990, 40, 9), 16, "pages not refilled with seed 9");
+    assert_eq!(
+        verify(&s, &id, 0, pages, 42),
+        24,
+        "pages refilled with seed 9"
+    );
+    assert_eq!(
+        verify(&s, &id, 990, 40, 9),
+        16,
+        "pages not refilled with seed 9"
+    );
 }
 
 #[test]
@@ -158,8 +230,15 @@ fn fill_over_an_image_changes_only_the_pattern_words() {
     let mut want = image.bytes.clone();
     apply_fill(&mut want, 2000, 3000, 5);
     assert_eq!(verify(&s, &id, 2000, 3000, 5), 0);
-    assert_eq!(verify(&s, &id, 0, pages, 5), pages - 3000, "pages outside the fill keep the image");
-    assert_eq!(checksum(&s, &id, 0, pages), expected_checksum(&want, 0, pages));
+    assert_eq!(
+        verify(&s, &id, 0, pages, 5),
+        pages - 3000,
+        "pages outside the fill keep the image"
+    );
+    assert_eq!(
+        checksum(&s, &id, 0, pages),
+        expected_checksum(&want, 0, pages)
+    );
     assert_eq!(digest(&s, &id, 0, pages), expected_digest(&want, 0, pages));
 }
 
@@ -172,17 +251,33 @@ fn touch_read_and_write_leave_image_contents_unchanged() {
     let pages = pages_of(mib);
     let image = RandomImage::new(mib, 0x5eed_0003);
     let s = TestServer::start();
-    let id = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}));
+    let id = s.create_vm(
+        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
+    );
 
     touch(&s, &id, 0, 256, false);
     let after_read = s.vm(&id);
     touch(&s, &id, 256, 256, true);
     let after_write = s.vm(&id);
 
-    assert_eq!(pages_by(&after_read, "vm"), 256, "read touch installs the touched pages: {after_read}");
-    assert_eq!(pages_by(&after_write, "vm"), 512, "write touch installs the touched pages: {after_write}");
-    assert_eq!(checksum(&s, &id, 0, pages), expected_checksum(&image.bytes, 0, pages));
-    assert_eq!(digest(&s, &id, 0, pages), expected_digest(&image.bytes, 0, pages));
+    assert_eq!(
+        pages_by(&after_read, "vm"),
+        256,
+        "read touch installs the touched pages: {after_read}"
+    );
+    assert_eq!(
+        pages_by(&after_write, "vm"),
+        512,
+        "write touch installs the touched pages: {after_write}"
+    );
+    assert_eq!(
+        checksum(&s, &id, 0, pages),
+        expected_checksum(&image.bytes, 0, pages)
+    );
+    assert_eq!(
+        digest(&s, &id, 0, pages),
+        expected_digest(&image.bytes, 0, pages)
+    );
 }
 
 #[test]
@@ -193,11 +288,19 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
     let mib = 32;
     let image = RandomImage::new(mib, 0x5eed_0004);
     let s = TestServer::start();
-    let off = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}));
-    let on = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 64}));
+    let off = s.create_vm(
+        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
+    );
+    let on = s.create_vm(
+        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 64}),
+    );
     let before_off = s.vm(&off);
     let before_on = s.vm(&on);
-    assert_eq!(fault_counter(&before_on, "fault_around_kib"), 64, "{before_on}");
+    assert_eq!(
+        fault_counter(&before_on, "fault_around_kib"),
+        64,
+        "{before_on}"
+    );
 
     // 256 pages from an aligned start, then 20 pages from an unaligned one.
     touch(&s, &off, 1024, 256, false);
@@ -211,19 +314,37 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
 
     let delta = |a: &Value, b: &Value, k: &str| fault_counter(b, k) - fault_counter(a, k);
     // Without fault-around: one fault and one page per touched page.
-    assert_eq!(delta(&before_off, &mid_off, "pages_installed"), 256, "{mid_off}");
+    assert_eq!(
+        delta(&before_off, &mid_off, "pages_installed"),
+        256,
+        "{mid_off}"
+    );
     assert_eq!(delta(&before_off, &mid_off, "missing"), 256, "{mid_off}");
-    assert_eq!(delta(&mid_off, &end_off, "pages_installed"), 20, "{end_off}");
+    assert_eq!(
+        delta(&mid_off, &end_off, "pages_installed"),
+        20,
+        "{end_off}"
+    );
     assert_eq!(delta(&mid_off, &end_off, "missing"), 20, "{end_off}");
     // With 64 KiB (16 pages): one fault per aligned block touched.
-    assert_eq!(delta(&before_on, &mid_on, "pages_installed"), 256, "{mid_on}");
+    assert_eq!(
+        delta(&before_on, &mid_on, "pages_installed"),
+        256,
+        "{mid_on}"
+    );
     assert_eq!(delta(&before_on, &mid_on, "missing"), 16, "{mid_on}");
     // Pages 3006..3026 lie in the blocks 2992..3008, 3008..3024, 3024..3040.
     assert_eq!(delta(&mid_on, &end_on, "pages_installed"), 48, "{end_on}");
     assert_eq!(delta(&mid_on, &end_on, "missing"), 3, "{end_on}");
     // And the pages installed around the fault carry the image's bytes.
-    assert_eq!(checksum(&s, &on, 2992, 48), expected_checksum(&image.bytes, 2992, 48));
-    assert_eq!(digest(&s, &on, 1024, 256), expected_digest(&image.bytes, 1024, 256));
+    assert_eq!(
+        checksum(&s, &on, 2992, 48),
+        expected_checksum(&image.bytes, 2992, 48)
+    );
+    assert_eq!(
+        digest(&s, &on, 1024, 256),
+        expected_digest(&image.bytes, 1024, 256)
+    );
 }
 
 #[test]
@@ -246,19 +367,30 @@ fn four_vms_run_at_once_without_interference() {
                     let id = s.create_vm(json!({"memory_mib": mib, "vcpus": 1}));
                     for round in 0..3 {
                         fill(s, &id, 0, pages, seed + round);
-                        assert_eq!(verify(s, &id, 0, pages, seed + round), 0, "{id} round {round}");
+                        assert_eq!(
+                            verify(s, &id, 0, pages, seed + round),
+                            0,
+                            "{id} round {round}"
+                        );
                     }
                     fill(s, &id, 0, pages, seed);
                     id
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("VM driver thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("VM driver thread panicked"))
+            .collect()
     });
 
     for (i, id) in ids.iter().enumerate() {
         let want = filled_zero_memory(mib, seeds[i]);
-        assert_eq!(checksum(&s, id, 0, pages), expected_checksum(&want, 0, pages), "{id}");
+        assert_eq!(
+            checksum(&s, id, 0, pages),
+            expected_checksum(&want, 0, pages),
+            "{id}"
+        );
         for (j, &other) in seeds.iter().enumerate() {
             let mismatches = verify(&s, id, 0, pages, other);
             if i == j {
@@ -286,7 +418,9 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
     let s = TestServer::start();
     // The victim reads its image one page per fault, so the kill lands
     // while faults are in flight.
-    let victim = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}));
+    let victim = s.create_vm(
+        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
+    );
     let a = s.create_vm(json!({"memory_mib": 64}));
     let b = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source()}));
     let victim_pid = pid_of(&s.vm(&victim));
@@ -298,17 +432,27 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
             // Keeps working until the kill makes exec fail.
             let started = Instant::now();
             loop {
-                let (status, v) = s.try_exec(&victim, json!({"op": "checksum", "start_page": 0, "pages": pages}));
+                let (status, v) = s.try_exec(
+                    &victim,
+                    json!({"op": "checksum", "start_page": 0, "pages": pages}),
+                );
                 if status != 200 {
                     return (status, v);
                 }
-                assert!(started.elapsed() < Duration::from_secs(60), "victim never failed");
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "victim never failed"
+                );
             }
         });
         let worker_a = sc.spawn(|| {
             for round in 0..6u64 {
                 fill(s, &a, 0, pages_of(64), round);
-                assert_eq!(verify(s, &a, 0, pages_of(64), round), 0, "{a} round {round}");
+                assert_eq!(
+                    verify(s, &a, 0, pages_of(64), round),
+                    0,
+                    "{a} round {round}"
+                );
             }
         });
         // Let the victim get going, then kill it.
@@ -317,7 +461,10 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
         signal(victim_pid, Signal::SIGKILL);
 
         let (status, body) = dying.join().expect("victim thread panicked");
-        assert!(status >= 400, "exec on the killed VM fails: {status} {body}");
+        assert!(
+            status >= 400,
+            "exec on the killed VM fails: {status} {body}"
+        );
         assert!(body["error"].is_string(), "with an error message: {body}");
         worker_a.join().expect("worker thread panicked");
         assert!(
@@ -328,13 +475,26 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
 
     // The dead VM is reported as exited, soon.
     let dead = s.wait_state(&victim, "exited", Duration::from_secs(10));
-    assert!(dead["exit_reason"].is_string(), "exited VM says why: {dead}");
-    assert!(!process_exists(victim_pid) || is_zombie(victim_pid), "victim pid {victim_pid} is gone");
+    assert!(
+        dead["exit_reason"].is_string(),
+        "exited VM says why: {dead}"
+    );
+    assert!(
+        !process_exists(victim_pid) || is_zombie(victim_pid),
+        "victim pid {victim_pid} is gone"
+    );
     let (status, body) = s.try_exec(&victim, json!({"op": "identity"}));
-    assert!((400..500).contains(&status), "exec on an exited VM is a client error: {status} {body}");
+    assert!(
+        (400..500).contains(&status),
+        "exec on an exited VM is a client error: {status} {body}"
+    );
 
     // The others answer correctly, after the kill too.
-    assert_eq!(checksum(&s, &b, 0, pages), expected_checksum(&image.bytes, 0, pages), "{b}");
+    assert_eq!(
+        checksum(&s, &b, 0, pages),
+        expected_checksum(&image.bytes, 0, pages),
+        "{b}"
+    );
     fill(&s, &a, 0, pages_of(64), 77);
     assert_eq!(verify(&s, &a, 0, pages_of(64), 77), 0, "{a}");
     assert_eq!(s.vm(&a)["state"], "running");
@@ -347,7 +507,10 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
 fn is_zombie(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(false)
 }
 
@@ -365,7 +528,10 @@ fn exec_on_a_paused_vm_conflicts_until_resumed() {
     assert_eq!(v["state"], "paused", "{v}");
     assert_eq!(s.vm(&id)["state"], "paused");
 
-    let (status, v) = s.try_exec(&id, json!({"op": "verify", "start_page": 0, "pages": 100, "seed": 3}));
+    let (status, v) = s.try_exec(
+        &id,
+        json!({"op": "verify", "start_page": 0, "pages": 100, "seed": 3}),
+    );
     assert_error(status, &v, 409, "paused", "exec on a paused VM");
     let (status, v) = s.api("POST", &format!("/v1/vms/{id}/pause"), None);
     assert_error(status, &v, 409, "paused", "pause of a paused VM");
@@ -376,7 +542,11 @@ fn exec_on_a_paused_vm_conflicts_until_resumed() {
     let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
     assert_error(status, &v, 409, "running", "resume of a running VM");
 
-    assert_eq!(verify(&s, &id, 0, 100, 3), 0, "memory kept across pause/resume");
+    assert_eq!(
+        verify(&s, &id, 0, 100, 3),
+        0,
+        "memory kept across pause/resume"
+    );
     fill(&s, &id, 100, 100, 4);
     assert_eq!(verify(&s, &id, 100, 100, 4), 0);
 }
@@ -390,13 +560,49 @@ fn bad_create_requests_get_4xx_that_say_what_to_fix() {
     let cases: Vec<(&str, &str, Option<Value>, u16, &str)> = vec![
         ("unknown VM", "GET /v1/vms/vm-9999", None, 404, "vm-9999"),
         ("malformed VM id", "GET /v1/vms/banana", None, 404, "banana"),
-        ("exec on unknown VM", "POST /v1/vms/vm-9999/exec", Some(json!({"op": "identity"})), 404, "vm-9999"),
-        ("delete unknown VM", "DELETE /v1/vms/vm-9999", None, 404, "vm-9999"),
-        ("pause unknown VM", "POST /v1/vms/vm-9999/pause", None, 404, "vm-9999"),
+        (
+            "exec on unknown VM",
+            "POST /v1/vms/vm-9999/exec",
+            Some(json!({"op": "identity"})),
+            404,
+            "vm-9999",
+        ),
+        (
+            "delete unknown VM",
+            "DELETE /v1/vms/vm-9999",
+            None,
+            404,
+            "vm-9999",
+        ),
+        (
+            "pause unknown VM",
+            "POST /v1/vms/vm-9999/pause",
+            None,
+            404,
+            "vm-9999",
+        ),
         ("unknown route", "GET /v1/nothing", None, 404, "route"),
-        ("memory_mib 0", "POST /v1/vms", Some(json!({"memory_mib": 0})), 400, "memory_mib"),
-        ("memory_mib beyond host RAM", "POST /v1/vms", Some(json!({"memory_mib": 1u64 << 30})), 400, "RAM"),
-        ("vcpus 0", "POST /v1/vms", Some(json!({"memory_mib": 16, "vcpus": 0})), 400, "vcpus"),
+        (
+            "memory_mib 0",
+            "POST /v1/vms",
+            Some(json!({"memory_mib": 0})),
+            400,
+            "memory_mib",
+        ),
+        (
+            "memory_mib beyond host RAM",
+            "POST /v1/vms",
+            Some(json!({"memory_mib": 1u64 << 30})),
+            400,
+            "RAM",
+        ),
+        (
+            "vcpus 0",
+            "POST /v1/vms",
+            Some(json!({"memory_mib": 16, "vcpus": 0})),
+            400,
+            "vcpus",
+        ),
         (
             "missing image file",
             "POST /v1/vms",
@@ -418,7 +624,13 @@ fn bad_create_requests_get_4xx_that_say_what_to_fix() {
             400,
             "floppy",
         ),
-        ("unknown field", "POST /v1/vms", Some(json!({"memory_mib": 16, "memroy": 1})), 400, "memroy"),
+        (
+            "unknown field",
+            "POST /v1/vms",
+            Some(json!({"memory_mib": 16, "memroy": 1})),
+            400,
+            "memroy",
+        ),
         (
             "bad fault-around size",
             "POST /v1/vms",
@@ -434,9 +646,13 @@ fn bad_create_requests_get_4xx_that_say_what_to_fix() {
     }
 
     // Bodies that are not JSON at all.
-    for (what, body) in [("invalid JSON", &b"{\"memory_mib\": 16,"[..]), ("empty body", b"")] {
+    for (what, body) in [
+        ("invalid JSON", &b"{\"memory_mib\": 16,"[..]),
+        ("empty body", b""),
+    ] {
         let (status, text) = s.api_raw("POST", "/v1/vms", body);
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: body {text:?} not JSON: {e}"));
+        let v: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{what}: body {text:?} not JSON: {e}"));
         assert_error(status, &v, 400, "body", what);
     }
 
@@ -454,18 +670,39 @@ fn bad_exec_requests_get_4xx_and_leave_the_vm_working() {
     let id = s.create_vm(json!({"memory_mib": 16}));
     let cases: Vec<(&str, Value, &str)> = vec![
         ("unknown op", json!({"op": "explode"}), "unknown op"),
-        ("range past the end", json!({"op": "checksum", "start_page": pages - 10, "pages": 11}), "outside"),
-        ("start past the end", json!({"op": "touch", "start_page": pages, "pages": 1}), "outside"),
-        ("overflowing range", json!({"op": "checksum", "start_page": u64::MAX, "pages": 2}), "outside"),
-        ("fill without seed", json!({"op": "fill", "start_page": 0, "pages": 1}), "seed"),
-        ("wrong field type", json!({"op": "checksum", "pages": "many"}), "invalid type"),
+        (
+            "range past the end",
+            json!({"op": "checksum", "start_page": pages - 10, "pages": 11}),
+            "outside",
+        ),
+        (
+            "start past the end",
+            json!({"op": "touch", "start_page": pages, "pages": 1}),
+            "outside",
+        ),
+        (
+            "overflowing range",
+            json!({"op": "checksum", "start_page": u64::MAX, "pages": 2}),
+            "outside",
+        ),
+        (
+            "fill without seed",
+            json!({"op": "fill", "start_page": 0, "pages": 1}),
+            "seed",
+        ),
+        (
+            "wrong field type",
+            json!({"op": "checksum", "pages": "many"}),
+            "invalid type",
+        ),
     ];
     for (what, body, needle) in cases {
         let (status, v) = s.try_exec(&id, body);
         assert_error(status, &v, 400, needle, what);
     }
     let (status, text) = s.api_raw("POST", &format!("/v1/vms/{id}/exec"), b"op=fill");
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("body {text:?} not JSON: {e}"));
+    let v: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("body {text:?} not JSON: {e}"));
     assert_error(status, &v, 400, "body", "non-JSON exec body");
 
     // The whole of memory is a valid range, and the VM still works.
@@ -489,7 +726,10 @@ fn deleted_vm_has_no_process_and_is_not_listed() {
     let (status, v) = s.api("DELETE", &format!("/v1/vms/{gone}"), None);
 
     assert_eq!(status, 200, "delete: {v}");
-    assert!(!process_exists(pid), "vmm pid {pid} of {gone} still exists after DELETE returned");
+    assert!(
+        !process_exists(pid),
+        "vmm pid {pid} of {gone} still exists after DELETE returned"
+    );
     assert_eq!(s.vm_ids(), vec![keep.clone()]);
     let (status, v) = s.api("GET", &format!("/v1/vms/{gone}"), None);
     assert_error(status, &v, 404, &gone, "GET of a deleted VM");
@@ -510,7 +750,10 @@ fn sigterm_stops_the_server_and_its_vmms() {
 
     let status = s.stop(Duration::from_secs(15));
 
-    assert!(status.success(), "uffd-server exit status after SIGTERM: {status}");
+    assert!(
+        status.success(),
+        "uffd-server exit status after SIGTERM: {status}"
+    );
     for pid in pids {
         assert!(!process_exists(pid), "vmm pid {pid} outlived its server");
     }

@@ -18,7 +18,8 @@ use serde_json::json;
 
 fn connect(s: &TestServer) -> UnixStream {
     let c = UnixStream::connect(s.vmm_sock()).expect("cannot connect to vmm.sock");
-    c.set_read_timeout(Some(Duration::from_secs(15))).expect("set_read_timeout");
+    c.set_read_timeout(Some(Duration::from_secs(15)))
+        .expect("set_read_timeout");
     c
 }
 
@@ -36,20 +37,37 @@ fn expect_error_then_close(c: &UnixStream, what: &str) -> String {
     let mut rest = Vec::new();
     let mut c2 = c;
     match c2.read_to_end(&mut rest) {
-        Ok(_) => assert!(rest.is_empty(), "{what}: bytes after the error frame: {rest:?}"),
-        Err(e) => assert_ne!(e.kind(), std::io::ErrorKind::WouldBlock, "{what}: connection left open after the error"),
+        Ok(_) => assert!(
+            rest.is_empty(),
+            "{what}: bytes after the error frame: {rest:?}"
+        ),
+        Err(e) => assert_ne!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock,
+            "{what}: connection left open after the error"
+        ),
     }
     msg
 }
 
 fn hello(token: &str) -> VmmMsg {
-    VmmMsg::Hello { version: VERSION, token: token.into(), pid: std::process::id() }
+    VmmMsg::Hello {
+        version: VERSION,
+        token: token.into(),
+        pid: std::process::id(),
+    }
 }
 
 /// Send a frame whose header declares `declared` fds while `fds` travel.
 fn send_with_fd_count(c: &UnixStream, payload: &[u8], declared: u8, fds: &[i32]) {
     let len = u32::try_from(payload.len()).expect("payload fits");
-    let header = Header { version: VERSION, flags: 0, len, nfds: declared }.encode();
+    let header = Header {
+        version: VERSION,
+        flags: 0,
+        len,
+        nfds: declared,
+    }
+    .encode();
     let iov = [IoSlice::new(&header), IoSlice::new(payload)];
     let cmsg = [ControlMessage::ScmRights(fds)];
     let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
@@ -68,7 +86,10 @@ impl Bystander {
             return Bystander { id: None };
         }
         let id = s.create_vm(json!({"memory_mib": 16}));
-        s.exec(&id, json!({"op": "fill", "start_page": 0, "pages": 4096, "seed": 99}));
+        s.exec(
+            &id,
+            json!({"op": "fill", "start_page": 0, "pages": 4096, "seed": 99}),
+        );
         Bystander { id: Some(id) }
     }
 
@@ -76,7 +97,10 @@ impl Bystander {
         s.assert_healthy();
         if let Some(id) = &self.id {
             assert_eq!(s.vm(id)["state"], "running", "after {after}");
-            let v = s.exec(id, json!({"op": "verify", "start_page": 0, "pages": 4096, "seed": 99}));
+            let v = s.exec(
+                id,
+                json!({"op": "verify", "start_page": 0, "pages": 4096, "seed": 99}),
+            );
             assert_eq!(v, 0, "{id} lost memory after {after}");
         }
     }
@@ -90,7 +114,8 @@ fn malformed_frame_gets_an_error_and_only_that_connection_closes() {
     let idle = connect(&s);
 
     let mut c = connect(&s);
-    c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").expect("write garbage");
+    c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("write garbage");
     let msg = expect_error_then_close(&c, "garbage bytes");
 
     assert!(msg.contains("magic"), "error names the problem: {msg}");
@@ -105,38 +130,81 @@ fn bad_headers_get_errors_and_the_server_keeps_serving() {
     let s = TestServer::start();
     let bystander = Bystander::new(&s);
     let payload = encode(&hello("whatever")).expect("encode");
-    let mut wrong_version = Header { version: VERSION, flags: 0, len: 0, nfds: 0 }.encode();
+    let mut wrong_version = Header {
+        version: VERSION,
+        flags: 0,
+        len: 0,
+        nfds: 0,
+    }
+    .encode();
     wrong_version[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes());
-    let too_large = Header { version: VERSION, flags: 0, len: proto::frame::MAX_PAYLOAD + 1, nfds: 0 }.encode();
+    let too_large = Header {
+        version: VERSION,
+        flags: 0,
+        len: proto::frame::MAX_PAYLOAD + 1,
+        nfds: 0,
+    }
+    .encode();
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("wrong protocol version", wrong_version.to_vec(), "version"),
         ("oversized payload", too_large.to_vec(), "exceeds"),
-        ("payload that is not a message", {
-            let mut f = Header { version: VERSION, flags: 0, len: 3, nfds: 0 }.encode().to_vec();
-            f.extend_from_slice(&[0xff, 0xff, 0xff]);
-            f
-        }, "decode"),
-        ("message other than hello first", {
-            let p = encode(&VmmMsg::Running).expect("encode");
-            let mut f = Header { version: VERSION, flags: 0, len: u32::try_from(p.len()).unwrap(), nfds: 0 }
+        (
+            "payload that is not a message",
+            {
+                let mut f = Header {
+                    version: VERSION,
+                    flags: 0,
+                    len: 3,
+                    nfds: 0,
+                }
                 .encode()
                 .to_vec();
-            f.extend_from_slice(&p);
-            f
-        }, "hello"),
+                f.extend_from_slice(&[0xff, 0xff, 0xff]);
+                f
+            },
+            "decode",
+        ),
+        (
+            "message other than hello first",
+            {
+                let p = encode(&VmmMsg::Running).expect("encode");
+                let mut f = Header {
+                    version: VERSION,
+                    flags: 0,
+                    len: u32::try_from(p.len()).unwrap(),
+                    nfds: 0,
+                }
+                .encode()
+                .to_vec();
+                f.extend_from_slice(&p);
+                f
+            },
+            "hello",
+        ),
     ];
     for (what, bytes, needle) in cases {
         let mut c = connect(&s);
         c.write_all(&bytes).expect("write");
         let msg = expect_error_then_close(&c, what);
-        assert!(msg.to_lowercase().contains(needle), "{what}: error {msg:?} should mention {needle:?}");
+        assert!(
+            msg.to_lowercase().contains(needle),
+            "{what}: error {msg:?} should mention {needle:?}"
+        );
         bystander.assert_unaffected(&s, what);
     }
     // A peer that hangs up in the middle of a frame gets no answer, but
     // costs the server nothing either.
     let mut c = connect(&s);
-    c.write_all(&Header { version: VERSION, flags: 0, len: u32::try_from(payload.len()).unwrap(), nfds: 0 }.encode())
-        .expect("write header");
+    c.write_all(
+        &Header {
+            version: VERSION,
+            flags: 0,
+            len: u32::try_from(payload.len()).unwrap(),
+            nfds: 0,
+        }
+        .encode(),
+    )
+    .expect("write header");
     c.write_all(&payload[..1]).expect("write part");
     drop(c);
     bystander.assert_unaffected(&s, "a hang-up mid-frame");
@@ -189,7 +257,16 @@ fn frame_with_the_wrong_number_of_fds_is_refused() {
 fn sockets_are_created_mode_0600() {
     let s = TestServer::start();
     for path in [s.api_sock(), s.vmm_sock()] {
-        let mode = std::fs::metadata(&path).expect("stat socket").permissions().mode();
-        assert_eq!(mode & 0o777, 0o600, "{} has mode {:o}", path.display(), mode & 0o777);
+        let mode = std::fs::metadata(&path)
+            .expect("stat socket")
+            .permissions()
+            .mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "{} has mode {:o}",
+            path.display(),
+            mode & 0o777
+        );
     }
 }
