@@ -123,6 +123,9 @@ pub struct FcVm {
     /// Source pages faulted on, in order (for working-set recording).
     pub fault_order: Vec<u64>,
     pub stream: UnixStream,
+    /// Signalled on hang-up: the serving task stops and drops the uffd
+    /// (after the process exits its uffd never becomes readable again).
+    pub closed: Rc<tokio::sync::Notify>,
 }
 
 /// Result of resolving one fault.
@@ -391,7 +394,7 @@ impl Core {
             "id": format!("fc-{id}"),
             "socket": l.socket,
             "memory_source": { "kind": "file", "path": l.source_path },
-            "fault_around_kib": l.fault_around_pages * PAGE_SIZE / 1024,
+            "fault_around_kib": super::fault_around_kib(l.fault_around_pages),
             "working_set": l.working_set,
             "recorded_pages": l.recorded.as_ref().map(|r| r.len()).unwrap_or(0),
             "accepted": l.stats.accepted.load(Ordering::Relaxed),
@@ -478,6 +481,7 @@ impl Core {
         reg.next_id += 1;
         let id = VmId(reg.next_id);
         let self_src = reg.arena.vm(id);
+        let closed = Rc::new(tokio::sync::Notify::new());
         reg.fc_vms.insert(
             id,
             FcVm {
@@ -496,11 +500,12 @@ impl Core {
                 fault_around_pages: fault_around,
                 fault_order: Vec::new(),
                 stream,
+                closed: closed.clone(),
             },
         );
         drop(reg);
         info!("{id}: firecracker pid {pid} connected to fc-{listener}");
-        tokio::task::spawn_local(serve_fc(self.clone(), id, afd));
+        tokio::task::spawn_local(serve_fc(self.clone(), id, afd, closed));
         if let Some(ws) = recorded {
             tokio::task::spawn_local(prefetch_working_set(self.clone(), id, ws));
         }
@@ -520,6 +525,8 @@ impl Core {
             v.pid, v.stats.missing
         );
         reg.arena.release(v.self_src);
+        // `notify_one` keeps a permit if the task is not waiting right now.
+        v.closed.notify_one();
         if let Some(l) = reg.fc_listeners.get_mut(&v.listener) {
             if l.working_set && l.recorded.is_none() && !v.fault_order.is_empty() {
                 let mut seen = std::collections::HashSet::new();
@@ -579,14 +586,22 @@ fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u6
     true
 }
 
-async fn serve_fc(core: Rc<Core>, id: VmId, uffd: Rc<AsyncFd<Uffd>>) {
+async fn serve_fc(
+    core: Rc<Core>,
+    id: VmId,
+    uffd: Rc<AsyncFd<Uffd>>,
+    closed: Rc<tokio::sync::Notify>,
+) {
     let mut buf = EventBuffer::new(64);
     let mut deferred: Vec<u64> = Vec::new();
     loop {
         let events: Vec<Event> = if deferred.is_empty() {
-            let mut guard = match uffd.readable().await {
-                Ok(g) => g,
-                Err(_) => return,
+            let mut guard = tokio::select! {
+                g = uffd.readable() => match g {
+                    Ok(g) => g,
+                    Err(_) => return,
+                },
+                () = closed.notified() => return,
             };
             match guard.get_inner().read_events(&mut buf) {
                 Ok(it) => {
