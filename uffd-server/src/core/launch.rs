@@ -334,6 +334,7 @@ impl Core {
             let mut reg = self.reg.borrow_mut();
             if let Some(v) = reg.vms.get_mut(&id) {
                 v.deleted = true;
+                forget_borrowed_pages(v);
                 if let (Some(vol), Some(engine)) = (v.volume.take(), self.volumes.as_ref()) {
                     if v.parent.is_some() && vol.ends_with(&format!("-{id}")) {
                         // A fork child's own reflinked disk goes with it.
@@ -380,4 +381,16 @@ fn open_image(path: &str, size: u64) -> ApiResult<FileSource> {
         file,
         len: meta.len(),
     })
+}
+
+/// A deleted VM serves only the pages it holds; its entries that point
+/// elsewhere are read by nobody (a fork child reads from the holder
+/// directly), so drop them: otherwise a frozen VM would keep the VMs it
+/// read from alive, and WP faults would still copy pages into it.
+fn forget_borrowed_pages(v: &mut Vm) {
+    let mut table = PageTable::new(v.table.pages(), UNINITIALIZED);
+    for (start, pages) in v.table.ranges_of(v.self_src) {
+        table.set_range(start, pages, v.self_src);
+    }
+    v.table = table;
 }

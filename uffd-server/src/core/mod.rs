@@ -497,3 +497,13 @@ async fn serve_faults(core: Rc<Core>, vm: VmId, uffd: Rc<AsyncFd<Uffd>>) {
         }
     }
 }
+
+/// A fault-around block in pages as the API reports it: KiB, 0 when off
+/// (one page per fault).
+pub fn fault_around_kib(pages: u64) -> u64 {
+    if pages <= 1 {
+        0
+    } else {
+        pages * shared::PAGE_SIZE / 1024
+    }
+}

@@ -38,7 +38,7 @@ impl Core {
                     write_protect: 0,
                     pages_installed: v.stats.pages_installed,
                     removes: v.stats.removes,
-                    fault_around_kib: v.fault_around_pages * PAGE_SIZE / 1024,
+                    fault_around_kib: super::fault_around_kib(v.fault_around_pages),
                 },
             });
         }
@@ -69,7 +69,7 @@ impl Core {
                 write_protect: v.stats.write_protect,
                 pages_installed: v.stats.pages_installed,
                 removes: v.stats.removes,
-                fault_around_kib: v.fault_around_pages * PAGE_SIZE / 1024,
+                fault_around_kib: super::fault_around_kib(v.fault_around_pages),
             },
         })
     }
