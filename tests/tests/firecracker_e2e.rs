@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
-use pagefork_tests::{bin, fault_counter, pages_by, process_exists, signal, RandomImage, TestServer};
+use pagefork_tests::{
+    bin, fault_counter, pages_by, process_exists, signal, RandomImage, TestServer,
+};
 use serde_json::{json, Value};
 
 const PAGE: u64 = 4096;
@@ -37,7 +39,11 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// Whether this machine can run the tests: /dev/userfaultfd must be usable.
 /// Skips with a printed reason, or panics under `CI=true`.
 fn require_uffd() -> bool {
-    let why = match std::fs::OpenOptions::new().read(true).write(true).open("/dev/userfaultfd") {
+    let why = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/userfaultfd")
+    {
         Ok(_) => return true,
         Err(e) => format!("/dev/userfaultfd is not usable: {e}"),
     };
@@ -55,7 +61,14 @@ fn in_ci() -> bool {
 fn meminfo(field: &str) -> u64 {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     text.lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.split_whitespace().next()?.parse().ok())
+        .find_map(|l| {
+            l.strip_prefix(field)?
+                .strip_prefix(':')?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
         .unwrap_or(0)
 }
 
@@ -70,7 +83,10 @@ impl HugePages {
     /// through /proc/sys/vm/nr_hugepages (root) if needed.
     fn reserve(free: u64) -> Result<Self, String> {
         if meminfo("Hugepagesize") != 2048 {
-            return Err(format!("the default hugepage size is {} KiB, not 2048", meminfo("Hugepagesize")));
+            return Err(format!(
+                "the default hugepage size is {} KiB, not 2048",
+                meminfo("Hugepagesize")
+            ));
         }
         if meminfo("HugePages_Free") >= free {
             return Ok(HugePages { restore: None });
@@ -81,12 +97,17 @@ impl HugePages {
             .trim()
             .parse()
             .map_err(|e| format!("{KNOB}: {e}"))?;
-        let guard = HugePages { restore: Some(before) };
+        let guard = HugePages {
+            restore: Some(before),
+        };
         std::fs::write(KNOB, (before + 2 * free).to_string())
             .map_err(|e| format!("cannot reserve hugepages through {KNOB}: {e}"))?;
         let have = meminfo("HugePages_Free");
         if have < free {
-            return Err(format!("wrote {} to {KNOB} but only {have} hugepages are free (want {free})", before + 2 * free));
+            return Err(format!(
+                "wrote {} to {KNOB} but only {have} hugepages are free (want {free})",
+                before + 2 * free
+            ));
         }
         Ok(guard)
     }
@@ -104,7 +125,13 @@ impl Drop for HugePages {
 // Listeners and VMs through the API
 
 /// Create a listener on `<state dir>/<name>.sock`; returns its id and socket.
-fn add_listener(s: &TestServer, name: &str, image: &str, fault_around_kib: u64, working_set: bool) -> (String, PathBuf) {
+fn add_listener(
+    s: &TestServer,
+    name: &str,
+    image: &str,
+    fault_around_kib: u64,
+    working_set: bool,
+) -> (String, PathBuf) {
     let socket = s.state_dir().join(format!("{name}.sock"));
     let body = json!({
         "socket": socket,
@@ -113,8 +140,14 @@ fn add_listener(s: &TestServer, name: &str, image: &str, fault_around_kib: u64, 
         "working_set": working_set,
     });
     let (status, v) = s.api("POST", "/v1/firecracker/listeners", Some(body.clone()));
-    assert_eq!(status, 201, "POST /v1/firecracker/listeners {body} failed: {v}");
-    let id = v["id"].as_str().unwrap_or_else(|| panic!("no id in {v}")).to_owned();
+    assert_eq!(
+        status, 201,
+        "POST /v1/firecracker/listeners {body} failed: {v}"
+    );
+    let id = v["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no id in {v}"))
+        .to_owned();
     (id, socket)
 }
 
@@ -132,7 +165,9 @@ fn listener(s: &TestServer, id: &str) -> Value {
 }
 
 fn counter(v: &Value, name: &str) -> u64 {
-    v[name].as_u64().unwrap_or_else(|| panic!("no numeric {name} in {v}"))
+    v[name]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no numeric {name} in {v}"))
 }
 
 /// Firecracker VMs listed by `GET /v1/vms`.
@@ -149,7 +184,9 @@ fn fc_vms(s: &TestServer) -> Vec<Value> {
 }
 
 fn fc_vm_of(s: &TestServer, pid: u32) -> Option<Value> {
-    fc_vms(s).into_iter().find(|vm| vm["pid"].as_u64() == Some(u64::from(pid)))
+    fc_vms(s)
+        .into_iter()
+        .find(|vm| vm["pid"].as_u64() == Some(u64::from(pid)))
 }
 
 /// Poll `f` until it returns `Some`, failing after `within`.
@@ -159,25 +196,37 @@ fn wait_for<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -
         if let Some(x) = f() {
             return x;
         }
-        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
 
 /// Wait until the client `pid` shows up as a Firecracker VM; returns it.
 fn wait_vm(s: &TestServer, pid: u32) -> Value {
-    wait_for(&format!("fc_client pid {pid} in GET /v1/vms"), TIMEOUT, || fc_vm_of(s, pid))
+    wait_for(
+        &format!("fc_client pid {pid} in GET /v1/vms"),
+        TIMEOUT,
+        || fc_vm_of(s, pid),
+    )
 }
 
 /// Wait until no Firecracker VM of `pid` is listed.
 fn wait_vm_gone(s: &TestServer, pid: u32) {
-    wait_for(&format!("fc_client pid {pid} to leave GET /v1/vms"), Duration::from_secs(10), || {
-        fc_vm_of(s, pid).is_none().then_some(())
-    });
+    wait_for(
+        &format!("fc_client pid {pid} to leave GET /v1/vms"),
+        Duration::from_secs(10),
+        || fc_vm_of(s, pid).is_none().then_some(()),
+    );
 }
 
 fn vm_id(vm: &Value) -> String {
-    vm["id"].as_str().unwrap_or_else(|| panic!("no id in {vm}")).to_owned()
+    vm["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no id in {vm}"))
+        .to_owned()
 }
 
 fn page_info(s: &TestServer, id: &str, page: u64) -> Value {
@@ -192,26 +241,45 @@ fn sources(s: &TestServer, id: &str) -> Value {
     v
 }
 
-/// Number of open fds of process `pid`.
-fn fd_count(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map(Iterator::count).unwrap_or(0)
+/// Links of the open fds of process `pid`.
+fn fds_of(pid: u32) -> Vec<PathBuf> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
-/// Wait until the server holds at most `baseline` fds again (connections,
-/// uffds and threads of gone clients released).
-fn wait_fds_released(s: &TestServer, baseline: usize) {
+/// Number of open fds of process `pid`.
+fn fd_count(pid: u32) -> usize {
+    fds_of(pid).len()
+}
+
+/// Wait until the server holds exactly `uffds` userfaultfds and at most
+/// `baseline` fds (connections and uffds of gone clients released).
+fn wait_fds_released(s: &TestServer, baseline: usize, uffds: usize) {
+    let uffds_of = |fds: &[PathBuf]| {
+        fds.iter()
+            .filter(|p| p.to_string_lossy().contains("userfaultfd"))
+            .count()
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while fd_count(s.pid()) > baseline && Instant::now() < deadline {
+    loop {
+        let fds = fds_of(s.pid());
+        if fds.len() <= baseline && uffds_of(&fds) == uffds {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "uffd-server holds {} fds ({} userfaultfds) where {baseline} ({uffds}) were expected: \
+             fds of gone clients leak: {fds:?}",
+            fds.len(),
+            uffds_of(&fds)
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let now = fd_count(s.pid());
-    assert!(
-        now <= baseline,
-        "uffd-server holds {now} fds, {baseline} before the clients came: fds of gone clients leak: {:?}",
-        std::fs::read_dir(format!("/proc/{}/fd", s.pid()))
-            .map(|d| d.flatten().filter_map(|e| std::fs::read_link(e.path()).ok()).collect::<Vec<_>>())
-            .unwrap_or_default()
-    );
 }
 
 // ---------------------------------------------------------------------------
@@ -249,7 +317,12 @@ impl FcClient {
                 }
             }
         });
-        FcClient { child, stdin, lines, what }
+        FcClient {
+            child,
+            stdin,
+            lines,
+            what,
+        }
     }
 
     fn pid(&self) -> u32 {
@@ -259,10 +332,14 @@ impl FcClient {
     /// The next JSON line; panics if the client stops printing.
     fn next(&mut self) -> Value {
         match self.lines.recv_timeout(TIMEOUT) {
-            Ok(l) => serde_json::from_str(&l).unwrap_or_else(|e| panic!("{}: not JSON ({e}): {l}", self.what)),
+            Ok(l) => serde_json::from_str(&l)
+                .unwrap_or_else(|e| panic!("{}: not JSON ({e}): {l}", self.what)),
             Err(e) => {
                 let status = self.child.try_wait().ok().flatten();
-                panic!("{}: no further output ({e}); exit status {status:?}", self.what)
+                panic!(
+                    "{}: no further output ({e}); exit status {status:?}",
+                    self.what
+                )
             }
         }
     }
@@ -290,13 +367,20 @@ impl FcClient {
             if let Some(st) = self.child.try_wait().expect("try_wait on fc_client") {
                 break st;
             }
-            assert!(Instant::now() < deadline, "{} did not exit within {TIMEOUT:?}", self.what);
+            assert!(
+                Instant::now() < deadline,
+                "{} did not exit within {TIMEOUT:?}",
+                self.what
+            );
             std::thread::sleep(Duration::from_millis(10));
         };
         assert!(status.success(), "{} failed: {status}", self.what);
         let mut rest = Vec::new();
         while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(10)) {
-            rest.push(serde_json::from_str(&l).unwrap_or_else(|e| panic!("{}: not JSON ({e}): {l}", self.what)));
+            rest.push(
+                serde_json::from_str(&l)
+                    .unwrap_or_else(|e| panic!("{}: not JSON ({e}): {l}", self.what)),
+            );
         }
         rest
     }
@@ -317,11 +401,17 @@ fn run_client(socket: &Path, opts: &[&str], commands: &[&str]) -> Vec<Value> {
 }
 
 fn line_of<'a>(lines: &'a [Value], cmd: &str) -> &'a Value {
-    lines.iter().find(|l| l["cmd"] == cmd).unwrap_or_else(|| panic!("no output of {cmd} in {lines:?}"))
+    lines
+        .iter()
+        .find(|l| l["cmd"] == cmd)
+        .unwrap_or_else(|| panic!("no output of {cmd} in {lines:?}"))
 }
 
 fn assert_clean(check: &Value) {
-    assert_eq!(check["mismatched_pages"], 0, "pages differ from the image: {check}");
+    assert_eq!(
+        check["mismatched_pages"], 0,
+        "pages differ from the image: {check}"
+    );
 }
 
 fn check_cmd(image: &str) -> String {
@@ -341,8 +431,13 @@ impl SparseImage {
     fn new(mib: u64, data: &[(u64, u64)], seed: u64) -> Self {
         use rand::{RngCore, SeedableRng};
         use std::io::{Seek, SeekFrom};
-        let mut file = tempfile::Builder::new().prefix("pagefork-sparse-").tempfile().expect("cannot create image");
-        file.as_file().set_len(mib << 20).expect("cannot size the sparse image");
+        let mut file = tempfile::Builder::new()
+            .prefix("pagefork-sparse-")
+            .tempfile()
+            .expect("cannot create image");
+        file.as_file()
+            .set_len(mib << 20)
+            .expect("cannot size the sparse image");
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for &(start, pages) in data {
             let mut buf = vec![0u8; usize::try_from(pages * PAGE).expect("fits")];
@@ -355,7 +450,11 @@ impl SparseImage {
     }
 
     fn path(&self) -> String {
-        self.file.path().to_str().expect("temp path is UTF-8").to_owned()
+        self.file
+            .path()
+            .to_str()
+            .expect("temp path is UTF-8")
+            .to_owned()
     }
 }
 
@@ -364,16 +463,29 @@ impl SparseImage {
 
 /// Connect to `socket` and send one message of `body` with `fds`.
 fn send_handshake(socket: &Path, body: &[u8], fds: &[RawFd]) -> UnixStream {
-    let stream = UnixStream::connect(socket).unwrap_or_else(|e| panic!("cannot connect to {}: {e}", socket.display()));
-    let cmsgs: Vec<ControlMessage> = if fds.is_empty() { Vec::new() } else { vec![ControlMessage::ScmRights(fds)] };
-    sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(body)], &cmsgs, MsgFlags::empty(), None)
-        .unwrap_or_else(|e| panic!("sendmsg of the handshake failed: {e}"));
+    let stream = UnixStream::connect(socket)
+        .unwrap_or_else(|e| panic!("cannot connect to {}: {e}", socket.display()));
+    let cmsgs: Vec<ControlMessage> = if fds.is_empty() {
+        Vec::new()
+    } else {
+        vec![ControlMessage::ScmRights(fds)]
+    };
+    sendmsg::<()>(
+        stream.as_raw_fd(),
+        &[IoSlice::new(body)],
+        &cmsgs,
+        MsgFlags::empty(),
+        None,
+    )
+    .unwrap_or_else(|e| panic!("sendmsg of the handshake failed: {e}"));
     stream
 }
 
 /// The server must close the connection: a read returns 0.
 fn assert_closed_by_server(mut stream: UnixStream, what: &str) {
-    stream.set_read_timeout(Some(Duration::from_secs(20))).expect("set_read_timeout");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("set_read_timeout");
     let mut b = [0u8; 64];
     match stream.read(&mut b) {
         Ok(0) => {}
@@ -402,9 +514,7 @@ fn every_page_read_equals_the_source_file_without_fault_around() {
     let image = RandomImage::new(mib, 0xf1c0_0001);
     let s = TestServer::start();
     let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, false);
-    // Fault-around 0 is reported as its effect: blocks of one 4 KiB page
-    // (as for pagefork VMs).
-    assert_eq!(listener(&s, &lid)["fault_around_kib"], 4);
+    assert_eq!(listener(&s, &lid)["fault_around_kib"], 0);
     let mib_arg = mib.to_string();
 
     // Before any touch, every page comes from the file.
@@ -414,34 +524,55 @@ fn every_page_read_equals_the_source_file_without_fault_around() {
     assert_eq!(v["state"], "running", "{v}");
     assert_eq!(v["memory_mib"], mib, "{v}");
     assert_eq!(fault_counter(&v, "missing"), 0, "{v}");
+    assert_eq!(fault_counter(&v, "fault_around_kib"), 0, "{v}");
     let src = sources(&s, &id);
     let file = format!("file:{}", image.path());
     assert_eq!(src["pages"], pages, "{src}");
     assert_eq!(src["by_source"], json!({ file.clone(): pages }), "{src}");
     let p = page_info(&s, &id, 77);
-    assert_eq!((p["source"].as_str(), p["present"].as_bool()), (Some(file.as_str()), Some(false)), "{p}");
+    assert_eq!(
+        (p["source"].as_str(), p["present"].as_bool()),
+        (Some(file.as_str()), Some(false)),
+        "{p}"
+    );
     let idle_pid = idle.pid();
     idle.finish();
     wait_vm_gone(&s, idle_pid);
 
     // A random-order touch then a full compare.
     let check = check_cmd(&image.path());
-    let mut c = FcClient::spawn(&sock, &["--mib", &mib_arg], &["touch-random:42", &check, "hold"]);
+    let mut c = FcClient::spawn(
+        &sock,
+        &["--mib", &mib_arg],
+        &["touch-random:42", &check, "hold"],
+    );
     assert_clean(&c.until(&check));
     let v = wait_vm(&s, c.pid());
     let id = vm_id(&v);
-    assert_eq!(fault_counter(&v, "missing"), pages, "one fault per page without fault-around: {v}");
+    assert_eq!(
+        fault_counter(&v, "missing"),
+        pages,
+        "one fault per page without fault-around: {v}"
+    );
     assert_eq!(fault_counter(&v, "pages_installed"), pages, "{v}");
     assert_eq!(pages_by(&v, "vm"), pages, "{v}");
     let src = sources(&s, &id);
     assert_eq!(src["by_source"], json!({ id.clone(): pages }), "{src}");
     let p = page_info(&s, &id, 77);
-    assert_eq!((p["source"].as_str(), p["present"].as_bool()), (Some(id.as_str()), Some(true)), "{p}");
+    assert_eq!(
+        (p["source"].as_str(), p["present"].as_bool()),
+        (Some(id.as_str()), Some(true)),
+        "{p}"
+    );
     let pid = c.pid();
     c.finish();
     wait_vm_gone(&s, pid);
     let l = listener(&s, &lid);
-    assert_eq!((counter(&l, "accepted"), counter(&l, "refused")), (2, 0), "{l}");
+    assert_eq!(
+        (counter(&l, "accepted"), counter(&l, "refused")),
+        (2, 0),
+        "{l}"
+    );
     s.assert_healthy();
 }
 
@@ -467,11 +598,18 @@ fn every_page_read_equals_the_source_file_with_fault_around() {
         assert_clean(&c.until(&check));
         let v = wait_vm(&s, c.pid());
         assert_eq!(v["faults"]["fault_around_kib"], 64, "{v}");
-        assert_eq!(fault_counter(&v, "pages_installed"), pages, "{order}: every page installed once: {v}");
+        assert_eq!(
+            fault_counter(&v, "pages_installed"),
+            pages,
+            "{order}: every page installed once: {v}"
+        );
         let missing = fault_counter(&v, "missing");
         match exact_faults {
             Some(n) => assert_eq!(missing, n, "{order}: one fault per 64 KiB block: {v}"),
-            None => assert!(missing >= pages / 16 && missing < pages, "{order}: fault-around saves no faults: {v}"),
+            None => assert!(
+                missing >= pages / 16 && missing < pages,
+                "{order}: fault-around saves no faults: {v}"
+            ),
         }
         let pid = c.pid();
         c.finish();
@@ -492,7 +630,11 @@ fn zero_pages_from_sparse_regions_read_zero() {
     let data = [(0, 100), (1003, 77), (8190, 5), (pages - 3, 3)];
     let image = SparseImage::new(mib, &data, 0xf1c0_0003);
     let meta = std::fs::metadata(image.path()).expect("stat the sparse image");
-    assert!(meta.blocks() * 512 < (mib << 20) / 2, "the image is not sparse: {} blocks", meta.blocks());
+    assert!(
+        meta.blocks() * 512 < (mib << 20) / 2,
+        "the image is not sparse: {} blocks",
+        meta.blocks()
+    );
     let s = TestServer::start();
     let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
     let check = check_cmd(&image.path());
@@ -505,11 +647,21 @@ fn zero_pages_from_sparse_regions_read_zero() {
     assert_clean(line_of(&out, &check));
     for (a, n) in holes {
         let l = line_of(&out, &format!("zero:{a}:{n}"));
-        assert_eq!(l["nonzero_pages"], 0, "hole pages {a}..{} are not zero: {l}", a + n);
+        assert_eq!(
+            l["nonzero_pages"],
+            0,
+            "hole pages {a}..{} are not zero: {l}",
+            a + n
+        );
     }
     for (a, n) in data {
         let l = line_of(&out, &format!("zero:{a}:{n}"));
-        assert_eq!(l["nonzero_pages"], n, "data pages {a}..{} read zero: {l}", a + n);
+        assert_eq!(
+            l["nonzero_pages"],
+            n,
+            "data pages {a}..{} read zero: {l}",
+            a + n
+        );
     }
 }
 
@@ -561,7 +713,12 @@ fn two_clients_on_one_listener_are_served_at_once() {
     let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, false);
     let check = check_cmd(&image.path());
     let mib_arg = mib.to_string();
-    let mut a = FcClient::spawn(&sock, &["--mib", &mib_arg], &["hold", "touch-random:1", &check]);
+    let baseline = fd_count(s.pid());
+    let mut a = FcClient::spawn(
+        &sock,
+        &["--mib", &mib_arg],
+        &["hold", "touch-random:1", &check],
+    );
     let mut b = FcClient::spawn(&sock, &["--mib", &mib_arg], &["hold", "touch-seq", &check]);
     let (va, vb) = (wait_vm(&s, a.pid()), wait_vm(&s, b.pid()));
     let (ia, ib) = (vm_id(&va), vm_id(&vb));
@@ -571,8 +728,12 @@ fn two_clients_on_one_listener_are_served_at_once() {
     assert!(listed.contains(&ia) && listed.contains(&ib), "{listed:?}");
     let l = listener(&s, &lid);
     assert_eq!(counter(&l, "accepted"), 2, "{l}");
-    let mut lvms: Vec<String> =
-        l["vms"].as_array().unwrap_or_else(|| panic!("no vms in {l}")).iter().map(|x| x.as_str().unwrap_or("").to_owned()).collect();
+    let mut lvms: Vec<String> = l["vms"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no vms in {l}"))
+        .iter()
+        .map(|x| x.as_str().unwrap_or("").to_owned())
+        .collect();
     lvms.sort();
     let mut want = vec![ia.clone(), ib.clone()];
     want.sort();
@@ -589,6 +750,7 @@ fn two_clients_on_one_listener_are_served_at_once() {
     wait_vm_gone(&s, pa);
     wait_vm_gone(&s, pb);
     assert_eq!(listener(&s, &lid)["vms"], json!([]));
+    wait_fds_released(&s, baseline, 0);
     s.assert_healthy();
 }
 
@@ -610,7 +772,15 @@ fn madvise_dontneed_makes_a_range_read_zero() {
     let mut c = FcClient::spawn(
         &sock,
         &["--mib", &mib.to_string()],
-        &["remove:5000:7", "touch-seq", "remove:1003:300", "hold", "zero:1003:300", "zero:5000:7", &check],
+        &[
+            "remove:5000:7",
+            "touch-seq",
+            "remove:1003:300",
+            "hold",
+            "zero:1003:300",
+            "zero:5000:7",
+            &check,
+        ],
     );
     c.until("remove:1003:300");
     let v = wait_vm(&s, c.pid());
@@ -619,22 +789,41 @@ fn madvise_dontneed_makes_a_range_read_zero() {
     assert_eq!(pages_by(&v, "uninitialized"), 300, "{v}");
     for p in [1003, 1150, 1302] {
         let i = page_info(&s, &id, p);
-        assert_eq!((i["source"].as_str(), i["present"].as_bool()), (Some("uninitialized"), Some(false)), "page {p}: {i}");
+        assert_eq!(
+            (i["source"].as_str(), i["present"].as_bool()),
+            (Some("uninitialized"), Some(false)),
+            "page {p}: {i}"
+        );
     }
     for p in [1002, 1303] {
         let i = page_info(&s, &id, p);
-        assert_eq!(i["source"].as_str(), Some(id.as_str()), "page {p} was not removed: {i}");
+        assert_eq!(
+            i["source"].as_str(),
+            Some(id.as_str()),
+            "page {p} was not removed: {i}"
+        );
     }
     // Removed before the touch: installed as zero pages by the touch.
     for p in [5000, 5006] {
         let i = page_info(&s, &id, p);
-        assert_eq!((i["source"].as_str(), i["present"].as_bool()), (Some(id.as_str()), Some(true)), "page {p}: {i}");
+        assert_eq!(
+            (i["source"].as_str(), i["present"].as_bool()),
+            (Some(id.as_str()), Some(true)),
+            "page {p}: {i}"
+        );
     }
     let out = c.finish();
-    assert_eq!(line_of(&out, "zero:1003:300")["nonzero_pages"], 0, "{out:?}");
+    assert_eq!(
+        line_of(&out, "zero:1003:300")["nonzero_pages"],
+        0,
+        "{out:?}"
+    );
     assert_eq!(line_of(&out, "zero:5000:7")["nonzero_pages"], 0, "{out:?}");
     let chk = line_of(&out, &check);
-    assert_eq!(chk["mismatched_pages"], 307, "exactly the removed pages differ from the image: {chk}");
+    assert_eq!(
+        chk["mismatched_pages"], 307,
+        "exactly the removed pages differ from the image: {chk}"
+    );
     assert_eq!(chk["first_mismatch"], 1003, "{chk}");
 }
 
@@ -652,23 +841,403 @@ fn a_client_killed_mid_run_leaves_the_server_healthy() {
     let s = TestServer::start();
     let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, false);
     let baseline = fd_count(s.pid());
-    let c = FcClient::spawn(&sock, &["--mib", &mib.to_string()], &["touch-random:5", "sleep:60000"]);
+    let c = FcClient::spawn(
+        &sock,
+        &["--mib", &mib.to_string()],
+        &["touch-random:5", "sleep:60000"],
+    );
     let pid = c.pid();
     let missing = wait_for("the client's first faults", TIMEOUT, || {
-        fc_vm_of(&s, pid).map(|v| fault_counter(&v, "missing")).filter(|m| *m > 0)
+        fc_vm_of(&s, pid)
+            .map(|v| fault_counter(&v, "missing"))
+            .filter(|m| *m > 0)
     });
     signal(pid, Signal::SIGKILL);
     let after = fc_vm_of(&s, pid).map(|v| fault_counter(&v, "missing"));
-    eprintln!("killed the client after {missing} of {pages} faults (server saw {after:?} at the kill)");
+    eprintln!(
+        "killed the client after {missing} of {pages} faults (server saw {after:?} at the kill)"
+    );
     drop(c);
-    assert!(!process_exists(pid) || std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|t| t.contains(") Z")));
+    assert!(
+        !process_exists(pid)
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|t| t.contains(") Z"))
+    );
     wait_vm_gone(&s, pid);
     s.assert_healthy();
     assert_eq!(listener(&s, &lid)["vms"], json!([]));
-    wait_fds_released(&s, baseline);
+    wait_fds_released(&s, baseline, 0);
 
     let check = check_cmd(&image.path());
     let out = run_client(&sock, &["--mib", &mib.to_string()], &[&check]);
     assert_clean(line_of(&out, &check));
     s.assert_healthy();
+}
+
+/// A userfaultfd of this process, to pass in handshakes.
+fn test_uffd() -> userfaultfd::Uffd {
+    userfaultfd::UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(true)
+        .user_mode_only(false)
+        .create()
+        .unwrap_or_else(|e| panic!("cannot create a userfaultfd in the test: {e}"))
+}
+
+/// Each malformed handshake is refused with a precise reason and its
+/// connection closed, while a held good client keeps being served and the
+/// server keeps no fd of the refused connections.
+#[test]
+fn each_malformed_handshake_is_refused_without_affecting_other_clients() {
+    if !require_uffd() {
+        return;
+    }
+    let mib = 64;
+    let image = RandomImage::new(mib, 0xf1c0_0008);
+    let s = TestServer::start();
+    let (lid, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let check = check_cmd(&image.path());
+    let good = FcClient::spawn(&sock, &["--mib", "64"], &["hold", &check]);
+    let good_vm = vm_id(&wait_vm(&s, good.pid()));
+    let baseline = fd_count(s.pid());
+
+    let uffd = test_uffd();
+    let devnull = std::fs::File::open("/dev/null").expect("open /dev/null");
+    let (u, n) = (uffd.as_raw_fd(), devnull.as_raw_fd());
+    let base: u64 = 0x7f00_0000_0000;
+    let ok = json!([region_json(base, 16 << 20, 0, PAGE)]).to_string();
+    let overlap = json!([
+        region_json(base, 8 << 20, 0, PAGE),
+        region_json(base + (4 << 20), 8 << 20, 16 << 20, PAGE)
+    ]);
+    let past = json!([region_json(base, 16 << 20, 56 << 20, PAGE)]);
+    let big_page = json!([region_json(base, 16 << 20, 0, 65536)]);
+    let cases: Vec<(&str, Vec<u8>, Vec<RawFd>, &str)> = vec![
+        (
+            "bytes that are not JSON, with a uffd",
+            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+            vec![u],
+            "not a JSON array of regions",
+        ),
+        (
+            "valid regions without an fd",
+            ok.clone().into_bytes(),
+            vec![],
+            "carries 0 fds",
+        ),
+        (
+            "valid regions with two fds",
+            ok.clone().into_bytes(),
+            vec![u, n],
+            "carries 2 fds",
+        ),
+        (
+            "overlapping regions",
+            overlap.to_string().into_bytes(),
+            vec![u],
+            "regions 0 and 1 overlap",
+        ),
+        (
+            "a region past the end of the source",
+            past.to_string().into_bytes(),
+            vec![u],
+            "region 0 ends at byte 75497472 of the memory source, which has only 67108864 bytes",
+        ),
+        (
+            "an unsupported page size",
+            big_page.to_string().into_bytes(),
+            vec![u],
+            "region 0 has page size 65536",
+        ),
+        (
+            "an empty region list",
+            b"[]".to_vec(),
+            vec![u],
+            "lists no regions",
+        ),
+    ];
+    for (i, (what, body, fds, needle)) in cases.iter().enumerate() {
+        let stream = send_handshake(&sock, body, fds);
+        assert_closed_by_server(stream, what);
+        let l = listener(&s, &lid);
+        assert_eq!(
+            counter(&l, "refused"),
+            i as u64 + 1,
+            "{what}: not counted as refused: {l}"
+        );
+        let why = l["last_refusal"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: no last_refusal in {l}"));
+        assert!(
+            why.contains(needle),
+            "{what}: last_refusal {why:?} does not say {needle:?}"
+        );
+    }
+    // A peer that hangs up without sending anything.
+    let silent = UnixStream::connect(&sock).expect("connect");
+    silent
+        .shutdown(std::net::Shutdown::Write)
+        .expect("shutdown");
+    assert_closed_by_server(silent, "a peer that sends nothing");
+    let l = listener(&s, &lid);
+    assert_eq!(counter(&l, "refused"), cases.len() as u64 + 1, "{l}");
+    assert!(
+        l["last_refusal"]
+            .as_str()
+            .is_some_and(|w| w.contains("without a handshake")),
+        "{l}"
+    );
+
+    // Nothing of the refused connections stays; the good client is intact.
+    assert_eq!(counter(&l, "accepted"), 1, "{l}");
+    assert_eq!(l["vms"], json!([good_vm]), "{l}");
+    let listed: Vec<String> = fc_vms(&s).iter().map(vm_id).collect();
+    assert_eq!(
+        listed,
+        vec![good_vm],
+        "refused handshakes must not create VMs"
+    );
+    wait_fds_released(&s, baseline, 1);
+    s.assert_healthy();
+    let out = good.finish();
+    assert_clean(line_of(&out, &check));
+}
+
+/// With `working_set`, the pages the first client faulted on are recorded
+/// when it hangs up, and installed into later clients right after their
+/// handshake, before they touch anything.
+#[test]
+fn a_recorded_working_set_is_prefetched_into_later_clients() {
+    if !require_uffd() {
+        return;
+    }
+    let mib = 64;
+    let pages = (mib << 20) / PAGE;
+    let image = RandomImage::new(mib, 0xf1c0_0009);
+    let s = TestServer::start();
+    let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, true);
+    assert_eq!(listener(&s, &lid)["working_set"], true);
+    let check = check_cmd(&image.path());
+
+    // Record: a random-order touch of all pages, then hang up.
+    run_client(&sock, &["--mib", "64"], &["touch-random:11"]);
+    let recorded = wait_for(
+        "the working set to be recorded",
+        Duration::from_secs(10),
+        || Some(counter(&listener(&s, &lid), "recorded_pages")).filter(|n| *n > 0),
+    );
+    assert_eq!(recorded, pages, "one fault per page was recorded");
+
+    // Replay: pages arrive while the client sleeps, then its check hardly
+    // faults.
+    let mut c = FcClient::spawn(&sock, &["--mib", "64"], &["sleep:1000", &check, "hold"]);
+    let pid = c.pid();
+    let early = wait_for("prefetched pages", Duration::from_secs(10), || {
+        fc_vm_of(&s, pid).filter(|v| fault_counter(v, "pages_installed") > 0)
+    });
+    assert_eq!(
+        fault_counter(&early, "missing"),
+        0,
+        "pages installed before any touch come from the prefetch: {early}"
+    );
+    assert_clean(&c.until(&check));
+    let v = wait_vm(&s, pid);
+    let missing = fault_counter(&v, "missing");
+    eprintln!("after prefetch, the full check took {missing} faults for {pages} pages");
+    assert!(
+        missing < pages / 10,
+        "most pages should have been prefetched: {v}"
+    );
+    assert_eq!(fault_counter(&v, "pages_installed"), pages, "{v}");
+    c.finish();
+    wait_vm_gone(&s, pid);
+
+    // A smaller client gets exactly the recorded pages inside its region,
+    // with no fault at all; the recording stays the first client's.
+    let mut c = FcClient::spawn(&sock, &["--mib", "32"], &["hold", &check]);
+    let pid = c.pid();
+    let v = wait_for(
+        "the 32 MiB client to be prefetched",
+        Duration::from_secs(10),
+        || fc_vm_of(&s, pid).filter(|v| fault_counter(v, "pages_installed") >= pages / 2),
+    );
+    assert_eq!(fault_counter(&v, "pages_installed"), pages / 2, "{v}");
+    assert_eq!(fault_counter(&v, "missing"), 0, "{v}");
+    c.release();
+    assert_clean(line_of(&c.finish(), &check));
+    assert_eq!(counter(&listener(&s, &lid), "recorded_pages"), pages);
+}
+
+/// 2 MiB pages (hugetlbfs memory): served one huge page per fault from a
+/// 2 MiB-aligned offset, and a REMOVE of whole huge pages reads zero.
+#[test]
+fn two_mib_pages_are_served_and_removed_whole() {
+    if !require_uffd() {
+        return;
+    }
+    let _huge = match HugePages::reserve(32) {
+        Ok(h) => h,
+        Err(why) if in_ci() => panic!("CI=true but 2 MiB hugepages cannot be reserved: {why}"),
+        Err(why) => {
+            eprintln!("skipping: {why} (this test needs 32 free 2 MiB hugepages)");
+            return;
+        }
+    };
+    let mib = 64;
+    let image = RandomImage::new(mib, 0xf1c0_000a);
+    let s = TestServer::start();
+    let (_, sock) = add_listener(&s, "fc", &image.path(), 0, false);
+    let check = check_cmd(&image.path());
+    let huge = HUGE_PAGE.to_string();
+    let mut c = FcClient::spawn(
+        &sock,
+        &["--mib", "32", "--page-size", &huge, "--offset", &huge],
+        &[
+            &check,
+            "hold",
+            "remove:512:1024",
+            "zero:512:1024",
+            "zero:0:512",
+        ],
+    );
+    assert_clean(&c.until(&check));
+    let v = wait_vm(&s, c.pid());
+    assert_eq!(
+        fault_counter(&v, "missing"),
+        16,
+        "one fault per 2 MiB page: {v}"
+    );
+    assert_eq!(
+        fault_counter(&v, "pages_installed"),
+        (32 << 20) / PAGE,
+        "{v}"
+    );
+    let out = c.finish();
+    assert_eq!(
+        line_of(&out, "zero:512:1024")["nonzero_pages"],
+        0,
+        "{out:?}"
+    );
+    assert_eq!(line_of(&out, "zero:0:512")["nonzero_pages"], 512, "{out:?}");
+}
+
+/// `--firecracker SOCKET=IMAGE` (with `--working-set`) starts a listener
+/// that serves clients like one made through the API.
+#[test]
+fn a_listener_given_on_the_command_line_serves_clients() {
+    if !require_uffd() {
+        return;
+    }
+    let image = RandomImage::new(16, 0xf1c0_000b);
+    let dir = tempfile::Builder::new()
+        .prefix("pagefork-fc-")
+        .tempdir()
+        .expect("tempdir");
+    let sock = dir.path().join("fc.sock");
+    let spec = format!("{}={}", sock.display(), image.path());
+    let s = TestServer::start_with_args(&["--firecracker", &spec, "--working-set"]);
+    let l = listener(&s, "fc-1");
+    assert_eq!(l["socket"], json!(sock), "{l}");
+    assert_eq!(
+        l["memory_source"],
+        json!({"kind": "file", "path": image.path()}),
+        "{l}"
+    );
+    assert_eq!(l["working_set"], true, "{l}");
+    let mode = std::fs::metadata(&sock)
+        .expect("the listener socket exists")
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "listener sockets are private");
+    let check = check_cmd(&image.path());
+    let out = run_client(&sock, &["--mib", "16"], &[&check]);
+    assert_clean(line_of(&out, &check));
+}
+
+/// Deleting a listener stops new connections (its socket is gone) while
+/// its connected clients keep being served.
+#[test]
+fn deleting_a_listener_keeps_its_connected_clients_served() {
+    if !require_uffd() {
+        return;
+    }
+    let image = RandomImage::new(32, 0xf1c0_000c);
+    let s = TestServer::start();
+    let (lid, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let check = check_cmd(&image.path());
+    let c = FcClient::spawn(&sock, &["--mib", "32"], &["hold", &check]);
+    wait_vm(&s, c.pid());
+    let (status, v) = s.api("DELETE", &format!("/v1/firecracker/listeners/{lid}"), None);
+    assert_eq!(status, 200, "{v}");
+    assert!(!sock.exists(), "the listener socket outlives its listener");
+    let (_, all) = s.api("GET", "/v1/firecracker/listeners", None);
+    assert_eq!(all["listeners"], json!([]), "{all}");
+    let (status, v) = s.api("DELETE", &format!("/v1/firecracker/listeners/{lid}"), None);
+    assert_eq!(status, 404, "{v}");
+    let out = c.finish();
+    assert_clean(line_of(&out, &check));
+    s.assert_healthy();
+}
+
+/// A handshake with only the deprecated `page_size_kib` (in KiB) is
+/// accepted; the peer's pid comes from SO_PEERCRED; faults of this very
+/// process are served from the region's offset.
+#[test]
+fn a_handshake_with_only_page_size_kib_is_served() {
+    if !require_uffd() {
+        return;
+    }
+    let image = RandomImage::new(16, 0xf1c0_000d);
+    let s = TestServer::start();
+    let (_, sock) = add_listener(&s, "fc", &image.path(), 0, false);
+    let len = 1usize << 20;
+    let offset = 8u64 << 20;
+    // SAFETY: a fresh anonymous mapping, unmapped below.
+    let mem = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(
+        mem,
+        libc::MAP_FAILED,
+        "mmap: {}",
+        std::io::Error::last_os_error()
+    );
+    let uffd = test_uffd();
+    uffd.register(mem, len).expect("register the test mapping");
+    let body = json!([{ "base_host_virt_addr": mem as u64, "size": len, "offset": offset, "page_size_kib": 4 }]);
+    let stream = send_handshake(&sock, body.to_string().as_bytes(), &[uffd.as_raw_fd()]);
+    let v = wait_vm(&s, std::process::id());
+    assert_eq!(v["memory_mib"], 1, "{v}");
+    // Read on another thread so a server that never answers fails the test
+    // instead of hanging it.
+    let addr = mem as usize;
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        // SAFETY: `addr..addr+len` is the mapping above, alive until after
+        // this thread reports.
+        let got = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+        let _ = tx.send(got);
+    });
+    let got = rx
+        .recv_timeout(TIMEOUT)
+        .expect("the server did not serve this process's faults");
+    let off = usize::try_from(offset).expect("fits");
+    assert!(
+        got == image.bytes[off..off + len],
+        "the pages read differ from the image at offset {offset}"
+    );
+    let v = vm_id(&wait_vm(&s, std::process::id()));
+    assert_eq!(fault_counter(&s.vm(&v), "missing"), (len as u64) / PAGE);
+    drop(stream);
+    wait_vm_gone(&s, std::process::id());
+    drop(uffd);
+    // SAFETY: the mapping made above; no reference into it remains.
+    unsafe { libc::munmap(mem, len) };
 }
