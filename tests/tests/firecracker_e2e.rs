@@ -1179,20 +1179,24 @@ fn deleting_a_listener_keeps_its_connected_clients_served() {
     s.assert_healthy();
 }
 
-/// A handshake with only the deprecated `page_size_kib` (in KiB) is
-/// accepted; the peer's pid comes from SO_PEERCRED; faults of this very
-/// process are served from the region's offset.
+/// A handshake as older Firecrackers send it (only the deprecated
+/// `page_size_kib`, in KiB) with two regions, listed out of address order,
+/// at unrelated file offsets and not a multiple of the fault-around block:
+/// each is served from its own offset. The peer is this very process, found
+/// by SO_PEERCRED.
 #[test]
-fn a_handshake_with_only_page_size_kib_is_served() {
+fn two_regions_with_only_page_size_kib_are_served_from_their_offsets() {
     if !require_uffd() {
         return;
     }
     let image = RandomImage::new(16, 0xf1c0_000d);
     let s = TestServer::start();
-    let (_, sock) = add_listener(&s, "fc", &image.path(), 0, false);
-    let len = 1usize << 20;
-    let offset = 8u64 << 20;
-    // SAFETY: a fresh anonymous mapping, unmapped below.
+    let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    // Region A: 259 pages from file offset 8 MiB + 4 KiB; region B right
+    // after it in memory: 64 pages from file offset 2 MiB.
+    let (a_pages, a_off, b_pages, b_off) = (259u64, (8u64 << 20) + PAGE, 64u64, 2u64 << 20);
+    let len = usize::try_from((a_pages + b_pages) * PAGE).expect("fits");
+    // SAFETY: a fresh anonymous mapping, unmapped at the end of the test.
     let mem = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -1211,30 +1215,52 @@ fn a_handshake_with_only_page_size_kib_is_served() {
     );
     let uffd = test_uffd();
     uffd.register(mem, len).expect("register the test mapping");
-    let body = json!([{ "base_host_virt_addr": mem as u64, "size": len, "offset": offset, "page_size_kib": 4 }]);
+    let base = mem as u64;
+    let body = json!([
+        { "base_host_virt_addr": base + a_pages * PAGE, "size": b_pages * PAGE, "offset": b_off, "page_size_kib": 4 },
+        { "base_host_virt_addr": base, "size": a_pages * PAGE, "offset": a_off, "page_size_kib": 4 },
+    ]);
     let stream = send_handshake(&sock, body.to_string().as_bytes(), &[uffd.as_raw_fd()]);
-    let v = wait_vm(&s, std::process::id());
-    assert_eq!(v["memory_mib"], 1, "{v}");
-    // Read on another thread so a server that never answers fails the test
-    // instead of hanging it.
+    let id = vm_id(&wait_vm(&s, std::process::id()));
+    // Fault page by page in address order, on another thread so a server
+    // that never answers fails the test instead of hanging it.
     let addr = mem as usize;
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         // SAFETY: `addr..addr+len` is the mapping above, alive until after
         // this thread reports.
-        let got = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
-        let _ = tx.send(got);
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+        for p in (0..len).step_by(4096) {
+            // SAFETY: in bounds; volatile so the read (and fault) happens.
+            let _ = unsafe { std::ptr::read_volatile(&bytes[p]) };
+        }
+        let _ = tx.send(bytes.to_vec());
     });
     let got = rx
         .recv_timeout(TIMEOUT)
         .expect("the server did not serve this process's faults");
-    let off = usize::try_from(offset).expect("fits");
+    let at = |off: u64, pages: u64| {
+        let o = usize::try_from(off).expect("fits");
+        &image.bytes[o..o + usize::try_from(pages * PAGE).expect("fits")]
+    };
+    let split = usize::try_from(a_pages * PAGE).expect("fits");
     assert!(
-        got == image.bytes[off..off + len],
-        "the pages read differ from the image at offset {offset}"
+        got[..split] == *at(a_off, a_pages),
+        "region A differs from the image at offset {a_off}"
     );
-    let v = vm_id(&wait_vm(&s, std::process::id()));
-    assert_eq!(fault_counter(&s.vm(&v), "missing"), (len as u64) / PAGE);
+    assert!(
+        got[split..] == *at(b_off, b_pages),
+        "region B differs from the image at offset {b_off}"
+    );
+    let v = s.vm(&id);
+    // 64 KiB blocks counted from each region's start: 17 for A's 259
+    // pages (the last one clipped), 4 for B's 64.
+    assert_eq!(fault_counter(&v, "missing"), 17 + 4, "{v}");
+    assert_eq!(
+        fault_counter(&v, "pages_installed"),
+        a_pages + b_pages,
+        "{v}"
+    );
     drop(stream);
     wait_vm_gone(&s, std::process::id());
     drop(uffd);
