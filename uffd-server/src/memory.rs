@@ -161,7 +161,17 @@ impl GuestMemory {
         Ok(())
     }
 
+    /// Address of `page` in the server's mapping, to copy from.
+    pub fn page_ptr(&self, page: u64) -> Result<*const u8> {
+        self.check(page, 1).map(|p| p as *const u8)
+    }
+
     /// Copy one page from `src` (another VM's memory) into this memory.
+    ///
+    /// Only for memory no VMM is running on: a running guest could touch
+    /// the page between the first store (which makes it present) and the
+    /// last, and see or lose a torn page. Running VMs get pages through
+    /// UFFDIO_COPY, which installs them whole.
     pub fn copy_page_from(&self, src: &GuestMemory, page: u64) -> Result<()> {
         let d = self.check(page, 1)?;
         let s = src.check(page, 1)?;

@@ -173,7 +173,7 @@ impl Registry {
             if *id == vm || dep.table.get(page) != src {
                 continue;
             }
-            if let Err(e) = dep.memory.copy_page_from(&mem, page) {
+            if let Err(e) = install_copy(dep, &mem, page) {
                 warn!("{id}: cannot preserve page {page} from {vm}: {e}");
                 continue;
             }
@@ -212,6 +212,41 @@ impl Registry {
         }
         Handled::Ok
     }
+}
+
+/// Put a copy of `src`'s `page` into `dep`.
+///
+/// A dependent whose VMM runs may be touching that very page: UFFDIO_COPY
+/// through its uffd installs the page whole (and wakes any thread faulting
+/// on it), where a memcpy through the server's mapping would make the page
+/// present at its first byte and let the guest see or lose a torn page.
+/// Without a running VMM (not yet connected, exited, frozen) the memcpy is
+/// safe.
+fn install_copy(dep: &super::vm::Vm, src: &crate::memory::GuestMemory, page: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+
+    use crate::uffd_ffi::{self, Install};
+
+    if let Some(uffd) = dep.uffd.clone() {
+        let from = src.page_ptr(page).map_err(|e| e.to_string())?;
+        let to = dep.addr_of(page) as u64;
+        // SAFETY: `from` is one page inside the source VM's live mapping,
+        // which `src` keeps alive for the call.
+        match unsafe { uffd_ffi::copy(uffd.get_ref().as_raw_fd(), from, to, PAGE_SIZE, 0) } {
+            Install::Done => return Ok(()),
+            Install::Exists { .. } => {
+                return Err("page is already present although the table says it is not".into())
+            }
+            // Gone: the VMM died, nobody touches the memfd any more.
+            // Again: a non-cooperative event (REMOVE) is pending on the
+            // dependent's uffd, which the VMM only raises while it discards
+            // memory; the event is read on this same thread, so waiting here
+            // cannot help. Both fall back to the memcpy.
+            Install::Gone | Install::Again { .. } => {}
+            Install::Failed(errno) => return Err(format!("UFFDIO_COPY failed: errno {errno}")),
+        }
+    }
+    dep.memory.copy_page_from(src, page).map_err(|e| e.to_string())
 }
 
 fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {
