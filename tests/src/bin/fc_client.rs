@@ -34,20 +34,31 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args { socket: String::new(), mib: 64, page_size: PAGE, offset: 0, commands: Vec::new() };
+    let mut a = Args {
+        socket: String::new(),
+        mib: 64,
+        page_size: PAGE,
+        offset: 0,
+        commands: Vec::new(),
+    };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
         let mut val = || it.next().ok_or(format!("{x} needs a value"));
         match x.as_str() {
             "--socket" => a.socket = val()?,
             "--mib" => a.mib = val()?.parse().map_err(|e| format!("--mib: {e}"))?,
-            "--page-size" => a.page_size = val()?.parse().map_err(|e| format!("--page-size: {e}"))?,
+            "--page-size" => {
+                a.page_size = val()?.parse().map_err(|e| format!("--page-size: {e}"))?
+            }
             "--offset" => a.offset = val()?.parse().map_err(|e| format!("--offset: {e}"))?,
             _ => a.commands.push(x),
         }
     }
     if a.socket.is_empty() {
-        return Err("usage: fc_client --socket PATH [--mib N] [--page-size B] [--offset B] COMMAND...".into());
+        return Err(
+            "usage: fc_client --socket PATH [--mib N] [--page-size B] [--offset B] COMMAND..."
+                .into(),
+        );
     }
     Ok(a)
 }
@@ -67,9 +78,21 @@ fn run() -> Result<(), String> {
         flags |= libc::MAP_HUGETLB;
     }
     // SAFETY: a fresh anonymous mapping; we own it for the process's life.
-    let mem = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
+    let mem = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            -1,
+            0,
+        )
+    };
     if mem == libc::MAP_FAILED {
-        return Err(format!("mmap {len} bytes: {}", std::io::Error::last_os_error()));
+        return Err(format!(
+            "mmap {len} bytes: {}",
+            std::io::Error::last_os_error()
+        ));
     }
     let uffd = UffdBuilder::new()
         .close_on_exec(true)
@@ -78,7 +101,8 @@ fn run() -> Result<(), String> {
         .require_features(FeatureFlags::EVENT_REMOVE)
         .create()
         .map_err(|e| format!("create uffd: {e}"))?;
-    uffd.register(mem, len).map_err(|e| format!("register: {e}"))?;
+    uffd.register(mem, len)
+        .map_err(|e| format!("register: {e}"))?;
     let regions = serde_json::json!([{
         "base_host_virt_addr": mem as u64,
         "size": len,
@@ -87,7 +111,8 @@ fn run() -> Result<(), String> {
         "page_size_kib": args.page_size,
     }]);
     let body = regions.to_string();
-    let stream = UnixStream::connect(&args.socket).map_err(|e| format!("connect {}: {e}", args.socket))?;
+    let stream =
+        UnixStream::connect(&args.socket).map_err(|e| format!("connect {}: {e}", args.socket))?;
     let fds = [uffd.as_raw_fd()];
     sendmsg::<()>(
         stream.as_raw_fd(),
@@ -109,7 +134,9 @@ fn run() -> Result<(), String> {
                 let mut sum = 0u64;
                 for p in 0..pages {
                     // SAFETY: in bounds; volatile so the read happens.
-                    sum = sum.wrapping_add(u64::from(unsafe { std::ptr::read_volatile(&bytes[p * PAGE]) }));
+                    sum = sum.wrapping_add(u64::from(unsafe {
+                        std::ptr::read_volatile(&bytes[p * PAGE])
+                    }));
                 }
                 serde_json::json!({ "sum": sum })
             }
@@ -120,19 +147,22 @@ fn run() -> Result<(), String> {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    order.swap(i, (x % (i as u64 + 1)) as usize);
+                    order.swap(i, shared::geometry::usize_of(x % (i as u64 + 1)));
                 }
                 let mut sum = 0u64;
                 for p in order {
                     // SAFETY: in bounds; volatile so the read happens.
-                    sum = sum.wrapping_add(u64::from(unsafe { std::ptr::read_volatile(&bytes[p * PAGE]) }));
+                    sum = sum.wrapping_add(u64::from(unsafe {
+                        std::ptr::read_volatile(&bytes[p * PAGE])
+                    }));
                 }
                 serde_json::json!({ "sum": sum })
             }
             ["check", image] => {
                 let mut f = std::fs::File::open(image).map_err(|e| format!("{image}: {e}"))?;
                 let mut img = Vec::new();
-                f.read_to_end(&mut img).map_err(|e| format!("{image}: {e}"))?;
+                f.read_to_end(&mut img)
+                    .map_err(|e| format!("{image}: {e}"))?;
                 let off = usize::try_from(args.offset).unwrap_or(usize::MAX);
                 let mut bad = 0u64;
                 let mut first_bad = None;
@@ -151,24 +181,38 @@ fn run() -> Result<(), String> {
                 serde_json::json!({ "mismatched_pages": bad, "first_mismatch": first_bad })
             }
             ["remove", start, n] => {
-                let (s, n): (usize, usize) =
-                    (start.parse().map_err(|e| format!("{cmd}: {e}"))?, n.parse().map_err(|e| format!("{cmd}: {e}"))?);
+                let (s, n): (usize, usize) = (
+                    start.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                    n.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                );
                 // SAFETY: the range lies inside our mapping.
-                let r = unsafe { libc::madvise(bytes.as_mut_ptr().add(s * PAGE).cast(), n * PAGE, libc::MADV_DONTNEED) };
+                let r = unsafe {
+                    libc::madvise(
+                        bytes.as_mut_ptr().add(s * PAGE).cast(),
+                        n * PAGE,
+                        libc::MADV_DONTNEED,
+                    )
+                };
                 if r != 0 {
                     return Err(format!("madvise: {}", std::io::Error::last_os_error()));
                 }
                 serde_json::json!({ "removed": n })
             }
             ["zero", start, n] => {
-                let (s, n): (usize, usize) =
-                    (start.parse().map_err(|e| format!("{cmd}: {e}"))?, n.parse().map_err(|e| format!("{cmd}: {e}"))?);
-                let nonzero = (s..s + n).filter(|p| bytes[p * PAGE..(p + 1) * PAGE].iter().any(|b| *b != 0)).count();
+                let (s, n): (usize, usize) = (
+                    start.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                    n.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                );
+                let nonzero = (s..s + n)
+                    .filter(|p| bytes[p * PAGE..(p + 1) * PAGE].iter().any(|b| *b != 0))
+                    .count();
                 serde_json::json!({ "nonzero_pages": nonzero })
             }
             ["write", start, n] => {
-                let (s, n): (usize, usize) =
-                    (start.parse().map_err(|e| format!("{cmd}: {e}"))?, n.parse().map_err(|e| format!("{cmd}: {e}"))?);
+                let (s, n): (usize, usize) = (
+                    start.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                    n.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                );
                 for p in s..s + n {
                     bytes[p * PAGE] = 0xAB;
                 }
@@ -187,7 +231,8 @@ fn run() -> Result<(), String> {
         };
         let mut out = out;
         out["cmd"] = serde_json::json!(cmd);
-        out["elapsed_us"] = serde_json::json!(t.elapsed().as_micros() as u64);
+        out["elapsed_us"] =
+            serde_json::json!(u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX));
         println!("{out}");
     }
     drop(stream);
