@@ -162,16 +162,32 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         "    children {children:?}; parent paused {} us, table fork {} us",
         fork["pause_us"], fork["fork_us"]
     );
-    for ch in &children {
-        let s = exec(&c, ch, json!({"op": "checksum"}))?;
-        println!(
-            "    {ch}: checksum {s:#018x} ({})",
-            if s == sum {
-                "same as parent"
-            } else {
-                "DIFFERENT"
-            }
-        );
+    if let Some(first) = children.first() {
+        let s = exec(&c, first, json!({"op": "checksum"}))?;
+        let same = if s == sum {
+            "same as parent"
+        } else {
+            "DIFFERENT"
+        };
+        println!("    {first}: checksum of all RAM {s:#018x} ({same})");
+    }
+    if let Some(second) = children.get(1) {
+        let part = exec(
+            &c,
+            second,
+            json!({"op": "checksum", "start_page": 0, "pages": 1024}),
+        )?;
+        let want = exec(
+            &c,
+            &parent,
+            json!({"op": "checksum", "start_page": 0, "pages": 1024}),
+        )?;
+        let same = if part == want {
+            "same as parent"
+        } else {
+            "DIFFERENT"
+        };
+        println!("    {second}: checksum of its first 1024 pages {part:#018x} ({same}); the rest stays unread");
     }
 
     step(
@@ -203,10 +219,22 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         println!("    {parent}: upper half still seed 1 ({p_ok} mismatches); {ch}: lower half still seed 1 ({c_ok} mismatches)");
     }
 
-    step(5, "where do the pages come from?");
+    step(
+        5,
+        "where do the pages come from? (a page is copied only when read or overwritten)",
+    );
     for id in std::iter::once(&parent).chain(children.iter()) {
         let v = call(&c, "GET", &format!("/v1/vms/{id}/sources"), None)?;
-        println!("    {id}: {}", v["by_source"]);
+        let by = v["by_source"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, n)| format!("{n} pages from {k}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default();
+        println!("    {id}: {by}");
     }
 
     step(6, "snapshot a disk volume (one FICLONE)");
