@@ -193,7 +193,9 @@ impl Registry {
         let pages = last - first + 1;
         v.stats.removes += 1;
         let me = v.self_src;
-        let present: Vec<u64> = (first..first + pages).filter(|p| v.table.get(*p) == me).collect();
+        let present: Vec<u64> = (first..first + pages)
+            .filter(|p| v.table.get(*p) == me)
+            .collect();
         // Dependents that still read these pages from this VM get their
         // copy before the bytes are dropped.
         for p in present {
@@ -222,7 +224,11 @@ impl Registry {
 /// present at its first byte and let the guest see or lose a torn page.
 /// Without a running VMM (not yet connected, exited, frozen) the memcpy is
 /// safe.
-fn install_copy(dep: &super::vm::Vm, src: &crate::memory::GuestMemory, page: u64) -> Result<(), String> {
+fn install_copy(
+    dep: &super::vm::Vm,
+    src: &crate::memory::GuestMemory,
+    page: u64,
+) -> Result<(), String> {
     use std::os::fd::AsRawFd;
 
     use crate::uffd_ffi::{self, Install};
@@ -246,7 +252,9 @@ fn install_copy(dep: &super::vm::Vm, src: &crate::memory::GuestMemory, page: u64
             Install::Failed(errno) => return Err(format!("UFFDIO_COPY failed: errno {errno}")),
         }
     }
-    dep.memory.copy_page_from(src, page).map_err(|e| e.to_string())
+    dep.memory
+        .copy_page_from(src, page)
+        .map_err(|e| e.to_string())
 }
 
 fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {
