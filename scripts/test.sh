@@ -23,7 +23,17 @@ echo "== build" >&2
 cargo build --workspace --all-targets
 
 echo "== tests" >&2
-cargo test --workspace -- --test-threads=2
+mkdir -p target
+set +e
+cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee target/test.log
+status=${PIPESTATUS[0]}
+set -e
 
 echo "== benchmark smoke run" >&2
 scripts/bench.sh --quick --out target/bench-quick.md
+
+# One closing line for the whole run, summed over every test binary.
+summary=$(awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+	END { printf "%d passed, %d failed", p, f }' target/test.log)
+echo "tests: $summary"
+exit "$status"
