@@ -186,6 +186,15 @@ pub fn render(
          median / baseline median (for times, below 1 means pagefork is faster). Goals come from \
          the issues. Notes follow each table.\n"
     );
+    let _ = writeln!(
+        md,
+        "Caveat for this kind of machine: it is a nested KVM guest with few vCPUs, and every \
+         page-fault round trip wakes a thread on another vCPU. Waking an idle vCPU costs tens of \
+         µs, so fault-heavy rows (lazy restore, the Firecracker baseline) run up to ~10× slower \
+         on an idle machine than on a busy one (the baseline handler measured ~4 µs per fault \
+         with the other CPU busy, 40–60 µs with it idle). Compare ratios within one run, not \
+         absolute figures across runs.\n"
+    );
 
     for bench in BENCHES {
         let out = outputs.get(bench).cloned().unwrap_or_default();
