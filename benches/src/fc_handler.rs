@@ -18,7 +18,7 @@
 
 use std::ffi::c_void;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -141,7 +141,7 @@ impl Drop for BaselineVm {
 /// MAP_PRIVATE mapping of `image` made when serving starts.
 fn serve(
     uffd: &Uffd,
-    image: &PathBuf,
+    image: &Path,
     base: usize,
     len: usize,
     stop: &AtomicBool,

@@ -11,7 +11,8 @@ use std::path::Path;
 use shared::PAGE_SIZE;
 
 /// Bytes per page as `usize`.
-pub const PAGE: usize = PAGE_SIZE as usize;
+pub const PAGE: usize = 4096;
+const _: () = assert!(PAGE as u64 == PAGE_SIZE);
 
 /// Errors of creating a mapping.
 #[derive(Debug, thiserror::Error)]

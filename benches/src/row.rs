@@ -28,11 +28,10 @@ impl Stats {
         let mut v = samples.to_vec();
         v.sort_by(f64::total_cmp);
         let n = v.len();
-        let rank = |q: f64| {
-            // Nearest rank: the smallest value with at least q of the samples
-            // at or below it.
-            let r = (q * n as f64).ceil().max(1.0) as usize;
-            v[r.min(n) - 1]
+        let rank = |pct: usize| {
+            // Nearest rank: the smallest value with at least pct % of the
+            // samples at or below it.
+            v[(pct * n).div_ceil(100).clamp(1, n) - 1]
         };
         let median = if n % 2 == 1 {
             v[n / 2]
@@ -43,8 +42,8 @@ impl Stats {
             median,
             min: v[0],
             max: v[n - 1],
-            p10: rank(0.1),
-            p90: rank(0.9),
+            p10: rank(10),
+            p90: rank(90),
             n,
         })
     }

@@ -92,7 +92,7 @@ fn in_process(plan: &Plan, mib: u64) -> InProcess {
     drop(ptrs);
 
     let bytes = usize::try_from(quarter * shared::PAGE_SIZE).expect("size fits in usize");
-    let src: Vec<u8> = (0..bytes).map(|i| (i as u8) ^ 0x5a).collect();
+    let src: Vec<u8> = (0..bytes).map(|i| i.to_le_bytes()[0] ^ 0x5a).collect();
     let mut dst = vec![1u8; bytes];
     let memcpy_us = (0..plan.reps)
         .map(|_| {
