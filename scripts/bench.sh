@@ -45,12 +45,12 @@ if [ "$QUICK" = 1 ]; then
 	PROFILE=debug
 	BUILD_DESC="debug (cargo build)"
 	QUICK_ARG=(--quick)
-	cargo build -p pagefork-benches -p uffd-server -p vmm || { echo "bench.sh: build failed" >&2; exit 1; }
+	cargo build -p pagefork-benches -p pagefork-tests -p uffd-server -p vmm || { echo "bench.sh: build failed" >&2; exit 1; }
 else
 	PROFILE=release
 	BUILD_DESC="release (cargo build --release)"
 	QUICK_ARG=()
-	cargo build --release -p pagefork-benches -p uffd-server -p vmm || { echo "bench.sh: build failed" >&2; exit 1; }
+	cargo build --release -p pagefork-benches -p pagefork-tests -p uffd-server -p vmm || { echo "bench.sh: build failed" >&2; exit 1; }
 fi
 BIN="$TARGET_DIR/$PROFILE"
 export PAGEFORK_BIN_DIR="$BIN"
@@ -103,7 +103,7 @@ if [ -n "$XFS_DIR" ]; then
 	run volume_snapshot "$XFS_DIR" --json "$WORK/volume_snapshot.json"
 fi
 
-run fc_baseline "${QUICK_ARG[@]}"
+run fc_restore "${QUICK_ARG[@]}"
 
 COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if ! git diff --quiet HEAD 2>/dev/null; then

@@ -83,7 +83,10 @@ impl Plan {
                     k
                 })
                 .collect(),
-            "fc_baseline" => vec!["fc.seq".into(), "fc.rand".into()],
+            "fc_restore" => ["fc.seq", "fc.rand"]
+                .iter()
+                .flat_map(|o| ["single", "around", "ws"].map(|m| format!("{o}.{m}")))
+                .collect(),
             "volume_snapshot" => vec![
                 "volume.snap16_vs_snap1".into(),
                 "volume.snap1_vs_cp".into(),
@@ -95,7 +98,7 @@ impl Plan {
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 4] = ["lazy_restore", "fork", "volume_snapshot", "fc_baseline"];
+pub const BENCHES: [&str; 4] = ["lazy_restore", "fork", "volume_snapshot", "fc_restore"];
 
 #[cfg(test)]
 mod tests {

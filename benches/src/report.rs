@@ -287,15 +287,17 @@ mod tests {
         let plan = Plan::new(true);
         let mut outs = BTreeMap::new();
         outs.insert(
-            "fc_baseline".into(),
+            "fc_restore".into(),
             BenchOutput {
                 rows: Vec::new(),
                 failure: Some("exit 1".into()),
             },
         );
         let (md, problems) = render(&RunInfo::default(), &plan, &outs);
-        assert!(problems.iter().any(|p| p.contains("fc_baseline: exit 1")));
-        assert!(problems.iter().any(|p| p.contains("row fc.seq missing")));
+        assert!(problems.iter().any(|p| p.contains("fc_restore: exit 1")));
+        assert!(problems
+            .iter()
+            .any(|p| p.contains("row fc.seq.single missing")));
         assert!(md.contains("## Completeness"));
     }
 
