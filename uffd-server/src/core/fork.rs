@@ -52,29 +52,54 @@ impl Core {
             }
         }
         let timeout = self.settings.exec_timeout;
+        // Pause and capture are sent back to back (the VMM answers in
+        // order), so the parent's pause pays one round trip, not two.
         let t_pause = Instant::now();
-        self.request(parent, Request::Pause, timeout).await?;
-        let state = match self.request(parent, Request::CaptureState, timeout).await {
-            Ok(Reply::State(s)) => s,
-            other => {
+        let paused = self.send_request(parent, Request::Pause)?;
+        let captured = self.send_request(parent, Request::CaptureState);
+        let paused = self.await_reply(parent, paused, timeout).await;
+        let captured = match captured {
+            Ok(rx) => self.await_reply(parent, rx, timeout).await,
+            Err(e) => Err(e),
+        };
+        let t_paused = t_pause.elapsed().as_micros();
+        let state = match (paused, captured) {
+            (Ok(_), Ok(Reply::State(s))) => s,
+            (p, c) => {
                 let _ = self.request(parent, Request::Resume, timeout).await;
-                return Err(match other {
-                    Err(e) => e,
-                    Ok(r) => ApiError::vmm(format!("{parent}: unexpected reply to capture: {r:?}")),
+                return Err(match (p, c) {
+                    (Err(e), _) | (_, Err(e)) => e,
+                    (_, Ok(r)) => {
+                        ApiError::vmm(format!("{parent}: unexpected reply to capture: {r:?}"))
+                    }
                 });
             }
         };
+        let t_wp = Instant::now();
         let protected = self.write_protect_materialized(parent);
+        let wp_us = t_wp.elapsed().as_micros();
         let t_fork = Instant::now();
         let created = self.create_children(parent, count, Rc::new(state));
         let fork_us = t_fork.elapsed().as_micros();
         // Disks are reflinked while the parent is still paused.
+        let t_vol = Instant::now();
         let created = match created {
             Ok(c) => self.fork_volumes(parent, c),
             Err(e) => Err(e),
         };
+        let volume_us = t_vol.elapsed().as_micros();
+        let t_resume = Instant::now();
         let resumed = self.request(parent, Request::Resume, timeout).await;
+        let resume_us = t_resume.elapsed().as_micros();
         let pause_us = t_pause.elapsed().as_micros();
+        let phases = json!({
+            "pause_and_capture_us": t_paused,
+            "write_protect_us": wp_us,
+            "table_fork_us": fork_us,
+            "volumes_us": volume_us,
+            "resume_us": resume_us,
+            "write_protected_pages": protected.as_ref().ok(),
+        });
         let children = match (protected, created, resumed) {
             (Ok(_), Ok(c), Ok(_)) => c,
             (p, c, r) => {
@@ -111,6 +136,7 @@ impl Core {
             "children": ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "pause_us": pause_us,
             "fork_us": fork_us,
+            "phases": phases,
         }))
     }
 

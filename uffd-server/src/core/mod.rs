@@ -94,6 +94,9 @@ pub struct Core {
     pub events: mpsc::UnboundedSender<ConnEvent>,
 }
 
+/// The answer to a request in flight.
+pub type PendingReply = oneshot::Receiver<Result<Reply, String>>;
+
 /// A command from the API, with where to send its answer.
 pub struct Command {
     pub kind: CommandKind,
@@ -390,27 +393,42 @@ impl Core {
 
     /// Send a request to `vm`'s VMM and wait for the reply.
     pub async fn request(&self, vm: VmId, request: Request, timeout: Duration) -> ApiResult<Reply> {
+        let rx = self.send_request(vm, request)?;
+        self.await_reply(vm, rx, timeout).await
+    }
+
+    /// Send a request to `vm`'s VMM without waiting; the VMM answers its
+    /// requests in order, so several can be in flight.
+    pub fn send_request(&self, vm: VmId, request: Request) -> ApiResult<PendingReply> {
         let (tx, rx) = oneshot::channel();
-        {
-            let mut reg = self.reg.borrow_mut();
-            let v = reg.vms.get_mut(&vm).ok_or_else(|| not_found(vm))?;
-            let writer = match (&v.writer, v.state) {
-                (Some(w), RunState::Running | RunState::Paused) => w.clone(),
-                _ => {
-                    return Err(ApiError::conflict(format!(
-                        "{vm} is {}; only a running or paused VM can do that",
-                        v.state.name()
-                    )))
-                }
-            };
-            v.next_seq += 1;
-            let seq = v.next_seq;
-            v.pending.insert(seq, tx);
-            if let Err(e) = writer.send(&ServerMsg::Request { seq, request }, &[]) {
-                v.pending.remove(&seq);
-                return Err(ApiError::vmm(format!("cannot reach {vm}'s vmm: {e}")));
+        let mut reg = self.reg.borrow_mut();
+        let v = reg.vms.get_mut(&vm).ok_or_else(|| not_found(vm))?;
+        let writer = match (&v.writer, v.state) {
+            (Some(w), RunState::Running | RunState::Paused) => w.clone(),
+            _ => {
+                return Err(ApiError::conflict(format!(
+                    "{vm} is {}; only a running or paused VM can do that",
+                    v.state.name()
+                )))
             }
+        };
+        v.next_seq += 1;
+        let seq = v.next_seq;
+        v.pending.insert(seq, tx);
+        if let Err(e) = writer.send(&ServerMsg::Request { seq, request }, &[]) {
+            v.pending.remove(&seq);
+            return Err(ApiError::vmm(format!("cannot reach {vm}'s vmm: {e}")));
         }
+        Ok(rx)
+    }
+
+    /// Wait for the answer to a request sent with [`Core::send_request`].
+    pub async fn await_reply(
+        &self,
+        vm: VmId,
+        rx: PendingReply,
+        timeout: Duration,
+    ) -> ApiResult<Reply> {
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(Ok(reply))) => Ok(reply),
             Ok(Ok(Err(e))) => Err(ApiError::vmm(format!("{vm}: {e}"))),
