@@ -64,6 +64,7 @@ impl Plan {
                     .iter()
                     .map(|fa| format!("lazy.touch.fa{fa}"))
                     .collect();
+                k.push("lazy.touch.readahead".into());
                 k.push("lazy.touch.warm".into());
                 k.push("lazy.wall.fa64".into());
                 k

@@ -26,6 +26,10 @@ pub struct CreateVm {
     /// fault); the server's default if absent.
     #[serde(default)]
     pub fault_around_kib: Option<u64>,
+    /// Largest readahead window in KiB for sequential faults on an image
+    /// (0 = off); the server's default if absent.
+    #[serde(default)]
+    pub readahead_kib: Option<u64>,
     /// Install every page before the guest starts (no faults at all).
     #[serde(default)]
     pub prefetch: bool,

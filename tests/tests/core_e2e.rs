@@ -291,9 +291,9 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
     let off = s.create_vm(
         json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
     );
-    let on = s.create_vm(
-        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 64}),
-    );
+    // Readahead off: this test is about the fault-around block alone.
+    let on = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(),
+                                "fault_around_kib": 64, "readahead_kib": 0}));
     let before_off = s.vm(&off);
     let before_on = s.vm(&on);
     assert_eq!(
@@ -759,4 +759,32 @@ fn sigterm_stops_the_server_and_its_vmms() {
     }
     assert!(!s.api_sock().exists(), "api.sock removed on exit");
     assert!(!s.vmm_sock().exists(), "vmm.sock removed on exit");
+}
+
+#[test]
+fn sequential_faults_grow_the_readahead_window_up_to_its_limit() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let mib = 32;
+    let image = RandomImage::new(mib, 0x5eed_0005);
+    let s = TestServer::start();
+    // Fault-around 64 KiB (16 pages), readahead up to 2 MiB (512 pages).
+    let vm = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(),
+                                "fault_around_kib": 64, "readahead_kib": 2048}));
+    touch(&s, &vm, 0, 4096, false);
+    let v = s.vm(&vm);
+    // Windows 16, 32, 64, 128, 256, 512, then 512 each: 0..16, 16..48,
+    // 48..112, 112..240, 240..496, 496..1008, and seven more of 512 pages.
+    assert_eq!(fault_counter(&v, "missing"), 13, "{v}");
+    assert_eq!(fault_counter(&v, "pages_installed"), 4592, "{v}");
+    assert_eq!(
+        digest(&s, &vm, 0, 4592),
+        expected_digest(&image.bytes, 0, 4592)
+    );
+    // A jump elsewhere starts again from one aligned block.
+    touch(&s, &vm, 6000 + 3, 1, false);
+    let w = s.vm(&vm);
+    assert_eq!(fault_counter(&w, "missing"), 14, "{w}");
+    assert_eq!(fault_counter(&w, "pages_installed"), 4592 + 16, "{w}");
 }

@@ -25,6 +25,10 @@ struct Args {
     /// Pages installed around an image-backed fault, in KiB (0 = off).
     #[arg(long, default_value_t = 64)]
     fault_around_kib: u64,
+    /// Largest readahead window in KiB: sequential faults on an image double
+    /// the install window up to this (0 = off).
+    #[arg(long, default_value_t = 2048)]
+    readahead_kib: u64,
     /// Serve Firecracker's UFFD memory backend: SOCKET=IMAGE (repeatable).
     /// Point Firecracker's `/snapshot/load` `mem_backend.backend_path` at SOCKET.
     #[arg(long, value_name = "SOCKET=IMAGE")]
@@ -114,6 +118,7 @@ fn run(args: Args) -> Result<(), String> {
         state_dir: state_dir.clone(),
         vmm_bin,
         fault_around_pages: (args.fault_around_kib / 4).max(1),
+        readahead_pages: args.readahead_kib / 4,
         start_timeout: Duration::from_secs(30),
         exec_timeout: Duration::from_secs(300),
     };

@@ -118,8 +118,21 @@ impl Registry {
             }
             PageSource::File(f) => {
                 let block = v.fault_around_pages.max(1);
-                let start = page - page % block;
-                let end = (start + block).min(v.memory.pages());
+                // Readahead: a fault right where the last install ended is
+                // a sequential reader; double the window each time, up to
+                // the VM's readahead limit, as the page cache does.
+                let sequential = block > 1 && page == v.readahead.next;
+                let window = if sequential {
+                    (v.readahead.window * 2).clamp(block, v.readahead.max_pages.max(block))
+                } else {
+                    block
+                };
+                let start = if sequential {
+                    page
+                } else {
+                    page - page % block
+                };
+                let end = (start + window).min(v.memory.pages());
                 // Install the run of pages around `page` that still read
                 // from the same file.
                 let mut lo = page;
@@ -135,6 +148,10 @@ impl Registry {
                     .fill_from_file(lo, hi - lo, &f.file, &path, lo * PAGE_SIZE)
                     .map_err(|e| super::chain(&e))?;
                 self.mark_present(vm, lo, hi - lo);
+                if let Some(v) = self.vms.get_mut(&vm) {
+                    v.readahead.next = hi;
+                    v.readahead.window = window;
+                }
                 Ok((lo, hi - lo))
             }
             PageSource::Vm(owner) => {

@@ -24,7 +24,7 @@ use shared::{VmId, PAGE_SIZE};
 use tokio::sync::oneshot;
 use tracing::info;
 
-use super::vm::{FaultStats, RunState, Vm};
+use super::vm::{FaultStats, Readahead, RunState, Vm};
 use super::{not_found, ApiError, ApiResult, Core};
 use crate::memory::GuestMemory;
 
@@ -180,6 +180,7 @@ impl Core {
                 p.fault_around_pages,
             )
         };
+        let readahead_pages = reg.vms.get(&parent).map_or(0, |p| p.readahead.max_pages);
         let mut out = Vec::new();
         for _ in 0..count {
             reg.next_id += 1;
@@ -217,6 +218,11 @@ impl Core {
                     ready: Some(tx),
                     exit_reason: None,
                     fault_around_pages: fault_around,
+                    readahead: Readahead {
+                        next: u64::MAX,
+                        window: 0,
+                        max_pages: readahead_pages,
+                    },
                     stats: FaultStats::default(),
                     parent: Some(parent),
                     volume: None,

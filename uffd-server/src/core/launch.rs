@@ -16,7 +16,7 @@ use shared::{GuestRegion, VmId, PAGE_SIZE};
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
-use super::vm::{FaultStats, RunState, Vm};
+use super::vm::{FaultStats, Readahead, RunState, Vm};
 use super::{not_found, ApiError, ApiResult, Core};
 use crate::memory::GuestMemory;
 use crate::pages::{FileSource, PageSource, PageTable, UNINITIALIZED};
@@ -157,6 +157,13 @@ impl Core {
                 ));
             }
         }
+        if let Some(k) = req.readahead_kib {
+            if k % 4 != 0 || k > 64 * 1024 {
+                return Err(ApiError::bad_request(
+                    "readahead_kib must be a multiple of 4 up to 65536 (0 = off)",
+                ));
+            }
+        }
         if let Some(name) = &req.volume {
             match &self.volumes {
                 None => {
@@ -192,6 +199,10 @@ impl Core {
             Some(k) => k / 4,
             None => self.settings.fault_around_pages,
         };
+        let readahead_pages = match req.readahead_kib {
+            Some(k) => k / 4,
+            None => self.settings.readahead_pages,
+        };
         let vm = Vm {
             id,
             state: RunState::Starting,
@@ -208,6 +219,11 @@ impl Core {
             ready: Some(ready_tx),
             exit_reason: None,
             fault_around_pages,
+            readahead: Readahead {
+                next: u64::MAX,
+                window: 0,
+                max_pages: readahead_pages,
+            },
             stats: FaultStats::default(),
             parent: None,
             volume: req.volume.clone(),

@@ -42,6 +42,9 @@ pub struct Settings {
     pub vmm_bin: PathBuf,
     /// Default fault-around block in pages (1 = off).
     pub fault_around_pages: u64,
+    /// Default largest readahead window in pages for sequential faults on
+    /// image-backed memory (at most the fault-around block = off).
+    pub readahead_pages: u64,
     /// How long a VMM may take to connect and start its guest.
     pub start_timeout: Duration,
     /// How long one guest op may take.

@@ -50,6 +50,17 @@ pub struct FaultStats {
     pub removes: u64,
 }
 
+/// Sequential-fault detection for image-backed pages.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Readahead {
+    /// The page right after the last install.
+    pub next: u64,
+    /// The last install's window in pages.
+    pub window: u64,
+    /// Largest window in pages (at most the fault-around block disables it).
+    pub max_pages: u64,
+}
+
 /// A pending answer from the VMM.
 pub type ReplySender = oneshot::Sender<Result<Reply, String>>;
 
@@ -75,6 +86,7 @@ pub struct Vm {
     pub exit_reason: Option<String>,
     /// Pages installed around a file-backed fault, at most.
     pub fault_around_pages: u64,
+    pub readahead: Readahead,
     pub stats: FaultStats,
     pub parent: Option<VmId>,
     pub volume: Option<String>,
