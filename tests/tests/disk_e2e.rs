@@ -215,3 +215,42 @@ fn vm_with_unknown_volume_is_refused_with_a_clear_error() {
         "{v}"
     );
 }
+
+#[test]
+fn a_volume_in_use_cannot_be_rolled_back_or_deleted_until_its_vm_is_gone() {
+    let Some(server) = server_on_xfs() else {
+        return;
+    };
+    let (st, v) = server.api(
+        "POST",
+        "/v1/volumes",
+        Some(json!({"name": "busy", "size_mib": 1})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let (st, v) = server.api(
+        "POST",
+        "/v1/volumes/busy/snapshots",
+        Some(json!({"name": "busy-s"})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let vm = server.create_vm(json!({"memory_mib": 64, "volume": "busy"}));
+    let (st, v) = server.api(
+        "POST",
+        "/v1/volumes/busy/rollback",
+        Some(json!({"snapshot": "busy-s", "delete_newer": false})),
+    );
+    assert_eq!(st, 409, "{v}");
+    assert!(v["error"].as_str().unwrap_or_default().contains(&vm), "{v}");
+    let (st, v) = server.api("DELETE", "/v1/volumes/busy", None);
+    assert_eq!(st, 409, "{v}");
+    let (st, _) = server.api("DELETE", &format!("/v1/vms/{vm}"), None);
+    assert_eq!(st, 200);
+    let (st, v) = server.api(
+        "POST",
+        "/v1/volumes/busy/rollback",
+        Some(json!({"snapshot": "busy-s", "delete_newer": false})),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = server.api("DELETE", "/v1/volumes/busy", None);
+    assert!(st < 300, "{v}");
+}

@@ -247,6 +247,11 @@ impl Core {
             return;
         };
         let config = launch::launch_config(v, self.volumes.as_deref());
+        if let (Ok((_, Some(_))), Some(name), Some(engine)) = (&config, &v.volume, &self.volumes) {
+            // While this VMM holds the disk, the volume may not be deleted
+            // or rolled back underneath it.
+            engine.attach(name, &vm.to_string());
+        }
         let mut fds = vec![v.memory.memfd().as_raw_fd()];
         let disk = match &config {
             Ok((_, Some(f))) => Some(f.as_raw_fd()),
@@ -387,6 +392,9 @@ impl Core {
         }
         v.state = RunState::Exited;
         v.exit_reason.get_or_insert_with(|| reason.to_owned());
+        if let (Some(name), Some(engine)) = (&v.volume, &self.volumes) {
+            engine.detach(name);
+        }
         if let Some(w) = v.writer.take() {
             w.shutdown();
         }

@@ -48,6 +48,8 @@ pub struct VolumeEngine {
     pub(super) reflink: Reflink,
     pub(super) repairs: Vec<Repair>,
     pub(super) index: RwLock<Index>,
+    /// Volumes attached to VMs: name → holder (e.g. `vm-3`).
+    pub(super) attached: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 impl VolumeEngine {
@@ -84,6 +86,7 @@ impl VolumeEngine {
             reflink,
             repairs,
             index: RwLock::new(index),
+            attached: std::sync::Mutex::default(),
         })
     }
 
@@ -187,6 +190,7 @@ impl VolumeEngine {
     /// until the last one is deleted).
     pub fn delete(&self, name: &str) -> Result<()> {
         self.available()?;
+        self.check_detached(name)?;
         let mut index = self.write();
         if !index.volumes.contains(name) {
             return Err(VolumeError::VolumeNotFound(name.into()));
@@ -272,6 +276,7 @@ impl VolumeEngine {
     /// volume open keeps the old data: stop it first.
     pub fn rollback(&self, name: &str, snapshot: &str, delete_newer: bool) -> Result<Rollback> {
         self.available()?;
+        self.check_detached(name)?;
         let mut index = self.write();
         if !index.volumes.contains(name) {
             return Err(VolumeError::VolumeNotFound(name.into()));

@@ -20,6 +20,8 @@ pub enum VolumeError {
     NameTaken { name: String, holder: String },
     #[error("no volume named {0:?}")]
     VolumeNotFound(String),
+    #[error("volume {name:?} is attached to {holder}; delete that VM first (its disk would change or vanish underneath it)")]
+    InUse { name: String, holder: String },
     #[error("no snapshot named {0:?}")]
     SnapshotNotFound(String),
     #[error("no volume or snapshot named {0:?}")]
@@ -103,7 +105,7 @@ impl VolumeError {
                 ErrorKind::BadRequest
             }
             VolumeNotFound(_) | SnapshotNotFound(_) | SourceNotFound(_) => ErrorKind::NotFound,
-            NameTaken { .. } => ErrorKind::Conflict,
+            NameTaken { .. } | InUse { .. } => ErrorKind::Conflict,
             ReflinkUnsupported { .. } => ErrorKind::Unavailable,
             OpenRoot { .. }
             | Probe { .. }

@@ -129,6 +129,39 @@ impl VolumeEngine {
             .ok_or_else(|| VolumeError::SnapshotNotFound(name.into()))
     }
 
+    /// Record that `holder` (a VM) uses volume `name`: until
+    /// [`VolumeEngine::detach`], the volume cannot be deleted or rolled back.
+    pub fn attach(&self, name: &str, holder: &str) {
+        self.attached
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.to_owned(), holder.to_owned());
+    }
+
+    /// Forget that volume `name` is in use.
+    pub fn detach(&self, name: &str) {
+        self.attached
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name);
+    }
+
+    /// Refuse to change a volume a VM is using.
+    pub(super) fn check_detached(&self, name: &str) -> Result<()> {
+        match self
+            .attached
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+        {
+            Some(holder) => Err(VolumeError::InUse {
+                name: name.to_owned(),
+                holder: holder.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Open volume `name` read-write for a VM's block device; returns the
     /// file and its size.
     pub fn open_for_vm(&self, name: &str) -> Result<(File, u64)> {
