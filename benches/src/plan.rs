@@ -86,7 +86,7 @@ impl Plan {
                 .collect(),
             "fc_restore" => ["fc.seq", "fc.rand"]
                 .iter()
-                .flat_map(|o| ["single", "around", "ws"].map(|m| format!("{o}.{m}")))
+                .flat_map(|o| ["single", "around", "readahead", "ws"].map(|m| format!("{o}.{m}")))
                 .collect(),
             "volume_snapshot" => vec![
                 "volume.snap16_vs_snap1".into(),

@@ -137,6 +137,9 @@ fn add_listener(
         "socket": socket,
         "memory_source": { "kind": "file", "path": image },
         "fault_around_kib": fault_around_kib,
+        // These tests count faults of the fault-around block alone;
+        // readahead has its own test.
+        "readahead_kib": 0,
         "working_set": working_set,
     });
     let (status, v) = s.api("POST", "/v1/firecracker/listeners", Some(body.clone()));
@@ -615,6 +618,46 @@ fn every_page_read_equals_the_source_file_with_fault_around() {
         c.finish();
         wait_vm_gone(&s, pid);
     }
+    s.assert_healthy();
+}
+
+/// Sequential faults grow the install window (16, 32, ... 512 pages) up to
+/// the listener's readahead limit; random faults stay at one block.
+#[test]
+fn sequential_faults_grow_the_readahead_window() {
+    if !require_uffd() {
+        return;
+    }
+    let mib = 64;
+    let pages = (mib << 20) / PAGE;
+    let image = RandomImage::new(mib, 0xf1c0_0012);
+    let s = TestServer::start();
+    let socket = s.state_dir().join("ra.sock");
+    let (status, v) = s.api(
+        "POST",
+        "/v1/firecracker/listeners",
+        Some(
+            json!({"socket": socket, "memory_source": {"kind": "file", "path": image.path()},
+                    "fault_around_kib": 64, "readahead_kib": 2048}),
+        ),
+    );
+    assert_eq!(status, 201, "{v}");
+    assert_eq!(v["readahead_kib"], 2048, "{v}");
+    let check = check_cmd(&image.path());
+    let mut c = FcClient::spawn(
+        &socket,
+        &["--mib", &mib.to_string()],
+        &["touch-seq", &check, "hold"],
+    );
+    assert_clean(&c.until(&check));
+    let v = wait_vm(&s, c.pid());
+    // 16 + 32 + 64 + 128 + 256 + 512 = 1008 pages in 6 faults, then 31
+    // windows of 512 for the remaining 15376 pages (the last one clipped).
+    assert_eq!(fault_counter(&v, "missing"), 37, "{v}");
+    assert_eq!(fault_counter(&v, "pages_installed"), pages, "{v}");
+    let pid = c.pid();
+    c.finish();
+    wait_vm_gone(&s, pid);
     s.assert_healthy();
 }
 

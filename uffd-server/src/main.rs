@@ -141,6 +141,7 @@ fn run(args: Args) -> Result<(), String> {
             socket: sock.into(),
             memory_source: proto::api::MemorySource::File { path: image.into() },
             fault_around_kib: None,
+            readahead_kib: None,
             working_set: args.working_set,
         });
     }

@@ -39,11 +39,25 @@ fn floor_us(image: &[u8], order: &[usize]) -> f64 {
     t.elapsed().as_secs_f64() * 1e6
 }
 
-/// pagefork's modes: (key suffix, label, fault_around_kib, working_set).
-const MODES: [(&str, &str, u64, bool); 3] = [
-    ("single", "one page per fault", 0, false),
-    ("around", "fault-around 64 KiB", 64, false),
-    ("ws", "recorded working set + fault-around 64 KiB", 64, true),
+/// pagefork's modes: (key suffix, label, fault_around_kib, readahead_kib,
+/// working_set).
+const MODES: [(&str, &str, u64, u64, bool); 4] = [
+    ("single", "one page per fault", 0, 0, false),
+    ("around", "fault-around 64 KiB", 64, 0, false),
+    (
+        "readahead",
+        "fault-around 64 KiB + readahead up to 2 MiB (defaults)",
+        64,
+        2048,
+        false,
+    ),
+    (
+        "ws",
+        "recorded working set + fault-around 64 KiB",
+        64,
+        0,
+        true,
+    ),
 ];
 
 /// Run `fc_client` against `socket` with one touch command; returns the
@@ -82,7 +96,7 @@ fn pagefork_samples(
     expected: u64,
 ) -> Result<Vec<Vec<f64>>, String> {
     let mut out = Vec::new();
-    for (key, _, fa, ws) in MODES {
+    for (key, _, fa, ra, ws) in MODES {
         let socket = server.state_dir().join(format!("fc-{tag}-{key}.sock"));
         let (st, v) = server.api(
             "POST",
@@ -91,6 +105,7 @@ fn pagefork_samples(
                 "socket": socket,
                 "memory_source": {"kind": "file", "path": image},
                 "fault_around_kib": fa,
+                "readahead_kib": ra,
                 "working_set": ws,
             })),
         );
@@ -182,7 +197,7 @@ fn main() -> ExitCode {
                 .collect::<Vec<_>>(),
         )
         .map_or(f64::NAN, |s| s.median);
-        for ((suffix, mode, _, _), samples) in MODES.iter().zip(&pagefork) {
+        for ((suffix, mode, _, _, _), samples) in MODES.iter().zip(&pagefork) {
             Row::new(
                 BENCH,
                 &format!("{key}.{suffix}"),

@@ -96,6 +96,8 @@ pub struct FcListener {
     pub source: SourceId,
     pub map: Rc<FileMap>,
     pub fault_around_pages: u64,
+    /// Largest readahead window in pages.
+    pub readahead_pages: u64,
     pub working_set: bool,
     /// Pages (source page index) the first VM faulted on, in order.
     pub recorded: Option<Rc<Vec<u64>>>,
@@ -120,6 +122,7 @@ pub struct FcVm {
     pub state: RunState,
     pub stats: FaultStats,
     pub fault_around_pages: u64,
+    pub readahead: super::vm::Readahead,
     /// Source pages faulted on, in order (for working-set recording).
     pub fault_order: Vec<u64>,
     pub stream: UnixStream,
@@ -222,12 +225,25 @@ impl FcVm {
         let (lo, hi) = if unit > 1 || self.table.get(page) != self.file_src {
             (first, first + unit)
         } else {
-            // Fault-around: the run of image pages around `page` in its block.
+            // Fault-around: the run of image pages around `page` in its
+            // block; a fault where the last install ended (a sequential
+            // reader) doubles the window up to the readahead limit.
             let block = self.fault_around_pages.max(1);
             let r_lo = r.offset / PAGE_SIZE;
             let r_hi = r_lo + r.size / PAGE_SIZE;
-            let b_lo = (page - (page - r_lo) % block).max(r_lo);
-            let b_hi = (b_lo + block).min(r_hi);
+            let sequential = record && block > 1 && page == self.readahead.next;
+            let window = if sequential {
+                (self.readahead.window * 2).clamp(block, self.readahead.max_pages.max(block))
+            } else {
+                block
+            };
+            self.readahead.window = window;
+            let b_lo = if sequential {
+                page
+            } else {
+                (page - (page - r_lo) % block).max(r_lo)
+            };
+            let b_hi = (b_lo + window).min(r_hi);
             let mut lo = page;
             while lo > b_lo && self.table.get(lo - 1) == self.file_src {
                 lo -= 1;
@@ -239,7 +255,12 @@ impl FcVm {
             (lo, hi)
         };
         match self.install_run(r, lo, hi) {
-            Ok(n) if lo + n > page => Resolved::Ok,
+            Ok(n) if lo + n > page => {
+                if record {
+                    self.readahead.next = lo + n;
+                }
+                Resolved::Ok
+            }
             Ok(_) => {
                 // Something below `page` already existed: install just it.
                 match self.install_run(r, first, first + unit) {
@@ -291,6 +312,8 @@ pub struct CreateListener {
     #[serde(default)]
     pub fault_around_kib: Option<u64>,
     #[serde(default)]
+    pub readahead_kib: Option<u64>,
+    #[serde(default)]
     pub working_set: bool,
 }
 
@@ -316,6 +339,15 @@ impl Core {
                 ))
             }
             None => self.settings.fault_around_pages,
+        };
+        let readahead_pages = match req.readahead_kib {
+            Some(k) if k % 4 == 0 && k <= 64 * 1024 => k / 4,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "readahead_kib must be a multiple of 4 up to 65536 (0 = off)",
+                ))
+            }
+            None => self.settings.readahead_pages,
         };
         let map = FileMap::new(&file, len).map_err(ApiError::internal)?;
         if req.socket.exists() {
@@ -363,6 +395,7 @@ impl Core {
                 source,
                 map: Rc::new(map),
                 fault_around_pages,
+                readahead_pages,
                 working_set: req.working_set,
                 recorded: None,
                 stats,
@@ -395,6 +428,7 @@ impl Core {
             "socket": l.socket,
             "memory_source": { "kind": "file", "path": l.source_path },
             "fault_around_kib": super::fault_around_kib(l.fault_around_pages),
+            "readahead_kib": l.readahead_pages * PAGE_SIZE / 1024,
             "working_set": l.working_set,
             "recorded_pages": l.recorded.as_ref().map(|r| r.len()).unwrap_or(0),
             "accepted": l.stats.accepted.load(Ordering::Relaxed),
@@ -459,6 +493,7 @@ impl Core {
         let Some(l) = reg.fc_listeners.get(&listener) else {
             return;
         };
+        let readahead_pages = l.readahead_pages;
         let (map, file_src, fault_around, recorded) = (
             l.map.clone(),
             l.source,
@@ -498,6 +533,11 @@ impl Core {
                 state: RunState::Running,
                 stats: FaultStats::default(),
                 fault_around_pages: fault_around,
+                readahead: super::vm::Readahead {
+                    next: u64::MAX,
+                    window: 0,
+                    max_pages: readahead_pages,
+                },
                 fault_order: Vec::new(),
                 stream,
                 closed: closed.clone(),
