@@ -22,6 +22,10 @@ export PAGEFORK_XFS_DIR="$XFS_DIR"
 echo "== build" >&2
 cargo build --workspace --all-targets
 
+echo "== format and lints" >&2
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
+
 echo "== tests" >&2
 mkdir -p target
 set +e
