@@ -29,6 +29,9 @@ enum Cmd {
     /// Manage VMs.
     #[command(subcommand)]
     Vm(vm::VmCmd),
+    /// Serve Firecracker's Uffd memory backend: listeners.
+    #[command(subcommand)]
+    Firecracker(uffd_server::cli::firecracker::FirecrackerCmd),
     /// Manage disk volumes and their snapshots.
     #[command(subcommand)]
     Volume(uffd_server::cli_volume::VolumeCmd),
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
     let result = match args.cmd {
         Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
         Cmd::Demo(d) => demo::run(d),
+        Cmd::Firecracker(cmd) => uffd_server::cli::firecracker::run(cmd, &client, args.json),
         Cmd::Volume(cmd) => uffd_server::cli_volume::run(cmd, &client, args.json),
         Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
         Cmd::Page { id, page } => inspect::page(&client, &id, page, args.json),

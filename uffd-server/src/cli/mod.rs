@@ -2,6 +2,7 @@
 //! readable tables (or the raw JSON with `--json`).
 
 pub mod demo;
+pub mod firecracker;
 pub mod inspect;
 pub mod table;
 pub mod vm;

@@ -123,7 +123,8 @@ pub struct FcVm {
     pub stats: FaultStats,
     pub fault_around_pages: u64,
     pub readahead: super::vm::Readahead,
-    /// Source pages faulted on, in order (for working-set recording).
+    /// Source pages installed by faults, in order (for working-set
+    /// recording).
     pub fault_order: Vec<u64>,
     pub stream: UnixStream,
     /// Signalled on hang-up: the serving task stops and drops the uffd
@@ -215,9 +216,6 @@ impl FcVm {
         let unit = r.page_size / PAGE_SIZE;
         let page = (r.offset + (addr - r.base)) / PAGE_SIZE;
         let first = page - page % unit;
-        if record {
-            self.fault_order.push(page);
-        }
         if self.table.get(first) == self.self_src {
             self.wake(addr & !(r.page_size - 1), r.page_size);
             return Resolved::Ok;
@@ -258,13 +256,19 @@ impl FcVm {
             Ok(n) if lo + n > page => {
                 if record {
                     self.readahead.next = lo + n;
+                    // The working set is every page this VM was given, in
+                    // order, including those installed around the fault.
+                    self.fault_order.extend(lo..lo + n);
                 }
                 Resolved::Ok
             }
             Ok(_) => {
                 // Something below `page` already existed: install just it.
                 match self.install_run(r, first, first + unit) {
-                    Ok(_) => {
+                    Ok(n) => {
+                        if record {
+                            self.fault_order.extend(first..first + n);
+                        }
                         self.wake(addr & !(r.page_size - 1), r.page_size);
                         Resolved::Ok
                     }

@@ -458,6 +458,11 @@ impl Core {
             async move { core.stop_vmm(id).await }
         });
         futures_join_all(stops).await;
+        // Firecracker listeners: stop accepting and remove their sockets.
+        let listeners: Vec<u32> = self.reg.borrow().fc_listeners.keys().copied().collect();
+        for id in listeners {
+            let _ = self.delete_fc_listener(id);
+        }
     }
 }
 
