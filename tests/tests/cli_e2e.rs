@@ -1,0 +1,127 @@
+//! `uffdctl` end to end: the CLI's commands against a real server, and the
+//! demo (the README's main job) from start to finish.
+
+use std::process::{Command, Output};
+
+use pagefork_tests::{bin, require_kvm_uffd, TestServer};
+use serde_json::Value;
+
+fn uffdctl(server: &TestServer, args: &[&str]) -> Output {
+    Command::new(bin("uffdctl"))
+        .arg("--socket")
+        .arg(server.api_sock())
+        .args(args)
+        .output()
+        .expect("cannot run uffdctl")
+}
+
+fn ok_stdout(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "uffdctl failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn json_of(out: &Output) -> Value {
+    serde_json::from_str(&ok_stdout(out)).expect("uffdctl --json printed no JSON")
+}
+
+#[test]
+fn uffdctl_drives_a_vm_through_create_exec_fork_and_inspection() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let vm = json_of(&uffdctl(
+        &s,
+        &["--json", "vm", "create", "--memory-mib", "64"],
+    ));
+    let id = vm["id"].as_str().expect("id").to_owned();
+    ok_stdout(&uffdctl(
+        &s,
+        &["vm", "exec", &id, "fill", "--seed", "3", "--pages", "100"],
+    ));
+    let v = json_of(&uffdctl(
+        &s,
+        &[
+            "--json", "vm", "exec", &id, "verify", "--seed", "3", "--pages", "100",
+        ],
+    ));
+    assert_eq!(v["result"], 0, "{v}");
+
+    let list = ok_stdout(&uffdctl(&s, &["vm", "list"]));
+    assert!(list.starts_with("ID"), "{list}");
+    assert!(list.contains(&id) && list.contains("running"), "{list}");
+
+    let fork = json_of(&uffdctl(&s, &["--json", "vm", "fork", &id, "--count", "1"]));
+    let child = fork["children"][0].as_str().expect("child").to_owned();
+    let sources = ok_stdout(&uffdctl(&s, &["sources", &child]));
+    assert!(
+        sources.contains(&format!("{id}  ")) || sources.contains(&id),
+        "{sources}"
+    );
+    let page = ok_stdout(&uffdctl(&s, &["page", &child, "0"]));
+    assert!(page.contains(&format!("source {id}")), "{page}");
+    let tree = ok_stdout(&uffdctl(&s, &["tree"]));
+    assert!(
+        tree.contains(&format!("  {child}")),
+        "child not indented under its parent: {tree}"
+    );
+
+    let listeners = ok_stdout(&uffdctl(&s, &["firecracker", "list"]));
+    assert!(listeners.starts_with("ID"), "{listeners}");
+
+    // Errors: a clear message and a failing exit status.
+    let bad = uffdctl(&s, &["vm", "exec", "vm-999", "checksum"]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("no VM vm-999") && err.contains("404"), "{err}");
+
+    ok_stdout(&uffdctl(&s, &["vm", "delete", &child]));
+    ok_stdout(&uffdctl(&s, &["vm", "delete", &id]));
+}
+
+#[test]
+fn uffdctl_without_a_server_says_how_to_fix_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(bin("uffdctl"))
+        .arg("--state-dir")
+        .arg(dir.path())
+        .args(["vm", "list"])
+        .output()
+        .expect("cannot run uffdctl");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is uffd-server running"), "{err}");
+}
+
+#[test]
+fn the_demo_runs_a_vm_a_fork_and_a_snapshot_end_to_end() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(bin("uffdctl"))
+        .args(["demo", "--memory-mib", "64", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--server-bin")
+        .arg(bin("uffd-server"))
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .output()
+        .expect("cannot run uffdctl demo");
+    let text = ok_stdout(&out);
+    for want in [
+        "[1] create",
+        "[3] fork",
+        "same as parent",
+        "0 mismatches",
+        "[6] snapshot",
+        "demo done",
+    ] {
+        assert!(text.contains(want), "demo output lacks {want:?}:\n{text}");
+    }
+    assert!(!text.contains("DIFFERENT"), "{text}");
+}
