@@ -15,77 +15,31 @@
 //!   the next fault installs zeroes. EAGAIN from an install means such an
 //!   event is pending: the fault is deferred and retried after the events.
 
-use std::cell::RefCell;
+mod map;
+mod serve;
+mod vm;
+
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
-use proto::firecracker::Region;
 use serde_json::{json, Value};
 use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
-use userfaultfd::{Event, EventBuffer, FaultKind, Uffd};
+use userfaultfd::Uffd;
+
+pub use map::FileMap;
+pub use vm::FcVm;
 
 use super::vm::{FaultStats, RunState};
 use super::{ApiError, ApiResult, Core};
 use crate::firecracker::{FcHandshake, ListenerStats};
 use crate::pages::{PageTable, SourceId, UNINITIALIZED};
-use crate::uffd_ffi::{self, Install};
-
-/// A read-only shared mapping of a source file.
-#[derive(Debug)]
-pub struct FileMap {
-    ptr: std::ptr::NonNull<u8>,
-    len: u64,
-}
-
-impl FileMap {
-    /// Map `file` read-only.
-    pub fn new(file: &std::fs::File, len: u64) -> Result<Self, String> {
-        let n = std::num::NonZeroUsize::new(usize::try_from(len).unwrap_or(0))
-            .ok_or("memory source is empty")?;
-        // SAFETY: a fresh read-only shared mapping of a file we hold open;
-        // no MAP_FIXED, unmapped in Drop.
-        let ptr = unsafe {
-            nix::sys::mman::mmap(
-                None,
-                n,
-                nix::sys::mman::ProtFlags::PROT_READ,
-                nix::sys::mman::MapFlags::MAP_SHARED,
-                file,
-                0,
-            )
-        }
-        .map_err(|e| format!("cannot map the memory source: {e}"))?;
-        Ok(FileMap {
-            ptr: ptr.cast(),
-            len,
-        })
-    }
-
-    fn at(&self, offset: u64, len: u64) -> Option<*const u8> {
-        let end = offset.checked_add(len)?;
-        // SAFETY: `offset + len <= self.len`, inside the mapping.
-        (end <= self.len).then(|| unsafe {
-            self.ptr.as_ptr().add(shared::geometry::usize_of(offset)) as *const u8
-        })
-    }
-}
-
-impl Drop for FileMap {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping made in `new`.
-        let _ = unsafe {
-            nix::sys::mman::munmap(self.ptr.cast(), shared::geometry::usize_of(self.len))
-        };
-    }
-}
+use serve::{prefetch_working_set, serve_fc};
 
 /// A Firecracker listener.
 #[derive(Debug)]
@@ -104,207 +58,6 @@ pub struct FcListener {
     pub stats: Arc<ListenerStats>,
     /// The listening socket, shut down to stop the accept thread.
     pub sock: std::os::unix::net::UnixListener,
-}
-
-/// A Firecracker VM being served.
-#[derive(Debug)]
-pub struct FcVm {
-    pub id: VmId,
-    pub listener: u32,
-    pub conn: u64,
-    pub pid: u32,
-    pub regions: Vec<Region>,
-    pub table: PageTable,
-    pub self_src: SourceId,
-    pub file_src: SourceId,
-    pub map: Rc<FileMap>,
-    pub uffd: Rc<AsyncFd<Uffd>>,
-    pub state: RunState,
-    pub stats: FaultStats,
-    pub fault_around_pages: u64,
-    pub readahead: super::vm::Readahead,
-    /// Source pages installed by faults, in order (for working-set
-    /// recording).
-    pub fault_order: Vec<u64>,
-    pub stream: UnixStream,
-    /// Signalled on hang-up: the serving task stops and drops the uffd
-    /// (after the process exits its uffd never becomes readable again).
-    pub closed: Rc<tokio::sync::Notify>,
-}
-
-/// Result of resolving one fault.
-enum Resolved {
-    Ok,
-    /// Retry after the pending events.
-    Again,
-    Gone,
-}
-
-impl FcVm {
-    fn region_of(&self, addr: u64) -> Option<Region> {
-        self.regions
-            .iter()
-            .copied()
-            .find(|r| addr >= r.base && addr < r.base + r.size)
-    }
-
-    fn raw_uffd(&self) -> i32 {
-        self.uffd.get_ref().as_raw_fd()
-    }
-
-    /// Install source pages `[lo, hi)` of region `r`; returns how many pages
-    /// from `lo` were installed before an existing page, or the outcome.
-    fn install_run(&mut self, r: Region, lo: u64, hi: u64) -> Result<u64, Resolved> {
-        let dst = r.base + (lo * PAGE_SIZE - r.offset);
-        let len = (hi - lo) * PAGE_SIZE;
-        let src_id = self.table.get(lo);
-        let res = if src_id == UNINITIALIZED {
-            if r.page_size == PAGE_SIZE {
-                uffd_ffi::zeropage(self.raw_uffd(), dst, len)
-            } else {
-                let zeros = zero_buffer(len);
-                // SAFETY: `zeros` is a live buffer of at least `len` bytes.
-                unsafe { uffd_ffi::copy(self.raw_uffd(), zeros.as_ptr(), dst, len, 0) }
-            }
-        } else {
-            let Some(src) = self.map.at(lo * PAGE_SIZE, len) else {
-                return Err(Resolved::Ok);
-            };
-            // SAFETY: `src..src+len` lies in our live read-only mapping.
-            unsafe { uffd_ffi::copy(self.raw_uffd(), src, dst, len, 0) }
-        };
-        let done = |copied: u64| copied / PAGE_SIZE;
-        let n = match res {
-            Install::Done => hi - lo,
-            Install::Exists { copied } => done(copied),
-            Install::Again { copied } => {
-                self.mark(lo, done(copied));
-                return Err(Resolved::Again);
-            }
-            Install::Gone => return Err(Resolved::Gone),
-            Install::Failed(errno) => {
-                warn!(
-                    "{}: install of pages {lo}..{hi} failed: errno {errno}",
-                    self.id
-                );
-                return Err(Resolved::Ok);
-            }
-        };
-        self.mark(lo, n);
-        Ok(n)
-    }
-
-    fn mark(&mut self, lo: u64, n: u64) {
-        let me = self.self_src;
-        self.table.set_range(lo, n, me);
-        self.stats.pages_installed += n;
-    }
-
-    fn wake(&self, addr: u64, len: u64) {
-        let _ = self
-            .uffd
-            .get_ref()
-            .wake(addr as *mut libc::c_void, shared::geometry::usize_of(len));
-    }
-
-    /// Resolve a MISSING fault at `addr`.
-    fn resolve(&mut self, addr: u64, record: bool) -> Resolved {
-        let Some(r) = self.region_of(addr) else {
-            warn!("{}: fault at {addr:#x} outside every region", self.id);
-            return Resolved::Ok;
-        };
-        let unit = r.page_size / PAGE_SIZE;
-        let page = (r.offset + (addr - r.base)) / PAGE_SIZE;
-        let first = page - page % unit;
-        if self.table.get(first) == self.self_src {
-            self.wake(addr & !(r.page_size - 1), r.page_size);
-            return Resolved::Ok;
-        }
-        let (lo, hi) = if unit > 1 || self.table.get(page) != self.file_src {
-            (first, first + unit)
-        } else {
-            // Fault-around: the run of image pages around `page` in its
-            // block; a fault where the last install ended (a sequential
-            // reader) doubles the window up to the readahead limit.
-            let block = self.fault_around_pages.max(1);
-            let r_lo = r.offset / PAGE_SIZE;
-            let r_hi = r_lo + r.size / PAGE_SIZE;
-            let sequential = record && block > 1 && page == self.readahead.next;
-            let window = if sequential {
-                (self.readahead.window * 2).clamp(block, self.readahead.max_pages.max(block))
-            } else {
-                block
-            };
-            self.readahead.window = window;
-            let b_lo = if sequential {
-                page
-            } else {
-                (page - (page - r_lo) % block).max(r_lo)
-            };
-            let b_hi = (b_lo + window).min(r_hi);
-            let mut lo = page;
-            while lo > b_lo && self.table.get(lo - 1) == self.file_src {
-                lo -= 1;
-            }
-            let mut hi = page + 1;
-            while hi < b_hi && self.table.get(hi) == self.file_src {
-                hi += 1;
-            }
-            (lo, hi)
-        };
-        match self.install_run(r, lo, hi) {
-            Ok(n) if lo + n > page => {
-                if record {
-                    self.readahead.next = lo + n;
-                    // The working set is every page this VM was given, in
-                    // order, including those installed around the fault.
-                    self.fault_order.extend(lo..lo + n);
-                }
-                Resolved::Ok
-            }
-            Ok(_) => {
-                // Something below `page` already existed: install just it.
-                match self.install_run(r, first, first + unit) {
-                    Ok(n) => {
-                        if record {
-                            self.fault_order.extend(first..first + n);
-                        }
-                        self.wake(addr & !(r.page_size - 1), r.page_size);
-                        Resolved::Ok
-                    }
-                    Err(e) => e,
-                }
-            }
-            Err(e) => e,
-        }
-    }
-
-    fn remove(&mut self, start: u64, end: u64) {
-        self.stats.removes += 1;
-        for r in self.regions.clone() {
-            let s = start.max(r.base);
-            let e = end.min(r.base + r.size);
-            if s >= e {
-                continue;
-            }
-            let lo = (r.offset + (s - r.base)) / PAGE_SIZE;
-            let hi = (r.offset + (e - r.base)).div_ceil(PAGE_SIZE);
-            self.table.set_range(lo, hi - lo, UNINITIALIZED);
-        }
-    }
-}
-
-fn zero_buffer(len: u64) -> Rc<Vec<u8>> {
-    thread_local! {
-        static ZEROS: RefCell<Rc<Vec<u8>>> = RefCell::new(Rc::new(Vec::new()));
-    }
-    ZEROS.with(|z| {
-        let mut z = z.borrow_mut();
-        if (z.len() as u64) < len {
-            *z = Rc::new(vec![0u8; shared::geometry::usize_of(len)]);
-        }
-        z.clone()
-    })
 }
 
 /// Body of `POST /v1/firecracker/listeners`.
@@ -593,126 +346,6 @@ impl Core {
         let _ = v.stream.shutdown(std::net::Shutdown::Both);
         Some(json!({ "id": id.to_string(), "deleted": true }))
     }
-}
-
-/// Handle a batch of events for a Firecracker VM; returns faults to retry.
-fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u64>) -> bool {
-    let mut reg = core.reg.borrow_mut();
-    let Some(v) = reg.fc_vms.get_mut(&id) else {
-        return false;
-    };
-    let record = v.fault_order.len() < (1 << 22);
-    // Events that change the address space (REMOVE) apply before retrying
-    // deferred faults, so a removed page is installed as zero.
-    let mut faults = Vec::new();
-    for ev in events {
-        match ev {
-            Event::Pagefault {
-                kind: FaultKind::Missing,
-                addr,
-                ..
-            } => faults.push(addr as u64),
-            Event::Pagefault { addr, .. } => v.wake(addr as u64 & !(PAGE_SIZE - 1), PAGE_SIZE),
-            Event::Remove { start, end } => v.remove(start as u64, end as u64),
-            _ => {}
-        }
-    }
-    let retry: Vec<u64> = std::mem::take(deferred);
-    for (i, addr) in retry.into_iter().chain(faults).enumerate() {
-        let _ = i;
-        v.stats.missing += 1;
-        match v.resolve(addr, record) {
-            Resolved::Ok => {}
-            Resolved::Again => deferred.push(addr),
-            Resolved::Gone => return false,
-        }
-    }
-    true
-}
-
-async fn serve_fc(
-    core: Rc<Core>,
-    id: VmId,
-    uffd: Rc<AsyncFd<Uffd>>,
-    closed: Rc<tokio::sync::Notify>,
-) {
-    let mut buf = EventBuffer::new(64);
-    let mut deferred: Vec<u64> = Vec::new();
-    loop {
-        let events: Vec<Event> = if deferred.is_empty() {
-            let mut guard = tokio::select! {
-                g = uffd.readable() => match g {
-                    Ok(g) => g,
-                    Err(_) => return,
-                },
-                () = closed.notified() => return,
-            };
-            match guard.get_inner().read_events(&mut buf) {
-                Ok(it) => {
-                    let evs: Vec<Event> = it.filter_map(Result::ok).collect();
-                    if evs.is_empty() {
-                        guard.clear_ready();
-                        if !core.reg.borrow().fc_vms.contains_key(&id) {
-                            return;
-                        }
-                        continue;
-                    }
-                    evs
-                }
-                Err(_) => return,
-            }
-        } else {
-            // Deferred faults wait for the pending event that made the
-            // install fail with EAGAIN; poll for it briefly.
-            tokio::time::sleep(Duration::from_micros(200)).await;
-            match uffd.get_ref().read_events(&mut buf) {
-                Ok(it) => it.filter_map(Result::ok).collect(),
-                Err(_) => return,
-            }
-        };
-        if !handle_batch(&core, id, events, &mut deferred) {
-            return;
-        }
-    }
-}
-
-/// Install a recorded working set in bulk, a batch at a time, yielding to
-/// the fault task between batches.
-async fn prefetch_working_set(core: Rc<Core>, id: VmId, pages: Rc<Vec<u64>>) {
-    let t = std::time::Instant::now();
-    let mut installed = 0u64;
-    for chunk in pages.chunks(256) {
-        {
-            let mut reg = core.reg.borrow_mut();
-            let Some(v) = reg.fc_vms.get_mut(&id) else {
-                return;
-            };
-            for &p in chunk {
-                let Some(r) = v
-                    .regions
-                    .iter()
-                    .copied()
-                    .find(|r| p * PAGE_SIZE >= r.offset && p * PAGE_SIZE < r.offset + r.size)
-                else {
-                    continue;
-                };
-                if v.table.get(p) == v.self_src {
-                    continue;
-                }
-                let addr = r.base + (p * PAGE_SIZE - r.offset);
-                let before = v.stats.pages_installed;
-                if let Resolved::Gone = v.resolve(addr, false) {
-                    return;
-                }
-                installed += v.stats.pages_installed - before;
-            }
-        }
-        tokio::task::yield_now().await;
-    }
-    info!(
-        "{id}: working set prefetched: {installed} pages in {:?}",
-        t.elapsed()
-    );
 }
 
 /// `BTreeMap` of listeners and Firecracker VMs, kept in the registry.
