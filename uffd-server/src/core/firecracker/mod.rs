@@ -7,9 +7,10 @@
 //! offset in the source file; `Vm(self)` means "installed in Firecracker".
 //!
 //! - Fault-around: a fault on an image page installs the run of
-//!   not-yet-installed image pages around it within its aligned block.
+//!   not-yet-installed image pages around it within its aligned block;
+//!   readahead doubles that window for sequential faults, up to a limit.
 //! - Working set: with `working_set` on, the pages the first VM of a listener
-//!   faulted on are recorded in order; later VMs get them installed in bulk
+//!   was given are recorded in order; later VMs get them installed in bulk
 //!   right after the handshake, while faults keep being served.
 //! - REMOVE (balloon, `MADV_DONTNEED`): the range becomes `Uninitialized`, so
 //!   the next fault installs zeroes. EAGAIN from an install means such an
