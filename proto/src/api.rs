@@ -81,6 +81,9 @@ pub struct FaultCounters {
     pub write_protect: u64,
     pub pages_installed: u64,
     pub removes: u64,
+    /// Installs deferred by EAGAIN until pending events were read.
+    #[serde(default)]
+    pub deferred: u64,
     pub fault_around_kib: u64,
 }
 

@@ -800,6 +800,45 @@ fn two_clients_on_one_listener_are_served_at_once() {
 /// `madvise(MADV_DONTNEED)` (a balloon REMOVE) makes a range read as zero
 /// on its next fault, for touched and never-touched pages, and the rest
 /// still matches the image.
+/// A thread discarding a range over and over while another reads it: the
+/// server sees faults for pages whose REMOVE it has not read yet and
+/// installs that fail with EAGAIN. Every read must be the image's bytes or
+/// zeroes, nothing may hang, and a final discard leaves zeroes.
+#[test]
+fn faults_racing_removes_read_image_or_zero_and_never_hang() {
+    if !require_uffd() {
+        return;
+    }
+    let mib = 16;
+    let image = RandomImage::new(mib, 0xf1c0_0016);
+    let s = TestServer::start();
+    let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let race = format!("race-remove:{}:100:64:400", image.path());
+    let check = check_cmd(&image.path());
+    let mut c = FcClient::spawn(
+        &sock,
+        &["--mib", &mib.to_string()],
+        &[&race, "remove:100:64", "zero:100:64", &check, "hold"],
+    );
+    let r = c.until(&race);
+    let zero = c.until("zero:100:64");
+    let checked = c.until(&check);
+    let v = wait_vm(&s, c.pid());
+    let pid = c.pid();
+    c.finish();
+    wait_vm_gone(&s, pid);
+    assert_eq!(
+        r["bad_reads"], 0,
+        "a read saw neither the image nor zeroes: {r}"
+    );
+    assert!(r["removes"].as_u64().unwrap_or(0) > 0, "{r}");
+    assert_eq!(zero["nonzero_pages"], 0, "{zero}");
+    // Only the 64 discarded pages differ from the image at the end.
+    assert_eq!(checked["mismatched_pages"], 64, "{checked}");
+    eprintln!("race: {r}; server: {}", v["faults"]);
+    s.assert_healthy();
+}
+
 #[test]
 fn madvise_dontneed_makes_a_range_read_zero() {
     if !require_uffd() {

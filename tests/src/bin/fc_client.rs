@@ -198,6 +198,61 @@ fn run() -> Result<(), String> {
                 }
                 serde_json::json!({ "removed": n })
             }
+            ["race-remove", image, start, n, rounds] => {
+                // One thread discards the range again and again while this
+                // one reads it: every read must be the image's page or
+                // zeroes, never anything else, and nothing may hang.
+                let img = std::fs::read(image).map_err(|e| format!("{image}: {e}"))?;
+                let (s, n, rounds): (usize, usize, usize) = (
+                    start.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                    n.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                    rounds.parse().map_err(|e| format!("{cmd}: {e}"))?,
+                );
+                let base = bytes.as_mut_ptr() as usize + s * PAGE;
+                let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let stop2 = stop.clone();
+                let remover = std::thread::spawn(move || {
+                    let mut removes = 0u64;
+                    while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+                        // SAFETY: the range lies inside our mapping, which
+                        // outlives this thread (joined below).
+                        unsafe {
+                            libc::madvise(base as *mut libc::c_void, n * PAGE, libc::MADV_DONTNEED)
+                        };
+                        removes += 1;
+                        // A balloon discards now and then, not in a tight
+                        // loop: one that never pauses keeps a REMOVE pending
+                        // nearly all the time, and installs fail with EAGAIN
+                        // until it stops.
+                        std::thread::sleep(std::time::Duration::from_micros(300));
+                    }
+                    removes
+                });
+                let off = usize::try_from(args.offset).unwrap_or(usize::MAX);
+                let mut bad = 0u64;
+                for _ in 0..rounds {
+                    for p in s..s + n {
+                        // SAFETY: in bounds; volatile so every read faults
+                        // in again after a discard.
+                        let page: Vec<u8> = (0..PAGE)
+                            .step_by(512)
+                            .map(|i| unsafe { std::ptr::read_volatile(&bytes[p * PAGE + i]) })
+                            .collect();
+                        let want = img.get(off + p * PAGE..off + (p + 1) * PAGE).unwrap_or(&[]);
+                        let is_image = want.len() == PAGE
+                            && page.iter().enumerate().all(|(k, b)| *b == want[k * 512]);
+                        let is_zero = page.iter().all(|b| *b == 0);
+                        if !is_image && !is_zero {
+                            bad += 1;
+                        }
+                    }
+                }
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                let removes = remover
+                    .join()
+                    .map_err(|_| "remover thread panicked".to_owned())?;
+                serde_json::json!({ "bad_reads": bad, "removes": removes })
+            }
             ["zero", start, n] => {
                 let (s, n): (usize, usize) = (
                     start.parse().map_err(|e| format!("{cmd}: {e}"))?,

@@ -38,6 +38,7 @@ impl Core {
                     write_protect: 0,
                     pages_installed: v.stats.pages_installed,
                     removes: v.stats.removes,
+                    deferred: v.stats.deferred,
                     fault_around_kib: super::fault_around_kib(v.fault_around_pages),
                 },
             });
@@ -69,6 +70,7 @@ impl Core {
                 write_protect: v.stats.write_protect,
                 pages_installed: v.stats.pages_installed,
                 removes: v.stats.removes,
+                deferred: v.stats.deferred,
                 fault_around_kib: super::fault_around_kib(v.fault_around_pages),
             },
         })

@@ -48,6 +48,8 @@ pub struct FaultStats {
     pub pages_installed: u64,
     /// REMOVE events handled.
     pub removes: u64,
+    /// Installs deferred by EAGAIN (a pending non-cooperative event).
+    pub deferred: u64,
 }
 
 /// Sequential-fault detection for image-backed pages.

@@ -34,13 +34,15 @@ fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u6
             _ => {}
         }
     }
+    v.stats.missing += faults.len() as u64;
     let retry: Vec<u64> = std::mem::take(deferred);
-    for (i, addr) in retry.into_iter().chain(faults).enumerate() {
-        let _ = i;
-        v.stats.missing += 1;
+    for addr in retry.into_iter().chain(faults) {
         match v.resolve(addr, record) {
             Resolved::Ok => {}
-            Resolved::Again => deferred.push(addr),
+            Resolved::Again => {
+                v.stats.deferred += 1;
+                deferred.push(addr);
+            }
             Resolved::Gone => return false,
         }
     }
@@ -80,12 +82,18 @@ pub(super) async fn serve_fc(
             }
         } else {
             // Deferred faults wait for the pending event that made the
-            // install fail with EAGAIN; poll for it briefly.
-            tokio::time::sleep(Duration::from_micros(200)).await;
-            match uffd.get_ref().read_events(&mut buf) {
+            // install fail with EAGAIN. It is normally queued already: read
+            // it and retry at once, since the discarding thread may start
+            // its next discard soon after this one completes. Only if
+            // nothing is there yet, give it a moment.
+            let evs: Vec<Event> = match uffd.get_ref().read_events(&mut buf) {
                 Ok(it) => it.filter_map(Result::ok).collect(),
                 Err(_) => return,
+            };
+            if evs.is_empty() {
+                tokio::time::sleep(Duration::from_micros(50)).await;
             }
+            evs
         };
         if !handle_batch(&core, id, events, &mut deferred) {
             return;
