@@ -14,7 +14,6 @@
 //! A later WP fault on the parent copies the pre-write page into every VM
 //! whose table still reads it from the parent (see `fault.rs`).
 
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -24,7 +23,7 @@ use shared::{VmId, PAGE_SIZE};
 use tokio::sync::oneshot;
 use tracing::info;
 
-use super::vm::{FaultStats, Readahead, RunState, Vm};
+use super::vm::{RunState, Vm, VmParts};
 use super::{not_found, ApiError, ApiResult, Core};
 use crate::memory::GuestMemory;
 
@@ -200,36 +199,19 @@ impl Core {
             };
             let self_src = reg.arena.vm(id);
             let (tx, rx) = oneshot::channel();
-            reg.vms.insert(
+            let mut vm = Vm::new(VmParts {
                 id,
-                Vm {
-                    id,
-                    state: RunState::Starting,
-                    memory: Rc::new(memory),
-                    table: table.fork(),
-                    self_src,
-                    vcpus,
-                    pid: None,
-                    writer: None,
-                    uffd: None,
-                    vmm_base: 0,
-                    pending: HashMap::new(),
-                    next_seq: 0,
-                    ready: Some(tx),
-                    exit_reason: None,
-                    fault_around_pages: fault_around,
-                    readahead: Readahead {
-                        next: u64::MAX,
-                        window: 0,
-                        max_pages: readahead_pages,
-                    },
-                    stats: FaultStats::default(),
-                    parent: Some(parent),
-                    volume: None,
-                    start_state: Some(state.clone()),
-                    deleted: false,
-                },
-            );
+                memory,
+                table: table.fork(),
+                self_src,
+                vcpus,
+                fault_around_pages: fault_around,
+                readahead_pages,
+                ready: tx,
+            });
+            vm.parent = Some(parent);
+            vm.start_state = Some(state.clone());
+            reg.vms.insert(id, vm);
             out.push((id, rx));
         }
         Ok(out)

@@ -2,7 +2,6 @@
 //! its `vmm` process with a launch token, and wait until the guest agent
 //! runs. Stopping a VMM.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
 use std::process::Stdio;
@@ -16,7 +15,7 @@ use shared::{GuestRegion, VmId, PAGE_SIZE};
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
-use super::vm::{FaultStats, Readahead, RunState, Vm};
+use super::vm::{RunState, Vm, VmParts};
 use super::{not_found, ApiError, ApiResult, Core};
 use crate::memory::GuestMemory;
 use crate::pages::{FileSource, PageSource, PageTable, UNINITIALIZED};
@@ -203,33 +202,17 @@ impl Core {
             Some(k) => k / 4,
             None => self.settings.readahead_pages,
         };
-        let vm = Vm {
+        let mut vm = Vm::new(VmParts {
             id,
-            state: RunState::Starting,
-            memory: Rc::new(memory),
+            memory,
             table: PageTable::new(pages, initial),
             self_src,
             vcpus: req.vcpus,
-            pid: None,
-            writer: None,
-            uffd: None,
-            vmm_base: 0,
-            pending: HashMap::new(),
-            next_seq: 0,
-            ready: Some(ready_tx),
-            exit_reason: None,
             fault_around_pages,
-            readahead: Readahead {
-                next: u64::MAX,
-                window: 0,
-                max_pages: readahead_pages,
-            },
-            stats: FaultStats::default(),
-            parent: None,
-            volume: req.volume.clone(),
-            start_state: None,
-            deleted: false,
-        };
+            readahead_pages,
+            ready: ready_tx,
+        });
+        vm.volume = req.volume.clone();
         reg.vms.insert(id, vm);
         if req.prefetch {
             for p in 0..pages {

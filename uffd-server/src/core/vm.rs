@@ -99,7 +99,51 @@ pub struct Vm {
     pub deleted: bool,
 }
 
+/// What a new VM is made of; everything else starts empty.
+#[derive(Debug)]
+pub struct VmParts {
+    pub id: VmId,
+    pub memory: GuestMemory,
+    pub table: PageTable,
+    pub self_src: SourceId,
+    pub vcpus: u8,
+    pub fault_around_pages: u64,
+    pub readahead_pages: u64,
+    pub ready: oneshot::Sender<Result<(), String>>,
+}
+
 impl Vm {
+    /// A VM in `Starting` state, waiting for its VMM.
+    pub fn new(p: VmParts) -> Self {
+        Vm {
+            id: p.id,
+            state: RunState::Starting,
+            memory: Rc::new(p.memory),
+            table: p.table,
+            self_src: p.self_src,
+            vcpus: p.vcpus,
+            pid: None,
+            writer: None,
+            uffd: None,
+            vmm_base: 0,
+            pending: HashMap::new(),
+            next_seq: 0,
+            ready: Some(p.ready),
+            exit_reason: None,
+            fault_around_pages: p.fault_around_pages,
+            readahead: Readahead {
+                next: u64::MAX,
+                window: 0,
+                max_pages: p.readahead_pages,
+            },
+            stats: FaultStats::default(),
+            parent: None,
+            volume: None,
+            start_state: None,
+            deleted: false,
+        }
+    }
+
     /// Guest RAM size in MiB.
     pub fn memory_mib(&self) -> u64 {
         self.memory.size() >> 20
