@@ -300,6 +300,47 @@ impl TestServer {
             .unwrap_or_else(|| panic!("no result in {v}"))
     }
 
+    /// `fill` pages `[start, start+pages)` of `id` with `seed`'s pattern.
+    pub fn fill(&self, id: &str, start: u64, pages: u64, seed: u64) {
+        let r = self.exec(
+            id,
+            json!({"op": "fill", "start_page": start, "pages": pages, "seed": seed}),
+        );
+        assert_eq!(r, 0, "fill on {id} returned {r}");
+    }
+
+    /// `touch` (read, or rewrite unchanged) pages `[start, start+pages)`.
+    pub fn touch(&self, id: &str, start: u64, pages: u64, write: bool) {
+        self.exec(
+            id,
+            json!({"op": "touch", "start_page": start, "pages": pages, "write": write}),
+        );
+    }
+
+    /// Pages of `[start, start+pages)` whose fill words differ from `seed`'s.
+    pub fn verify(&self, id: &str, start: u64, pages: u64, seed: u64) -> u64 {
+        self.exec(
+            id,
+            json!({"op": "verify", "start_page": start, "pages": pages, "seed": seed}),
+        )
+    }
+
+    /// The guest's checksum of `[start, start+pages)`.
+    pub fn checksum(&self, id: &str, start: u64, pages: u64) -> u64 {
+        self.exec(
+            id,
+            json!({"op": "checksum", "start_page": start, "pages": pages}),
+        )
+    }
+
+    /// The VMM's digest of `[start, start+pages)`.
+    pub fn digest(&self, id: &str, start: u64, pages: u64) -> u64 {
+        self.exec(
+            id,
+            json!({"op": "digest", "start_page": start, "pages": pages}),
+        )
+    }
+
     /// Run a guest op and return the raw answer.
     pub fn try_exec(&self, id: &str, body: Value) -> (u16, Value) {
         self.api("POST", &format!("/v1/vms/{id}/exec"), Some(body))

@@ -14,41 +14,6 @@ use pagefork_tests::{
 };
 use serde_json::{json, Value};
 
-fn checksum(s: &TestServer, id: &str, start: u64, pages: u64) -> u64 {
-    s.exec(
-        id,
-        json!({"op": "checksum", "start_page": start, "pages": pages}),
-    )
-}
-
-fn digest(s: &TestServer, id: &str, start: u64, pages: u64) -> u64 {
-    s.exec(
-        id,
-        json!({"op": "digest", "start_page": start, "pages": pages}),
-    )
-}
-
-fn fill(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64) -> u64 {
-    s.exec(
-        id,
-        json!({"op": "fill", "start_page": start, "pages": pages, "seed": seed}),
-    )
-}
-
-fn verify(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64) -> u64 {
-    s.exec(
-        id,
-        json!({"op": "verify", "start_page": start, "pages": pages, "seed": seed}),
-    )
-}
-
-fn touch(s: &TestServer, id: &str, start: u64, pages: u64, write: bool) -> u64 {
-    s.exec(
-        id,
-        json!({"op": "touch", "start_page": start, "pages": pages, "write": write}),
-    )
-}
-
 fn pid_of(vm: &Value) -> u32 {
     vm["pid"]
         .as_u64()
@@ -92,7 +57,7 @@ fn image_backed_vm_checksum_and_digest_match_the_image_file() {
     assert_eq!(pages_total(&vm), pages, "{vm}");
 
     // Touching pages moves them from the file to the VM's own memory.
-    touch(&s, &id, 0, 1024, false);
+    s.touch(&id, 0, 1024, false);
     let vm = s.vm(&id);
     assert!(
         pages_by(&vm, "file") <= pages - 1024,
@@ -114,17 +79,17 @@ fn image_backed_vm_checksum_and_digest_match_the_image_file() {
     let want_sum = expected_checksum(&image.bytes, 0, pages);
     assert_ne!(want_sum, 0);
     assert_eq!(
-        checksum(&s, &id, 0, pages),
+        s.checksum(&id, 0, pages),
         want_sum,
         "guest checksum of all RAM"
     );
     assert_eq!(
-        checksum(&s, &id, 40_000, 777),
+        s.checksum(&id, 40_000, 777),
         expected_checksum(&image.bytes, 40_000, 777),
         "guest checksum of a sub-range"
     );
     assert_eq!(
-        digest(&s, &id, 0, pages),
+        s.digest(&id, 0, pages),
         expected_digest(&image.bytes, 0, pages),
         "VMM digest of all RAM"
     );
@@ -148,8 +113,8 @@ fn untouched_pages_of_a_vm_without_image_read_as_zero() {
     let vm = s.vm(&id);
     assert_eq!(pages_by(&vm, "uninitialized"), pages, "fresh VM: {vm}");
 
-    let sum = checksum(&s, &id, 0, pages);
-    let dig = digest(&s, &id, 0, pages);
+    let sum = s.checksum(&id, 0, pages);
+    let dig = s.digest(&id, 0, pages);
 
     assert_eq!(sum, 0, "checksum of untouched memory");
     assert_eq!(dig, 0, "digest of untouched memory");
@@ -171,44 +136,44 @@ fn verify_after_fill_reports_no_mismatches_and_checksum_matches_host_model() {
     let s = TestServer::start();
     let id = s.create_vm(json!({"memory_mib": mib, "vcpus": 1}));
 
-    fill(&s, &id, 0, pages, 42);
+    s.fill(&id, 0, pages, 42);
 
     assert_eq!(
-        verify(&s, &id, 0, pages, 42),
+        s.verify(&id, 0, pages, 42),
         0,
         "verify with the fill's seed"
     );
     assert_eq!(
-        verify(&s, &id, 0, pages, 43),
+        s.verify(&id, 0, pages, 43),
         pages,
         "verify with another seed"
     );
     assert_eq!(
-        verify(&s, &id, 100, 50, 7),
+        s.verify(&id, 100, 50, 7),
         50,
         "verify of a sub-range with another seed"
     );
     let want = filled_zero_memory(mib, 42);
     assert_eq!(
-        checksum(&s, &id, 0, pages),
+        s.checksum(&id, 0, pages),
         expected_checksum(&want, 0, pages),
         "checksum after fill"
     );
     assert_eq!(
-        digest(&s, &id, 0, pages),
+        s.digest(&id, 0, pages),
         expected_digest(&want, 0, pages),
         "digest after fill"
     );
 
     // A partial refill: only its pages change.
-    fill(&s, &id, 1000, 24, 9);
+    s.fill(&id, 1000, 24, 9);
     assert_eq!(
-        verify(&s, &id, 0, pages, 42),
+        s.verify(&id, 0, pages, 42),
         24,
         "pages refilled with seed 9"
     );
     assert_eq!(
-        verify(&s, &id, 990, 40, 9),
+        s.verify(&id, 990, 40, 9),
         16,
         "pages not refilled with seed 9"
     );
@@ -225,21 +190,21 @@ fn fill_over_an_image_changes_only_the_pattern_words() {
     let s = TestServer::start();
     let id = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source()}));
 
-    fill(&s, &id, 2000, 3000, 5);
+    s.fill(&id, 2000, 3000, 5);
 
     let mut want = image.bytes.clone();
     apply_fill(&mut want, 2000, 3000, 5);
-    assert_eq!(verify(&s, &id, 2000, 3000, 5), 0);
+    assert_eq!(s.verify(&id, 2000, 3000, 5), 0);
     assert_eq!(
-        verify(&s, &id, 0, pages, 5),
+        s.verify(&id, 0, pages, 5),
         pages - 3000,
         "pages outside the fill keep the image"
     );
     assert_eq!(
-        checksum(&s, &id, 0, pages),
+        s.checksum(&id, 0, pages),
         expected_checksum(&want, 0, pages)
     );
-    assert_eq!(digest(&s, &id, 0, pages), expected_digest(&want, 0, pages));
+    assert_eq!(s.digest(&id, 0, pages), expected_digest(&want, 0, pages));
 }
 
 #[test]
@@ -255,9 +220,9 @@ fn touch_read_and_write_leave_image_contents_unchanged() {
         json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
     );
 
-    touch(&s, &id, 0, 256, false);
+    s.touch(&id, 0, 256, false);
     let after_read = s.vm(&id);
-    touch(&s, &id, 256, 256, true);
+    s.touch(&id, 256, 256, true);
     let after_write = s.vm(&id);
 
     assert_eq!(
@@ -271,11 +236,11 @@ fn touch_read_and_write_leave_image_contents_unchanged() {
         "write touch installs the touched pages: {after_write}"
     );
     assert_eq!(
-        checksum(&s, &id, 0, pages),
+        s.checksum(&id, 0, pages),
         expected_checksum(&image.bytes, 0, pages)
     );
     assert_eq!(
-        digest(&s, &id, 0, pages),
+        s.digest(&id, 0, pages),
         expected_digest(&image.bytes, 0, pages)
     );
 }
@@ -303,12 +268,12 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
     );
 
     // 256 pages from an aligned start, then 20 pages from an unaligned one.
-    touch(&s, &off, 1024, 256, false);
-    touch(&s, &on, 1024, 256, false);
+    s.touch(&off, 1024, 256, false);
+    s.touch(&on, 1024, 256, false);
     let mid_off = s.vm(&off);
     let mid_on = s.vm(&on);
-    touch(&s, &off, 3000 + 6, 20, false);
-    touch(&s, &on, 3000 + 6, 20, false);
+    s.touch(&off, 3000 + 6, 20, false);
+    s.touch(&on, 3000 + 6, 20, false);
     let end_off = s.vm(&off);
     let end_on = s.vm(&on);
 
@@ -338,11 +303,11 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
     assert_eq!(delta(&mid_on, &end_on, "missing"), 3, "{end_on}");
     // And the pages installed around the fault carry the image's bytes.
     assert_eq!(
-        checksum(&s, &on, 2992, 48),
+        s.checksum(&on, 2992, 48),
         expected_checksum(&image.bytes, 2992, 48)
     );
     assert_eq!(
-        digest(&s, &on, 1024, 256),
+        s.digest(&on, 1024, 256),
         expected_digest(&image.bytes, 1024, 256)
     );
 }
@@ -366,14 +331,14 @@ fn four_vms_run_at_once_without_interference() {
                 sc.spawn(move || {
                     let id = s.create_vm(json!({"memory_mib": mib, "vcpus": 1}));
                     for round in 0..3 {
-                        fill(s, &id, 0, pages, seed + round);
+                        s.fill(&id, 0, pages, seed + round);
                         assert_eq!(
-                            verify(s, &id, 0, pages, seed + round),
+                            s.verify(&id, 0, pages, seed + round),
                             0,
                             "{id} round {round}"
                         );
                     }
-                    fill(s, &id, 0, pages, seed);
+                    s.fill(&id, 0, pages, seed);
                     id
                 })
             })
@@ -387,12 +352,12 @@ fn four_vms_run_at_once_without_interference() {
     for (i, id) in ids.iter().enumerate() {
         let want = filled_zero_memory(mib, seeds[i]);
         assert_eq!(
-            checksum(&s, id, 0, pages),
+            s.checksum(id, 0, pages),
             expected_checksum(&want, 0, pages),
             "{id}"
         );
         for (j, &other) in seeds.iter().enumerate() {
-            let mismatches = verify(&s, id, 0, pages, other);
+            let mismatches = s.verify(id, 0, pages, other);
             if i == j {
                 assert_eq!(mismatches, 0, "{id} with its own seed {other}");
             } else {
@@ -447,12 +412,8 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
         });
         let worker_a = sc.spawn(|| {
             for round in 0..6u64 {
-                fill(s, &a, 0, pages_of(64), round);
-                assert_eq!(
-                    verify(s, &a, 0, pages_of(64), round),
-                    0,
-                    "{a} round {round}"
-                );
+                s.fill(&a, 0, pages_of(64), round);
+                assert_eq!(s.verify(&a, 0, pages_of(64), round), 0, "{a} round {round}");
             }
         });
         // Let the victim get going, then kill it.
@@ -491,17 +452,17 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
 
     // The others answer correctly, after the kill too.
     assert_eq!(
-        checksum(&s, &b, 0, pages),
+        s.checksum(&b, 0, pages),
         expected_checksum(&image.bytes, 0, pages),
         "{b}"
     );
-    fill(&s, &a, 0, pages_of(64), 77);
-    assert_eq!(verify(&s, &a, 0, pages_of(64), 77), 0, "{a}");
+    s.fill(&a, 0, pages_of(64), 77);
+    assert_eq!(s.verify(&a, 0, pages_of(64), 77), 0, "{a}");
     assert_eq!(s.vm(&a)["state"], "running");
     assert_eq!(s.vm(&b)["state"], "running");
     // And the server still starts new VMs.
     let c = s.create_vm(json!({"memory_mib": 16}));
-    assert_eq!(checksum(&s, &c, 0, pages_of(16)), 0);
+    assert_eq!(s.checksum(&c, 0, pages_of(16)), 0);
 }
 
 fn is_zombie(pid: u32) -> bool {
@@ -521,7 +482,7 @@ fn exec_on_a_paused_vm_conflicts_until_resumed() {
     }
     let s = TestServer::start();
     let id = s.create_vm(json!({"memory_mib": 16}));
-    fill(&s, &id, 0, 100, 3);
+    s.fill(&id, 0, 100, 3);
 
     let (status, v) = s.api("POST", &format!("/v1/vms/{id}/pause"), None);
     assert_eq!(status, 200, "pause: {v}");
@@ -543,12 +504,12 @@ fn exec_on_a_paused_vm_conflicts_until_resumed() {
     assert_error(status, &v, 409, "running", "resume of a running VM");
 
     assert_eq!(
-        verify(&s, &id, 0, 100, 3),
+        s.verify(&id, 0, 100, 3),
         0,
         "memory kept across pause/resume"
     );
-    fill(&s, &id, 100, 100, 4);
-    assert_eq!(verify(&s, &id, 100, 100, 4), 0);
+    s.fill(&id, 100, 100, 4);
+    assert_eq!(s.verify(&id, 100, 100, 4), 0);
 }
 
 #[test]
@@ -706,9 +667,9 @@ fn bad_exec_requests_get_4xx_and_leave_the_vm_working() {
     assert_error(status, &v, 400, "body", "non-JSON exec body");
 
     // The whole of memory is a valid range, and the VM still works.
-    assert_eq!(checksum(&s, &id, 0, pages), 0);
-    fill(&s, &id, pages - 1, 1, 8);
-    assert_eq!(verify(&s, &id, pages - 1, 1, 8), 0);
+    assert_eq!(s.checksum(&id, 0, pages), 0);
+    s.fill(&id, pages - 1, 1, 8);
+    assert_eq!(s.verify(&id, pages - 1, 1, 8), 0);
 }
 
 #[test]
@@ -719,7 +680,7 @@ fn deleted_vm_has_no_process_and_is_not_listed() {
     let s = TestServer::start();
     let keep = s.create_vm(json!({"memory_mib": 16}));
     let gone = s.create_vm(json!({"memory_mib": 16}));
-    fill(&s, &keep, 0, 64, 1);
+    s.fill(&keep, 0, 64, 1);
     let pid = pid_of(&s.vm(&gone));
     assert!(process_exists(pid));
 
@@ -735,7 +696,7 @@ fn deleted_vm_has_no_process_and_is_not_listed() {
     assert_error(status, &v, 404, &gone, "GET of a deleted VM");
     let (status, v) = s.api("DELETE", &format!("/v1/vms/{gone}"), None);
     assert_error(status, &v, 404, &gone, "second DELETE");
-    assert_eq!(verify(&s, &keep, 0, 64, 1), 0, "the other VM is untouched");
+    assert_eq!(s.verify(&keep, 0, 64, 1), 0, "the other VM is untouched");
 }
 
 #[test]
@@ -772,18 +733,18 @@ fn sequential_faults_grow_the_readahead_window_up_to_its_limit() {
     // Fault-around 64 KiB (16 pages), readahead up to 2 MiB (512 pages).
     let vm = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(),
                                 "fault_around_kib": 64, "readahead_kib": 2048}));
-    touch(&s, &vm, 0, 4096, false);
+    s.touch(&vm, 0, 4096, false);
     let v = s.vm(&vm);
     // Windows 16, 32, 64, 128, 256, 512, then 512 each: 0..16, 16..48,
     // 48..112, 112..240, 240..496, 496..1008, and seven more of 512 pages.
     assert_eq!(fault_counter(&v, "missing"), 13, "{v}");
     assert_eq!(fault_counter(&v, "pages_installed"), 4592, "{v}");
     assert_eq!(
-        digest(&s, &vm, 0, 4592),
+        s.digest(&vm, 0, 4592),
         expected_digest(&image.bytes, 0, 4592)
     );
     // A jump elsewhere starts again from one aligned block.
-    touch(&s, &vm, 6000 + 3, 1, false);
+    s.touch(&vm, 6000 + 3, 1, false);
     let w = s.vm(&vm);
     assert_eq!(fault_counter(&w, "missing"), 14, "{w}");
     assert_eq!(fault_counter(&w, "pages_installed"), 4592 + 16, "{w}");

@@ -98,43 +98,6 @@ fn create(s: &TestServer, mib: u64) -> String {
     id
 }
 
-fn fill(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64) {
-    let r = s.exec(
-        id,
-        json!({ "op": "fill", "start_page": start, "pages": pages, "seed": seed }),
-    );
-    assert_eq!(r, 0, "fill on {id} returned {r}");
-}
-
-fn touch(s: &TestServer, id: &str, start: u64, pages: u64, write: bool) {
-    s.exec(
-        id,
-        json!({ "op": "touch", "start_page": start, "pages": pages, "write": write }),
-    );
-}
-
-/// Pages of `[start, start+pages)` whose fill words differ from `seed`'s.
-fn verify(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64) -> u64 {
-    s.exec(
-        id,
-        json!({ "op": "verify", "start_page": start, "pages": pages, "seed": seed }),
-    )
-}
-
-fn checksum(s: &TestServer, id: &str, start: u64, pages: u64) -> u64 {
-    s.exec(
-        id,
-        json!({ "op": "checksum", "start_page": start, "pages": pages }),
-    )
-}
-
-fn digest(s: &TestServer, id: &str, start: u64, pages: u64) -> u64 {
-    s.exec(
-        id,
-        json!({ "op": "digest", "start_page": start, "pages": pages }),
-    )
-}
-
 fn identity(s: &TestServer, id: &str) -> u64 {
     s.exec(id, json!({ "op": "identity" }))
 }
@@ -251,12 +214,12 @@ fn assert_invariant(s: &TestServer, when: &str) {
 /// Assert `id` answers the model exactly over all `pages`.
 fn assert_matches_model(s: &TestServer, id: &str, model: &Model, pages: u64) {
     assert_eq!(
-        checksum(s, id, 0, pages),
+        s.checksum(id, 0, pages),
         model.checksum(0, pages),
         "guest checksum of {id}"
     );
     assert_eq!(
-        digest(s, id, 0, pages),
+        s.digest(id, 0, pages),
         model.digest(0, pages),
         "VMM digest of {id}"
     );
@@ -305,11 +268,11 @@ fn server_holds_memfd(s: &TestServer, id: &str) -> bool {
 /// bisection, each with whether it still holds `old` (a lost write) or
 /// neither seed (a torn page). Reads materialize pages: diagnosis only.
 fn bad_pages(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64, old: u64) -> Vec<String> {
-    if pages == 0 || verify(s, id, start, pages, seed) == 0 {
+    if pages == 0 || s.verify(id, start, pages, seed) == 0 {
         return Vec::new();
     }
     if pages == 1 {
-        let what = if verify(s, id, start, 1, old) == 0 {
+        let what = if s.verify(id, start, 1, old) == 0 {
             "lost write (old seed)"
         } else {
             "torn"
@@ -335,24 +298,20 @@ fn fork_children_see_parent_memory_as_at_fork_time() {
     let s = TestServer::start();
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
-    fill(&s, &a, 0, total, 1);
+    s.fill(&a, 0, total, 1);
     let mut model = Model::new(total);
     model.fill(0, total, 1);
-    let (sum, dig) = (checksum(&s, &a, 0, total), digest(&s, &a, 0, total));
+    let (sum, dig) = (s.checksum(&a, 0, total), s.digest(&a, 0, total));
     assert_eq!(sum, model.checksum(0, total), "parent checksum before fork");
     assert_eq!(dig, model.digest(0, total), "parent digest before fork");
 
     let kids = children_of(&fork(&s, &a, 2));
     for k in &kids {
-        assert_eq!(checksum(&s, k, 0, total), sum, "checksum of child {k}");
-        assert_eq!(digest(&s, k, 0, total), dig, "digest of child {k}");
-        assert_eq!(verify(&s, k, 0, total, 1), 0, "verify(seed 1) of child {k}");
+        assert_eq!(s.checksum(k, 0, total), sum, "checksum of child {k}");
+        assert_eq!(s.digest(k, 0, total), dig, "digest of child {k}");
+        assert_eq!(s.verify(k, 0, total, 1), 0, "verify(seed 1) of child {k}");
     }
-    assert_eq!(
-        checksum(&s, &a, 0, total),
-        sum,
-        "parent checksum after fork"
-    );
+    assert_eq!(s.checksum(&a, 0, total), sum, "parent checksum after fork");
     assert_invariant(&s, "after the children read all memory");
 }
 
@@ -366,7 +325,7 @@ fn writes_after_fork_are_isolated_between_parent_and_children() {
     let total = pages_of(MIB_64); // 16384
     let part = total / 8; // 2048
     let a = create(&s, MIB_64);
-    fill(&s, &a, 0, total, 1);
+    s.fill(&a, 0, total, 1);
     let kids = children_of(&fork(&s, &a, 2));
 
     // Writers: the parent (seed 2) and each child (seed 100 + its
@@ -380,25 +339,25 @@ fn writes_after_fork_are_isolated_between_parent_and_children() {
     let own_part = |i: usize| (u64::try_from(i).expect("small") + 1) * part; // parts 1..=3
     let common = 6 * part; // part 6 is written by everybody
     for (i, (id, seed)) in writers.iter().enumerate() {
-        fill(&s, id, own_part(i), part, *seed);
-        fill(&s, id, common, part, *seed);
+        s.fill(id, own_part(i), part, *seed);
+        s.fill(id, common, part, *seed);
     }
     assert_invariant(&s, "after the isolated writes");
 
     for (i, (id, seed)) in writers.iter().enumerate() {
         // Own writes, exactly.
         assert_eq!(
-            verify(&s, id, own_part(i), part, *seed),
+            s.verify(id, own_part(i), part, *seed),
             0,
             "{id} own part, own seed"
         );
         assert_eq!(
-            verify(&s, id, own_part(i), part, 1),
+            s.verify(id, own_part(i), part, 1),
             part,
             "{id} own part is no longer seed 1"
         );
         assert_eq!(
-            verify(&s, id, common, part, *seed),
+            s.verify(id, common, part, *seed),
             0,
             "{id} common part holds its own seed"
         );
@@ -408,17 +367,17 @@ fn writes_after_fork_are_isolated_between_parent_and_children() {
                 continue;
             }
             assert_eq!(
-                verify(&s, id, own_part(j), part, 1),
+                s.verify(id, own_part(j), part, 1),
                 0,
                 "{id} sees {other}'s part as seed 1"
             );
             assert_eq!(
-                verify(&s, id, own_part(j), part, *other_seed),
+                s.verify(id, own_part(j), part, *other_seed),
                 part,
                 "{id} sees none of {other}'s writes"
             );
             assert_eq!(
-                verify(&s, id, common, part, *other_seed),
+                s.verify(id, common, part, *other_seed),
                 part,
                 "{id}'s common part has none of {other}'s"
             );
@@ -426,7 +385,7 @@ fn writes_after_fork_are_isolated_between_parent_and_children() {
         // Pages nobody wrote: part 0, parts 4..=5, part 7.
         for (start, pages) in [(0, part), (4 * part, 2 * part), (7 * part, part)] {
             assert_eq!(
-                verify(&s, id, start, pages, 1),
+                s.verify(id, start, pages, 1),
                 0,
                 "{id} untouched pages {start}+{pages} are seed 1"
             );
@@ -450,7 +409,7 @@ fn fork_keeps_parent_vmm_process_and_guest_running() {
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
     let pid = s.vm(&a)["pid"].as_u64().expect("parent pid");
-    fill(&s, &a, 0, total, 1);
+    s.fill(&a, 0, total, 1);
 
     let kids = children_of(&fork(&s, &a, 1));
     let info = s.vm(&a);
@@ -474,10 +433,10 @@ fn fork_keeps_parent_vmm_process_and_guest_running() {
 
     // The parent's guest keeps working: identity, writes and reads.
     assert_eq!(identity(&s, &a), num(&a));
-    fill(&s, &a, 100, 1000, 3);
-    assert_eq!(verify(&s, &a, 100, 1000, 3), 0);
-    assert_eq!(verify(&s, &a, 0, 100, 1), 0);
-    assert_eq!(verify(&s, &a, 1100, total - 1100, 1), 0);
+    s.fill(&a, 100, 1000, 3);
+    assert_eq!(s.verify(&a, 100, 1000, 3), 0);
+    assert_eq!(s.verify(&a, 0, 100, 1), 0);
+    assert_eq!(s.verify(&a, 1100, total - 1100, 1), 0);
     // A second fork of the same parent works too.
     let more = children_of(&fork(&s, &a, 1));
     assert_eq!(
@@ -486,15 +445,11 @@ fn fork_keeps_parent_vmm_process_and_guest_running() {
         "parent pid after a second fork"
     );
     assert_eq!(
-        verify(&s, &more[0], 100, 1000, 3),
+        s.verify(&more[0], 100, 1000, 3),
         0,
         "second child sees the parent's post-fork writes"
     );
-    assert_eq!(
-        verify(&s, &kids[0], 100, 1000, 1),
-        0,
-        "first child does not"
-    );
+    assert_eq!(s.verify(&kids[0], 100, 1000, 1), 0, "first child does not");
     assert_invariant(&s, "at the end");
 }
 
@@ -510,11 +465,11 @@ fn grandchild_keeps_pre_write_page_when_parent_reads_then_grandparent_writes() {
     let s = TestServer::start();
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
-    fill(&s, &a, 0, total, 1);
+    s.fill(&a, 0, total, 1);
     let b = children_of(&fork(&s, &a, 1)).remove(0);
     // s_: B materializes it before forking C (so it is Vm(B), protected).
     let (p, q, r, s_) = (1000, 2000, 3000, 4000);
-    touch(&s, &b, s_, 1, false);
+    s.touch(&b, s_, 1, false);
     assert_page(&s, &b, s_, &b, true);
     let c = children_of(&fork(&s, &b, 1)).remove(0);
     assert_eq!(s.vm(&c)["parent"], b.as_str());
@@ -524,49 +479,49 @@ fn grandchild_keeps_pre_write_page_when_parent_reads_then_grandparent_writes() {
     assert_page(&s, &c, s_, &b, false);
 
     // B reads p: B's copy comes from A; C still reads from A.
-    touch(&s, &b, p, 1, false);
+    s.touch(&b, p, 1, false);
     assert_page(&s, &b, p, &b, true);
     assert_page(&s, &c, p, &a, false);
     assert_page(&s, &a, p, &a, true);
     assert_invariant(&s, "after B read p");
 
     // A writes p (seed 9): C gets A's pre-write page, B keeps its copy.
-    fill(&s, &a, p, 1, 9);
+    s.fill(&a, p, 1, 9);
     assert_page(&s, &c, p, &c, true);
     assert_page(&s, &b, p, &b, true);
-    assert_eq!(verify(&s, &a, p, 1, 9), 0, "A sees its new data on p");
-    assert_eq!(verify(&s, &b, p, 1, 1), 0, "B sees p as at its fork");
-    assert_eq!(verify(&s, &c, p, 1, 1), 0, "C sees p as at B's fork");
+    assert_eq!(s.verify(&a, p, 1, 9), 0, "A sees its new data on p");
+    assert_eq!(s.verify(&b, p, 1, 1), 0, "B sees p as at its fork");
+    assert_eq!(s.verify(&c, p, 1, 1), 0, "C sees p as at B's fork");
     assert_invariant(&s, "after A wrote p");
 
     // B writes p (seed 11): C is unaffected.
-    fill(&s, &b, p, 1, 11);
-    assert_eq!(verify(&s, &b, p, 1, 11), 0, "B sees its write");
-    assert_eq!(verify(&s, &c, p, 1, 1), 0, "C unaffected by B's write");
-    assert_eq!(verify(&s, &a, p, 1, 9), 0, "A unaffected by B's write");
+    s.fill(&b, p, 1, 11);
+    assert_eq!(s.verify(&b, p, 1, 11), 0, "B sees its write");
+    assert_eq!(s.verify(&c, p, 1, 1), 0, "C unaffected by B's write");
+    assert_eq!(s.verify(&a, p, 1, 9), 0, "A unaffected by B's write");
     assert_page(&s, &c, p, &c, true);
 
     // q: nobody reads it first; A writes it: B and C both get the old page.
-    fill(&s, &a, q, 1, 9);
+    s.fill(&a, q, 1, 9);
     assert_page(&s, &b, q, &b, true);
     assert_page(&s, &c, q, &c, true);
-    assert_eq!(verify(&s, &b, q, 1, 1), 0);
-    assert_eq!(verify(&s, &c, q, 1, 1), 0);
+    assert_eq!(s.verify(&b, q, 1, 1), 0);
+    assert_eq!(s.verify(&c, q, 1, 1), 0);
 
     // r: B writes it without reading first (MISSING with write); C still
     // reads it from A.
-    fill(&s, &b, r, 1, 12);
+    s.fill(&b, r, 1, 12);
     assert_page(&s, &b, r, &b, true);
     assert_page(&s, &c, r, &a, false);
-    assert_eq!(verify(&s, &c, r, 1, 1), 0);
-    assert_eq!(verify(&s, &b, r, 1, 12), 0);
+    assert_eq!(s.verify(&c, r, 1, 1), 0);
+    assert_eq!(s.verify(&b, r, 1, 12), 0);
 
     // s_: materialized in B before C's fork; B's write (WP) gives C the
     // pre-write page.
-    fill(&s, &b, s_, 1, 13);
+    s.fill(&b, s_, 1, 13);
     assert_page(&s, &c, s_, &c, true);
-    assert_eq!(verify(&s, &c, s_, 1, 1), 0);
-    assert_eq!(verify(&s, &b, s_, 1, 13), 0);
+    assert_eq!(s.verify(&c, s_, 1, 1), 0);
+    assert_eq!(s.verify(&b, s_, 1, 13), 0);
     assert_invariant(&s, "after all the writes");
 
     // Whole-memory check of each VM against its model.
@@ -597,8 +552,8 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
     let s = TestServer::start();
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
-    fill(&s, &a, 0, total, 1);
-    let dig = digest(&s, &a, 0, total);
+    s.fill(&a, 0, total, 1);
+    let dig = s.digest(&a, 0, total);
     let kids = children_of(&fork(&s, &a, 2));
     let d = delete(&s, &a);
     assert_eq!(
@@ -629,13 +584,13 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
 
     // First child reads everything; the second still depends on the parent.
     assert_eq!(
-        verify(&s, &kids[0], 0, total, 1),
+        s.verify(&kids[0], 0, total, 1),
         0,
         "child {} verify after parent delete",
         kids[0]
     );
     assert_eq!(
-        digest(&s, &kids[0], 0, total),
+        s.digest(&kids[0], 0, total),
         dig,
         "child {} digest",
         kids[0]
@@ -646,13 +601,13 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
 
     // The second child reads everything: the last reference goes.
     assert_eq!(
-        verify(&s, &kids[1], 0, total, 1),
+        s.verify(&kids[1], 0, total, 1),
         0,
         "child {} verify after parent delete",
         kids[1]
     );
     assert_eq!(
-        digest(&s, &kids[1], 0, total),
+        s.digest(&kids[1], 0, total),
         dig,
         "child {} digest",
         kids[1]
@@ -691,9 +646,9 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
     let total = pages_of(MIB_64);
     let x = 0;
     let a = create(&s, MIB_64);
-    fill(&s, &a, 0, total, 1);
+    s.fill(&a, 0, total, 1);
     let b = children_of(&fork(&s, &a, 1)).remove(0);
-    fill(&s, &b, x, 1, 7);
+    s.fill(&b, x, 1, 7);
     let c = children_of(&fork(&s, &b, 1)).remove(0);
     assert_eq!(
         by_source(&s, &c),
@@ -704,7 +659,7 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
     assert_eq!(tree_node(&s, &b).expect("frozen B")["state"], "deleted");
 
     // C reads every page it holds from A.
-    assert_eq!(verify(&s, &c, 1, total - 1, 1), 0);
+    assert_eq!(s.verify(&c, 1, total - 1, 1), 0);
     assert_eq!(
         by_source(&s, &c),
         BTreeMap::from([(c.clone(), total - 1), (b.clone(), 1)])
@@ -720,7 +675,7 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
 
     // C reads x from B: B goes too.
     assert_eq!(
-        verify(&s, &c, x, 1, 7),
+        s.verify(&c, x, 1, 7),
         0,
         "C sees B's write made before C's fork"
     );
@@ -750,7 +705,7 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
     let slack_kib = 32 * 1024;
     let baseline = settled_shmem_kib();
     let a = create(&s, mib);
-    fill(&s, &a, 0, total, 1);
+    s.fill(&a, 0, total, 1);
     let filled = shmem_kib();
     assert!(
         filled + slack_kib >= baseline + mib * 1024,
@@ -763,7 +718,7 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
     let k = 1024;
     for (i, kid) in kids.iter().enumerate() {
         let start = u64::try_from(i).expect("small") * k;
-        assert_eq!(verify(&s, kid, start, k, 1), 0);
+        assert_eq!(s.verify(kid, start, k, 1), 0);
         assert_eq!(
             by_source(&s, kid),
             BTreeMap::from([(kid.clone(), k), (a.clone(), total - k)])
@@ -812,8 +767,8 @@ fn ten_children_forked_in_one_request_all_answer() {
     let s = TestServer::start();
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
-    fill(&s, &a, 0, total, 1);
-    let sum = checksum(&s, &a, 0, total);
+    s.fill(&a, 0, total, 1);
+    let sum = s.checksum(&a, 0, total);
     let mut model = Model::new(total);
     model.fill(0, total, 1);
     assert_eq!(sum, model.checksum(0, total));
@@ -831,7 +786,7 @@ fn ten_children_forked_in_one_request_all_answer() {
         let me = identity(&s, k);
         assert_eq!(me, num(k), "identity of {k}");
         ids.insert(me);
-        assert_eq!(checksum(&s, k, 0, total), sum, "checksum of child {k}");
+        assert_eq!(s.checksum(k, 0, total), sum, "checksum of child {k}");
     }
     assert_eq!(ids.len(), 10, "identities distinct: {ids:?}");
     assert!(!ids.contains(&num(&a)));
@@ -865,7 +820,7 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
     let mib = 256;
     let total = pages_of(mib);
     let a = create(&s, mib);
-    fill(&s, &a, 0, total, 1);
+    s.fill(&a, 0, total, 1);
     let mut old = 1;
     let mut delay = Duration::from_millis(120);
     for attempt in 0..6u64 {
@@ -873,7 +828,7 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
         let (answer, fill_us) = thread::scope(|sc| {
             let filler = sc.spawn(|| {
                 let t = Instant::now();
-                fill(&s, &a, 0, total, seed);
+                s.fill(&a, 0, total, seed);
                 t.elapsed().as_micros()
             });
             thread::sleep(delay);
@@ -893,7 +848,7 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
         );
         if k == 0 || k == total {
             // The fork fell before the fill started or after it ended.
-            let started = verify(&s, &kids[0], 0, 1, seed) == 0;
+            let started = s.verify(&kids[0], 0, 1, seed) == 0;
             for kid in &kids {
                 delete(&s, kid);
             }
@@ -917,18 +872,14 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
         assert_invariant(&s, "right after the mid-fill fork");
         let mut model = Model::new(total);
         model.fill(0, total, seed);
+        assert_eq!(s.verify(&a, 0, total, seed), 0, "parent finished its fill");
         assert_eq!(
-            verify(&s, &a, 0, total, seed),
-            0,
-            "parent finished its fill"
-        );
-        assert_eq!(
-            digest(&s, &a, 0, total),
+            s.digest(&a, 0, total),
             model.digest(0, total),
             "parent digest (no torn page)"
         );
         for kid in &kids {
-            let bad = verify(&s, kid, 0, total, seed);
+            let bad = s.verify(kid, 0, total, seed);
             if bad != 0 {
                 let pages = bad_pages(&s, kid, 0, total, seed, old);
                 panic!(
@@ -936,7 +887,7 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
                 );
             }
             assert_eq!(
-                digest(&s, kid, 0, total),
+                s.digest(kid, 0, total),
                 model.digest(0, total),
                 "child {kid} digest (no torn page)"
             );
@@ -961,7 +912,7 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
     let total = pages_of(MIB_64); // 16384
     let half = total / 2;
     let a = create(&s, MIB_64);
-    fill(&s, &a, 0, half, 1);
+    s.fill(&a, 0, half, 1);
     assert_eq!(
         by_source(&s, &a),
         BTreeMap::from([(a.clone(), half), ("uninitialized".into(), half)])
@@ -981,8 +932,8 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
     // The child reads k pages the parent holds and z never-written pages.
     let (k_start, k) = (100, 1000);
     let (z_start, z) = (10_000, 500);
-    touch(&s, &c, k_start, k, false);
-    touch(&s, &c, z_start, z, false);
+    s.touch(&c, k_start, k, false);
+    s.touch(&c, z_start, z, false);
     assert_eq!(
         by_source(&s, &c),
         BTreeMap::from([
@@ -1029,8 +980,8 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
     let wp_before = pagefork_tests::fault_counter(&s.vm(&a), "write_protect");
     let w = 50;
     let (u_start, u) = (12_000, 100);
-    fill(&s, &a, 0, w, 3);
-    fill(&s, &a, u_start, u, 3);
+    s.fill(&a, 0, w, 3);
+    s.fill(&a, u_start, u, 3);
     assert_eq!(
         pagefork_tests::fault_counter(&s.vm(&a), "write_protect") - wp_before,
         w,
@@ -1054,9 +1005,9 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
         reads_from(&tree_node(&s, &c).expect("child")),
         BTreeMap::from([(a.clone(), half - k - w)])
     );
-    assert_eq!(verify(&s, &c, 0, w, 1), 0, "child kept the pre-write pages");
+    assert_eq!(s.verify(&c, 0, w, 1), 0, "child kept the pre-write pages");
     assert_eq!(
-        checksum(&s, &c, u_start, u),
+        s.checksum(&c, u_start, u),
         0,
         "child still reads the parent's new pages as zero"
     );
