@@ -21,25 +21,11 @@ use proto::vmm::{LaunchConfig, Reply, Request, ServerMsg, VmmMsg};
 use shared::{pattern, GuestOp, GuestRegion, VmId, VmState, PAGE_SIZE};
 use userfaultfd::{Event, FaultKind, Uffd};
 
+mod common;
+use common::kvm_available;
+
 const PAGES: u64 = 1024;
 const SEED: u64 = 3;
-
-fn kvm_available() -> bool {
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("CI=true but /dev/kvm is unusable: {e}");
-            }
-            eprintln!("skipping: /dev/kvm is unusable ({e})");
-            false
-        }
-    }
-}
 
 /// The bytes the fake server serves for page `p`.
 fn source_page(p: u64) -> Vec<u8> {

@@ -13,22 +13,8 @@ use serde_json::Value;
 use shared::pattern::{self, SECTOR_SIZE};
 use shared::PAGE_SIZE;
 
-fn kvm_available() -> bool {
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-    {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("CI=true but /dev/kvm is unusable: {e}");
-            }
-            eprintln!("skipping: /dev/kvm is unusable ({e})");
-            false
-        }
-    }
-}
+mod common;
+use common::kvm_available;
 
 /// Run the standalone VMM; returns the JSON reply lines keyed by step.
 fn run(args: &[&str], steps: &[String]) -> Vec<Value> {
