@@ -39,7 +39,7 @@ pub enum VmmMsg {
     /// Answer to a server request.
     Reply {
         seq: u64,
-        result: Result<Reply, String>,
+        result: Result<Reply, RequestError>,
     },
     /// Guest console output.
     Console { text: String },
@@ -87,6 +87,19 @@ pub enum Request {
     Stop,
 }
 
+impl Request {
+    /// The request's name, for errors and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Pause => "pause",
+            Request::Resume => "resume",
+            Request::CaptureState => "capture the state of",
+            Request::Exec(_) => "exec",
+            Request::Stop => "stop",
+        }
+    }
+}
+
 /// Successful answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
@@ -96,6 +109,36 @@ pub enum Reply {
     State(VmState),
     /// The guest op's result.
     Op(OpResult),
+}
+
+/// Why a VMM could not carry out a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum RequestError {
+    /// The op does not fit this VM (pages outside memory, sectors past the
+    /// disk, no disk).
+    #[error("invalid op: {0}")]
+    InvalidOp(String),
+    /// The op is not supported by this VMM.
+    #[error("op {0} is not supported")]
+    Unsupported(String),
+    /// The VM must be paused first (capture).
+    #[error("the VM is not paused; pause it first")]
+    NotPaused,
+    /// The vCPUs did not stop in time.
+    #[error("vCPUs did not pause within {ms} ms")]
+    PauseTimeout { ms: u64 },
+    /// A vCPU thread has exited.
+    #[error("a vCPU thread has exited")]
+    VcpuGone,
+    /// Reading or writing guest memory failed.
+    #[error("guest memory access failed: {0}")]
+    Memory(String),
+    /// The guest agent or a device reported a failure.
+    #[error("the guest failed: {0}")]
+    Guest(String),
+    /// A worker thread of the VMM has stopped.
+    #[error("the VMM's {0} worker has stopped")]
+    WorkerGone(String),
 }
 
 /// Errors of this module.

@@ -4,12 +4,14 @@
 //!
 //! This crate does no I/O.
 
+pub mod error;
 pub mod geometry;
 pub mod id;
 pub mod op;
 pub mod pattern;
 pub mod state;
 
+pub use error::chain as error_chain;
 pub use geometry::{GuestRegion, PAGE_SHIFT, PAGE_SIZE};
 pub use id::{ParseVmIdError, VmId};
 pub use op::{GuestOp, OpResult};

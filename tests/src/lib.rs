@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use rand::{RngCore, SeedableRng};
 use serde_json::{json, Value};
 use shared::PAGE_SIZE;
-use uffd_server::client::Client;
+use uffdctl::client::Client;
 
 /// How long one API call may take before the test fails instead of hanging.
 pub const API_TIMEOUT: Duration = Duration::from_secs(120);

@@ -630,7 +630,11 @@ fn bad_exec_requests_get_4xx_and_leave_the_vm_working() {
     let pages = pages_of(16);
     let id = s.create_vm(json!({"memory_mib": 16}));
     let cases: Vec<(&str, Value, &str)> = vec![
-        ("unknown op", json!({"op": "explode"}), "unknown op"),
+        (
+            "unknown op",
+            json!({"op": "explode"}),
+            "unknown variant `explode`",
+        ),
         (
             "range past the end",
             json!({"op": "checksum", "start_page": pages - 10, "pages": 11}),

@@ -3,13 +3,10 @@
 //! control API.
 
 pub mod api;
-pub mod cli;
-pub mod cli_volume;
-pub mod client;
+pub mod conn;
 pub mod core;
-pub mod firecracker;
+pub mod images;
 pub mod memory;
 pub mod pages;
 pub mod uffd_ffi;
-pub mod vmm_conn;
 pub mod volume;

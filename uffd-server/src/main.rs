@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use tracing::{error, info, warn};
+use uffd_server::conn::{self, PendingLaunches};
 use uffd_server::core::{CommandKind, Core, Settings};
-use uffd_server::vmm_conn::{self, PendingLaunches};
 
 /// The pagefork page server: owns guest RAM, serves VM page faults, forks VMs.
 #[derive(Debug, Parser)]
@@ -37,6 +37,50 @@ struct Args {
     /// it for later VMs of the same listener.
     #[arg(long)]
     working_set: bool,
+    /// How long a VMM may take to pause, resume or capture its state before
+    /// the request answers 504, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    vmm_deadline_ms: u64,
+    /// Requests in flight per VM at most; beyond it that VM answers 503.
+    #[arg(long, default_value_t = 64)]
+    vmm_queue: usize,
+    /// API connections open at once at most; one more gets a 503.
+    #[arg(long, default_value_t = 256)]
+    api_max_connections: usize,
+    /// An API client must send a request's headers within this, in ms.
+    #[arg(long, default_value_t = 5000)]
+    api_header_timeout_ms: u64,
+    /// An API connection that moves no bytes for this long is closed, in ms.
+    #[arg(long, default_value_t = 60000)]
+    api_idle_timeout_ms: u64,
+    /// Logs of deleted VMs kept in logs/ for post-mortems.
+    #[arg(long, default_value_t = 32)]
+    keep_logs: usize,
+}
+
+/// Why the server cannot start.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("cannot create the state directory {}", .0.display())]
+    CreateStateDir(PathBuf, #[source] std::io::Error),
+    #[error("{0}")]
+    UnsafeStateDir(String),
+    #[error("another uffd-server already uses {}; stop it or pick another --state-dir", .0.display())]
+    Locked(PathBuf),
+    #[error("cannot open {}", .0.display())]
+    OpenLock(PathBuf, #[source] std::io::Error),
+    #[error("cannot find the server's own binary to locate vmm; pass --vmm-bin")]
+    OwnBinary(#[source] std::io::Error),
+    #[error("{0}")]
+    BadArgument(String),
+    #[error("cannot listen on {}", .0.display())]
+    Listen(PathBuf, #[source] std::io::Error),
+    #[error("cannot start a thread")]
+    Thread(#[source] std::io::Error),
+    #[error("cannot start the runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("firecracker listener {}", .0.display())]
+    Firecracker(PathBuf, #[source] Box<uffd_server::core::Error>),
 }
 
 fn default_state_dir() -> PathBuf {
@@ -58,19 +102,70 @@ fn bind_0600(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
 
 /// Hold an exclusive lock on DIR/lock so two servers never share a state
 /// dir. The lock lives as long as the returned guard.
-fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, String> {
+fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, StartError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("lock");
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(dir.join("lock"))
-        .map_err(|e| format!("cannot open {}/lock: {e}", dir.display()))?;
-    nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
-        format!(
-            "another uffd-server already uses {}; stop it or pick another --state-dir",
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|e| StartError::OpenLock(path, e))?;
+    nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| StartError::Locked(dir.to_owned()))
+}
+
+/// Create `dir` (0700) if missing and refuse one that another user owns or
+/// that group or others can write: the server (often root) would otherwise
+/// trust files someone else can plant there.
+fn prepare_private_dir(dir: &Path) -> Result<(), StartError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| StartError::CreateStateDir(dir.to_owned(), e))?;
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| StartError::CreateStateDir(dir.to_owned(), e))?;
+    let uid = nix::unistd::geteuid().as_raw();
+    if !meta.is_dir() {
+        return Err(StartError::UnsafeStateDir(format!(
+            "{} is not a directory",
             dir.display()
-        )
-    })
+        )));
+    }
+    if meta.uid() != uid {
+        return Err(StartError::UnsafeStateDir(format!(
+            "{} belongs to uid {}, not to this server's uid {uid}; use a directory of your own",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(StartError::UnsafeStateDir(format!(
+            "{} can be written by other users (mode {:o}); chmod go-w it or pick another --state-dir",
+            dir.display(),
+            meta.mode() & 0o777
+        )));
+    }
+    Ok(())
+}
+
+/// Raise the soft fd limit to the hard one: every VM holds a few fds
+/// (memfd, uffd, image, sockets), and the default soft limit (1024) is
+/// far below what a host with many VMs needs.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => info!("fd limit raised from {soft} to {hard}"),
+            Err(e) => warn!("cannot raise the fd limit from {soft} to {hard}: {e}"),
+        },
+        Ok((soft, _)) => info!("fd limit {soft}"),
+        Err(e) => warn!("cannot read the fd limit: {e}"),
+    }
 }
 
 fn main() -> ExitCode {
@@ -84,33 +179,36 @@ fn main() -> ExitCode {
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            error!("{e}");
+            error!("{}", shared::error_chain(&e));
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(args: Args) -> Result<(), String> {
+fn run(args: Args) -> Result<(), StartError> {
     let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
-    std::fs::create_dir_all(state_dir.join("logs"))
-        .map_err(|e| format!("cannot create state directory {}: {e}", state_dir.display()))?;
+    prepare_private_dir(&state_dir)?;
+    prepare_private_dir(&state_dir.join("logs"))?;
     let _lock = lock_state_dir(&state_dir)?;
+    raise_fd_limit();
     let vmm_bin = match args.vmm_bin {
         Some(p) => p,
         None => std::env::current_exe()
-            .map_err(|e| format!("cannot find own binary: {e}"))?
+            .map_err(StartError::OwnBinary)?
             .with_file_name("vmm"),
     };
     if args.fault_around_kib != 0
         && !(args.fault_around_kib.is_multiple_of(4)
             && (args.fault_around_kib / 4).is_power_of_two())
     {
-        return Err("--fault-around-kib must be 0 or a power-of-two multiple of 4".into());
+        return Err(StartError::BadArgument(
+            "--fault-around-kib must be 0 or a power-of-two multiple of 4".into(),
+        ));
     }
     let volumes = match uffd_server::volume::VolumeEngine::open(&state_dir) {
         Ok(engine) => Some(Arc::new(engine)),
         Err(e) => {
-            warn!("volumes unavailable: {}", uffd_server::core::chain(&e));
+            warn!("volumes unavailable: {}", e.chain());
             None
         }
     };
@@ -121,23 +219,29 @@ fn run(args: Args) -> Result<(), String> {
         readahead_pages: args.readahead_kib / 4,
         start_timeout: Duration::from_secs(30),
         exec_timeout: Duration::from_secs(300),
+        vmm_deadline: Duration::from_millis(args.vmm_deadline_ms.max(1)),
+        vmm_queue: args.vmm_queue.max(1),
+        keep_logs: args.keep_logs,
+    };
+    let limits = uffd_server::api::serve::Limits {
+        max_connections: args.api_max_connections.max(1),
+        header_timeout: Duration::from_millis(args.api_header_timeout_ms.max(1)),
+        idle_timeout: Duration::from_millis(args.api_idle_timeout_ms.max(1)),
     };
     let api_path = state_dir.join("api.sock");
     let vmm_path = state_dir.join("vmm.sock");
-    let vmm_listener = bind_0600(&vmm_path)
-        .map_err(|e| format!("cannot listen on {}: {e}", vmm_path.display()))?;
-    let api_listener = bind_0600(&api_path)
-        .map_err(|e| format!("cannot listen on {}: {e}", api_path.display()))?;
+    let vmm_listener = bind_0600(&vmm_path).map_err(|e| StartError::Listen(vmm_path.clone(), e))?;
+    let api_listener = bind_0600(&api_path).map_err(|e| StartError::Listen(api_path.clone(), e))?;
 
     let pending: PendingLaunches = Arc::default();
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
     let core_events = events_tx.clone();
     let mut fc_listeners = Vec::new();
     for spec in &args.firecracker {
-        let (sock, image) = spec
-            .split_once('=')
-            .ok_or_else(|| format!("--firecracker {spec}: expected SOCKET=IMAGE"))?;
-        fc_listeners.push(uffd_server::core::firecracker::CreateListener {
+        let (sock, image) = spec.split_once('=').ok_or_else(|| {
+            StartError::BadArgument(format!("--firecracker {spec}: expected SOCKET=IMAGE"))
+        })?;
+        fc_listeners.push(proto::api::CreateListener {
             socket: sock.into(),
             memory_source: proto::api::MemorySource::File { path: image.into() },
             fault_around_kib: None,
@@ -147,37 +251,37 @@ fn run(args: Args) -> Result<(), String> {
     }
     {
         let pending = pending.clone();
+        let queue = settings.vmm_queue + 8;
         std::thread::Builder::new()
             .name("vmm-accept".into())
-            .spawn(move || vmm_conn::accept_loop(vmm_listener, pending, events_tx))
-            .map_err(|e| format!("cannot start the vmm acceptor: {e}"))?;
+            .spawn(move || conn::vmm::accept_loop(vmm_listener, pending, events_tx, queue))
+            .map_err(StartError::Thread)?;
     }
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+        .map_err(StartError::Runtime)?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
         let core = Core::new(settings, pending, volumes.clone(), core_events);
         for l in fc_listeners {
-            let sock = l.socket.clone();
-            let _ = std::fs::remove_file(&sock);
+            let sock = PathBuf::from(&l.socket);
+            if std::fs::symlink_metadata(&sock)
+                .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+            {
+                let _ = std::fs::remove_file(&sock);
+            }
             core.add_fc_listener(l)
-                .map_err(|e| format!("firecracker listener {}: {}", sock.display(), e.message))?;
+                .map_err(|e| StartError::Firecracker(sock, Box::new(e)))?;
         }
         let (handle, commands) = Core::command_channel();
-        api_listener
+        let listener = api_listener
             .set_nonblocking(true)
-            .map_err(|e| e.to_string())?;
-        let listener =
-            tokio::net::UnixListener::from_std(api_listener).map_err(|e| e.to_string())?;
+            .and_then(|()| tokio::net::UnixListener::from_std(api_listener))
+            .map_err(|e| StartError::Listen(api_path.clone(), e))?;
         let app = uffd_server::api::router(handle.clone(), volumes);
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                error!("api server failed: {e}");
-            }
-        });
+        tokio::spawn(uffd_server::api::serve::serve(listener, app, limits));
         let stopper = handle.clone();
         tokio::spawn(async move {
             wait_for_signal().await;
@@ -193,7 +297,7 @@ fn run(args: Args) -> Result<(), String> {
         let _ = std::fs::remove_file(&api_path);
         let _ = std::fs::remove_file(&vmm_path);
         info!("stopped");
-        Ok::<(), String>(())
+        Ok::<(), StartError>(())
     })
 }
 

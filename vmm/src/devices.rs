@@ -32,12 +32,37 @@ impl Disk {
     }
 }
 
+/// A block device command that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("the VM has no disk")]
+    NoDisk,
+    #[error("cannot read the block device mailbox")]
+    Mailbox(#[source] crate::memory::MemoryError),
+    #[error("sector {sector} is past the end of the disk ({sectors} sectors)")]
+    PastEnd { sector: u64, sectors: u64 },
+    #[error("cannot write sector {sector}")]
+    Write {
+        sector: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read sector {sector}")]
+    Read {
+        sector: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("unknown block device command {0}")]
+    UnknownCommand(u8),
+}
+
 /// Devices seen by the agent vCPU.
 #[derive(Debug)]
 pub struct Devices {
     vm_id: u32,
     disk: Option<Disk>,
-    error: Option<String>,
+    error: Option<DiskError>,
 }
 
 impl Devices {
@@ -61,47 +86,47 @@ impl Devices {
             return false;
         }
         if let Err(e) = self.disk_command(mem, data.first().copied().unwrap_or(0)) {
-            tracing::warn!(error = %e, "block device command failed");
+            tracing::warn!(error = %shared::error_chain(&e), "block device command failed");
             self.error.get_or_insert(e);
         }
         true
     }
 
-    fn disk_command(&mut self, mem: &GuestRam, cmd: u8) -> Result<(), String> {
-        let disk = self.disk.as_ref().ok_or("the VM has no disk")?;
+    fn disk_command(&mut self, mem: &GuestRam, cmd: u8) -> Result<(), DiskError> {
+        let disk = self.disk.as_ref().ok_or(DiskError::NoDisk)?;
         let sector = mem
             .read_u64(MAILBOX + mailbox::DISK_SECTOR)
-            .map_err(|e| e.to_string())?;
+            .map_err(DiskError::Mailbox)?;
         let buf = mem
             .read_u64(MAILBOX + mailbox::DISK_BUF)
-            .map_err(|e| e.to_string())?;
+            .map_err(DiskError::Mailbox)?;
         if sector >= disk.sectors() {
-            return Err(format!(
-                "sector {sector} is past the end of the disk ({} sectors)",
-                disk.sectors()
-            ));
+            return Err(DiskError::PastEnd {
+                sector,
+                sectors: disk.sectors(),
+            });
         }
         let mut bytes = [0u8; SECTOR_BYTES];
         let off = sector * SECTOR_SIZE;
         match cmd {
             DISK_WRITE => {
-                mem.read(buf, &mut bytes).map_err(|e| e.to_string())?;
+                mem.read(buf, &mut bytes).map_err(DiskError::Mailbox)?;
                 disk.file
                     .write_all_at(&bytes, off)
-                    .map_err(|e| format!("cannot write sector {sector}: {e}"))
+                    .map_err(|e| DiskError::Write { sector, source: e })
             }
             DISK_READ => {
                 disk.file
                     .read_exact_at(&mut bytes, off)
-                    .map_err(|e| format!("cannot read sector {sector}: {e}"))?;
-                mem.write(buf, &bytes).map_err(|e| e.to_string())
+                    .map_err(|e| DiskError::Read { sector, source: e })?;
+                mem.write(buf, &bytes).map_err(DiskError::Mailbox)
             }
-            other => Err(format!("unknown block device command {other}")),
+            other => Err(DiskError::UnknownCommand(other)),
         }
     }
 
     /// The first device error since the last call.
-    pub fn take_error(&mut self) -> Option<String> {
+    pub fn take_error(&mut self) -> Option<DiskError> {
         self.error.take()
     }
 }

@@ -53,20 +53,8 @@ pub enum Error {
 /// Result alias of the binary.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// An error and its sources, one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        let m = c.to_string();
-        if !s.contains(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        src = c.source();
-    }
-    s
-}
+/// One line for an error and its sources.
+pub use shared::error_chain;
 
 fn main() {
     tracing_subscriber::fmt()

@@ -6,6 +6,7 @@
 //! of guest RAM by the VMM (digest, the block device's buffers) go through
 //! the same mapping KVM uses, so they fault through the userfaultfd.
 
+use proto::vmm::RequestError;
 use std::fs::File;
 use std::os::fd::OwnedFd;
 
@@ -145,7 +146,7 @@ impl GuestRam {
     }
 
     /// Check that pages `[start, start + pages)` lie inside one RAM region.
-    pub fn check_pages(&self, start: u64, pages: u64) -> std::result::Result<(), String> {
+    pub fn check_pages(&self, start: u64, pages: u64) -> std::result::Result<(), RequestError> {
         let ok = self.regions.iter().any(|r| {
             let first = r.guest_phys / PAGE_SIZE;
             start >= first && r.contains_pages(start - first, pages)
@@ -153,12 +154,12 @@ impl GuestRam {
         if ok {
             Ok(())
         } else {
-            Err(format!(
+            Err(RequestError::InvalidOp(format!(
                 "pages {start}..{} are outside guest RAM ({} pages ending at page {})",
                 start.saturating_add(pages),
                 self.regions.iter().map(GuestRegion::pages).sum::<u64>(),
                 self.ram_end() / PAGE_SIZE
-            ))
+            )))
         }
     }
 

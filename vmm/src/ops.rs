@@ -7,7 +7,7 @@
 use std::sync::mpsc;
 use std::time::Instant;
 
-use proto::vmm::{Reply, Request};
+use proto::vmm::{Reply, Request, RequestError};
 use shared::{GuestOp, OpResult};
 
 use crate::agent::opcode;
@@ -15,7 +15,7 @@ use crate::kvm::{Job, Machine};
 use crate::memory::GuestRam;
 
 /// Callback that receives a request's answer.
-pub type ReplyFn = Box<dyn FnOnce(Result<Reply, String>) + Send>;
+pub type ReplyFn = Box<dyn FnOnce(Result<Reply, RequestError>) + Send>;
 
 /// Errors of starting the dispatcher.
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +47,7 @@ fn digest_worker(mem: std::sync::Arc<GuestRam>, rx: mpsc::Receiver<HostJob>) {
     for (start_page, pages, t0, reply) in rx {
         let r = mem
             .digest(start_page, pages)
-            .map_err(|e| crate::error_chain(&e));
+            .map_err(|e| RequestError::Memory(shared::error_chain(&e)));
         reply(r.map(|value| {
             Reply::Op(OpResult {
                 value,
@@ -58,17 +58,22 @@ fn digest_worker(mem: std::sync::Arc<GuestRam>, rx: mpsc::Receiver<HostJob>) {
 }
 
 /// Check an op against the VM before running it.
-pub fn validate(mem: &GuestRam, disk_sectors: Option<u64>, op: &GuestOp) -> Result<(), String> {
+pub fn validate(
+    mem: &GuestRam,
+    disk_sectors: Option<u64>,
+    op: &GuestOp,
+) -> Result<(), RequestError> {
     if let Some((start, pages)) = op.page_range() {
         mem.check_pages(start, pages)?;
     }
     if let GuestOp::DiskFill { sector, count, .. } | GuestOp::DiskChecksum { sector, count } = *op {
-        let total = disk_sectors.ok_or("the VM has no disk")?;
+        let total =
+            disk_sectors.ok_or_else(|| RequestError::InvalidOp("the VM has no disk".into()))?;
         if sector.checked_add(count).is_none_or(|end| end > total) {
-            return Err(format!(
+            return Err(RequestError::InvalidOp(format!(
                 "sectors {sector}..{} are past the end of the disk ({total} sectors)",
                 sector.saturating_add(count)
-            ));
+            )));
         }
     }
     Ok(())
@@ -130,7 +135,7 @@ impl Dispatcher {
                 if let Err(mpsc::SendError((_, _, _, reply))) =
                     self.digests.send((start_page, pages, t0, reply))
                 {
-                    reply(Err("the digest worker has stopped".into()));
+                    reply(Err(RequestError::WorkerGone("digest".into())));
                 }
             }
             (_, Some((opcode, args))) => self.machine.queue(Job {
@@ -145,7 +150,7 @@ impl Dispatcher {
                     }))
                 }),
             }),
-            (_, None) => reply(Err(format!("op {} is not supported", op.name()))),
+            (_, None) => reply(Err(RequestError::Unsupported(op.name().into()))),
         }
     }
 

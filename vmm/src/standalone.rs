@@ -20,14 +20,14 @@ use crate::{Error, Result};
 /// How long to wait for the agent to reach its command wait.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
-fn summarize(result: &std::result::Result<Reply, String>) -> Value {
+fn summarize(result: &std::result::Result<Reply, proto::vmm::RequestError>) -> Value {
     match result {
         Ok(Reply::Done) => json!({"Ok": "Done"}),
         Ok(Reply::Op(r)) => json!({"Ok": {"Op": {"value": r.value, "elapsed_us": r.elapsed_us}}}),
         Ok(Reply::State(s)) => {
             json!({"Ok": {"State": {"vcpus": s.vcpus.len(), "devices_bytes": s.devices.len()}}})
         }
-        Err(e) => json!({"Err": e}),
+        Err(e) => json!({"Err": e.to_string()}),
     }
 }
 
@@ -35,7 +35,7 @@ struct Session {
     args_vcpus: usize,
     vm_id: u32,
     disk: Option<(std::fs::File, u64)>,
-    replies_tx: mpsc::Sender<(usize, std::result::Result<Reply, String>)>,
+    replies_tx: mpsc::Sender<(usize, std::result::Result<Reply, proto::vmm::RequestError>)>,
 }
 
 impl Session {
@@ -86,7 +86,11 @@ impl Session {
     }
 }
 
-fn print_reply(step: usize, request: &Request, result: &std::result::Result<Reply, String>) {
+fn print_reply(
+    step: usize,
+    request: &Request,
+    result: &std::result::Result<Reply, proto::vmm::RequestError>,
+) {
     let name = match request {
         Request::Exec(op) => op.name(),
         Request::Pause => "pause",

@@ -149,7 +149,7 @@ impl FakeServer {
         assert_eq!(m, VmmMsg::Running);
     }
 
-    fn request(&mut self, request: Request) -> Result<Reply, String> {
+    fn request(&mut self, request: Request) -> Result<Reply, proto::vmm::RequestError> {
         self.seq += 1;
         proto::vmm::send(
             &self.sock,

@@ -1,10 +1,14 @@
 //! The REST control API (JSON over a Unix socket), built on axum.
 //!
-//! Handlers parse and validate the request, then hand it to the core
-//! through a [`CoreHandle`]; they never touch VM state themselves. Every
-//! error is `{"error": "..."}` with a fitting status.
+//! Handlers parse the request into its `proto::api` type, then hand it to
+//! the core through a [`CoreHandle`]; they never touch VM state
+//! themselves. The core answers typed values ([`Answer`]) or a
+//! [`core::Error`](crate::core::Error); this is the only layer that turns
+//! them into JSON. Every error is [`ErrorBody`] with the status
+//! `Error::status` decides.
 
 pub mod openapi;
+pub mod serve;
 pub mod volumes;
 
 use axum::body::Bytes;
@@ -13,96 +17,90 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use proto::api::{ErrorBody, ForkRequest, Health};
 use serde::de::DeserializeOwned;
-use serde_json::{json, Value};
 use shared::VmId;
 
-use crate::core::{ApiError, CommandKind, CoreHandle};
+use crate::core::{Answer, CommandKind, CoreHandle, Error};
 
-impl IntoResponse for ApiError {
+impl IntoResponse for Error {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, Json(json!({ "error": self.message }))).into_response()
+        let status =
+            StatusCode::from_u16(self.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = ErrorBody {
+            error: self.message(),
+        };
+        (status, Json(body)).into_response()
     }
 }
 
 /// Parse a JSON body with a message that says what is wrong.
-pub fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+pub fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, Error> {
     if body.is_empty() {
-        return Err(ApiError::bad_request(
-            "request body is empty; send a JSON object",
+        return Err(Error::BadRequest(
+            "request body is empty; send a JSON object".into(),
         ));
     }
     serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+        .map_err(|e| Error::BadRequest(format!("invalid request body: {e}")))
 }
 
-fn vm_id(s: &str) -> Result<VmId, ApiError> {
-    s.parse()
-        .map_err(|e: shared::ParseVmIdError| ApiError::not_found(e.to_string()))
+fn vm_id(s: &str) -> Result<VmId, Error> {
+    s.parse().map_err(|_| Error::BadVmId(s.to_owned()))
 }
 
-type ApiResult = ApiResponse;
-type ApiResponse = Result<(StatusCode, Json<Value>), ApiError>;
+type ApiResult = Result<(StatusCode, Json<Answer>), Error>;
 
-async fn call(core: &CoreHandle, kind: CommandKind, status: StatusCode) -> ApiResponse {
+async fn call(core: &CoreHandle, kind: CommandKind, status: StatusCode) -> ApiResult {
     core.call(kind).await.map(|v| (status, Json(v)))
 }
 
-async fn health() -> Json<Value> {
-    Json(json!({ "status": "ok", "version": env!("CARGO_PKG_VERSION") }))
+async fn health() -> Json<Health> {
+    Json(Health {
+        status: "ok".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+    })
 }
 
-async fn create_vm(State(core): State<CoreHandle>, body: Bytes) -> ApiResponse {
+async fn create_vm(State(core): State<CoreHandle>, body: Bytes) -> ApiResult {
     let req = parse_body(&body)?;
     call(&core, CommandKind::CreateVm(req), StatusCode::CREATED).await
 }
 
-async fn list_vms(State(core): State<CoreHandle>) -> ApiResponse {
+async fn list_vms(State(core): State<CoreHandle>) -> ApiResult {
     call(&core, CommandKind::ListVms, StatusCode::OK).await
 }
 
-async fn get_vm(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResponse {
+async fn get_vm(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::GetVm(vm_id(&id)?), StatusCode::OK).await
 }
 
-async fn delete_vm(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResponse {
+async fn delete_vm(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::DeleteVm(vm_id(&id)?), StatusCode::OK).await
 }
 
-async fn pause(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResponse {
+async fn pause(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::Pause(vm_id(&id)?), StatusCode::OK).await
 }
 
-async fn resume(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResponse {
+async fn resume(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::Resume(vm_id(&id)?), StatusCode::OK).await
 }
 
-async fn exec(State(core): State<CoreHandle>, Path(id): Path<String>, body: Bytes) -> ApiResponse {
+async fn exec(State(core): State<CoreHandle>, Path(id): Path<String>, body: Bytes) -> ApiResult {
     let id = vm_id(&id)?;
     let req = parse_body(&body)?;
     call(&core, CommandKind::Exec(id, req), StatusCode::OK).await
 }
 
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ForkBody {
-    #[serde(default = "one")]
-    count: u32,
-}
-
-fn one() -> u32 {
-    1
-}
-
 async fn fork(State(core): State<CoreHandle>, Path(id): Path<String>, body: Bytes) -> ApiResult {
     let id = vm_id(&id)?;
-    let count = if body.is_empty() {
-        1
+    let req = if body.is_empty() {
+        ForkRequest::default()
     } else {
-        parse_body::<ForkBody>(&body)?.count
+        parse_body(&body)?
     };
-    call(&core, CommandKind::Fork(id, count), StatusCode::CREATED).await
+    call(&core, CommandKind::Fork(id, req), StatusCode::CREATED).await
 }
 
 async fn sources(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
@@ -115,7 +113,7 @@ async fn page(
 ) -> ApiResult {
     let page = page
         .parse()
-        .map_err(|_| ApiError::bad_request(format!("page '{page}' is not a page number")))?;
+        .map_err(|_| Error::BadRequest(format!("page '{page}' is not a page number")))?;
     call(&core, CommandKind::Page(vm_id(&id)?, page), StatusCode::OK).await
 }
 
@@ -140,18 +138,16 @@ async fn delete_listener(State(core): State<CoreHandle>, Path(id): Path<String>)
     let n = id
         .strip_prefix("fc-")
         .and_then(|n| n.parse().ok())
-        .ok_or_else(|| {
-            ApiError::not_found(format!("'{id}' is not a listener id; ids look like fc-1"))
-        })?;
+        .ok_or_else(|| Error::NoSuchListener(id.clone()))?;
     call(&core, CommandKind::DeleteFcListener(n), StatusCode::OK).await
 }
 
-async fn openapi_doc() -> Json<Value> {
+async fn openapi_doc() -> Json<serde_json::Value> {
     Json(openapi::document())
 }
 
-async fn not_found() -> ApiError {
-    ApiError::not_found("no such route; see GET /v1/openapi.json")
+async fn not_found() -> Error {
+    Error::NoSuchRoute
 }
 
 /// The whole API.

@@ -27,14 +27,15 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use proto::api::{CreateVolume, CreateVolumeSnapshot, Deleted, GrowVolume, RollbackVolume};
+use serde::Serialize;
+use serde_json::Value;
 
-use crate::volume::{ErrorKind, VolumeEngine, VolumeError};
+use super::parse_body as parse;
+use crate::core::Error;
+use crate::volume::VolumeEngine;
 
 const MIB: u64 = 1 << 20;
 
@@ -58,95 +59,11 @@ pub fn router(engine: Arc<VolumeEngine>) -> Router {
         .with_state(engine)
 }
 
-/// An error answer: status and message.
-#[derive(Debug)]
-pub struct VolumeApiError {
-    status: StatusCode,
-    message: String,
-}
+type ApiResult = Result<(StatusCode, Json<Value>), Error>;
 
-impl VolumeApiError {
-    fn bad_request(message: impl Into<String>) -> Self {
-        VolumeApiError {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-        }
-    }
-}
-
-impl From<VolumeError> for VolumeApiError {
-    fn from(e: VolumeError) -> Self {
-        VolumeApiError {
-            status: status_of(e.kind()),
-            message: e.chain(),
-        }
-    }
-}
-
-impl IntoResponse for VolumeApiError {
-    fn into_response(self) -> Response {
-        (self.status, Json(json!({ "error": self.message }))).into_response()
-    }
-}
-
-/// The HTTP status of an engine error class.
-pub fn status_of(kind: ErrorKind) -> StatusCode {
-    match kind {
-        ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
-        ErrorKind::NotFound => StatusCode::NOT_FOUND,
-        ErrorKind::Conflict => StatusCode::CONFLICT,
-        ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-        ErrorKind::Io => StatusCode::INTERNAL_SERVER_ERROR,
-    }
-}
-
-type ApiResult = Result<(StatusCode, Json<Value>), VolumeApiError>;
-
-/// `POST /v1/volumes`: exactly one of `size_mib` and `from_snapshot`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateVolume {
-    pub name: String,
-    pub size_mib: Option<u64>,
-    pub from_snapshot: Option<String>,
-}
-
-/// `POST /v1/volumes/{name}/grow`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GrowVolume {
-    pub size_mib: u64,
-}
-
-/// `POST .../snapshots`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSnapshot {
-    pub name: String,
-}
-
-/// `POST /v1/volumes/{name}/rollback`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RollbackVolume {
-    pub snapshot: String,
-    #[serde(default)]
-    pub delete_newer: bool,
-}
-
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, VolumeApiError> {
-    if body.is_empty() {
-        return Err(VolumeApiError::bad_request(
-            "request body is empty; send a JSON object",
-        ));
-    }
-    serde_json::from_slice(body)
-        .map_err(|e| VolumeApiError::bad_request(format!("invalid request body: {e}")))
-}
-
-fn mib_to_bytes(mib: u64) -> Result<u64, VolumeApiError> {
+fn mib_to_bytes(mib: u64) -> Result<u64, Error> {
     mib.checked_mul(MIB)
-        .ok_or_else(|| VolumeApiError::bad_request(format!("size_mib {mib} is too large")))
+        .ok_or_else(|| Error::BadRequest(format!("size_mib {mib} is too large")))
 }
 
 /// Run `op` on the blocking pool and answer `status` with its JSON.
@@ -157,14 +74,9 @@ where
 {
     let out = tokio::task::spawn_blocking(move || op(&engine))
         .await
-        .map_err(|e| VolumeApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: format!("volume operation did not complete: {e}"),
-        })??;
-    let value = serde_json::to_value(out).map_err(|e| VolumeApiError {
-        status: StatusCode::INTERNAL_SERVER_ERROR,
-        message: format!("cannot encode the answer: {e}"),
-    })?;
+        .map_err(|_| Error::ShuttingDown)??;
+    // Encoding a plain data type into JSON cannot fail.
+    let value = serde_json::to_value(out).unwrap_or_default();
     Ok((status, Json(value)))
 }
 
@@ -188,8 +100,9 @@ async fn create_volume(State(engine): State<Arc<VolumeEngine>>, body: Bytes) -> 
             })
             .await
         }
-        _ => Err(VolumeApiError::bad_request(
-            "give exactly one of \"size_mib\" (new empty volume) and \"from_snapshot\" (clone)",
+        _ => Err(Error::BadRequest(
+            "give exactly one of \"size_mib\" (new empty volume) and \"from_snapshot\" (clone)"
+                .into(),
         )),
     }
 }
@@ -206,7 +119,7 @@ async fn delete_volume(
     Path(name): Path<String>,
 ) -> ApiResult {
     blocking(engine, StatusCode::OK, move |e| {
-        e.delete(&name).map(|()| json!({ "deleted": name }))
+        e.delete(&name).map(|()| Deleted { deleted: name })
     })
     .await
 }
@@ -228,7 +141,7 @@ async fn snapshot_volume(
     Path(from): Path<String>,
     body: Bytes,
 ) -> ApiResult {
-    let req: CreateSnapshot = parse(&body)?;
+    let req: CreateVolumeSnapshot = parse(&body)?;
     blocking(engine, StatusCode::CREATED, move |e| {
         e.snapshot(&from, &req.name)
     })
@@ -270,8 +183,7 @@ async fn delete_snapshot(
     Path(name): Path<String>,
 ) -> ApiResult {
     blocking(engine, StatusCode::OK, move |e| {
-        e.delete_snapshot(&name)
-            .map(|()| json!({ "deleted": name }))
+        e.delete_snapshot(&name).map(|()| Deleted { deleted: name })
     })
     .await
 }
@@ -308,18 +220,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn every_error_class_has_a_distinct_status() {
-        assert_eq!(status_of(ErrorKind::BadRequest), StatusCode::BAD_REQUEST);
-        assert_eq!(status_of(ErrorKind::NotFound), StatusCode::NOT_FOUND);
-        assert_eq!(status_of(ErrorKind::Conflict), StatusCode::CONFLICT);
-        assert_eq!(
-            status_of(ErrorKind::Unavailable),
-            StatusCode::SERVICE_UNAVAILABLE
-        );
-        assert_eq!(status_of(ErrorKind::Io), StatusCode::INTERNAL_SERVER_ERROR);
-    }
-
     #[tokio::test]
     async fn create_needs_exactly_one_of_size_and_snapshot() {
         let (_dir, engine) = engine();
@@ -333,12 +233,7 @@ mod tests {
             let err = create_volume(State(engine.clone()), Bytes::from(body))
                 .await
                 .unwrap_err();
-            assert_eq!(
-                err.status,
-                StatusCode::BAD_REQUEST,
-                "{body}: {}",
-                err.message
-            );
+            assert_eq!(err.status(), 400, "{body}: {err}");
         }
         let err = create_volume(
             State(engine),
@@ -346,7 +241,7 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert_eq!(err.status, StatusCode::BAD_REQUEST);
+        assert_eq!(err.status(), 400);
     }
 
     /// /tmp is not expected to reflink; where it does, the engine works.
@@ -357,20 +252,16 @@ mod tests {
         let res = get_volume(State(engine), Path("nope".into()))
             .await
             .unwrap_err();
-        let want = if unavailable {
-            StatusCode::SERVICE_UNAVAILABLE
-        } else {
-            StatusCode::NOT_FOUND
-        };
-        assert_eq!(res.status, want, "{}", res.message);
+        let want = if unavailable { 503 } else { 404 };
+        assert_eq!(res.status(), want, "{res}");
         if unavailable {
+            let message = res.message();
             assert!(
-                res.message.contains("use XFS with reflink=1 or btrfs"),
-                "{}",
-                res.message
+                message.contains("use XFS with reflink=1 or btrfs"),
+                "{message}"
             );
         }
-        let resp = res.into_response();
-        assert_eq!(resp.status(), want);
+        let resp = axum::response::IntoResponse::into_response(res);
+        assert_eq!(resp.status().as_u16(), want);
     }
 }

@@ -1,69 +1,288 @@
-//! Errors the core returns to API clients: an HTTP status and a message
-//! that says what to fix.
+//! The errors the core answers API requests with, named after what failed,
+//! and the one function that maps them to an HTTP status.
+//!
+//! 4xx means the client can fix the request; 5xx is the server's (or its
+//! VMM's) own failure. The message says what to do; [`shared::error_chain`]
+//! adds the sources.
 
-use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use proto::api::RunState;
+use shared::VmId;
+
+use crate::memory::MemoryError;
+use crate::volume::{ErrorKind, VolumeError};
 
 /// An error for an API client.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ApiError {
-    /// HTTP status code.
-    pub status: u16,
-    /// What went wrong and what to do about it.
-    pub message: String,
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request body or a parameter is invalid.
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("no VM {0}; list VMs with GET /v1/vms")]
+    NoSuchVm(VmId),
+    #[error("'{0}' is not a VM id; ids look like vm-1")]
+    BadVmId(String),
+    #[error("no listener {0}; list them with GET /v1/firecracker/listeners")]
+    NoSuchListener(String),
+    #[error("no such route; see GET /v1/openapi.json")]
+    NoSuchRoute,
+    #[error("page {page} is outside {vm}'s {pages} pages")]
+    PageOutOfRange { vm: VmId, page: u64, pages: u64 },
+    #[error("cannot {action} {vm}: it is {state}{}", hint(*state))]
+    WrongState {
+        vm: VmId,
+        state: RunState,
+        action: &'static str,
+    },
+    #[error("cannot {action} {vm} while it runs {running}; retry when that finishes")]
+    Busy {
+        vm: VmId,
+        action: &'static str,
+        running: &'static str,
+    },
+    #[error("{vm} has no disk; create the VM with a volume to run disk ops")]
+    NoDisk { vm: VmId },
+    #[error("cannot use memory image {path}: {reason}")]
+    Image { path: String, reason: String },
+    #[error(transparent)]
+    OpenImageFile(#[from] crate::images::ImageError),
+    #[error("{path} already exists; remove it or pick another path")]
+    SocketExists { path: PathBuf },
+    #[error("cannot listen on {path}")]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("this server has no volume engine (its state directory cannot reflink); create the VM without a volume")]
+    NoVolumes,
+    #[error(transparent)]
+    Volume(#[from] VolumeError),
+    #[error("cannot attach volume {name}")]
+    AttachVolume {
+        name: String,
+        #[source]
+        source: VolumeError,
+    },
+    #[error("cannot create guest memory")]
+    CreateMemory(#[source] MemoryError),
+    #[error("cannot prefetch page {page} of {vm}: {reason}")]
+    Prefetch { vm: VmId, page: u64, reason: String },
+    #[error("cannot create the log of {vm} in {}", path.display())]
+    CreateLog {
+        vm: VmId,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the vmm binary {}; pass --vmm-bin", bin.display())]
+    SpawnVmm {
+        bin: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start a thread to {what}")]
+    SpawnThread {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{vm} failed to start: {reason}; vmm log {}: {log_tail}", log.display())]
+    StartFailed {
+        vm: VmId,
+        reason: String,
+        log: PathBuf,
+        log_tail: String,
+    },
+    #[error("{vm}'s vmm failed: {source}")]
+    Vmm {
+        vm: VmId,
+        source: proto::vmm::RequestError,
+    },
+    #[error("cannot reach {vm}'s vmm")]
+    SendToVmm {
+        vm: VmId,
+        #[source]
+        source: proto::frame::FrameError,
+    },
+    #[error("{vm}'s vmm went away")]
+    VmmGone { vm: VmId },
+    #[error("{vm}'s vmm exited: {reason}")]
+    VmmExited { vm: VmId, reason: String },
+    #[error("{vm} has {queued} requests waiting for its vmm, which is not answering; retry later")]
+    QueueFull { vm: VmId, queued: usize },
+    #[error("{vm}'s vmm answered {request} with {reply}")]
+    UnexpectedReply {
+        vm: VmId,
+        request: &'static str,
+        reply: String,
+    },
+    #[error("{vm}'s vmm did not answer within {after:?}")]
+    VmmTimeout { vm: VmId, after: Duration },
+    #[error("{vm}'s vmm did not start within {after:?}")]
+    StartTimeout { vm: VmId, after: Duration },
+    #[error("{vm} has no userfaultfd")]
+    NoUffd { vm: VmId },
+    #[error("cannot write-protect {vm} pages {start}..{end}")]
+    WriteProtect {
+        vm: VmId,
+        start: u64,
+        end: u64,
+        #[source]
+        source: userfaultfd::Error,
+    },
+    #[error("cannot give {vm} its own copy of volume {volume}")]
+    ForkVolume {
+        vm: VmId,
+        volume: String,
+        #[source]
+        source: VolumeError,
+    },
+    #[error("the server is shutting down")]
+    ShuttingDown,
 }
-
-impl ApiError {
-    /// 400: the request itself is wrong.
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 400,
-            message: message.into(),
-        }
-    }
-    /// 404: no such object.
-    pub fn not_found(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 404,
-            message: message.into(),
-        }
-    }
-    /// 409: the object is in the wrong state.
-    pub fn conflict(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 409,
-            message: message.into(),
-        }
-    }
-    /// 500: the server failed.
-    pub fn internal(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 500,
-            message: message.into(),
-        }
-    }
-    /// 502: the VMM failed or answered with an error.
-    pub fn vmm(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 502,
-            message: message.into(),
-        }
-    }
-    /// 504: the VMM did not answer in time.
-    pub fn timeout(message: impl Into<String>) -> Self {
-        ApiError {
-            status: 504,
-            message: message.into(),
-        }
-    }
-}
-
-impl fmt::Display for ApiError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.message, self.status)
-    }
-}
-
-impl std::error::Error for ApiError {}
 
 /// Result alias for core operations.
-pub type ApiResult<T> = std::result::Result<T, ApiError>;
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn hint(state: RunState) -> &'static str {
+    match state {
+        RunState::Paused => "; resume it first",
+        RunState::Starting => "; wait until it runs",
+        RunState::Exited | RunState::Failed | RunState::Deleted => "; delete it",
+        RunState::Running => "",
+    }
+}
+
+impl Error {
+    /// The HTTP status of this error: the one place that decides it.
+    pub fn status(&self) -> u16 {
+        use Error::*;
+        match self {
+            BadRequest(_)
+            | PageOutOfRange { .. }
+            | NoDisk { .. }
+            | Image { .. }
+            | OpenImageFile(_)
+            | Listen { .. }
+            | NoVolumes => 400,
+            NoSuchVm(_) | BadVmId(_) | NoSuchListener(_) | NoSuchRoute => 404,
+            WrongState { .. } | Busy { .. } | SocketExists { .. } => 409,
+            AttachVolume { source, .. } => match source.kind() {
+                ErrorKind::Io => 500,
+                ErrorKind::Unavailable => 503,
+                _ => 400,
+            },
+            Volume(e) => match e.kind() {
+                ErrorKind::BadRequest => 400,
+                ErrorKind::NotFound => 404,
+                ErrorKind::Conflict => 409,
+                ErrorKind::Unavailable => 503,
+                ErrorKind::Io => 500,
+            },
+            CreateMemory(_)
+            | Prefetch { .. }
+            | CreateLog { .. }
+            | SpawnVmm { .. }
+            | SpawnThread { .. }
+            | NoUffd { .. }
+            | WriteProtect { .. } => 500,
+            ForkVolume { source, .. } => match source.kind() {
+                ErrorKind::Conflict => 409,
+                _ => 500,
+            },
+            StartFailed { .. } | Vmm { .. } | SendToVmm { .. } | VmmGone { .. } => 502,
+            VmmExited { .. } => 502,
+            QueueFull { .. } => 503,
+            UnexpectedReply { .. } => 502,
+            ShuttingDown => 503,
+            VmmTimeout { .. } | StartTimeout { .. } => 504,
+        }
+    }
+
+    /// The message with its sources, as the client sees it.
+    pub fn message(&self) -> String {
+        shared::error_chain(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_mistakes_are_4xx_and_server_failures_5xx() {
+        let vm = VmId(1);
+        let io = || std::io::Error::from_raw_os_error(libc::EIO);
+        for (e, want) in [
+            (Error::BadRequest("x".into()), 400),
+            (Error::NoDisk { vm }, 400),
+            (Error::NoSuchVm(vm), 404),
+            (Error::NoSuchRoute, 404),
+            (
+                Error::WrongState {
+                    vm,
+                    state: RunState::Paused,
+                    action: "exec",
+                },
+                409,
+            ),
+            (
+                Error::Busy {
+                    vm,
+                    action: "fork",
+                    running: "an exec",
+                },
+                409,
+            ),
+            (
+                Error::SpawnVmm {
+                    bin: "vmm".into(),
+                    source: io(),
+                },
+                500,
+            ),
+            (Error::VmmGone { vm }, 502),
+            (Error::ShuttingDown, 503),
+            (
+                Error::VmmTimeout {
+                    vm,
+                    after: Duration::from_secs(1),
+                },
+                504,
+            ),
+            (Error::Volume(VolumeError::VolumeNotFound("v".into())), 404),
+            (
+                Error::Volume(VolumeError::InUse {
+                    name: "v".into(),
+                    holder: "vm-1".into(),
+                }),
+                409,
+            ),
+            (
+                Error::Volume(VolumeError::ReflinkUnsupported {
+                    root: "/".into(),
+                    fs: "ext4".into(),
+                }),
+                503,
+            ),
+        ] {
+            assert_eq!(e.status(), want, "{e}");
+        }
+    }
+
+    #[test]
+    fn wrong_state_says_what_to_do() {
+        let e = Error::WrongState {
+            vm: VmId(3),
+            state: RunState::Paused,
+            action: "exec",
+        };
+        assert_eq!(
+            e.message(),
+            "cannot exec vm-3: it is paused; resume it first"
+        );
+    }
+}

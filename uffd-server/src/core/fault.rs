@@ -146,7 +146,7 @@ impl Registry {
                 let path = f.path.display().to_string();
                 v.memory
                     .fill_from_file(lo, hi - lo, &f.file, &path, lo * PAGE_SIZE)
-                    .map_err(|e| super::chain(&e))?;
+                    .map_err(|e| shared::error_chain(&e))?;
                 self.mark_present(vm, lo, hi - lo);
                 if let Some(v) = self.vms.get_mut(&vm) {
                     v.readahead.next = hi;

@@ -17,40 +17,33 @@
 use std::rc::Rc;
 use std::time::Instant;
 
+use proto::api::{ForkPhases, ForkResponse, MAX_FORK_COUNT};
 use proto::vmm::{Reply, Request};
-use serde_json::{json, Value};
 use shared::{VmId, PAGE_SIZE};
 use tokio::sync::oneshot;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::vm::{RunState, Vm, VmParts};
-use super::{not_found, ApiError, ApiResult, Core};
+use super::{Core, Error, Result};
 use crate::memory::GuestMemory;
 
-/// Most children one request may create.
-pub const MAX_FORK_COUNT: u32 = 64;
+type Ready = oneshot::Receiver<Result<()>>;
 
-type Ready = oneshot::Receiver<Result<(), String>>;
+fn us(t: Instant) -> u64 {
+    u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
 
 impl Core {
     /// `POST /v1/vms/{id}/fork`.
-    pub(super) async fn fork(self: Rc<Self>, parent: VmId, count: u32) -> ApiResult<Value> {
+    pub(super) async fn fork(self: &Rc<Self>, parent: VmId, count: u32) -> Result<ForkResponse> {
         if count == 0 || count > MAX_FORK_COUNT {
-            return Err(ApiError::bad_request(format!(
+            return Err(Error::BadRequest(format!(
                 "count must be between 1 and {MAX_FORK_COUNT}"
             )));
         }
-        {
-            let reg = self.reg.borrow();
-            let v = reg.vms.get(&parent).ok_or_else(|| not_found(parent))?;
-            if v.state != RunState::Running {
-                return Err(ApiError::conflict(format!(
-                    "cannot fork {parent}: it is {}; only a running VM can be forked",
-                    v.state.name()
-                )));
-            }
-        }
-        let timeout = self.settings.exec_timeout;
+        self.expect_state(parent, RunState::Running, "fork")?;
+        let _forking = self.begin_fork(parent)?;
+        let timeout = self.settings.vmm_deadline;
         // Pause and capture are sent back to back (the VMM answers in
         // order), so the parent's pause pays one round trip, not two.
         let t_pause = Instant::now();
@@ -61,56 +54,67 @@ impl Core {
             Ok(rx) => self.await_reply(parent, rx, timeout).await,
             Err(e) => Err(e),
         };
-        let t_paused = t_pause.elapsed().as_micros();
+        let t_paused = us(t_pause);
         let state = match (paused, captured) {
             (Ok(_), Ok(Reply::State(s))) => s,
             (p, c) => {
-                let _ = self.request(parent, Request::Resume, timeout).await;
+                // The pause may still land later (a VMM that stopped
+                // answering): a resume queued behind it leaves the parent
+                // running, as it was before the fork.
+                self.resume_in_background(parent);
                 return Err(match (p, c) {
                     (Err(e), _) | (_, Err(e)) => e,
-                    (_, Ok(r)) => {
-                        ApiError::vmm(format!("{parent}: unexpected reply to capture: {r:?}"))
-                    }
+                    (_, Ok(r)) => Error::UnexpectedReply {
+                        vm: parent,
+                        request: "capture",
+                        reply: format!("{r:?}"),
+                    },
                 });
             }
         };
         let t_wp = Instant::now();
         let protected = self.write_protect_materialized(parent);
-        let wp_us = t_wp.elapsed().as_micros();
+        let wp_us = us(t_wp);
         let t_fork = Instant::now();
         let created = self.create_children(parent, count, Rc::new(state));
-        let fork_us = t_fork.elapsed().as_micros();
+        let fork_us = us(t_fork);
         // Disks are reflinked while the parent is still paused.
         let t_vol = Instant::now();
         let created = match created {
             Ok(c) => self.fork_volumes(parent, c),
             Err(e) => Err(e),
         };
-        let volume_us = t_vol.elapsed().as_micros();
+        let volume_us = us(t_vol);
         let t_resume = Instant::now();
         let resumed = self.request(parent, Request::Resume, timeout).await;
-        let resume_us = t_resume.elapsed().as_micros();
-        let pause_us = t_pause.elapsed().as_micros();
-        let phases = json!({
-            "pause_and_capture_us": t_paused,
-            "write_protect_us": wp_us,
-            "table_fork_us": fork_us,
-            "volumes_us": volume_us,
-            "resume_us": resume_us,
-            "write_protected_pages": protected.as_ref().ok(),
-        });
+        let resume_us = us(t_resume);
+        let pause_us = us(t_pause);
+        let phases = ForkPhases {
+            pause_and_capture_us: t_paused,
+            write_protect_us: wp_us,
+            table_fork_us: fork_us,
+            volumes_us: volume_us,
+            resume_us,
+            write_protected_pages: protected.as_ref().ok().copied(),
+        };
         let children = match (protected, created, resumed) {
             (Ok(_), Ok(c), Ok(_)) => c,
             (p, c, r) => {
-                if let Ok(c) = &c {
-                    let ids: Vec<VmId> = c.iter().map(|(id, _)| *id).collect();
-                    self.discard_children(&ids);
-                }
-                return Err(p
-                    .err()
-                    .or(c.err())
-                    .or(r.err())
-                    .unwrap_or_else(|| ApiError::internal("fork failed")));
+                let err = match (p, c, r) {
+                    (Err(e), c, _) => {
+                        if let Ok(c) = c {
+                            self.discard_vms(&c.iter().map(|(id, _)| *id).collect::<Vec<_>>());
+                        }
+                        e
+                    }
+                    (_, Err(e), _) => e,
+                    (_, Ok(c), Err(e)) => {
+                        self.discard_vms(&c.iter().map(|(id, _)| *id).collect::<Vec<_>>());
+                        e
+                    }
+                    (Ok(_), Ok(_), Ok(_)) => unreachable!("handled above"),
+                };
+                return Err(err);
             }
         };
         // Start every child's VMM, then wait for all of them.
@@ -130,32 +134,43 @@ impl Core {
             }
         }
         info!("{parent}: forked into {ids:?} (pause {pause_us} us, table fork {fork_us} us)");
-        Ok(json!({
-            "parent": parent.to_string(),
-            "children": ids.iter().map(ToString::to_string).collect::<Vec<_>>(),
-            "pause_us": pause_us,
-            "fork_us": fork_us,
-            "phases": phases,
-        }))
+        Ok(ForkResponse {
+            parent: parent.to_string(),
+            children: ids.iter().map(ToString::to_string).collect(),
+            pause_us,
+            fork_us,
+            phases,
+        })
+    }
+
+    /// Queue a resume for `vm` and log its outcome, without waiting.
+    fn resume_in_background(self: &Rc<Self>, vm: VmId) {
+        let Ok(rx) = self.send_request(vm, Request::Resume) else {
+            return;
+        };
+        let core = self.clone();
+        tokio::task::spawn_local(async move {
+            let late = core.settings.exec_timeout;
+            if let Err(e) = core.await_reply(vm, rx, late).await {
+                warn!("{vm}: resume after a failed fork: {}", e.message());
+            }
+        });
     }
 
     /// Write-protect `vm`'s materialized pages. Returns how many pages.
-    fn write_protect_materialized(&self, vm: VmId) -> ApiResult<u64> {
+    fn write_protect_materialized(&self, vm: VmId) -> Result<u64> {
         let reg = self.reg.borrow();
-        let v = reg.vms.get(&vm).ok_or_else(|| not_found(vm))?;
-        let uffd = v
-            .uffd
-            .clone()
-            .ok_or_else(|| ApiError::conflict(format!("{vm} has no userfaultfd")))?;
+        let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let uffd = v.uffd.clone().ok_or(Error::NoUffd { vm })?;
         let mut pages = 0;
         for (start, n) in v.table.ranges_of(v.self_src) {
             uffd.get_ref()
                 .write_protect(v.addr_of(start), shared::geometry::usize_of(n * PAGE_SIZE))
-                .map_err(|e| {
-                    ApiError::internal(format!(
-                        "cannot write-protect {vm} pages {start}..{}: {e}",
-                        start + n
-                    ))
+                .map_err(|source| Error::WriteProtect {
+                    vm,
+                    start,
+                    end: start + n,
+                    source,
                 })?;
             pages += n;
         }
@@ -168,10 +183,10 @@ impl Core {
         parent: VmId,
         count: u32,
         state: Rc<shared::VmState>,
-    ) -> ApiResult<Vec<(VmId, Ready)>> {
+    ) -> Result<Vec<(VmId, Ready)>> {
         let mut reg = self.reg.borrow_mut();
         let (table, size, vcpus, fault_around) = {
-            let p = reg.vms.get(&parent).ok_or_else(|| not_found(parent))?;
+            let p = reg.vms.get(&parent).ok_or(Error::NoSuchVm(parent))?;
             (
                 p.table.fork(),
                 p.memory.size(),
@@ -182,19 +197,14 @@ impl Core {
         let readahead_pages = reg.vms.get(&parent).map_or(0, |p| p.readahead.max_pages);
         let mut out = Vec::new();
         for _ in 0..count {
-            reg.next_id += 1;
-            let id = VmId(reg.next_id);
+            let id = reg.alloc_id(&self.settings.state_dir);
             let memory = match GuestMemory::create(&format!("pagefork-{id}"), size) {
                 Ok(m) => m,
                 Err(e) => {
-                    let ids: Vec<VmId> = out.iter().map(|(id, _)| *id).collect();
-                    for id in ids {
-                        reg.vms.remove(&id);
+                    for (id, _) in out {
+                        reg.forget(id);
                     }
-                    return Err(ApiError::internal(format!(
-                        "cannot create memory for a child: {}",
-                        super::chain(&e)
-                    )));
+                    return Err(Error::CreateMemory(e));
                 }
             };
             let self_src = reg.arena.vm(id);
@@ -222,7 +232,7 @@ impl Core {
         &self,
         parent: VmId,
         children: Vec<(VmId, Ready)>,
-    ) -> ApiResult<Vec<(VmId, Ready)>> {
+    ) -> Result<Vec<(VmId, Ready)>> {
         let parent_vol = self
             .reg
             .borrow()
@@ -234,12 +244,14 @@ impl Core {
         };
         for (id, _) in &children {
             let name = format!("{vol}-{id}");
-            engine.reflink_volume(&vol, &name).map_err(|e| {
-                ApiError::internal(format!(
-                    "cannot reflink volume {vol} for {id}: {}",
-                    super::chain(&e)
-                ))
-            })?;
+            if let Err(source) = engine.reflink_volume(&vol, &name) {
+                self.discard_vms(&children.iter().map(|(id, _)| *id).collect::<Vec<_>>());
+                return Err(Error::ForkVolume {
+                    vm: *id,
+                    volume: vol,
+                    source,
+                });
+            }
             if let Some(v) = self.reg.borrow_mut().vms.get_mut(id) {
                 v.volume = Some(name);
             }
@@ -247,16 +259,23 @@ impl Core {
         Ok(children)
     }
 
-    fn discard_children(&self, ids: &[VmId]) {
+    /// Forget VMs whose VMM never ran (a create or fork that failed
+    /// half-way): their memory, sources and the volumes made for them.
+    pub(super) fn discard_vms(&self, ids: &[VmId]) {
         let mut reg = self.reg.borrow_mut();
         for id in ids {
-            if let Some(v) = reg.vms.remove(id) {
-                reg.arena.release(v.self_src);
-                if let (Some(vol), Some(engine)) = (v.volume, self.volumes.as_ref()) {
-                    let _ = engine.delete(&vol);
+            let vol = reg.vms.get_mut(id).and_then(|v| {
+                // Only a fork child's own reflinked disk goes with it.
+                v.parent.and(v.volume.take())
+            });
+            if let (Some(vol), Some(engine)) = (vol, self.volumes.as_ref()) {
+                if let Err(e) = engine.delete(&vol) {
+                    warn!("{id}: cannot delete its volume {vol}: {}", e.chain());
                 }
             }
+            reg.forget(*id);
         }
+        reg.release_unused_sources();
     }
 
     /// Stop and forget children of a fork that failed half-way.
@@ -264,6 +283,6 @@ impl Core {
         for id in ids {
             self.stop_vmm(*id).await;
         }
-        self.discard_children(ids);
+        self.discard_vms(ids);
     }
 }

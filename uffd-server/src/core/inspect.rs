@@ -4,10 +4,11 @@
 
 use std::collections::BTreeMap;
 
-use serde_json::{json, Value};
+use proto::api::{Invariant, PageInfo, SourceExtent, Sources, Tree, TreeNode, Violation};
 use shared::VmId;
 
-use super::{not_found, ApiError, ApiResult, Core, Registry};
+use super::vm::RunState;
+use super::{Core, Error, Registry, Result};
 use crate::memory::GuestMemory;
 use crate::pages::{PageTable, SourceId};
 
@@ -38,9 +39,9 @@ impl Registry {
 
 impl Core {
     /// `GET /v1/vms/{id}/sources`.
-    pub(super) fn sources(&self, id: VmId) -> ApiResult<Value> {
+    pub(super) fn sources(&self, id: VmId) -> Result<Sources> {
         let reg = self.reg.borrow();
-        let v = reg.table_view(id).ok_or_else(|| not_found(id))?;
+        let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
         let describe = |src| {
             reg.arena
                 .get(src)
@@ -54,50 +55,55 @@ impl Core {
             *by_kind.entry(kind.into()).or_default() += n;
             *by_source.entry(describe(*src)).or_default() += n;
         }
-        let extents: Vec<Value> = v
+        let extents = v
             .table
             .extents()
             .into_iter()
-            .map(|e| json!({ "start_page": e.start, "pages": e.pages, "source": describe(e.source) }))
+            .map(|e| SourceExtent {
+                start_page: e.start,
+                pages: e.pages,
+                source: describe(e.source),
+            })
             .collect();
-        Ok(json!({
-            "id": id.to_string(),
-            "pages": v.table.pages(),
-            "by_kind": by_kind,
-            "by_source": by_source,
-            "extents": extents,
-        }))
+        Ok(Sources {
+            id: id.to_string(),
+            pages: v.table.pages(),
+            by_kind,
+            by_source,
+            extents,
+        })
     }
 
     /// `GET /v1/vms/{id}/pages/{page}`.
-    pub(super) fn page(&self, id: VmId, page: u64) -> ApiResult<Value> {
+    pub(super) fn page(&self, id: VmId, page: u64) -> Result<PageInfo> {
         let reg = self.reg.borrow();
-        let v = reg.table_view(id).ok_or_else(|| not_found(id))?;
+        let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
         if page >= v.table.pages() {
-            return Err(ApiError::bad_request(format!(
-                "page {page} is outside {id}'s {} pages",
-                v.table.pages()
-            )));
+            return Err(Error::PageOutOfRange {
+                vm: id,
+                page,
+                pages: v.table.pages(),
+            });
         }
         let src = v.table.get(page);
         let source = reg.arena.get(src);
-        Ok(json!({
-            "id": id.to_string(),
-            "page": page,
-            "source": source.map(|s| s.describe()),
-            "kind": source.map(|s| s.kind()),
+        Ok(PageInfo {
+            id: id.to_string(),
+            page,
+            source: source.map(|s| s.describe()),
+            kind: source.map(|s| s.kind().to_owned()),
             // Pagefork VMs: the kernel's view of the memfd. Firecracker VMs:
             // installed into its address space (the table's record).
-            "present": v.memory.map(|m| m.is_present(page)).unwrap_or(src == v.self_src),
-            "table_says_present": src == v.self_src,
-        }))
+            present: v.memory.map_or(src == v.self_src, |m| m.is_present(page)),
+            table_says_present: src == v.self_src,
+        })
     }
 
     /// `GET /v1/tree`: every VM (deleted-but-frozen ones too) with its
     /// parent, children and how many pages it reads from each other VM.
-    pub(super) fn tree(&self) -> Value {
+    pub(super) fn tree(&self) -> Tree {
         let reg = self.reg.borrow();
-        let nodes: Vec<Value> = reg
+        let vms = reg
             .vms
             .values()
             .map(|v| {
@@ -118,22 +124,26 @@ impl Core {
                     .filter(|c| c.parent == Some(v.id))
                     .map(|c| c.id.to_string())
                     .collect();
-                json!({
-                    "id": v.id.to_string(),
-                    "parent": v.parent.map(|p| p.to_string()),
-                    "state": if v.deleted { "deleted" } else { v.state.name() },
-                    "children": children,
-                    "own_pages": v.table.count_of(v.self_src),
-                    "reads_from": reads,
-                })
+                TreeNode {
+                    id: v.id.to_string(),
+                    parent: v.parent.map(|p| p.to_string()),
+                    state: if v.deleted {
+                        RunState::Deleted
+                    } else {
+                        v.state
+                    },
+                    children,
+                    own_pages: v.table.count_of(v.self_src),
+                    reads_from: reads,
+                }
             })
             .collect();
-        json!({ "vms": nodes })
+        Tree { vms }
     }
 
     /// `GET /v1/debug/invariant`: for every VM and page, the table says
     /// `Vm(self)` exactly where the memfd holds the page.
-    pub(super) fn check_invariant(&self) -> ApiResult<Value> {
+    pub(super) fn check_invariant(&self) -> Invariant {
         let reg = self.reg.borrow();
         let mut violations = Vec::new();
         let mut checked = 0u64;
@@ -149,7 +159,12 @@ impl Core {
             for (p, is_present) in present.iter().enumerate() {
                 let says = v.table.get(p as u64) == v.self_src;
                 if says != *is_present {
-                    violations.push(json!({ "id": v.id.to_string(), "page": p, "table_says_present": says, "present": is_present }));
+                    violations.push(Violation {
+                        id: v.id.to_string(),
+                        page: p as u64,
+                        table_says_present: says,
+                        present: *is_present,
+                    });
                     if violations.len() >= 32 {
                         break;
                     }
@@ -157,8 +172,10 @@ impl Core {
             }
             checked += v.table.pages();
         }
-        Ok(
-            json!({ "ok": violations.is_empty(), "pages_checked": checked, "violations": violations }),
-        )
+        Invariant {
+            ok: violations.is_empty(),
+            pages_checked: checked,
+            violations,
+        }
     }
 }

@@ -8,18 +8,17 @@ use std::process::Stdio;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proto::api::{CreateVm, MemorySource};
+use proto::api::{CreateVm, MemorySource, VmDeleted, VmInfo};
 use proto::vmm::{LaunchConfig, Request};
-use serde_json::Value;
 use shared::{GuestRegion, VmId, PAGE_SIZE};
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
 use super::vm::{RunState, Vm, VmParts};
-use super::{not_found, ApiError, ApiResult, Core};
+use super::{Core, Error, Result};
+use crate::conn::PendingLaunch;
 use crate::memory::GuestMemory;
 use crate::pages::{FileSource, PageSource, PageTable, UNINITIALIZED};
-use crate::vmm_conn::PendingLaunch;
 
 /// Largest guest the host can hold, from /proc/meminfo.
 fn host_memory_mib() -> u64 {
@@ -55,17 +54,13 @@ fn new_token() -> String {
 pub(super) fn launch_config(
     v: &Vm,
     volumes: Option<&crate::volume::VolumeEngine>,
-) -> Result<(LaunchConfig, Option<File>), String> {
+) -> Result<(LaunchConfig, Option<File>)> {
     let (disk_bytes, disk) = match (&v.volume, volumes) {
         (Some(name), Some(engine)) => {
-            let (f, size) = engine.open_for_vm(name).map_err(|e| super::chain(&e))?;
+            let (f, size) = engine.open_for_vm(name)?;
             (Some(size), Some(f))
         }
-        (Some(name), None) => {
-            return Err(format!(
-                "volume {name} requested but volumes are unavailable"
-            ))
-        }
+        (Some(_), None) => return Err(Error::NoVolumes),
         (None, _) => (None, None),
     };
     let config = LaunchConfig {
@@ -82,18 +77,18 @@ pub(super) fn launch_config(
 
 impl Core {
     /// `POST /v1/vms`.
-    pub(super) async fn create_vm(self: Rc<Self>, req: CreateVm) -> ApiResult<Value> {
+    pub(super) async fn create_vm(self: Rc<Self>, req: CreateVm) -> Result<VmInfo> {
         let (id, ready_rx) = self.prepare_vm(&req)?;
-        if let Err(e) = self.spawn_vmm(id).await {
-            self.reg.borrow_mut().vms.remove(&id);
-            return Err(e);
-        }
-        if let Err(e) = self.wait_ready(id, ready_rx).await {
-            self.reg.borrow_mut().vms.remove(&id);
+        let started = match self.spawn_vmm(id).await {
+            Ok(()) => self.wait_ready(id, ready_rx).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = started {
+            self.discard_vms(&[id]);
             return Err(e);
         }
         info!("{id}: running");
-        self.vm_info(id)
+        self.info(id)
     }
 
     /// Wait until `id`'s guest agent runs; on failure stop its VMM and
@@ -101,79 +96,110 @@ impl Core {
     pub(super) async fn wait_ready(
         self: &Rc<Self>,
         id: VmId,
-        ready_rx: oneshot::Receiver<Result<(), String>>,
-    ) -> ApiResult<()> {
+        ready_rx: oneshot::Receiver<Result<()>>,
+    ) -> Result<()> {
         let timeout = self.settings.start_timeout;
-        let outcome = tokio::time::timeout(timeout, ready_rx).await;
-        let failure = match outcome {
-            Ok(Ok(Ok(()))) => None,
-            Ok(Ok(Err(e))) => Some(ApiError::vmm(format!("{id} failed to start: {e}"))),
-            Ok(Err(_)) => Some(ApiError::vmm(format!("{id} failed to start"))),
-            Err(_) => Some(ApiError::timeout(format!(
-                "{id}'s vmm did not start within {timeout:?}"
-            ))),
+        let reason = match tokio::time::timeout(timeout, ready_rx).await {
+            Ok(Ok(Ok(()))) => return Ok(()),
+            Ok(Ok(Err(e))) => e.message(),
+            Ok(Err(_)) => "its vmm went away".to_owned(),
+            Err(_) => {
+                self.stop_vmm(id).await;
+                return Err(Error::StartTimeout {
+                    vm: id,
+                    after: timeout,
+                });
+            }
         };
-        if let Some(err) = failure {
-            let log = self
-                .settings
-                .state_dir
-                .join("logs")
-                .join(format!("{id}.log"));
-            let tail = std::fs::read_to_string(&log).unwrap_or_default();
-            let tail: Vec<&str> = tail.lines().rev().take(5).collect();
-            self.stop_vmm(id).await;
-            let detail = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
-            return Err(ApiError {
-                status: err.status,
-                message: format!("{}; vmm log {}: {detail}", err.message, log.display()),
-            });
+        let log = self.log_path(id);
+        // The log is the VMM's own output, in our private state directory.
+        let tail = std::fs::read_to_string(&log).unwrap_or_default();
+        let tail: Vec<&str> = tail.lines().rev().take(5).collect();
+        self.stop_vmm(id).await;
+        Err(Error::StartFailed {
+            vm: id,
+            reason,
+            log_tail: tail.into_iter().rev().collect::<Vec<_>>().join(" | "),
+            log,
+        })
+    }
+
+    /// Keep the newest `keep_logs` logs of VMs that are gone; remove the
+    /// rest. Logs of VMs still registered (running or frozen) stay.
+    fn prune_logs(&self) {
+        let dir = self.settings.state_dir.join("logs");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        let reg = self.reg.borrow();
+        let mut gone: Vec<(std::time::SystemTime, std::path::PathBuf)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let id: VmId = name.strip_suffix(".log")?.parse().ok()?;
+                if reg.vms.contains_key(&id) {
+                    return None;
+                }
+                let modified = e.metadata().and_then(|m| m.modified()).ok()?;
+                Some((modified, e.path()))
+            })
+            .collect();
+        drop(reg);
+        if gone.len() <= self.settings.keep_logs {
+            return;
         }
-        Ok(())
+        gone.sort();
+        let excess = gone.len() - self.settings.keep_logs;
+        for (_, path) in gone.into_iter().take(excess) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    /// Where `id`'s VMM writes its log.
+    pub(super) fn log_path(&self, id: VmId) -> std::path::PathBuf {
+        self.settings
+            .state_dir
+            .join("logs")
+            .join(format!("{id}.log"))
     }
 
     /// Validate `req` and register the VM with its memory and table.
-    fn prepare_vm(
-        &self,
-        req: &CreateVm,
-    ) -> ApiResult<(VmId, oneshot::Receiver<Result<(), String>>)> {
+    fn prepare_vm(&self, req: &CreateVm) -> Result<(VmId, oneshot::Receiver<Result<()>>)> {
+        let bad = |m: String| Err(Error::BadRequest(m));
         if req.memory_mib == 0 {
-            return Err(ApiError::bad_request("memory_mib must be at least 1"));
+            return bad("memory_mib must be at least 1".into());
         }
         let host = host_memory_mib();
         if req.memory_mib > host {
-            return Err(ApiError::bad_request(format!(
+            return bad(format!(
                 "memory_mib {} is more than this host's {host} MiB of RAM; ask for less",
                 req.memory_mib
-            )));
+            ));
         }
         if req.vcpus == 0 || req.vcpus > 32 {
-            return Err(ApiError::bad_request("vcpus must be between 1 and 32"));
+            return bad("vcpus must be between 1 and 32".into());
         }
         if let Some(k) = req.fault_around_kib {
             if k != 0 && (k % 4 != 0 || !(k / 4).is_power_of_two() || k > 4096) {
-                return Err(ApiError::bad_request(
-                    "fault_around_kib must be 0 (off) or a power-of-two multiple of 4 up to 4096",
-                ));
+                return bad(
+                    "fault_around_kib must be 0 (off) or a power-of-two multiple of 4 up to 4096"
+                        .into(),
+                );
             }
         }
         if let Some(k) = req.readahead_kib {
             if k % 4 != 0 || k > 64 * 1024 {
-                return Err(ApiError::bad_request(
-                    "readahead_kib must be a multiple of 4 up to 65536 (0 = off)",
-                ));
+                return bad("readahead_kib must be a multiple of 4 up to 65536 (0 = off)".into());
             }
         }
         if let Some(name) = &req.volume {
-            match &self.volumes {
-                None => {
-                    return Err(ApiError::bad_request(
-                        "this server has no volume engine (its state directory cannot reflink); create the VM without a volume",
-                    ))
-                }
-                Some(engine) => {
-                    engine.open_for_vm(name).map_err(|e| ApiError::bad_request(super::chain(&e)))?;
-                }
-            }
+            let engine = self.volumes.as_ref().ok_or(Error::NoVolumes)?;
+            engine
+                .open_for_vm(name)
+                .map_err(|source| Error::AttachVolume {
+                    name: name.clone(),
+                    source,
+                })?;
         }
         let size = req.memory_mib << 20;
         let file = match &req.memory_source {
@@ -181,11 +207,9 @@ impl Core {
             Some(MemorySource::File { path }) => Some(open_image(path, size)?),
         };
         let mut reg = self.reg.borrow_mut();
-        reg.next_id += 1;
-        let id = VmId(reg.next_id);
-        let memory = GuestMemory::create(&format!("pagefork-{id}"), size).map_err(|e| {
-            ApiError::internal(format!("cannot create guest memory: {}", super::chain(&e)))
-        })?;
+        let id = reg.alloc_id(&self.settings.state_dir);
+        let memory =
+            GuestMemory::create(&format!("pagefork-{id}"), size).map_err(Error::CreateMemory)?;
         let self_src = reg.arena.vm(id);
         let initial = match file {
             None => UNINITIALIZED,
@@ -217,10 +241,12 @@ impl Core {
         if req.prefetch {
             for p in 0..pages {
                 if let Err(e) = reg.materialize(id, p) {
-                    reg.vms.remove(&id);
-                    return Err(ApiError::internal(format!(
-                        "prefetch failed at page {p}: {e}"
-                    )));
+                    reg.forget(id);
+                    return Err(Error::Prefetch {
+                        vm: id,
+                        page: p,
+                        reason: e.to_string(),
+                    });
                 }
             }
         }
@@ -228,16 +254,16 @@ impl Core {
     }
 
     /// Start `id`'s vmm process and register its launch token.
-    pub(super) async fn spawn_vmm(self: &Rc<Self>, id: VmId) -> ApiResult<()> {
+    pub(super) async fn spawn_vmm(self: &Rc<Self>, id: VmId) -> Result<()> {
         let token = new_token();
-        let logs = self.settings.state_dir.join("logs");
-        let _ = std::fs::create_dir_all(&logs);
-        let log = File::create(logs.join(format!("{id}.log"))).map_err(|e| {
-            ApiError::internal(format!("cannot create vmm log in {}: {e}", logs.display()))
-        })?;
-        let log2 = log
-            .try_clone()
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let path = self.log_path(id);
+        let log_err = |source| Error::CreateLog {
+            vm: id,
+            path: path.clone(),
+            source,
+        };
+        let log = create_log(&path).map_err(log_err)?;
+        let log2 = log.try_clone().map_err(log_err)?;
         // Hold the pending-launch lock across the spawn so the token is
         // registered with the child's pid before the child can connect.
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -251,11 +277,9 @@ impl Core {
             .stderr(Stdio::from(log2))
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| {
-                ApiError::internal(format!(
-                    "cannot start the vmm binary {}: {e}; pass --vmm-bin",
-                    self.settings.vmm_bin.display()
-                ))
+            .map_err(|source| Error::SpawnVmm {
+                bin: self.settings.vmm_bin.clone(),
+                source,
             })?;
         let pid = child.id().unwrap_or(0);
         pending.insert(token.clone(), PendingLaunch { vm: id, pid });
@@ -321,12 +345,12 @@ impl Core {
     }
 
     /// `DELETE /v1/vms/{id}`.
-    pub(super) async fn delete_vm(self: Rc<Self>, id: VmId) -> ApiResult<Value> {
+    pub(super) async fn delete_vm(self: Rc<Self>, id: VmId) -> Result<VmDeleted> {
         if let Some(v) = self.delete_fc_vm(id) {
             return Ok(v);
         }
         if !self.reg.borrow().vms.contains_key(&id) {
-            return Err(not_found(id));
+            return Err(Error::NoSuchVm(id));
         }
         self.stop_vmm(id).await;
         let frozen = {
@@ -349,37 +373,55 @@ impl Core {
         } else {
             info!("{id}: deleted");
         }
-        Ok(serde_json::json!({ "id": id.to_string(), "deleted": true, "frozen": frozen }))
+        self.prune_logs();
+        Ok(VmDeleted {
+            id: id.to_string(),
+            deleted: true,
+            frozen,
+        })
     }
 }
 
-/// Open an image file and check it covers `size` bytes of guest RAM.
-fn open_image(path: &str, size: u64) -> ApiResult<FileSource> {
-    let file = File::open(path).map_err(|e| {
-        ApiError::bad_request(format!(
-            "cannot open memory image {path}: {e}; give the path of a readable raw image"
-        ))
-    })?;
-    let meta = file
-        .metadata()
-        .map_err(|e| ApiError::bad_request(format!("cannot stat {path}: {e}")))?;
-    if !meta.is_file() {
-        return Err(ApiError::bad_request(format!(
-            "memory image {path} is not a regular file"
-        )));
-    }
-    if meta.len() < size {
-        return Err(ApiError::bad_request(format!(
-            "memory image {path} is {} bytes, smaller than the {size} bytes of guest memory asked for; \
-             use a smaller memory_mib or a larger image",
-            meta.len()
-        )));
+/// Open a memory image a client named, without following a symlink and
+/// without blocking (a FIFO opens at once and is refused); only a regular
+/// file covering `size` bytes of guest RAM is accepted. Errors never quote
+/// the file's size, so a client learns nothing about a file it could not
+/// read itself.
+fn open_image(path: &str, size: u64) -> Result<FileSource> {
+    let (file, len) = crate::images::open_regular(std::path::Path::new(path))?;
+    if len < size {
+        return Err(Error::Image {
+            path: path.into(),
+            reason: format!(
+                "it is smaller than the {size} bytes of guest memory asked for; \
+                 use a smaller memory_mib or a larger image"
+            ),
+        });
     }
     Ok(FileSource {
         path: path.into(),
         file,
-        len: meta.len(),
+        len,
     })
+}
+
+/// Create `id`'s log: 0600, never through a symlink. A leftover file of
+/// the same name (ids do not repeat, so only a crash or someone else could
+/// have left it) is unlinked first: the unlink removes a planted link, not
+/// its target, and `O_EXCL | O_NOFOLLOW` then creates a fresh file.
+fn create_log(path: &std::path::Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::remove_file(path) {
+        Ok(()) => warn!("removed a stale log at {}", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
 }
 
 /// A deleted VM serves only the pages it holds; its entries that point

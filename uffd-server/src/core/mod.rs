@@ -22,18 +22,19 @@ use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::Duration;
 
-pub use error::{ApiError, ApiResult};
+pub use error::{Error, Result};
+use proto::api;
 use proto::vmm::{Reply, Request, ServerMsg, VmmMsg};
-use serde_json::Value;
 use shared::VmId;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 use userfaultfd::{EventBuffer, Uffd};
 
-use crate::pages::SourceArena;
-use crate::vmm_conn::{ConnEvent, PendingLaunches};
-use vm::{RunState, Vm};
+use crate::conn::{ConnEvent, PendingLaunches, QueueError, VmmWriter};
+use crate::pages::{SourceArena, SourceId};
+pub use vm::RunState;
+use vm::Vm;
 
 /// Server-wide settings the core needs.
 #[derive(Debug, Clone)]
@@ -49,6 +50,12 @@ pub struct Settings {
     pub start_timeout: Duration,
     /// How long one guest op may take.
     pub exec_timeout: Duration,
+    /// How long a VMM may take to pause, resume or capture its state.
+    pub vmm_deadline: Duration,
+    /// Requests in flight per VM at most; beyond it that VM answers 503.
+    pub vmm_queue: usize,
+    /// Logs of deleted VMs kept for post-mortems.
+    pub keep_logs: usize,
 }
 
 impl Registry {
@@ -68,12 +75,65 @@ impl Registry {
                         .values()
                         .any(|o| o.id != *id && o.table.count_of(*src) > 0)
                 });
-            let Some((id, src)) = victim else { return };
-            self.vms.remove(&id);
-            self.arena.release(src);
+            let Some((id, _)) = victim else { break };
+            self.forget(id);
             info!("{id}: memory released");
         }
+        self.release_unused_sources();
     }
+
+    /// Remove `id` from the registry and release its own source. Its
+    /// memfd goes when the last `Rc` of its memory does.
+    pub fn forget(&mut self, id: VmId) {
+        if let Some(v) = self.vms.remove(&id) {
+            self.arena.release(v.self_src);
+            v.closed.notify_one();
+        }
+    }
+
+    /// Release image sources that no table and no listener refers to any
+    /// more: their files close, so a deleted VM never keeps an image (or
+    /// the filesystem under it) open.
+    pub fn release_unused_sources(&mut self) {
+        let in_use = |src: SourceId| {
+            self.vms.values().any(|v| v.table.count_of(src) > 0)
+                || self.fc_vms.values().any(|v| v.table.count_of(src) > 0)
+                || self.fc_listeners.values().any(|l| l.source == src)
+        };
+        let unused: Vec<SourceId> = self.arena.image_ids().filter(|src| !in_use(*src)).collect();
+        for src in unused {
+            self.arena.release(src);
+        }
+    }
+
+    /// A new VM id. Ids never repeat on one state directory: the highest
+    /// id handed out is recorded in `next-vm-id` in blocks of
+    /// [`ID_BLOCK`], so a restarted server starts past every id it may
+    /// have used (and past volumes named after them).
+    pub fn alloc_id(&mut self, state_dir: &std::path::Path) -> VmId {
+        self.next_id += 1;
+        if self.next_id > self.id_mark {
+            self.id_mark = self.next_id.saturating_add(ID_BLOCK);
+            let path = state_dir.join(ID_FILE);
+            if let Err(e) = std::fs::write(&path, format!("{}\n", self.id_mark)) {
+                warn!("cannot record VM ids in {}: {e}", path.display());
+            }
+        }
+        VmId(self.next_id)
+    }
+}
+
+/// Ids reserved at a time in the state directory's id file.
+const ID_BLOCK: u32 = 64;
+/// The file in the state directory that records the VM ids handed out.
+const ID_FILE: &str = "next-vm-id";
+
+/// The first VM id a server on `state_dir` may hand out.
+fn first_free_id(state_dir: &std::path::Path) -> u32 {
+    std::fs::read_to_string(state_dir.join(ID_FILE))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// All VMs and sources.
@@ -82,12 +142,15 @@ pub struct Registry {
     pub vms: BTreeMap<VmId, Vm>,
     pub arena: SourceArena,
     next_id: u32,
+    /// Ids up to this one are recorded as used in the state directory.
+    id_mark: u32,
     pub fc_listeners: firecracker::FcListeners,
     pub fc_vms: firecracker::FcVms,
     next_listener: u32,
 }
 
 /// The core's state.
+#[derive(Debug)]
 pub struct Core {
     pub reg: RefCell<Registry>,
     pub settings: Settings,
@@ -98,12 +161,34 @@ pub struct Core {
 }
 
 /// The answer to a request in flight.
-pub type PendingReply = oneshot::Receiver<Result<Reply, String>>;
+pub type PendingReply = oneshot::Receiver<Result<Reply>>;
 
 /// A command from the API, with where to send its answer.
+#[derive(Debug)]
 pub struct Command {
     pub kind: CommandKind,
-    pub reply: oneshot::Sender<ApiResult<Value>>,
+    pub reply: oneshot::Sender<Result<Answer>>,
+}
+
+/// What the core answers: one `proto::api` type per kind of request. Only
+/// the HTTP layer turns it into JSON.
+#[derive(Debug, serde::Serialize)]
+#[serde(untagged)]
+pub enum Answer {
+    Vm(Box<api::VmInfo>),
+    Vms(api::VmList),
+    VmDeleted(api::VmDeleted),
+    Exec(api::ExecResponse),
+    Fork(api::ForkResponse),
+    Sources(api::Sources),
+    Page(api::PageInfo),
+    Tree(api::Tree),
+    Invariant(api::Invariant),
+    Listener(api::ListenerInfo),
+    Listeners(api::ListenerList),
+    ListenerDeleted(api::ListenerDeleted),
+    /// The server is stopping.
+    Stopped,
 }
 
 /// What the API can ask.
@@ -116,38 +201,32 @@ pub enum CommandKind {
     Pause(VmId),
     Resume(VmId),
     Exec(VmId, proto::api::ExecRequest),
-    Fork(VmId, u32),
+    Fork(VmId, proto::api::ForkRequest),
     Sources(VmId),
     Page(VmId, u64),
     Tree,
     CheckInvariant,
-    AddFcListener(firecracker::CreateListener),
+    AddFcListener(proto::api::CreateListener),
     ListFcListeners,
     DeleteFcListener(u32),
     Shutdown,
 }
 
 /// A cloneable, `Send` handle to the core for API handlers.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct CoreHandle {
     tx: mpsc::UnboundedSender<Command>,
 }
 
 impl CoreHandle {
     /// Ask the core and wait for its answer.
-    pub async fn call(&self, kind: CommandKind) -> ApiResult<Value> {
+    pub async fn call(&self, kind: CommandKind) -> Result<Answer> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(Command { kind, reply })
-            .map_err(|_| ApiError::internal("the server is shutting down"))?;
-        rx.await
-            .map_err(|_| ApiError::internal("the server is shutting down"))?
+            .map_err(|_| Error::ShuttingDown)?;
+        rx.await.map_err(|_| Error::ShuttingDown)?
     }
-}
-
-/// One line for an error and its sources.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    crate::vmm_conn::error_chain(e)
 }
 
 impl Core {
@@ -158,8 +237,13 @@ impl Core {
         volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
         events: mpsc::UnboundedSender<ConnEvent>,
     ) -> Rc<Self> {
+        let first = first_free_id(&settings.state_dir);
         Rc::new(Core {
-            reg: RefCell::new(Registry::default()),
+            reg: RefCell::new(Registry {
+                next_id: first,
+                id_mark: first,
+                ..Registry::default()
+            }),
             settings,
             pending,
             volumes,
@@ -180,7 +264,7 @@ impl Core {
                     let Some(cmd) = cmd else { break };
                     if matches!(cmd.kind, CommandKind::Shutdown) {
                         self.shutdown().await;
-                        let _ = cmd.reply.send(Ok(Value::Null));
+                        let _ = cmd.reply.send(Ok(Answer::Stopped));
                         break;
                     }
                     let core = self.clone();
@@ -203,25 +287,28 @@ impl Core {
         (CoreHandle { tx }, rx)
     }
 
-    async fn dispatch(self: Rc<Self>, kind: CommandKind) -> ApiResult<Value> {
-        match kind {
-            CommandKind::CreateVm(req) => self.create_vm(req).await,
-            CommandKind::ListVms => Ok(self.list_vms()),
-            CommandKind::GetVm(id) => self.vm_info(id),
-            CommandKind::DeleteVm(id) => self.delete_vm(id).await,
-            CommandKind::Pause(id) => self.pause(id).await,
-            CommandKind::Resume(id) => self.resume(id).await,
-            CommandKind::Exec(id, req) => self.exec(id, req).await,
-            CommandKind::Fork(id, count) => self.fork(id, count).await,
-            CommandKind::Sources(id) => self.sources(id),
-            CommandKind::Page(id, page) => self.page(id, page),
-            CommandKind::Tree => Ok(self.tree()),
-            CommandKind::CheckInvariant => self.check_invariant(),
-            CommandKind::AddFcListener(req) => self.add_fc_listener(req),
-            CommandKind::ListFcListeners => Ok(self.fc_listeners()),
-            CommandKind::DeleteFcListener(id) => self.delete_fc_listener(id),
-            CommandKind::Shutdown => Ok(Value::Null),
-        }
+    async fn dispatch(self: Rc<Self>, kind: CommandKind) -> Result<Answer> {
+        let vm = |info: api::VmInfo| Answer::Vm(Box::new(info));
+        Ok(match kind {
+            CommandKind::CreateVm(req) => vm(self.create_vm(req).await?),
+            CommandKind::ListVms => Answer::Vms(self.list_vms()),
+            CommandKind::GetVm(id) => vm(self.info(id)?),
+            CommandKind::DeleteVm(id) => Answer::VmDeleted(self.delete_vm(id).await?),
+            CommandKind::Pause(id) => vm(self.pause(id).await?),
+            CommandKind::Resume(id) => vm(self.resume(id).await?),
+            CommandKind::Exec(id, req) => Answer::Exec(self.exec(id, req).await?),
+            CommandKind::Fork(id, req) => Answer::Fork(self.fork(id, req.count).await?),
+            CommandKind::Sources(id) => Answer::Sources(self.sources(id)?),
+            CommandKind::Page(id, page) => Answer::Page(self.page(id, page)?),
+            CommandKind::Tree => Answer::Tree(self.tree()),
+            CommandKind::CheckInvariant => Answer::Invariant(self.check_invariant()),
+            CommandKind::AddFcListener(req) => Answer::Listener(self.add_fc_listener(req)?),
+            CommandKind::ListFcListeners => Answer::Listeners(self.fc_listeners()),
+            CommandKind::DeleteFcListener(id) => {
+                Answer::ListenerDeleted(self.delete_fc_listener(id)?)
+            }
+            CommandKind::Shutdown => Answer::Stopped,
+        })
     }
 
     /// Handle a VMM connection event.
@@ -235,12 +322,7 @@ impl Core {
         }
     }
 
-    fn on_hello(
-        self: &Rc<Self>,
-        vm: VmId,
-        writer: std::sync::Arc<crate::vmm_conn::VmmWriter>,
-        pid: u32,
-    ) {
+    fn on_hello(self: &Rc<Self>, vm: VmId, writer: std::sync::Arc<VmmWriter>, pid: u32) {
         let mut reg = self.reg.borrow_mut();
         let Some(v) = reg.vms.get_mut(&vm) else {
             writer.shutdown();
@@ -252,24 +334,34 @@ impl Core {
             // or rolled back underneath it.
             engine.attach(name, &vm.to_string());
         }
-        let mut fds = vec![v.memory.memfd().as_raw_fd()];
-        let disk = match &config {
-            Ok((_, Some(f))) => Some(f.as_raw_fd()),
-            _ => None,
-        };
-        fds.extend(disk);
-        let sent = match &config {
-            Ok((cfg, _)) => writer.send(
-                &ServerMsg::Welcome {
-                    vm_id: vm,
-                    config: cfg.clone(),
-                },
-                &fds,
-            ),
+        let sent = match config {
+            Ok((cfg, disk)) => match v.memory.memfd().try_clone() {
+                Ok(memfd) => {
+                    let mut fds = vec![std::os::fd::OwnedFd::from(memfd)];
+                    fds.extend(disk.map(std::os::fd::OwnedFd::from));
+                    writer.send(
+                        ServerMsg::Welcome {
+                            vm_id: vm,
+                            config: cfg,
+                        },
+                        fds,
+                    )
+                }
+                Err(e) => {
+                    warn!("{vm}: cannot share its memfd: {e}");
+                    Err(QueueError::Closed)
+                }
+            },
             Err(e) => {
-                let _ = writer.send(&ServerMsg::Error { message: e.clone() }, &[]);
+                let message = e.message();
+                let _ = writer.send(
+                    ServerMsg::Error {
+                        message: message.clone(),
+                    },
+                    Vec::new(),
+                );
                 writer.shutdown();
-                v.fail_pending(e);
+                v.fail_pending(&message);
                 return;
             }
         };
@@ -299,7 +391,7 @@ impl Core {
             VmmMsg::Reply { seq, result } => {
                 let mut reg = self.reg.borrow_mut();
                 if let Some(tx) = reg.vms.get_mut(&vm).and_then(|v| v.pending.remove(&seq)) {
-                    let _ = tx.send(result);
+                    let _ = tx.send(result.map_err(|source| Error::Vmm { vm, source }));
                 }
             }
             VmmMsg::Console { text } => info!("{vm} console: {}", text.trim_end()),
@@ -323,10 +415,10 @@ impl Core {
             .and_then(|v| v.writer.clone());
         if let Some(w) = writer {
             let _ = w.send(
-                &ServerMsg::Error {
+                ServerMsg::Error {
                     message: why.to_owned(),
                 },
-                &[],
+                Vec::new(),
             );
             w.shutdown();
         }
@@ -377,8 +469,8 @@ impl Core {
             }
             v.vmm_base = bases[0];
             v.uffd = Some(afd.clone());
+            tokio::task::spawn_local(serve_faults(self.clone(), vm, afd, v.closed.clone()));
         }
-        tokio::task::spawn_local(serve_faults(self.clone(), vm, afd));
     }
 
     /// Record that `vm`'s VMM is gone; its memory stays for dependents.
@@ -387,10 +479,10 @@ impl Core {
         let Some(v) = reg.vms.get_mut(&vm) else {
             return;
         };
-        if v.state != RunState::Exited {
+        if !matches!(v.state, RunState::Exited | RunState::Failed) {
             info!("{vm}: exited: {reason}");
+            v.state = RunState::Exited;
         }
-        v.state = RunState::Exited;
         v.exit_reason.get_or_insert_with(|| reason.to_owned());
         if let (Some(name), Some(engine)) = (&v.volume, &self.volumes) {
             engine.detach(name);
@@ -399,37 +491,50 @@ impl Core {
             w.shutdown();
         }
         v.uffd = None;
-        v.fail_pending(&format!("{vm} exited: {reason}"));
+        v.closed.notify_one();
+        v.fail_pending(reason);
     }
 
     /// Send a request to `vm`'s VMM and wait for the reply.
-    pub async fn request(&self, vm: VmId, request: Request, timeout: Duration) -> ApiResult<Reply> {
+    pub async fn request(&self, vm: VmId, request: Request, timeout: Duration) -> Result<Reply> {
         let rx = self.send_request(vm, request)?;
         self.await_reply(vm, rx, timeout).await
     }
 
     /// Send a request to `vm`'s VMM without waiting; the VMM answers its
     /// requests in order, so several can be in flight.
-    pub fn send_request(&self, vm: VmId, request: Request) -> ApiResult<PendingReply> {
+    pub fn send_request(&self, vm: VmId, request: Request) -> Result<PendingReply> {
         let (tx, rx) = oneshot::channel();
         let mut reg = self.reg.borrow_mut();
-        let v = reg.vms.get_mut(&vm).ok_or_else(|| not_found(vm))?;
+        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         let writer = match (&v.writer, v.state) {
             (Some(w), RunState::Running | RunState::Paused) => w.clone(),
-            _ => {
-                return Err(ApiError::conflict(format!(
-                    "{vm} is {}; only a running or paused VM can do that",
-                    v.state.name()
-                )))
+            (_, state) => {
+                return Err(Error::WrongState {
+                    vm,
+                    state,
+                    action: request.name(),
+                })
             }
         };
+        if v.pending.len() >= self.settings.vmm_queue {
+            return Err(Error::QueueFull {
+                vm,
+                queued: v.pending.len(),
+            });
+        }
         v.next_seq += 1;
         let seq = v.next_seq;
-        v.pending.insert(seq, tx);
-        if let Err(e) = writer.send(&ServerMsg::Request { seq, request }, &[]) {
-            v.pending.remove(&seq);
-            return Err(ApiError::vmm(format!("cannot reach {vm}'s vmm: {e}")));
+        if let Err(e) = writer.send(ServerMsg::Request { seq, request }, Vec::new()) {
+            return Err(match e {
+                QueueError::Full => Error::QueueFull {
+                    vm,
+                    queued: v.pending.len(),
+                },
+                QueueError::Closed => Error::VmmGone { vm },
+            });
         }
+        v.pending.insert(seq, tx);
         Ok(rx)
     }
 
@@ -439,14 +544,11 @@ impl Core {
         vm: VmId,
         rx: PendingReply,
         timeout: Duration,
-    ) -> ApiResult<Reply> {
+    ) -> Result<Reply> {
         match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(Ok(reply))) => Ok(reply),
-            Ok(Ok(Err(e))) => Err(ApiError::vmm(format!("{vm}: {e}"))),
-            Ok(Err(_)) => Err(ApiError::vmm(format!("{vm}'s vmm went away"))),
-            Err(_) => Err(ApiError::timeout(format!(
-                "{vm}'s vmm did not answer within {timeout:?}"
-            ))),
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::VmmGone { vm }),
+            Err(_) => Err(Error::VmmTimeout { vm, after: timeout }),
         }
     }
 
@@ -477,15 +579,22 @@ async fn futures_join_all<F: std::future::Future<Output = ()> + 'static>(
     }
 }
 
-fn not_found(vm: VmId) -> ApiError {
-    ApiError::not_found(format!("no VM {vm}; list VMs with GET /v1/vms"))
-}
-
-/// Read and resolve `vm`'s uffd events until the uffd closes.
-async fn serve_faults(core: Rc<Core>, vm: VmId, uffd: Rc<AsyncFd<Uffd>>) {
+/// Read and resolve `vm`'s uffd events until the uffd closes or the VM
+/// is gone (`closed`): a dead VMM's uffd never becomes readable again, so
+/// waiting on it alone would keep the fd open for ever.
+async fn serve_faults(
+    core: Rc<Core>,
+    vm: VmId,
+    uffd: Rc<AsyncFd<Uffd>>,
+    closed: Rc<tokio::sync::Notify>,
+) {
     let mut buf = EventBuffer::new(64);
     loop {
-        let mut guard = match uffd.readable().await {
+        let ready = tokio::select! {
+            r = uffd.readable() => r,
+            () = closed.notified() => return,
+        };
+        let mut guard = match ready {
             Ok(g) => g,
             Err(e) => {
                 warn!("{vm}: uffd poll failed: {e}");

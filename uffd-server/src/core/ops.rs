@@ -3,34 +3,42 @@
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use proto::api::{ExecRequest, ExecResponse, FaultCounters, VmInfo};
+use proto::api::{ExecRequest, ExecResponse, FaultCounters, VmInfo, VmKind, VmList};
 use proto::vmm::{Reply, Request};
-use serde_json::Value;
 use shared::{VmId, PAGE_SIZE};
 
 use super::vm::RunState;
-use super::{not_found, ApiError, ApiResult, Core};
+use super::{Core, Error, Registry, Result};
+use crate::pages::PageTable;
+
+impl Registry {
+    /// Pages per source kind of `table`.
+    fn pages_by_kind(&self, table: &PageTable) -> BTreeMap<String, u64> {
+        let mut pages = BTreeMap::new();
+        for (src, n) in table.counts() {
+            let kind = self.arena.get(*src).map_or("unknown", |s| s.kind());
+            *pages.entry(kind.to_owned()).or_insert(0) += n;
+        }
+        pages
+    }
+}
 
 impl Core {
-    /// `GET /v1/vms/{id}` as a typed value.
-    pub fn info(&self, id: VmId) -> ApiResult<VmInfo> {
+    /// `GET /v1/vms/{id}`.
+    pub fn info(&self, id: VmId) -> Result<VmInfo> {
         let reg = self.reg.borrow();
         if let Some(v) = reg.fc_vms.get(&id) {
-            let mut pages = BTreeMap::new();
-            for (src, n) in v.table.counts() {
-                let kind = reg.arena.get(*src).map(|s| s.kind()).unwrap_or("unknown");
-                *pages.entry(kind.to_owned()).or_insert(0) += n;
-            }
             return Ok(VmInfo {
                 id: id.to_string(),
-                state: v.state.name().into(),
-                kind: "firecracker".into(),
+                state: v.state,
+                kind: VmKind::Firecracker,
                 pid: Some(v.pid),
                 memory_mib: v.regions.iter().map(|r| r.size).sum::<u64>() >> 20,
                 vcpus: 0,
-                pages,
+                pages: reg.pages_by_kind(&v.table),
                 resident_pages: v.table.count_of(v.self_src),
                 exit_reason: None,
+                failure: None,
                 parent: None,
                 volume: None,
                 faults: FaultCounters {
@@ -43,26 +51,22 @@ impl Core {
                 },
             });
         }
-        let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
-        let mut pages = BTreeMap::new();
-        for (src, n) in v.table.counts() {
-            let kind = reg.arena.get(*src).map(|s| s.kind()).unwrap_or("unknown");
-            *pages.entry(kind.to_owned()).or_insert(0) += n;
-        }
+        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
         Ok(VmInfo {
             id: id.to_string(),
             state: if v.deleted {
-                "deleted".into()
+                RunState::Deleted
             } else {
-                v.state.name().into()
+                v.state
             },
-            kind: "pagefork".into(),
+            kind: VmKind::Pagefork,
             pid: v.pid,
             memory_mib: v.memory_mib(),
             vcpus: v.vcpus,
-            pages,
+            pages: reg.pages_by_kind(&v.table),
             resident_pages: v.memory.allocated_bytes() / PAGE_SIZE,
             exit_reason: v.exit_reason.clone(),
+            failure: v.failure.clone(),
             parent: v.parent.map(|p| p.to_string()),
             volume: v.volume.clone(),
             faults: FaultCounters {
@@ -76,13 +80,8 @@ impl Core {
         })
     }
 
-    /// `GET /v1/vms/{id}`.
-    pub fn vm_info(&self, id: VmId) -> ApiResult<Value> {
-        to_json(&self.info(id)?)
-    }
-
     /// `GET /v1/vms`.
-    pub fn list_vms(&self) -> Value {
+    pub fn list_vms(&self) -> VmList {
         let ids: Vec<VmId> = {
             let reg = self.reg.borrow();
             let mut ids: Vec<VmId> = reg
@@ -95,77 +94,173 @@ impl Core {
             ids.sort();
             ids
         };
-        let infos: Vec<VmInfo> = ids
-            .into_iter()
-            .filter_map(|id| self.info(id).ok())
-            .collect();
-        serde_json::json!({ "vms": infos })
+        VmList {
+            vms: ids
+                .into_iter()
+                .filter_map(|id| self.info(id).ok())
+                .collect(),
+        }
+    }
+
+    /// Mark `vm` as being forked until the guard drops; refuse if a fork
+    /// is under way already. (Guest ops may run during a fork: the pause
+    /// stops the vCPUs at an instruction boundary and children resume
+    /// mid-op.)
+    pub(super) fn begin_fork(self: &Rc<Self>, vm: VmId) -> Result<ForkGuard> {
+        self.refuse_while_forking(vm, "fork")?;
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
+            v.forking = true;
+        }
+        Ok(ForkGuard {
+            core: self.clone(),
+            vm,
+        })
+    }
+
+    /// Refuse `action` while `vm` is being forked (the fork pauses and
+    /// resumes it itself).
+    fn refuse_while_forking(&self, vm: VmId, action: &'static str) -> Result<()> {
+        let reg = self.reg.borrow();
+        match reg.vms.get(&vm) {
+            Some(v) if v.forking => Err(Error::Busy {
+                vm,
+                action,
+                running: "a fork",
+            }),
+            Some(_) => Ok(()),
+            None => Err(Error::NoSuchVm(vm)),
+        }
+    }
+
+    /// Send a pause or resume; if the VMM misses the deadline, the request
+    /// stays queued and its late answer still sets the state, so the API
+    /// always shows what the guest is doing.
+    async fn pause_or_resume(self: &Rc<Self>, id: VmId, pause: bool) -> Result<()> {
+        let (request, after) = if pause {
+            (Request::Pause, RunState::Paused)
+        } else {
+            (Request::Resume, RunState::Running)
+        };
+        let rx = self.send_request(id, request)?;
+        let deadline = self.settings.vmm_deadline;
+        let (tx, on_time) = tokio::sync::oneshot::channel();
+        let core = self.clone();
+        tokio::task::spawn_local(async move {
+            let r = core.await_reply(id, rx, core.settings.exec_timeout).await;
+            if r.is_ok() {
+                if let Some(v) = core.reg.borrow_mut().vms.get_mut(&id) {
+                    if matches!(v.state, RunState::Running | RunState::Paused) {
+                        v.state = after;
+                    }
+                }
+            }
+            if let Err(Ok(())) = tx.send(r.map(drop)) {
+                tracing::info!(
+                    "{id}: a late {} took effect: it is {after}",
+                    request_name(pause)
+                );
+            }
+        });
+        match tokio::time::timeout(deadline, on_time).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::VmmGone { vm: id }),
+            Err(_) => Err(Error::VmmTimeout {
+                vm: id,
+                after: deadline,
+            }),
+        }
     }
 
     /// `POST /v1/vms/{id}/pause`.
-    pub(super) async fn pause(self: Rc<Self>, id: VmId) -> ApiResult<Value> {
+    pub(super) async fn pause(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
+        self.refuse_while_forking(id, "pause")?;
         self.expect_state(id, RunState::Running, "pause")?;
-        self.request(id, Request::Pause, self.settings.exec_timeout)
-            .await?;
-        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
-            v.state = RunState::Paused;
-        }
-        self.vm_info(id)
+        self.pause_or_resume(id, true).await?;
+        self.info(id)
     }
 
     /// `POST /v1/vms/{id}/resume`.
-    pub(super) async fn resume(self: Rc<Self>, id: VmId) -> ApiResult<Value> {
+    pub(super) async fn resume(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
+        self.refuse_while_forking(id, "resume")?;
         self.expect_state(id, RunState::Paused, "resume")?;
-        self.request(id, Request::Resume, self.settings.exec_timeout)
-            .await?;
-        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
-            v.state = RunState::Running;
-        }
-        self.vm_info(id)
+        self.pause_or_resume(id, false).await?;
+        self.info(id)
     }
 
     /// `POST /v1/vms/{id}/exec`.
-    pub(super) async fn exec(self: Rc<Self>, id: VmId, req: ExecRequest) -> ApiResult<Value> {
-        let (pages, state) = {
+    pub(super) async fn exec(self: &Rc<Self>, id: VmId, req: ExecRequest) -> Result<ExecResponse> {
+        let (pages, has_disk) = {
             let reg = self.reg.borrow();
-            let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
-            (v.memory.pages(), v.state)
+            let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+            (v.memory.pages(), v.volume.is_some())
         };
-        let op = req.to_op(pages).map_err(ApiError::bad_request)?;
-        if state == RunState::Paused {
-            return Err(ApiError::conflict(format!(
-                "{id} is paused; resume it before exec"
-            )));
+        let op = req
+            .to_op(pages)
+            .map_err(|e| Error::BadRequest(e.to_string()))?;
+        if req.needs_disk() && !has_disk {
+            return Err(Error::NoDisk { vm: id });
         }
+        self.expect_state(id, RunState::Running, "exec")?;
         match self
             .request(id, Request::Exec(op), self.settings.exec_timeout)
             .await?
         {
-            Reply::Op(r) => to_json(&ExecResponse {
+            Reply::Op(r) => Ok(ExecResponse {
                 op: op.name().into(),
                 result: r.value,
                 elapsed_us: r.elapsed_us,
             }),
-            other => Err(ApiError::vmm(format!(
-                "{id}: unexpected reply to exec: {other:?}"
-            ))),
+            other => Err(Error::UnexpectedReply {
+                vm: id,
+                request: "exec",
+                reply: format!("{other:?}"),
+            }),
         }
     }
 
-    fn expect_state(&self, id: VmId, want: RunState, what: &str) -> ApiResult<()> {
+    pub(super) fn expect_state(
+        &self,
+        id: VmId,
+        want: RunState,
+        action: &'static str,
+    ) -> Result<()> {
         let reg = self.reg.borrow();
-        let v = reg.vms.get(&id).ok_or_else(|| not_found(id))?;
-        if v.state != want {
-            return Err(ApiError::conflict(format!(
-                "cannot {what} {id}: it is {}, not {}",
-                v.state.name(),
-                want.name()
-            )));
+        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+        let state = if v.deleted {
+            RunState::Deleted
+        } else {
+            v.state
+        };
+        if state != want {
+            return Err(Error::WrongState {
+                vm: id,
+                state,
+                action,
+            });
         }
         Ok(())
     }
 }
 
-fn to_json<T: serde::Serialize>(v: &T) -> ApiResult<Value> {
-    serde_json::to_value(v).map_err(|e| ApiError::internal(e.to_string()))
+fn request_name(pause: bool) -> &'static str {
+    if pause {
+        "pause"
+    } else {
+        "resume"
+    }
+}
+
+/// Marks a VM as being forked while alive.
+#[derive(Debug)]
+pub(super) struct ForkGuard {
+    core: Rc<Core>,
+    vm: VmId,
+}
+
+impl Drop for ForkGuard {
+    fn drop(&mut self) {
+        if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
+            v.forking = false;
+        }
+    }
 }

@@ -10,32 +10,11 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 use userfaultfd::Uffd;
 
+use crate::conn::VmmWriter;
 use crate::memory::GuestMemory;
 use crate::pages::{PageTable, SourceId};
-use crate::vmm_conn::VmmWriter;
 
-/// Life-cycle state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunState {
-    /// Launched; waiting for the VMM to connect and start its guest.
-    Starting,
-    Running,
-    Paused,
-    /// The VMM is gone; memory may still serve dependents.
-    Exited,
-}
-
-impl RunState {
-    /// Name as the API shows it.
-    pub fn name(self) -> &'static str {
-        match self {
-            RunState::Starting => "starting",
-            RunState::Running => "running",
-            RunState::Paused => "paused",
-            RunState::Exited => "exited",
-        }
-    }
-}
+pub use proto::api::RunState;
 
 /// Counters of the fault engine for one VM.
 #[derive(Debug, Clone, Copy, Default)]
@@ -64,7 +43,10 @@ pub struct Readahead {
 }
 
 /// A pending answer from the VMM.
-pub type ReplySender = oneshot::Sender<Result<Reply, String>>;
+pub type ReplySender = oneshot::Sender<super::Result<Reply>>;
+
+/// Fulfilled when the VMM reports `Running`, or fails first.
+pub type ReadySender = oneshot::Sender<super::Result<()>>;
 
 /// One VM.
 #[derive(Debug)]
@@ -84,8 +66,10 @@ pub struct Vm {
     pub pending: HashMap<u64, ReplySender>,
     pub next_seq: u64,
     /// Fulfilled when the VMM reports `Running` (or fails first).
-    pub ready: Option<oneshot::Sender<Result<(), String>>>,
+    pub ready: Option<ReadySender>,
     pub exit_reason: Option<String>,
+    /// Why the VM failed (state `Failed`).
+    pub failure: Option<String>,
     /// Pages installed around a file-backed fault, at most.
     pub fault_around_pages: u64,
     pub readahead: Readahead,
@@ -97,6 +81,12 @@ pub struct Vm {
     /// Deleted by the user but kept as a frozen source while other tables
     /// still read pages from it.
     pub deleted: bool,
+    /// A fork of this VM is under way: it pauses, captures and resumes
+    /// the VM itself, so pause, resume and another fork wait their turn.
+    pub forking: bool,
+    /// Notified when the VMM is gone: the fault-serving task stops and
+    /// drops its handle on the uffd.
+    pub closed: Rc<tokio::sync::Notify>,
 }
 
 /// What a new VM is made of; everything else starts empty.
@@ -109,7 +99,7 @@ pub struct VmParts {
     pub vcpus: u8,
     pub fault_around_pages: u64,
     pub readahead_pages: u64,
-    pub ready: oneshot::Sender<Result<(), String>>,
+    pub ready: ReadySender,
 }
 
 impl Vm {
@@ -130,6 +120,7 @@ impl Vm {
             next_seq: 0,
             ready: Some(p.ready),
             exit_reason: None,
+            failure: None,
             fault_around_pages: p.fault_around_pages,
             readahead: Readahead {
                 next: u64::MAX,
@@ -141,6 +132,8 @@ impl Vm {
             volume: None,
             start_state: None,
             deleted: false,
+            forking: false,
+            closed: Rc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -160,13 +153,19 @@ impl Vm {
         (self.vmm_base + page * PAGE_SIZE) as *mut libc::c_void
     }
 
-    /// Fail every request still waiting for the VMM.
-    pub fn fail_pending(&mut self, why: &str) {
+    /// Fail every request still waiting for the VMM: it exited for
+    /// `reason`.
+    pub fn fail_pending(&mut self, reason: &str) {
+        let vm = self.id;
+        let exited = || super::Error::VmmExited {
+            vm,
+            reason: reason.to_owned(),
+        };
         for (_, tx) in self.pending.drain() {
-            let _ = tx.send(Err(why.to_owned()));
+            let _ = tx.send(Err(exited()));
         }
         if let Some(tx) = self.ready.take() {
-            let _ = tx.send(Err(why.to_owned()));
+            let _ = tx.send(Err(exited()));
         }
     }
 }

@@ -111,6 +111,15 @@ impl SourceArena {
         self.slots.get(id as usize).and_then(Option::as_ref)
     }
 
+    /// Ids of the image sources (`File`) still held.
+    pub fn image_ids(&self) -> impl Iterator<Item = SourceId> + '_ {
+        self.slots.iter().enumerate().filter_map(|(i, s)| {
+            matches!(s.as_deref(), Some(PageSource::File(_)))
+                .then(|| SourceId::try_from(i).ok())
+                .flatten()
+        })
+    }
+
     /// Forget a source no table refers to any more (its id stays retired).
     pub fn release(&mut self, id: SourceId) {
         if id == UNINITIALIZED {

@@ -18,26 +18,15 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use serde::Serialize;
+use proto::api::{VolumeInfo, VolumeRollback as Rollback, VolumeSnapshotInfo as SnapshotInfo};
 
 use super::error::{Result, VolumeError};
-use super::index::{self, Index, Order, Repair, Snap, SEQ_XATTR};
+use super::index::{self, mtime_ns, Index, Order, Repair, Snap, SEQ_XATTR};
 use super::probe::{self, Reflink};
-use super::queries::{SnapshotInfo, VolumeInfo};
 use super::{ffi, name};
 
 /// Sizes are multiples of this (one sector of the guest block device).
 pub const SECTOR: u64 = 512;
-
-/// The result of a rollback.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Rollback {
-    pub volume: String,
-    pub snapshot: String,
-    /// Snapshots newer than the target that were deleted (empty unless
-    /// asked for).
-    pub deleted_snapshots: Vec<String>,
-}
 
 /// The reflink volume engine over `ROOT/volumes/`. `Send + Sync`; share it
 /// with an `Arc`.
@@ -494,11 +483,6 @@ fn replace_with_clone(src: &Path, tmp: &Path, target: &Path) -> io::Result<()> {
         Some(dir) => sync_dir(dir),
         None => Ok(()),
     }
-}
-
-pub(super) fn mtime_ns(meta: &fs::Metadata) -> i128 {
-    use std::os::unix::fs::MetadataExt;
-    i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec())
 }
 
 fn sync_dir(dir: &Path) -> io::Result<()> {

@@ -125,13 +125,6 @@ impl VolumeError {
     /// This error's message followed by its sources' (`a: b: c`), for
     /// callers that show one line.
     pub fn chain(&self) -> String {
-        let mut out = self.to_string();
-        let mut cur: Option<&dyn std::error::Error> = std::error::Error::source(self);
-        while let Some(e) = cur {
-            out.push_str(": ");
-            out.push_str(&e.to_string());
-            cur = e.source();
-        }
-        out
+        shared::error_chain(self)
     }
 }

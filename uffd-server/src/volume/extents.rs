@@ -8,20 +8,9 @@
 
 use std::fs::File;
 
-use serde::Serialize;
+pub use proto::api::Usage;
 
 use super::ffi::{self, Extent, FIEMAP_EXTENT_SHARED};
-
-/// Space use of one file.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct Usage {
-    /// Bytes in allocated extents (written or preallocated).
-    pub allocated_bytes: u64,
-    /// Allocated bytes whose blocks other files share.
-    pub shared_bytes: u64,
-    /// Allocated bytes only this file references.
-    pub exclusive_bytes: u64,
-}
 
 /// Sum a file's extents into a [`Usage`].
 pub fn usage_of_extents(extents: &[Extent]) -> Usage {

@@ -260,8 +260,10 @@ fn read_order(path: &Path, meta: &fs::Metadata) -> io::Result<Order> {
                 .and_then(|s| s.trim().parse::<u64>().ok())
         })
         .unwrap_or(0);
-    let mtime_ns = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
-    Ok(Order { seq, mtime_ns })
+    Ok(Order {
+        seq,
+        mtime_ns: mtime_ns(meta),
+    })
 }
 
 /// The entry names of `dir` in byte order; names that are not UTF-8 are
@@ -273,6 +275,11 @@ fn sorted_names(dir: &Path) -> io::Result<Vec<String>> {
     }
     names.sort();
     Ok(names)
+}
+
+/// A file's modification time in nanoseconds since the epoch.
+pub(super) fn mtime_ns(meta: &std::fs::Metadata) -> i128 {
+    i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec())
 }
 
 #[cfg(test)]

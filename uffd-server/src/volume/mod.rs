@@ -22,12 +22,11 @@ pub mod name;
 pub mod probe;
 mod queries;
 
-pub use engine::{Rollback, VolumeEngine, SECTOR};
+pub use engine::{VolumeEngine, SECTOR};
 pub use error::{ErrorKind, Result, VolumeError};
 pub use extents::Usage;
 pub use index::Repair;
 pub use probe::Reflink;
-pub use queries::{SnapshotInfo, VolumeInfo};
 
 /// Clone `len` bytes of `src` at `src_offset` into `dst` at `dst_offset`
 /// (FICLONERANGE): block-aligned, shares extents instead of copying. For

@@ -9,42 +9,12 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::path::Path;
 
-use serde::Serialize;
+use proto::api::{Usage, VolumeInfo, VolumeSnapshotInfo as SnapshotInfo};
 
-use super::engine::{mtime_ns, VolumeEngine};
+use super::engine::VolumeEngine;
 use super::error::{Result, VolumeError};
-use super::extents::{self, Usage};
-use super::index::Snap;
-
-/// A volume as listed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct VolumeInfo {
-    pub name: String,
-    /// Logical size.
-    pub size_bytes: u64,
-    #[serde(flatten)]
-    pub usage: Usage,
-    /// How many snapshots the volume has.
-    pub snapshots: usize,
-}
-
-/// A snapshot as listed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct SnapshotInfo {
-    pub name: String,
-    /// The volume it was taken of (the ultimate ancestor, for a snapshot of
-    /// a snapshot).
-    pub volume: String,
-    /// Whether that volume still exists.
-    pub volume_exists: bool,
-    /// Creation sequence number (0 for snapshots not made by the engine).
-    pub seq: u64,
-    /// Creation time, milliseconds since the Unix epoch.
-    pub created_unix_ms: i64,
-    pub size_bytes: u64,
-    #[serde(flatten)]
-    pub usage: Usage,
-}
+use super::extents;
+use super::index::{mtime_ns, Snap};
 
 impl VolumeEngine {
     /// All volumes, by name.

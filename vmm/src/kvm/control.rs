@@ -12,7 +12,7 @@ use std::time::Duration;
 use shared::VcpuState;
 
 /// Callback that receives an agent op's raw result.
-pub type JobReply = Box<dyn FnOnce(Result<u64, String>) + Send>;
+pub type JobReply = Box<dyn FnOnce(Result<u64, proto::vmm::RequestError>) + Send>;
 
 /// One command for the guest agent.
 pub struct Job {

@@ -172,7 +172,12 @@ impl VcpuThread {
                     let value = self.mem.read_u64(MAILBOX + mailbox::RESULT)?;
                     let err = self.devices.as_mut().and_then(Devices::take_error);
                     match current.take() {
-                        Some(job) => (job.reply)(err.map_or(Ok(value), Err)),
+                        Some(job) => (job.reply)(match err {
+                            None => Ok(value),
+                            Some(e) => {
+                                Err(proto::vmm::RequestError::Guest(shared::error_chain(&e)))
+                            }
+                        }),
                         None => tracing::debug!(
                             value,
                             "agent finished an op this VMM did not start (fork child)"

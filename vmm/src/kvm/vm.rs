@@ -1,6 +1,7 @@
 //! The VM: KVM memory slots over [`GuestRam`], the private region's initial
 //! image, vCPU creation (boot or restore), and pause/resume/capture/stop.
 
+use proto::vmm::RequestError;
 use std::os::raw::{c_int, c_void};
 use std::sync::{Arc, Once};
 use std::thread::JoinHandle;
@@ -222,7 +223,7 @@ impl Machine {
     }
 
     /// Stop every vCPU at a consistent point; returns once all are parked.
-    pub fn pause(&self) -> std::result::Result<(), String> {
+    pub fn pause(&self) -> std::result::Result<(), RequestError> {
         self.ctl.update(|s| s.pause = true);
         let deadline = Instant::now() + PAUSE_TIMEOUT;
         let mut s = self.ctl.lock();
@@ -231,10 +232,12 @@ impl Machine {
                 return Ok(());
             }
             if self.threads.iter().any(JoinHandle::is_finished) {
-                return Err("a vCPU thread has exited".into());
+                return Err(RequestError::VcpuGone);
             }
             if Instant::now() > deadline {
-                return Err(format!("vCPUs did not pause within {PAUSE_TIMEOUT:?}"));
+                return Err(RequestError::PauseTimeout {
+                    ms: u64::try_from(PAUSE_TIMEOUT.as_millis()).unwrap_or(u64::MAX),
+                });
             }
             for (t, p) in self.threads.iter().zip(&s.paused) {
                 if p.is_none() {
@@ -253,13 +256,13 @@ impl Machine {
     }
 
     /// The paused VM's state.
-    pub fn capture(&self) -> std::result::Result<VmState, String> {
+    pub fn capture(&self) -> std::result::Result<VmState, RequestError> {
         let s = self.ctl.lock();
         if !s.pause || s.paused.iter().any(Option::is_none) {
-            return Err("the VM is not paused; pause it before capturing its state".into());
+            return Err(RequestError::NotPaused);
         }
         let vcpus = s.paused.iter().flatten().cloned().collect();
-        let devices = devices::save(&self.mem).map_err(|e| e.to_string())?;
+        let devices = devices::save(&self.mem).map_err(|e| RequestError::Memory(e.to_string()))?;
         Ok(VmState { vcpus, devices })
     }
 

@@ -27,7 +27,9 @@ use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use serde_json::{json, Value};
+use proto::api::{
+    CreateListener, ListenerDeleted, ListenerInfo, ListenerList, MemorySource, VmDeleted,
+};
 use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
@@ -37,8 +39,9 @@ pub use map::FileMap;
 pub use vm::FcVm;
 
 use super::vm::{FaultStats, RunState};
-use super::{ApiError, ApiResult, Core};
-use crate::firecracker::{FcHandshake, ListenerStats};
+use super::{Core, Error, Result};
+use crate::conn::firecracker::ListenerStats;
+use crate::conn::FcHandshake;
 use crate::pages::{PageTable, SourceId, UNINITIALIZED};
 use serve::{prefetch_working_set, serve_fc};
 
@@ -61,39 +64,24 @@ pub struct FcListener {
     pub sock: std::os::unix::net::UnixListener,
 }
 
-/// Body of `POST /v1/firecracker/listeners`.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateListener {
-    pub socket: PathBuf,
-    pub memory_source: proto::api::MemorySource,
-    #[serde(default)]
-    pub fault_around_kib: Option<u64>,
-    #[serde(default)]
-    pub readahead_kib: Option<u64>,
-    #[serde(default)]
-    pub working_set: bool,
-}
-
 impl Core {
     /// Start a Firecracker listener.
-    pub fn add_fc_listener(self: &Rc<Self>, req: CreateListener) -> ApiResult<Value> {
-        let proto::api::MemorySource::File { path } = &req.memory_source;
-        let file = std::fs::File::open(path).map_err(|e| {
-            ApiError::bad_request(format!("cannot open memory source {path}: {e}; give a Firecracker memory snapshot or raw image"))
-        })?;
-        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+    pub fn add_fc_listener(self: &Rc<Self>, req: CreateListener) -> Result<ListenerInfo> {
+        let MemorySource::File { path } = &req.memory_source;
+        let (file, len) = crate::images::open_regular(std::path::Path::new(path))?;
         if len == 0 || len % PAGE_SIZE != 0 {
-            return Err(ApiError::bad_request(format!(
-                "memory source {path} is {len} bytes; it must be a non-empty multiple of 4096"
-            )));
+            return Err(Error::Image {
+                path: path.clone(),
+                reason: "a memory snapshot must be a non-empty multiple of 4096 bytes".into(),
+            });
         }
+        let socket = PathBuf::from(&req.socket);
         let fault_around_pages = match req.fault_around_kib {
             Some(0) => 1,
             Some(k) if k % 4 == 0 && (k / 4).is_power_of_two() && k <= 4096 => k / 4,
             Some(_) => {
-                return Err(ApiError::bad_request(
-                    "fault_around_kib must be 0 or a power-of-two multiple of 4 up to 4096",
+                return Err(Error::BadRequest(
+                    "fault_around_kib must be 0 or a power-of-two multiple of 4 up to 4096".into(),
                 ))
             }
             None => self.settings.fault_around_pages,
@@ -101,27 +89,27 @@ impl Core {
         let readahead_pages = match req.readahead_kib {
             Some(k) if k % 4 == 0 && k <= 64 * 1024 => k / 4,
             Some(_) => {
-                return Err(ApiError::bad_request(
-                    "readahead_kib must be a multiple of 4 up to 65536 (0 = off)",
+                return Err(Error::BadRequest(
+                    "readahead_kib must be a multiple of 4 up to 65536 (0 = off)".into(),
                 ))
             }
             None => self.settings.readahead_pages,
         };
-        let map = FileMap::new(&file, len).map_err(ApiError::internal)?;
-        if req.socket.exists() {
-            return Err(ApiError::conflict(format!(
-                "{} already exists; remove it or pick another path",
-                req.socket.display()
-            )));
-        }
-        let sock = std::os::unix::net::UnixListener::bind(&req.socket).map_err(|e| {
-            ApiError::bad_request(format!("cannot listen on {}: {e}", req.socket.display()))
+        let map = FileMap::new(&file, len).map_err(|reason| Error::Image {
+            path: path.clone(),
+            reason,
         })?;
+        if socket.symlink_metadata().is_ok() {
+            return Err(Error::SocketExists { path: socket });
+        }
+        let listen_err = |source| Error::Listen {
+            path: socket.clone(),
+            source,
+        };
+        let sock = std::os::unix::net::UnixListener::bind(&socket).map_err(listen_err)?;
         use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&req.socket, std::fs::Permissions::from_mode(0o600));
-        let accept = sock
-            .try_clone()
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let _ = std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600));
+        let accept = sock.try_clone().map_err(listen_err)?;
         let stats = Arc::new(ListenerStats::default());
         let mut reg = self.reg.borrow_mut();
         reg.next_listener += 1;
@@ -133,22 +121,25 @@ impl Core {
                 file,
                 len,
             }));
-        let ctx = crate::firecracker::ListenerCtx {
+        let ctx = crate::conn::firecracker::ListenerCtx {
             id,
-            socket: req.socket.clone(),
+            socket: socket.clone(),
             source_len: len,
             stats: stats.clone(),
             events: self.events.clone(),
         };
         std::thread::Builder::new()
             .name("fc-accept".into())
-            .spawn(move || crate::firecracker::accept_loop(accept, ctx))
-            .map_err(|e| ApiError::internal(format!("cannot start the listener thread: {e}")))?;
+            .spawn(move || crate::conn::firecracker::accept_loop(accept, ctx))
+            .map_err(|source| Error::SpawnThread {
+                what: "accept Firecracker connections",
+                source,
+            })?;
         reg.fc_listeners.insert(
             id,
             FcListener {
                 id,
-                socket: req.socket.clone(),
+                socket: socket.clone(),
                 source_path: PathBuf::from(path),
                 source,
                 map: Rc::new(map),
@@ -162,60 +153,77 @@ impl Core {
         );
         info!(
             "firecracker listener fc-{id} on {} serving {path}",
-            req.socket.display()
+            socket.display()
         );
         drop(reg);
         self.fc_listener_info(id)
     }
 
     /// `GET /v1/firecracker/listeners/{id}` body.
-    pub fn fc_listener_info(&self, id: u32) -> ApiResult<Value> {
+    pub fn fc_listener_info(&self, id: u32) -> Result<ListenerInfo> {
         let reg = self.reg.borrow();
         let l = reg
             .fc_listeners
             .get(&id)
-            .ok_or_else(|| ApiError::not_found(format!("no listener fc-{id}")))?;
+            .ok_or_else(|| Error::NoSuchListener(format!("fc-{id}")))?;
         let vms: Vec<String> = reg
             .fc_vms
             .values()
             .filter(|v| v.listener == id)
             .map(|v| v.id.to_string())
             .collect();
-        Ok(json!({
-            "id": format!("fc-{id}"),
-            "socket": l.socket,
-            "memory_source": { "kind": "file", "path": l.source_path },
-            "fault_around_kib": super::fault_around_kib(l.fault_around_pages),
-            "readahead_kib": l.readahead_pages * PAGE_SIZE / 1024,
-            "working_set": l.working_set,
-            "recorded_pages": l.recorded.as_ref().map(|r| r.len()).unwrap_or(0),
-            "accepted": l.stats.accepted.load(Ordering::Relaxed),
-            "refused": l.stats.refused.load(Ordering::Relaxed),
-            "last_refusal": *l.stats.last_refusal.lock().unwrap_or_else(|p| p.into_inner()),
-            "vms": vms,
-        }))
+        let last_refusal = l
+            .stats
+            .last_refusal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(ListenerInfo {
+            id: format!("fc-{id}"),
+            socket: l.socket.display().to_string(),
+            memory_source: MemorySource::File {
+                path: l.source_path.display().to_string(),
+            },
+            fault_around_kib: super::fault_around_kib(l.fault_around_pages),
+            readahead_kib: l.readahead_pages * PAGE_SIZE / 1024,
+            working_set: l.working_set,
+            recorded_pages: l.recorded.as_ref().map_or(0, |r| r.len() as u64),
+            accepted: l.stats.accepted.load(Ordering::Relaxed),
+            refused: l.stats.refused.load(Ordering::Relaxed),
+            last_refusal,
+            vms,
+        })
     }
 
     /// `GET /v1/firecracker/listeners`.
-    pub fn fc_listeners(&self) -> Value {
+    pub fn fc_listeners(&self) -> ListenerList {
         let ids: Vec<u32> = self.reg.borrow().fc_listeners.keys().copied().collect();
-        json!({ "listeners": ids.into_iter().filter_map(|id| self.fc_listener_info(id).ok()).collect::<Vec<_>>() })
+        ListenerList {
+            listeners: ids
+                .into_iter()
+                .filter_map(|id| self.fc_listener_info(id).ok())
+                .collect(),
+        }
     }
 
     /// `DELETE /v1/firecracker/listeners/{id}`: stop accepting; connected
     /// VMs keep being served.
-    pub fn delete_fc_listener(&self, id: u32) -> ApiResult<Value> {
-        let l = self
-            .reg
-            .borrow_mut()
+    pub fn delete_fc_listener(&self, id: u32) -> Result<ListenerDeleted> {
+        let mut reg = self.reg.borrow_mut();
+        let l = reg
             .fc_listeners
             .remove(&id)
-            .ok_or_else(|| ApiError::not_found(format!("no listener fc-{id}")))?;
+            .ok_or_else(|| Error::NoSuchListener(format!("fc-{id}")))?;
+        reg.release_unused_sources();
+        drop(reg);
         // SAFETY: shutdown(2) on our own listening socket; it makes the
         // accept thread's accept() fail with EINVAL so it exits.
         unsafe { libc::shutdown(l.sock.as_raw_fd(), libc::SHUT_RDWR) };
         let _ = std::fs::remove_file(&l.socket);
-        Ok(json!({ "id": format!("fc-{id}"), "deleted": true }))
+        Ok(ListenerDeleted {
+            id: format!("fc-{id}"),
+            deleted: true,
+        })
     }
 
     /// A Firecracker process completed its handshake: serve it.
@@ -271,8 +279,7 @@ impl Core {
         for r in &regions {
             table.set_range(r.offset / PAGE_SIZE, r.size / PAGE_SIZE, file_src);
         }
-        reg.next_id += 1;
-        let id = VmId(reg.next_id);
+        let id = reg.alloc_id(&self.settings.state_dir);
         let self_src = reg.arena.vm(id);
         let closed = Rc::new(tokio::sync::Notify::new());
         reg.fc_vms.insert(
@@ -323,6 +330,7 @@ impl Core {
             v.pid, v.stats.missing
         );
         reg.arena.release(v.self_src);
+        reg.release_unused_sources();
         // `notify_one` keeps a permit if the task is not waiting right now.
         v.closed.notify_one();
         if let Some(l) = reg.fc_listeners.get_mut(&v.listener) {
@@ -341,11 +349,15 @@ impl Core {
     }
 
     /// Drop a Firecracker VM on request: close its connection.
-    pub fn delete_fc_vm(&self, id: VmId) -> Option<Value> {
+    pub fn delete_fc_vm(&self, id: VmId) -> Option<VmDeleted> {
         let reg = self.reg.borrow();
         let v = reg.fc_vms.get(&id)?;
         let _ = v.stream.shutdown(std::net::Shutdown::Both);
-        Some(json!({ "id": id.to_string(), "deleted": true }))
+        Some(VmDeleted {
+            id: id.to_string(),
+            deleted: true,
+            frozen: false,
+        })
     }
 }
 

@@ -1,10 +1,13 @@
 //! `uffdctl vm ...`.
 
 use clap::Subcommand;
-use serde_json::{json, Value};
+use proto::api;
+use serde_json::Value;
 
+use super::body;
 use super::table::render;
 use crate::client::Client;
+use crate::{CliError, Result};
 
 /// VM commands.
 #[derive(Debug, Subcommand)]
@@ -66,19 +69,15 @@ pub enum VmCmd {
 }
 
 /// Call the API and return the body, or the server's error text.
-pub fn call(
-    client: &Client,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
-) -> Result<Value, String> {
-    let r = client
-        .request(method, path, body)
-        .map_err(|e| crate::core::chain(&e))?;
+pub fn call(client: &Client, method: &str, path: &str, body: Option<&Value>) -> Result<Value> {
+    let r = client.request(method, path, body)?;
     if r.ok() {
         Ok(r.body)
     } else {
-        Err(format!("{} (HTTP {})", r.error_text(), r.status))
+        Err(CliError::Api {
+            status: r.status,
+            message: r.error_text(),
+        })
     }
 }
 
@@ -122,7 +121,7 @@ const HEADERS: [&str; 7] = [
 ];
 
 /// Run a VM command.
-pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
+pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
     let out = match cmd {
         VmCmd::Create {
             memory_mib,
@@ -132,15 +131,16 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
             fault_around_kib,
             prefetch,
         } => {
-            let body = json!({
-                "memory_mib": memory_mib,
-                "vcpus": vcpus,
-                "memory_source": image.map(|p| json!({"kind": "file", "path": p})),
-                "volume": volume,
-                "fault_around_kib": fault_around_kib,
-                "prefetch": prefetch,
-            });
-            call(client, "POST", "/v1/vms", Some(&body))?
+            let req = api::CreateVm {
+                memory_mib,
+                vcpus,
+                memory_source: image.map(|path| api::MemorySource::File { path }),
+                volume,
+                fault_around_kib,
+                readahead_kib: None,
+                prefetch,
+            };
+            call(client, "POST", "/v1/vms", Some(&body(&req)))?
         }
         VmCmd::List => {
             let v = call(client, "GET", "/v1/vms", None)?;
@@ -163,7 +163,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
                 client,
                 "POST",
                 &format!("/v1/vms/{id}/fork"),
-                Some(&json!({ "count": count })),
+                Some(&body(&api::ForkRequest { count })),
             )?;
             if !as_json {
                 println!(
@@ -193,11 +193,49 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<(), String> {
             sector,
             count,
         } => {
-            let body = json!({
-                "op": op, "start_page": start_page, "pages": pages, "seed": seed,
-                "write": write.then_some(true), "sector": sector, "count": count,
-            });
-            let v = call(client, "POST", &format!("/v1/vms/{id}/exec"), Some(&body))?;
+            let need = |v: Option<u64>, what: &str| {
+                v.ok_or_else(|| CliError::Usage(format!("op {op} needs --{what}")))
+            };
+            let req = match op.as_str() {
+                "fill" => api::ExecRequest::Fill {
+                    start_page,
+                    pages,
+                    seed: need(seed, "seed")?,
+                },
+                "touch" => api::ExecRequest::Touch {
+                    start_page,
+                    pages,
+                    write,
+                },
+                "checksum" => api::ExecRequest::Checksum { start_page, pages },
+                "verify" => api::ExecRequest::Verify {
+                    start_page,
+                    pages,
+                    seed: need(seed, "seed")?,
+                },
+                "digest" => api::ExecRequest::Digest { start_page, pages },
+                "identity" => api::ExecRequest::Identity {},
+                "disk_fill" => api::ExecRequest::DiskFill {
+                    sector: sector.unwrap_or(0),
+                    count: need(count, "count")?,
+                    seed: need(seed, "seed")?,
+                },
+                "disk_checksum" => api::ExecRequest::DiskChecksum {
+                    sector: sector.unwrap_or(0),
+                    count: need(count, "count")?,
+                },
+                other => {
+                    return Err(CliError::Usage(format!(
+                        "unknown op {other}; use fill, touch, checksum, verify, digest, identity, disk_fill or disk_checksum"
+                    )))
+                }
+            };
+            let v = call(
+                client,
+                "POST",
+                &format!("/v1/vms/{id}/exec"),
+                Some(&body(&req)),
+            )?;
             if !as_json {
                 println!(
                     "{} {} = {} ({} us)",

@@ -3,9 +3,13 @@
 //! Prints readable tables, or the server's JSON with `--json`.
 
 use clap::Subcommand;
-use serde_json::{json, Value};
+use proto::api;
+use serde_json::Value;
+
+use super::body;
 
 use crate::client::Client;
+use crate::{CliError, Result};
 
 /// Volume and snapshot commands.
 #[derive(Debug, Clone, Subcommand)]
@@ -67,7 +71,7 @@ pub enum VolumeCmd {
 }
 
 /// Run `cmd` against the server behind `client`.
-pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<(), String> {
+pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<()> {
     let (method, path, body, show): (&str, String, Option<Value>, fn(&Value)) = match cmd {
         VolumeCmd::Create {
             name,
@@ -76,7 +80,11 @@ pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<(), String> {
         } => (
             "POST",
             "/v1/volumes".into(),
-            Some(json!({ "name": name, "size_mib": mib })),
+            Some(body(&api::CreateVolume {
+                name,
+                size_mib: Some(mib),
+                from_snapshot: None,
+            })),
             print_volume,
         ),
         VolumeCmd::Create {
@@ -90,10 +98,16 @@ pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<(), String> {
         } => (
             "POST",
             "/v1/volumes".into(),
-            Some(json!({ "name": name, "from_snapshot": snap })),
+            Some(body(&api::CreateVolume {
+                name,
+                size_mib: None,
+                from_snapshot: Some(snap),
+            })),
             print_volume,
         ),
-        VolumeCmd::Create { .. } => return Err("give --size-mib or --from-snapshot".into()),
+        VolumeCmd::Create { .. } => {
+            return Err(CliError::Usage("give --size-mib or --from-snapshot".into()))
+        }
         VolumeCmd::List => ("GET", "/v1/volumes".into(), None, print_volumes),
         VolumeCmd::Show { name } => (
             "GET",
@@ -110,13 +124,13 @@ pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<(), String> {
         VolumeCmd::Grow { name, size_mib } => (
             "POST",
             format!("/v1/volumes/{}/grow", seg(&name)),
-            Some(json!({ "size_mib": size_mib })),
+            Some(body(&api::GrowVolume { size_mib })),
             print_volume,
         ),
         VolumeCmd::Snapshot { source, name } => (
             "POST",
             format!("/v1/volumes/{}/snapshots", seg(&source)),
-            Some(json!({ "name": name })),
+            Some(body(&api::CreateVolumeSnapshot { name })),
             print_snapshot,
         ),
         VolumeCmd::Snapshots { volume: Some(v) } => (
@@ -141,15 +155,19 @@ pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<(), String> {
         } => (
             "POST",
             format!("/v1/volumes/{}/rollback", seg(&volume)),
-            Some(json!({ "snapshot": snapshot, "delete_newer": delete_newer })),
+            Some(body(&api::RollbackVolume {
+                snapshot,
+                delete_newer,
+            })),
             print_rollback,
         ),
     };
-    let resp = client
-        .request(method, &path, body.as_ref())
-        .map_err(|e| error_chain(&e))?;
+    let resp = client.request(method, &path, body.as_ref())?;
     if !resp.ok() {
-        return Err(format!("{} (HTTP {})", resp.error_text(), resp.status));
+        return Err(CliError::Api {
+            status: resp.status,
+            message: resp.error_text(),
+        });
     }
     if json {
         println!(
@@ -172,17 +190,6 @@ fn seg(name: &str) -> String {
         } else {
             out.push_str(&format!("%{b:02X}"));
         }
-    }
-    out
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
     }
     out
 }

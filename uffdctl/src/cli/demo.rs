@@ -7,10 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use proto::api;
+
+use super::body;
 
 use super::vm::call;
 use crate::client::Client;
+use crate::{CliError, Result};
 
 /// Demo options.
 #[derive(Debug, clap::Args)]
@@ -50,14 +53,14 @@ fn step(n: u32, text: &str) {
     println!("\n[{n}] {text}");
 }
 
-fn exec(c: &Client, id: &str, body: Value) -> Result<u64, String> {
-    let v = call(c, "POST", &format!("/v1/vms/{id}/exec"), Some(&body))?;
+fn exec(c: &Client, id: &str, req: api::ExecRequest) -> Result<u64> {
+    let v = call(c, "POST", &format!("/v1/vms/{id}/exec"), Some(&body(&req)))?;
     v["result"]
         .as_u64()
-        .ok_or_else(|| format!("no result in {v}"))
+        .ok_or_else(|| CliError::Answer(format!("no result in {v}")))
 }
 
-fn start_server(args: &DemoArgs) -> Result<Server, String> {
+fn start_server(args: &DemoArgs) -> Result<Server> {
     let (dir, temp) = match &args.state_dir {
         Some(d) => (d.clone(), false),
         None => {
@@ -65,14 +68,16 @@ fn start_server(args: &DemoArgs) -> Result<Server, String> {
             (d, true)
         }
     };
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let local = |what: String| move |source| CliError::Local { what, source };
+    std::fs::create_dir_all(&dir).map_err(local(format!("create {}", dir.display())))?;
     let bin = match &args.server_bin {
         Some(b) => b.clone(),
         None => std::env::current_exe()
-            .map_err(|e| e.to_string())?
+            .map_err(local("find uffdctl's own binary".into()))?
             .with_file_name("uffd-server"),
     };
-    let log = std::fs::File::create(dir.join("server.log")).map_err(|e| e.to_string())?;
+    let log = std::fs::File::create(dir.join("server.log"))
+        .map_err(local(format!("create {}/server.log", dir.display())))?;
     let child = Command::new(&bin)
         .arg("--state-dir")
         .arg(&dir)
@@ -80,13 +85,13 @@ fn start_server(args: &DemoArgs) -> Result<Server, String> {
         .stdout(Stdio::null())
         .stderr(Stdio::from(log))
         .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+        .map_err(local(format!("start {}", bin.display())))?;
     let server = Server { child, dir, temp };
     wait_healthy(&server.dir.join("api.sock"))?;
     Ok(server)
 }
 
-fn wait_healthy(sock: &Path) -> Result<(), String> {
+fn wait_healthy(sock: &Path) -> Result<()> {
     let c = Client::new(sock);
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
@@ -98,11 +103,11 @@ fn wait_healthy(sock: &Path) -> Result<(), String> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Err(format!("server did not come up at {}", sock.display()))
+    Err(CliError::NoServer(sock.display().to_string()))
 }
 
 /// Run the demo.
-pub fn run(args: DemoArgs) -> Result<(), String> {
+pub fn run(args: DemoArgs) -> Result<()> {
     let server = start_server(&args)?;
     let c = Client::new(server.dir.join("api.sock"));
     println!(
@@ -122,7 +127,15 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         &c,
         "POST",
         "/v1/vms",
-        Some(&json!({ "memory_mib": args.memory_mib })),
+        Some(&body(&api::CreateVm {
+            memory_mib: args.memory_mib,
+            vcpus: 1,
+            memory_source: None,
+            volume: None,
+            fault_around_kib: None,
+            readahead_kib: None,
+            prefetch: false,
+        })),
     )?;
     let parent = vm["id"].as_str().unwrap_or_default().to_owned();
     println!(
@@ -136,8 +149,23 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         2,
         "the guest fills every page with pattern seed 1, then checksums its RAM",
     );
-    exec(&c, &parent, json!({"op": "fill", "seed": 1}))?;
-    let sum = exec(&c, &parent, json!({"op": "checksum"}))?;
+    exec(
+        &c,
+        &parent,
+        api::ExecRequest::Fill {
+            start_page: None,
+            pages: None,
+            seed: 1,
+        },
+    )?;
+    let sum = exec(
+        &c,
+        &parent,
+        api::ExecRequest::Checksum {
+            start_page: None,
+            pages: None,
+        },
+    )?;
     println!("    {parent}: {pages} pages filled, checksum {sum:#018x}");
 
     step(
@@ -148,7 +176,7 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         &c,
         "POST",
         &format!("/v1/vms/{parent}/fork"),
-        Some(&json!({"count": 2})),
+        Some(&body(&api::ForkRequest { count: 2 })),
     )?;
     let children: Vec<String> = fork["children"]
         .as_array()
@@ -163,7 +191,14 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         fork["pause_us"], fork["fork_us"]
     );
     if let Some(first) = children.first() {
-        let s = exec(&c, first, json!({"op": "checksum"}))?;
+        let s = exec(
+            &c,
+            first,
+            api::ExecRequest::Checksum {
+                start_page: None,
+                pages: None,
+            },
+        )?;
         let same = if s == sum {
             "same as parent"
         } else {
@@ -175,12 +210,18 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         let part = exec(
             &c,
             second,
-            json!({"op": "checksum", "start_page": 0, "pages": 1024}),
+            api::ExecRequest::Checksum {
+                start_page: Some(0),
+                pages: Some(1024),
+            },
         )?;
         let want = exec(
             &c,
             &parent,
-            json!({"op": "checksum", "start_page": 0, "pages": 1024}),
+            api::ExecRequest::Checksum {
+                start_page: Some(0),
+                pages: Some(1024),
+            },
         )?;
         let same = if part == want {
             "same as parent"
@@ -198,23 +239,39 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
     exec(
         &c,
         &parent,
-        json!({"op": "fill", "start_page": 0, "pages": half, "seed": 2}),
+        api::ExecRequest::Fill {
+            start_page: Some(0),
+            pages: Some(half),
+            seed: 2,
+        },
     )?;
     if let Some(ch) = children.first() {
         exec(
             &c,
             ch,
-            json!({"op": "fill", "start_page": half, "pages": pages - half, "seed": 3}),
+            api::ExecRequest::Fill {
+                start_page: Some(half),
+                pages: Some(pages - half),
+                seed: 3,
+            },
         )?;
         let p_ok = exec(
             &c,
             &parent,
-            json!({"op": "verify", "start_page": half, "pages": pages - half, "seed": 1}),
+            api::ExecRequest::Verify {
+                start_page: Some(half),
+                pages: Some(pages - half),
+                seed: 1,
+            },
         )?;
         let c_ok = exec(
             &c,
             ch,
-            json!({"op": "verify", "start_page": 0, "pages": half, "seed": 1}),
+            api::ExecRequest::Verify {
+                start_page: Some(0),
+                pages: Some(half),
+                seed: 1,
+            },
         )?;
         println!("    {parent}: upper half still seed 1 ({p_ok} mismatches); {ch}: lower half still seed 1 ({c_ok} mismatches)");
     }
@@ -242,7 +299,11 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
         &c,
         "POST",
         "/v1/volumes",
-        Some(&json!({"name": "demo-disk", "size_mib": 1024})),
+        Some(&body(&api::CreateVolume {
+            name: "demo-disk".into(),
+            size_mib: Some(1024),
+            from_snapshot: None,
+        })),
     );
     match vol {
         Ok(_) => {
@@ -251,7 +312,9 @@ pub fn run(args: DemoArgs) -> Result<(), String> {
                 &c,
                 "POST",
                 "/v1/volumes/demo-disk/snapshots",
-                Some(&json!({"name": "demo-snap"})),
+                Some(&body(&api::CreateVolumeSnapshot {
+                    name: "demo-snap".into(),
+                })),
             )?;
             println!(
                 "    volume demo-disk (1 GiB) snapshotted in {:.2} ms",

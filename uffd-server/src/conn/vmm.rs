@@ -7,72 +7,17 @@
 //! or the wrong fds gets a [`ServerMsg::Error`] and is closed; nothing else
 //! is affected.
 
-use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use proto::frame::FrameError;
 use proto::vmm::{self as msg, ServerMsg, VmmMsg};
-use shared::VmId;
 use tokio::sync::mpsc::UnboundedSender;
+
+use super::{ConnEvent, PendingLaunches, VmmWriter};
 use tracing::{debug, info, warn};
-
-/// What the connection threads tell the core.
-#[derive(Debug)]
-pub enum ConnEvent {
-    /// A VMM proved it is the one launched for `vm`.
-    Hello {
-        vm: VmId,
-        writer: Arc<VmmWriter>,
-        pid: u32,
-    },
-    /// A message (and its fds) from `vm`'s VMM.
-    Msg {
-        vm: VmId,
-        msg: VmmMsg,
-        fds: Vec<OwnedFd>,
-    },
-    /// `vm`'s connection is gone (hang-up or protocol error).
-    Closed { vm: VmId, reason: String },
-    /// A Firecracker process completed its handshake on a listener.
-    FcHello(crate::firecracker::FcHandshake),
-    /// A Firecracker connection hung up.
-    FcClosed { conn: u64 },
-}
-
-/// A launch the server is waiting for: the token's VM and the pid of the
-/// process it spawned.
-#[derive(Debug, Clone, Copy)]
-pub struct PendingLaunch {
-    pub vm: VmId,
-    pub pid: u32,
-}
-
-/// Launch tokens not yet used, shared between the core and the acceptor.
-pub type PendingLaunches = Arc<Mutex<HashMap<String, PendingLaunch>>>;
-
-/// The sending half of a VMM connection.
-#[derive(Debug)]
-pub struct VmmWriter {
-    stream: Mutex<UnixStream>,
-}
-
-impl VmmWriter {
-    /// Send a message with fds.
-    pub fn send(&self, m: &ServerMsg, fds: &[std::os::fd::RawFd]) -> Result<(), FrameError> {
-        let s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        msg::send(&*s, m, fds)
-    }
-
-    /// Close both directions (the reader thread then reports `Closed`).
-    pub fn shutdown(&self) {
-        let s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        let _ = s.shutdown(std::net::Shutdown::Both);
-    }
-}
 
 fn refuse(stream: &UnixStream, why: &str) {
     warn!("vmm socket: refusing connection: {why}");
@@ -86,11 +31,13 @@ fn refuse(stream: &UnixStream, why: &str) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
-/// Accept connections forever on `listener`, one thread per connection.
+/// Accept connections forever on `listener`, one thread per connection;
+/// each VMM's sends are queued up to `queue` messages.
 pub fn accept_loop(
     listener: UnixListener,
     pending: PendingLaunches,
     events: UnboundedSender<ConnEvent>,
+    queue: usize,
 ) {
     for conn in listener.incoming() {
         match conn {
@@ -99,7 +46,7 @@ pub fn accept_loop(
                 let events = events.clone();
                 let spawned = std::thread::Builder::new()
                     .name("vmm-conn".into())
-                    .spawn(move || serve_connection(stream, pending, events));
+                    .spawn(move || serve_connection(stream, pending, events, queue));
                 if let Err(e) = spawned {
                     warn!("vmm socket: cannot start a connection thread: {e}");
                 }
@@ -116,6 +63,7 @@ fn serve_connection(
     stream: UnixStream,
     pending: PendingLaunches,
     events: UnboundedSender<ConnEvent>,
+    queue: usize,
 ) {
     let peer_pid = getsockopt(&stream, PeerCredentials)
         .map(|c| c.pid())
@@ -144,7 +92,7 @@ fn serve_connection(
             (token, pid)
         }
         Ok((other, _)) => return refuse(&stream, &format!("expected hello, got {}", kind(&other))),
-        Err(e) => return refuse(&stream, &error_chain(&e)),
+        Err(e) => return refuse(&stream, &shared::error_chain(&e)),
     };
     let launch = {
         let mut map = pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -168,10 +116,11 @@ fn serve_connection(
     };
     let _ = stream.set_read_timeout(None);
     let vm = launch.vm;
-    let writer = match stream.try_clone() {
-        Ok(s) => Arc::new(VmmWriter {
-            stream: Mutex::new(s),
-        }),
+    let writer = match stream
+        .try_clone()
+        .and_then(|s| VmmWriter::start(vm, s, queue))
+    {
+        Ok(w) => w,
         Err(e) => return refuse(&stream, &format!("internal error: {e}")),
     };
     info!("{vm}: vmm pid {pid} connected");
@@ -201,7 +150,7 @@ fn serve_connection(
                 return;
             }
             Err(e) => {
-                let why = error_chain(&e);
+                let why = shared::error_chain(&e);
                 if !matches!(e, FrameError::Recv(_) | FrameError::Truncated) {
                     refuse(&stream, &why);
                 }
@@ -226,16 +175,4 @@ pub fn kind(m: &VmmMsg) -> &'static str {
         VmmMsg::Console { .. } => "console",
         VmmMsg::Exited { .. } => "exited",
     }
-}
-
-/// An error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

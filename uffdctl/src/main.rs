@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffd_server::cli::{demo, inspect, vm};
-use uffd_server::client::Client;
+use uffdctl::cli::{demo, firecracker, inspect, vm, volume};
+use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
 #[derive(Debug, Parser)]
@@ -31,10 +31,10 @@ enum Cmd {
     Vm(vm::VmCmd),
     /// Serve Firecracker's Uffd memory backend: listeners.
     #[command(subcommand)]
-    Firecracker(uffd_server::cli::firecracker::FirecrackerCmd),
+    Firecracker(firecracker::FirecrackerCmd),
     /// Manage disk volumes and their snapshots.
     #[command(subcommand)]
-    Volume(uffd_server::cli_volume::VolumeCmd),
+    Volume(volume::VolumeCmd),
     /// Where a VM's pages come from: per source, and as extents.
     Sources {
         id: String,
@@ -77,8 +77,8 @@ fn main() -> ExitCode {
     let result = match args.cmd {
         Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
         Cmd::Demo(d) => demo::run(d),
-        Cmd::Firecracker(cmd) => uffd_server::cli::firecracker::run(cmd, &client, args.json),
-        Cmd::Volume(cmd) => uffd_server::cli_volume::run(cmd, &client, args.json),
+        Cmd::Firecracker(cmd) => firecracker::run(cmd, &client, args.json),
+        Cmd::Volume(cmd) => volume::run(cmd, &client, args.json),
         Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
         Cmd::Page { id, page } => inspect::page(&client, &id, page, args.json),
         Cmd::Tree => inspect::tree(&client, args.json),
@@ -93,7 +93,7 @@ fn main() -> ExitCode {
             };
             client
                 .request(&method.to_uppercase(), &path, body.as_ref())
-                .map_err(|e| uffd_server::core::chain(&e))
+                .map_err(uffdctl::CliError::from)
                 .map(|r| {
                     println!(
                         "{}",
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("uffdctl: {e}");
+            eprintln!("uffdctl: {}", shared::error_chain(&e));
             ExitCode::FAILURE
         }
     }

@@ -6,6 +6,7 @@ use serde_json::Value;
 use super::table::{human_bytes, render};
 use super::vm::call;
 use crate::client::Client;
+use crate::Result;
 
 fn s(v: &Value) -> String {
     match v {
@@ -16,7 +17,7 @@ fn s(v: &Value) -> String {
 }
 
 /// `uffdctl sources ID [--extents N]`.
-pub fn sources(client: &Client, id: &str, max_extents: usize, as_json: bool) -> Result<(), String> {
+pub fn sources(client: &Client, id: &str, max_extents: usize, as_json: bool) -> Result<()> {
     let v = call(client, "GET", &format!("/v1/vms/{id}/sources"), None)?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -69,7 +70,7 @@ pub fn sources(client: &Client, id: &str, max_extents: usize, as_json: bool) -> 
 }
 
 /// `uffdctl page ID PAGE`.
-pub fn page(client: &Client, id: &str, page: u64, as_json: bool) -> Result<(), String> {
+pub fn page(client: &Client, id: &str, page: u64, as_json: bool) -> Result<()> {
     let v = call(client, "GET", &format!("/v1/vms/{id}/pages/{page}"), None)?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -89,7 +90,7 @@ pub fn page(client: &Client, id: &str, page: u64, as_json: bool) -> Result<(), S
 }
 
 /// `uffdctl tree`.
-pub fn tree(client: &Client, as_json: bool) -> Result<(), String> {
+pub fn tree(client: &Client, as_json: bool) -> Result<()> {
     let v = call(client, "GET", "/v1/tree", None)?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());

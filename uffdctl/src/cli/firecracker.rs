@@ -1,11 +1,12 @@
 //! `uffdctl firecracker ...`: Firecracker UFFD listeners.
 
 use clap::Subcommand;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::table::render;
 use super::vm::call;
 use crate::client::Client;
+use crate::Result;
 
 /// Firecracker listener commands.
 #[derive(Debug, Subcommand)]
@@ -43,7 +44,7 @@ fn s(v: &Value) -> String {
 }
 
 /// Run a Firecracker listener command.
-pub fn run(cmd: FirecrackerCmd, client: &Client, as_json: bool) -> Result<(), String> {
+pub fn run(cmd: FirecrackerCmd, client: &Client, as_json: bool) -> Result<()> {
     let out = match cmd {
         FirecrackerCmd::Listen {
             listen_on,
@@ -52,14 +53,19 @@ pub fn run(cmd: FirecrackerCmd, client: &Client, as_json: bool) -> Result<(), St
             readahead_kib,
             working_set,
         } => {
-            let body = json!({
-                "socket": listen_on,
-                "memory_source": {"kind": "file", "path": image},
-                "fault_around_kib": fault_around_kib,
-                "readahead_kib": readahead_kib,
-                "working_set": working_set,
-            });
-            call(client, "POST", "/v1/firecracker/listeners", Some(&body))?
+            let req = proto::api::CreateListener {
+                socket: listen_on,
+                memory_source: proto::api::MemorySource::File { path: image },
+                fault_around_kib,
+                readahead_kib,
+                working_set,
+            };
+            call(
+                client,
+                "POST",
+                "/v1/firecracker/listeners",
+                Some(&super::body(&req)),
+            )?
         }
         FirecrackerCmd::List => {
             let v = call(client, "GET", "/v1/firecracker/listeners", None)?;

@@ -22,11 +22,11 @@ use std::time::Duration;
 use nix::sys::socket::{
     getsockopt, recvmsg, sockopt::PeerCredentials, ControlMessageOwned, MsgFlags,
 };
-use proto::firecracker::{parse_regions, HandshakeError, Region, MAX_HANDSHAKE};
+use proto::firecracker::{parse_regions, HandshakeError, MAX_HANDSHAKE};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
-use crate::vmm_conn::ConnEvent;
+use super::{ConnEvent, FcHandshake};
 
 /// Counters and the last refusal, shared between the listener's threads and
 /// the API.
@@ -35,18 +35,6 @@ pub struct ListenerStats {
     pub accepted: AtomicU64,
     pub refused: AtomicU64,
     pub last_refusal: Mutex<Option<String>>,
-}
-
-/// A validated Firecracker connection, for the core.
-#[derive(Debug)]
-pub struct FcHandshake {
-    pub listener: u32,
-    /// Identifies the connection in the later `FcClosed` event.
-    pub conn: u64,
-    pub regions: Vec<Region>,
-    pub uffd: OwnedFd,
-    pub pid: u32,
-    pub stream: UnixStream,
 }
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);

@@ -1,0 +1,38 @@
+//! Bodies of the REST control API (JSON over a Unix socket).
+//!
+//! Every request and response body of the API is a type here, used by the
+//! server (which parses requests into them and answers with them), by
+//! `uffdctl` and by the tests. Errors are [`ErrorBody`] with a fitting
+//! HTTP status: 4xx for the client's mistakes, 5xx for the server's own
+//! failures.
+//!
+//! - [`vms`]: VMs, guest ops, fork.
+//! - [`volumes`]: disk volumes and their snapshots.
+//! - [`firecracker`]: listeners serving Firecracker's Uffd memory backend.
+//! - [`debug`]: memory-source debugging (sources, pages, tree, invariant).
+
+pub mod debug;
+pub mod firecracker;
+pub mod vms;
+pub mod volumes;
+
+use serde::{Deserialize, Serialize};
+
+pub use debug::*;
+pub use firecracker::*;
+pub use vms::*;
+pub use volumes::*;
+
+/// Error body: `{"error": "what went wrong and what to do"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+/// `GET /v1/health`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// Always `ok` when the server answers.
+    pub status: String,
+    pub version: String,
+}

@@ -1,0 +1,431 @@
+//! VMs: create, inspect, drive the guest agent, fork.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use shared::GuestOp;
+
+/// `POST /v1/vms` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVm {
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Number of vCPUs (default 1).
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    /// Where the initial memory comes from; `null` is all zeroes.
+    #[serde(default)]
+    pub memory_source: Option<MemorySource>,
+    /// Name of a disk volume to attach.
+    #[serde(default)]
+    pub volume: Option<String>,
+    /// Fault-around block for image-backed faults in KiB (0 = one page per
+    /// fault); the server's default if absent.
+    #[serde(default)]
+    pub fault_around_kib: Option<u64>,
+    /// Largest readahead window in KiB for sequential faults on an image
+    /// (0 = off); the server's default if absent.
+    #[serde(default)]
+    pub readahead_kib: Option<u64>,
+    /// Install every page before the guest starts (no faults at all).
+    #[serde(default)]
+    pub prefetch: bool,
+}
+
+fn default_vcpus() -> u8 {
+    1
+}
+
+/// A memory source for a new VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum MemorySource {
+    /// A raw image: guest page p is at byte p * 4096 of the file.
+    File { path: String },
+}
+
+/// A VM's life-cycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    /// Launched; waiting for the VMM to connect and start its guest.
+    Starting,
+    Running,
+    Paused,
+    /// The VMM is gone; memory may still serve dependents.
+    Exited,
+    /// A page could not be served or the VMM broke its protocol; `failure`
+    /// says why. Memory still serves dependents.
+    Failed,
+    /// Deleted, but kept as a frozen source while other VMs read from it.
+    Deleted,
+}
+
+impl RunState {
+    /// The name as the API shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RunState::Starting => "starting",
+            RunState::Running => "running",
+            RunState::Paused => "paused",
+            RunState::Exited => "exited",
+            RunState::Failed => "failed",
+            RunState::Deleted => "deleted",
+        }
+    }
+}
+
+impl std::fmt::Display for RunState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What kind of process runs a VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmKind {
+    /// pagefork's own `vmm`.
+    Pagefork,
+    /// A Firecracker process served through a listener.
+    Firecracker,
+}
+
+/// A VM as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmInfo {
+    pub id: String,
+    pub state: RunState,
+    pub kind: VmKind,
+    pub pid: Option<u32>,
+    pub memory_mib: u64,
+    pub vcpus: u8,
+    /// Pages per source kind (`uninitialized`, `vm`, `file`, ...).
+    pub pages: BTreeMap<String, u64>,
+    /// Pages present in this VM's own memfd.
+    pub resident_pages: u64,
+    /// Why the VM exited, if it did.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub exit_reason: Option<String>,
+    /// Why the VM failed (state `failed`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub failure: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub parent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub volume: Option<String>,
+    /// Fault engine counters.
+    #[serde(default)]
+    pub faults: FaultCounters,
+}
+
+/// Fault engine counters of one VM.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct FaultCounters {
+    pub missing: u64,
+    pub write_protect: u64,
+    pub pages_installed: u64,
+    pub removes: u64,
+    /// Installs deferred by EAGAIN until pending events were read.
+    #[serde(default)]
+    pub deferred: u64,
+    pub fault_around_kib: u64,
+}
+
+/// `POST /v1/vms/{id}/exec` body: one guest agent op, named by `op`.
+///
+/// `start_page` defaults to 0 and `pages` to the rest of guest memory;
+/// `sector` defaults to 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ExecRequest {
+    /// Write a per-page pattern word at word 0 and at a sampled word.
+    Fill {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_page: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pages: Option<u64>,
+        seed: u64,
+    },
+    /// Read (or rewrite unchanged) the first byte of each page.
+    Touch {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_page: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pages: Option<u64>,
+        #[serde(default)]
+        write: bool,
+    },
+    /// Fold the sampled word of each page.
+    Checksum {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_page: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pages: Option<u64>,
+    },
+    /// Count pages whose pattern words differ from `seed`'s.
+    Verify {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_page: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pages: Option<u64>,
+        seed: u64,
+    },
+    /// Fold every word of every page (in the VMM, through the uffd).
+    Digest {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_page: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pages: Option<u64>,
+    },
+    /// Read the VM's id from an I/O port.
+    Identity {},
+    /// Write a pattern to `count` 512-byte sectors of the volume.
+    DiskFill {
+        #[serde(default)]
+        sector: u64,
+        count: u64,
+        seed: u64,
+    },
+    /// Fold `count` sectors of the volume.
+    DiskChecksum {
+        #[serde(default)]
+        sector: u64,
+        count: u64,
+    },
+}
+
+/// Why an [`ExecRequest`] cannot run on a VM.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExecError {
+    #[error("pages {start}..{end} are outside guest memory of {total} pages")]
+    OutsideMemory { start: u64, end: u64, total: u64 },
+}
+
+impl ExecRequest {
+    /// Build the guest op for a VM of `total_pages` pages.
+    pub fn to_op(&self, total_pages: u64) -> Result<GuestOp, ExecError> {
+        let range = |start: Option<u64>, pages: Option<u64>| {
+            let start_page = start.unwrap_or(0);
+            (
+                start_page,
+                pages.unwrap_or(total_pages.saturating_sub(start_page)),
+            )
+        };
+        let op = match *self {
+            ExecRequest::Fill {
+                start_page,
+                pages,
+                seed,
+            } => {
+                let (start_page, pages) = range(start_page, pages);
+                GuestOp::Fill {
+                    start_page,
+                    pages,
+                    seed,
+                }
+            }
+            ExecRequest::Touch {
+                start_page,
+                pages,
+                write,
+            } => {
+                let (start_page, pages) = range(start_page, pages);
+                GuestOp::Touch {
+                    start_page,
+                    pages,
+                    write,
+                }
+            }
+            ExecRequest::Checksum { start_page, pages } => {
+                let (start_page, pages) = range(start_page, pages);
+                GuestOp::Checksum { start_page, pages }
+            }
+            ExecRequest::Verify {
+                start_page,
+                pages,
+                seed,
+            } => {
+                let (start_page, pages) = range(start_page, pages);
+                GuestOp::Verify {
+                    start_page,
+                    pages,
+                    seed,
+                }
+            }
+            ExecRequest::Digest { start_page, pages } => {
+                let (start_page, pages) = range(start_page, pages);
+                GuestOp::Digest { start_page, pages }
+            }
+            ExecRequest::Identity {} => GuestOp::Identity,
+            ExecRequest::DiskFill {
+                sector,
+                count,
+                seed,
+            } => GuestOp::DiskFill {
+                sector,
+                count,
+                seed,
+            },
+            ExecRequest::DiskChecksum { sector, count } => GuestOp::DiskChecksum { sector, count },
+        };
+        if let Some((s, n)) = op.page_range() {
+            if s.checked_add(n).is_none_or(|end| end > total_pages) {
+                return Err(ExecError::OutsideMemory {
+                    start: s,
+                    end: s.saturating_add(n),
+                    total: total_pages,
+                });
+            }
+        }
+        Ok(op)
+    }
+
+    /// Whether the op uses the VM's disk.
+    pub fn needs_disk(&self) -> bool {
+        matches!(
+            self,
+            ExecRequest::DiskFill { .. } | ExecRequest::DiskChecksum { .. }
+        )
+    }
+}
+
+/// `POST /v1/vms/{id}/exec` answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecResponse {
+    pub op: String,
+    pub result: u64,
+    pub elapsed_us: u64,
+}
+
+/// `GET /v1/vms`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmList {
+    pub vms: Vec<VmInfo>,
+}
+
+/// `DELETE /v1/vms/{id}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmDeleted {
+    pub id: String,
+    pub deleted: bool,
+    /// Kept as a frozen source because other VMs still read its pages.
+    pub frozen: bool,
+}
+
+/// Most children one fork request may create.
+pub const MAX_FORK_COUNT: u32 = 64;
+
+/// `POST /v1/vms/{id}/fork` body (an empty body forks one child).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// Children to create, 1 to [`MAX_FORK_COUNT`].
+    #[serde(default = "one")]
+    pub count: u32,
+}
+
+impl Default for ForkRequest {
+    fn default() -> Self {
+        ForkRequest { count: 1 }
+    }
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// `POST /v1/vms/{id}/fork` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkResponse {
+    pub parent: String,
+    pub children: Vec<String>,
+    /// How long the parent was paused.
+    pub pause_us: u64,
+    /// The table fork and the children's memory.
+    pub fork_us: u64,
+    pub phases: ForkPhases,
+}
+
+/// Where a fork's pause went.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkPhases {
+    pub pause_and_capture_us: u64,
+    pub write_protect_us: u64,
+    pub table_fork_us: u64,
+    pub volumes_us: u64,
+    pub resume_us: u64,
+    pub write_protected_pages: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn exec_request_says_what_is_missing() {
+        let e = serde_json::from_str::<ExecRequest>(r#"{"op":"fill","pages":3}"#).unwrap_err();
+        assert!(e.to_string().contains("missing field `seed`"), "{e}");
+        let e = serde_json::from_str::<ExecRequest>(r#"{"op":"fil"}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown variant `fil`"), "{e}");
+        let e = serde_json::from_str::<ExecRequest>(r#"{"op":"identity","x":1}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field"), "{e}");
+        let r: ExecRequest =
+            serde_json::from_str(r#"{"op":"checksum","start_page":8,"pages":3}"#).unwrap();
+        assert!(r
+            .to_op(10)
+            .unwrap_err()
+            .to_string()
+            .contains("outside guest memory"));
+    }
+
+    #[test]
+    fn exec_request_defaults_to_the_rest_of_memory() {
+        let r: ExecRequest =
+            serde_json::from_str(r#"{"op":"verify","start_page":4,"seed":9}"#).unwrap();
+        assert_eq!(
+            r.to_op(10).unwrap(),
+            GuestOp::Verify {
+                start_page: 4,
+                pages: 6,
+                seed: 9
+            }
+        );
+        let r: ExecRequest =
+            serde_json::from_str(r#"{"op":"disk_fill","count":2,"seed":1}"#).unwrap();
+        assert!(r.needs_disk());
+    }
+
+    #[test]
+    fn create_vm_defaults() {
+        let c: CreateVm = serde_json::from_str(r#"{"memory_mib":256}"#).unwrap();
+        assert_eq!(c.vcpus, 1);
+        assert_eq!(c.memory_source, None);
+        let c: CreateVm =
+            serde_json::from_str(r#"{"memory_mib":1,"memory_source":{"kind":"file","path":"/x"}}"#)
+                .unwrap();
+        assert_eq!(
+            c.memory_source,
+            Some(MemorySource::File { path: "/x".into() })
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bodies_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = serde_json::from_slice::<CreateVm>(&bytes);
+            if let Ok(r) = serde_json::from_slice::<ExecRequest>(&bytes) {
+                let _ = r.to_op(1 << 20);
+            }
+        }
+
+        #[test]
+        fn exec_request_round_trips(start in any::<u64>(), pages in any::<u64>(), seed in any::<u64>()) {
+            let r = ExecRequest::Verify { start_page: Some(start), pages: Some(pages), seed };
+            let s = serde_json::to_string(&r).unwrap();
+            prop_assert_eq!(serde_json::from_str::<ExecRequest>(&s).unwrap(), r);
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Connections from VMMs and Firecracker processes, and what their threads
+//! tell the core.
+//!
+//! Each peer connection is served by threads of its own (blocking socket
+//! I/O never runs on the core thread):
+//!
+//! ```text
+//!  vmm-accept ──▶ vmm-conn (reads frames) ──ConnEvent──▶ core
+//!                 vmm-send (writes frames) ◀──VmmWriter── core   (bounded queue)
+//!  fc-accept  ──▶ fc-conn  (reads the handshake, waits for hang-up) ──▶ core
+//! ```
+//!
+//! - [`vmm`]: the VMM socket: launch tokens, frames, fds.
+//! - [`firecracker`]: Firecracker's Uffd handshake on a listener's socket.
+//!
+//! The types both sides exchange ([`ConnEvent`], [`VmmWriter`],
+//! [`FcHandshake`]) live here, so neither connection module imports the
+//! core and the core imports only this module's types.
+
+pub mod firecracker;
+pub mod vmm;
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+
+use proto::firecracker::Region;
+use proto::vmm::{self as msg, ServerMsg, VmmMsg};
+use shared::VmId;
+use tracing::warn;
+
+/// What the connection threads tell the core.
+#[derive(Debug)]
+pub enum ConnEvent {
+    /// A VMM proved it is the one launched for `vm`.
+    Hello {
+        vm: VmId,
+        writer: Arc<VmmWriter>,
+        pid: u32,
+    },
+    /// A message (and its fds) from `vm`'s VMM.
+    Msg {
+        vm: VmId,
+        msg: VmmMsg,
+        fds: Vec<OwnedFd>,
+    },
+    /// `vm`'s connection is gone (hang-up or protocol error).
+    Closed { vm: VmId, reason: String },
+    /// A Firecracker process completed its handshake on a listener.
+    FcHello(FcHandshake),
+    /// A Firecracker connection hung up.
+    FcClosed { conn: u64 },
+}
+
+/// A launch the server is waiting for: the token's VM and the pid of the
+/// process it spawned.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingLaunch {
+    pub vm: VmId,
+    pub pid: u32,
+}
+
+/// Launch tokens not yet used, shared between the core and the acceptor.
+pub type PendingLaunches = Arc<Mutex<HashMap<String, PendingLaunch>>>;
+
+/// A validated Firecracker connection, for the core.
+#[derive(Debug)]
+pub struct FcHandshake {
+    pub listener: u32,
+    /// Identifies the connection in the later `FcClosed` event.
+    pub conn: u64,
+    pub regions: Vec<Region>,
+    pub uffd: OwnedFd,
+    pub pid: u32,
+    pub stream: UnixStream,
+}
+
+/// Why a message could not be queued for a VMM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum QueueError {
+    #[error("its send queue is full (the vmm is not reading)")]
+    Full,
+    #[error("its connection is closed")]
+    Closed,
+}
+
+/// A message on its way to a VMM, with the fds it carries.
+#[derive(Debug)]
+struct Outgoing {
+    msg: ServerMsg,
+    fds: Vec<OwnedFd>,
+}
+
+/// The sending half of a VMM connection: a bounded queue drained by the
+/// connection's own sender thread, so the core never blocks on a VMM that
+/// stopped reading (its socket buffer full).
+#[derive(Debug)]
+pub struct VmmWriter {
+    tx: SyncSender<Outgoing>,
+    stream: UnixStream,
+}
+
+impl VmmWriter {
+    /// Start the sender thread of `stream` with room for `queue` messages.
+    pub fn start(vm: VmId, stream: UnixStream, queue: usize) -> std::io::Result<Arc<Self>> {
+        let (tx, rx) = sync_channel::<Outgoing>(queue.max(1));
+        let out = stream.try_clone()?;
+        std::thread::Builder::new()
+            .name("vmm-send".into())
+            .spawn(move || {
+                for m in rx {
+                    let fds: Vec<_> = m.fds.iter().map(AsRawFd::as_raw_fd).collect();
+                    if let Err(e) = msg::send(&out, &m.msg, &fds) {
+                        warn!("{vm}: cannot send to the vmm: {}", shared::error_chain(&e));
+                        let _ = out.shutdown(std::net::Shutdown::Both);
+                        return;
+                    }
+                }
+            })?;
+        Ok(Arc::new(VmmWriter { tx, stream }))
+    }
+
+    /// Queue a message with fds (they are sent, then closed here).
+    pub fn send(&self, msg: ServerMsg, fds: Vec<OwnedFd>) -> Result<(), QueueError> {
+        self.tx
+            .try_send(Outgoing { msg, fds })
+            .map_err(|e| match e {
+                TrySendError::Full(_) => QueueError::Full,
+                TrySendError::Disconnected(_) => QueueError::Closed,
+            })
+    }
+
+    /// Close both directions (the reader thread then reports `Closed`, the
+    /// sender thread stops).
+    pub fn shutdown(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
