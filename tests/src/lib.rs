@@ -114,6 +114,7 @@ pub fn tail(path: &Path, n: usize) -> String {
 }
 
 /// A running `uffd-server` on its own temporary state directory.
+#[derive(Debug)]
 pub struct TestServer {
     child: Option<Child>,
     dir: Option<tempfile::TempDir>,
@@ -466,6 +467,7 @@ impl Drop for TestServer {
 }
 
 /// A raw memory image file of random content, and its bytes.
+#[derive(Debug)]
 pub struct RandomImage {
     pub file: tempfile::NamedTempFile,
     pub bytes: Vec<u8>,

@@ -56,7 +56,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// One line for an error and its sources.
 pub use shared::error_chain;
 
-fn main() {
+fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -73,8 +73,11 @@ fn main() {
             _ => Err(Error::Usage),
         },
     };
-    if let Err(e) = res {
-        eprintln!("vmm: {}", error_chain(&e));
-        std::process::exit(1);
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vmm: {}", error_chain(&e));
+            std::process::ExitCode::FAILURE
+        }
     }
 }

@@ -27,6 +27,17 @@ use crate::{uffd, Error, Result};
 /// Tell the server why we exit (best effort), then exit.
 fn exit_with(conn: &Connection, code: i32, reason: String) -> ! {
     let _ = conn.send(&VmmMsg::Exited { code, reason }, &[]);
+    exit_now(code)
+}
+
+/// End the process at once. The VMM's only exits go through here: they
+/// come from the control thread (stopped, or the server hung up) or from a
+/// vCPU thread that hit a fatal error, while other threads may sit in
+/// KVM_RUN or on a fault; unwinding those would only delay the moment the
+/// server sees the VMM gone. Guest memory belongs to the server and the
+/// disk is written through, so nothing is lost.
+#[allow(clippy::exit)]
+fn exit_now(code: i32) -> ! {
     std::process::exit(code)
 }
 
@@ -111,7 +122,7 @@ fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
             Ok((msg, _fds)) => msg,
             Err(ConnectionError::Recv(FrameError::Closed)) => {
                 tracing::info!("the server hung up; exiting");
-                std::process::exit(0);
+                exit_now(0);
             }
             Err(e) => return Err(e.into()),
         };
@@ -129,7 +140,7 @@ fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
                 );
                 if flow == Flow::Stop {
                     tracing::info!("stopped by the server");
-                    std::process::exit(0);
+                    exit_now(0);
                 }
             }
             ServerMsg::Error { message } => return Err(ConnectionError::Refused(message).into()),
