@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 /// `GET /v1/vms/{id}/sources`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Sources {
     pub id: String,
     /// Pages in the VM's table.
@@ -21,6 +22,7 @@ pub struct Sources {
 
 /// A run of pages with one source.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SourceExtent {
     pub start_page: u64,
     pub pages: u64,
@@ -29,6 +31,7 @@ pub struct SourceExtent {
 
 /// `GET /v1/vms/{id}/pages/{page}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct PageInfo {
     pub id: String,
     pub page: u64,
@@ -45,12 +48,14 @@ pub struct PageInfo {
 
 /// `GET /v1/tree`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Tree {
     pub vms: Vec<TreeNode>,
 }
 
 /// One VM of the fork tree (deleted-but-frozen VMs included).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TreeNode {
     pub id: String,
     pub parent: Option<String>,
@@ -64,6 +69,7 @@ pub struct TreeNode {
 
 /// `GET /v1/debug/invariant`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Invariant {
     pub ok: bool,
     pub pages_checked: u64,
@@ -73,6 +79,7 @@ pub struct Invariant {
 
 /// A page where the table and the memfd disagree.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Violation {
     pub id: String,
     pub page: u64,

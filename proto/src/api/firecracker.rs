@@ -6,6 +6,7 @@ use super::MemorySource;
 
 /// `POST /v1/firecracker/listeners`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateListener {
     /// Path of the Unix socket to listen on (Firecracker's
@@ -28,6 +29,7 @@ pub struct CreateListener {
 
 /// A listener as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListenerInfo {
     /// `fc-N`.
     pub id: String,
@@ -49,12 +51,14 @@ pub struct ListenerInfo {
 
 /// `GET /v1/firecracker/listeners`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListenerList {
     pub listeners: Vec<ListenerInfo>,
 }
 
 /// `DELETE /v1/firecracker/listeners/{id}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ListenerDeleted {
     pub id: String,
     pub deleted: bool,

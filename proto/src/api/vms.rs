@@ -7,6 +7,7 @@ use shared::GuestOp;
 
 /// `POST /v1/vms` body.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {
     /// Guest RAM in MiB.
@@ -39,6 +40,7 @@ fn default_vcpus() -> u8 {
 
 /// A memory source for a new VM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum MemorySource {
     /// A raw image: guest page p is at byte p * 4096 of the file.
@@ -47,6 +49,7 @@ pub enum MemorySource {
 
 /// A VM's life-cycle state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
     /// Launched; waiting for the VMM to connect and start its guest.
@@ -84,6 +87,7 @@ impl std::fmt::Display for RunState {
 
 /// What kind of process runs a VM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum VmKind {
     /// pagefork's own `vmm`.
@@ -94,6 +98,7 @@ pub enum VmKind {
 
 /// A VM as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VmInfo {
     pub id: String,
     pub state: RunState,
@@ -122,6 +127,7 @@ pub struct VmInfo {
 
 /// Fault engine counters of one VM.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FaultCounters {
     pub missing: u64,
     pub write_protect: u64,
@@ -138,6 +144,7 @@ pub struct FaultCounters {
 /// `start_page` defaults to 0 and `pages` to the rest of guest memory;
 /// `sector` defaults to 0.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ExecRequest {
     /// Write a per-page pattern word at word 0 and at a sampled word.
@@ -293,6 +300,7 @@ impl ExecRequest {
 
 /// `POST /v1/vms/{id}/exec` answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ExecResponse {
     pub op: String,
     pub result: u64,
@@ -301,12 +309,14 @@ pub struct ExecResponse {
 
 /// `GET /v1/vms`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VmList {
     pub vms: Vec<VmInfo>,
 }
 
 /// `DELETE /v1/vms/{id}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VmDeleted {
     pub id: String,
     pub deleted: bool,
@@ -319,6 +329,7 @@ pub const MAX_FORK_COUNT: u32 = 64;
 
 /// `POST /v1/vms/{id}/fork` body (an empty body forks one child).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ForkRequest {
     /// Children to create, 1 to [`MAX_FORK_COUNT`].
@@ -338,6 +349,7 @@ fn one() -> u32 {
 
 /// `POST /v1/vms/{id}/fork` answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ForkResponse {
     pub parent: String,
     pub children: Vec<String>,
@@ -350,6 +362,7 @@ pub struct ForkResponse {
 
 /// Where a fork's pause went.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ForkPhases {
     pub pause_and_capture_us: u64,
     pub write_protect_us: u64,

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 /// `POST /v1/volumes`: exactly one of `size_mib` (a new empty volume) and
 /// `from_snapshot` (a clone).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateVolume {
     pub name: String,
@@ -16,6 +17,7 @@ pub struct CreateVolume {
 
 /// `POST /v1/volumes/{name}/grow`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GrowVolume {
     pub size_mib: u64,
@@ -24,6 +26,7 @@ pub struct GrowVolume {
 /// `POST /v1/volumes/{name}/snapshots` and
 /// `POST /v1/snapshots/{name}/snapshots`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateVolumeSnapshot {
     pub name: String,
@@ -31,6 +34,7 @@ pub struct CreateVolumeSnapshot {
 
 /// `POST /v1/volumes/{name}/rollback`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RollbackVolume {
     pub snapshot: String,
@@ -41,6 +45,7 @@ pub struct RollbackVolume {
 
 /// Space use of one file, from its FIEMAP extents.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Usage {
     /// Bytes in allocated extents (written or preallocated).
     pub allocated_bytes: u64,
@@ -52,6 +57,7 @@ pub struct Usage {
 
 /// A volume as listed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeInfo {
     pub name: String,
     /// Logical size.
@@ -64,6 +70,7 @@ pub struct VolumeInfo {
 
 /// A volume snapshot as listed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeSnapshotInfo {
     pub name: String,
     /// The volume it was taken of (the ultimate ancestor, for a snapshot of
@@ -82,6 +89,7 @@ pub struct VolumeSnapshotInfo {
 
 /// The answer to a volume rollback.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct VolumeRollback {
     pub volume: String,
     pub snapshot: String,
@@ -92,6 +100,7 @@ pub struct VolumeRollback {
 
 /// The answer to deleting a volume or a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Deleted {
     /// The name deleted.
     pub deleted: String,

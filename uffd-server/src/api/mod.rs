@@ -55,6 +55,15 @@ async fn call(core: &CoreHandle, kind: CommandKind, status: StatusCode) -> ApiRe
     core.call(kind).await.map(|v| (status, Json(v)))
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/health",
+    responses(
+        (status = 200, description = "the server answers", body = proto::api::Health),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn health() -> Json<Health> {
     Json(Health {
         status: "ok".into(),
@@ -62,37 +71,118 @@ async fn health() -> Json<Health> {
     })
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/vms",
+    request_body = proto::api::CreateVm,
+    responses(
+        (status = 201, description = "the VM runs", body = proto::api::VmInfo),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn create_vm(State(core): State<CoreHandle>, body: Bytes) -> ApiResult {
     let req = parse_body(&body)?;
     call(&core, CommandKind::CreateVm(req), StatusCode::CREATED).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/vms",
+    responses(
+        (status = 200, description = "every VM", body = proto::api::VmList),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn list_vms(State(core): State<CoreHandle>) -> ApiResult {
     call(&core, CommandKind::ListVms, StatusCode::OK).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    responses(
+        (status = 200, description = "the VM", body = proto::api::VmInfo),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn get_vm(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::GetVm(vm_id(&id)?), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/vms/{id}",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    responses(
+        (status = 200, description = "deleted (kept frozen while others read from it)", body = proto::api::VmDeleted),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn delete_vm(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::DeleteVm(vm_id(&id)?), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/vms/{id}/pause",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    responses(
+        (status = 200, description = "paused", body = proto::api::VmInfo),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn pause(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::Pause(vm_id(&id)?), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/vms/{id}/resume",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    responses(
+        (status = 200, description = "running again", body = proto::api::VmInfo),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn resume(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::Resume(vm_id(&id)?), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/vms/{id}/exec",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    request_body = proto::api::ExecRequest,
+    responses(
+        (status = 200, description = "the op's result", body = proto::api::ExecResponse),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn exec(State(core): State<CoreHandle>, Path(id): Path<String>, body: Bytes) -> ApiResult {
     let id = vm_id(&id)?;
     let req = parse_body(&body)?;
     call(&core, CommandKind::Exec(id, req), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/vms/{id}/fork",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    request_body = proto::api::ForkRequest,
+    responses(
+        (status = 201, description = "the children run", body = proto::api::ForkResponse),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn fork(State(core): State<CoreHandle>, Path(id): Path<String>, body: Bytes) -> ApiResult {
     let id = vm_id(&id)?;
     let req = if body.is_empty() {
@@ -103,10 +193,30 @@ async fn fork(State(core): State<CoreHandle>, Path(id): Path<String>, body: Byte
     call(&core, CommandKind::Fork(id, req), StatusCode::CREATED).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/sources",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    responses(
+        (status = 200, description = "pages per source and the table as extents", body = proto::api::Sources),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn sources(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     call(&core, CommandKind::Sources(vm_id(&id)?), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/pages/{page}",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), ("page" = u64, description = "a page number")),
+    responses(
+        (status = 200, description = "one page's source", body = proto::api::PageInfo),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn page(
     State(core): State<CoreHandle>,
     Path((id, page)): Path<(String, String)>,
@@ -117,23 +227,70 @@ async fn page(
     call(&core, CommandKind::Page(vm_id(&id)?, page), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/tree",
+    responses(
+        (status = 200, description = "the fork tree", body = proto::api::Tree),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn tree(State(core): State<CoreHandle>) -> ApiResult {
     call(&core, CommandKind::Tree, StatusCode::OK).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/debug/invariant",
+    responses(
+        (status = 200, description = "the table-vs-memfd check", body = proto::api::Invariant),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn invariant(State(core): State<CoreHandle>) -> ApiResult {
     call(&core, CommandKind::CheckInvariant, StatusCode::OK).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/firecracker/listeners",
+    request_body = proto::api::CreateListener,
+    responses(
+        (status = 201, description = "listening", body = proto::api::ListenerInfo),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn add_listener(State(core): State<CoreHandle>, body: Bytes) -> ApiResult {
     let req = parse_body(&body)?;
     call(&core, CommandKind::AddFcListener(req), StatusCode::CREATED).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/v1/firecracker/listeners",
+    responses(
+        (status = 200, description = "every listener", body = proto::api::ListenerList),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn list_listeners(State(core): State<CoreHandle>) -> ApiResult {
     call(&core, CommandKind::ListFcListeners, StatusCode::OK).await
 }
 
+#[utoipa::path(
+    delete,
+    path = "/v1/firecracker/listeners/{id}",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
+    responses(
+        (status = 200, description = "stopped accepting", body = proto::api::ListenerDeleted),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
 async fn delete_listener(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiResult {
     let n = id
         .strip_prefix("fc-")
