@@ -56,6 +56,39 @@ struct Args {
     /// Logs of deleted VMs kept in logs/ for post-mortems.
     #[arg(long, default_value_t = 32)]
     keep_logs: usize,
+    /// Guest memory the server may promise, in MiB; a create or fork
+    /// beyond it answers 507. Default: MemAvailable at start times
+    /// --overcommit.
+    #[arg(long)]
+    memory_budget_mib: Option<u64>,
+    /// Default budget as a multiple of the memory available at start
+    /// (forks share their parent's pages until written).
+    #[arg(long, default_value_t = 4.0)]
+    overcommit: f64,
+    /// VMs at most.
+    #[arg(long, default_value_t = 4096)]
+    max_vms: usize,
+}
+
+/// MemAvailable from /proc/meminfo, in MiB.
+fn mem_available_mib() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("MemAvailable:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse::<u64>()
+        .ok()
+        .map(|kb| kb / 1024)
+}
+
+/// The server should be the last process the OOM killer picks: it holds
+/// every VM's memory. Its VMMs get the default back (see `launch.rs`).
+fn lower_oom_score() {
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-500") {
+        warn!("cannot lower the server's oom_score_adj: {e}");
+    }
 }
 
 /// Why the server cannot start.
@@ -191,6 +224,22 @@ fn run(args: Args) -> Result<(), StartError> {
     prepare_private_dir(&state_dir.join("logs"))?;
     let _lock = lock_state_dir(&state_dir)?;
     raise_fd_limit();
+    lower_oom_score();
+    let memory_budget_mib = match args.memory_budget_mib {
+        Some(m) => m,
+        None => {
+            let avail = mem_available_mib().unwrap_or(0);
+            // Truncation is fine: the budget is a coarse bound.
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                clippy::cast_precision_loss
+            )]
+            let budget = (avail as f64 * args.overcommit.max(0.0)) as u64;
+            budget
+        }
+    };
+    info!("memory budget {memory_budget_mib} MiB");
     let vmm_bin = match args.vmm_bin {
         Some(p) => p,
         None => std::env::current_exe()
@@ -222,6 +271,8 @@ fn run(args: Args) -> Result<(), StartError> {
         vmm_deadline: Duration::from_millis(args.vmm_deadline_ms.max(1)),
         vmm_queue: args.vmm_queue.max(1),
         keep_logs: args.keep_logs,
+        memory_budget: memory_budget_mib.saturating_mul(1 << 20),
+        max_vms: args.max_vms.max(1),
     };
     let limits = uffd_server::api::serve::Limits {
         max_connections: args.api_max_connections.max(1),

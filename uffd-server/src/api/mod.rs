@@ -338,5 +338,10 @@ pub fn router(
         Some(engine) => vms.merge(volumes::router(engine)),
         None => vms,
     };
+    // Every body of this API is a small JSON object.
     vms.fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
 }
+
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 64 << 10;

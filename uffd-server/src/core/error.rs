@@ -142,6 +142,17 @@ pub enum Error {
     },
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error(
+        "not enough memory: {asked_mib} MiB asked, {promised_mib} MiB of the {budget_mib} MiB \
+         budget promised already; delete VMs or start the server with a larger --memory-budget-mib"
+    )]
+    OverBudget {
+        asked_mib: u64,
+        promised_mib: u64,
+        budget_mib: u64,
+    },
+    #[error("the server runs {0} VMs already, its --max-vms; delete some first")]
+    TooManyVms(usize),
 }
 
 /// Result alias for core operations.
@@ -198,6 +209,7 @@ impl Error {
             QueueFull { .. } => 503,
             UnexpectedReply { .. } => 502,
             ShuttingDown => 503,
+            OverBudget { .. } | TooManyVms(_) => 507,
             VmmTimeout { .. } | StartTimeout { .. } => 504,
         }
     }

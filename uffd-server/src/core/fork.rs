@@ -42,6 +42,11 @@ impl Core {
             )));
         }
         self.expect_state(parent, RunState::Running, "fork")?;
+        {
+            let reg = self.reg.borrow();
+            let size = reg.vms.get(&parent).map_or(0, |v| v.memory.size());
+            reg.admit(&self.settings, u64::from(count), size)?;
+        }
         let _forking = self.begin_fork(parent)?;
         let timeout = self.settings.vmm_deadline;
         // Pause and capture are sent back to back (the VMM answers in

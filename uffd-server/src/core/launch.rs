@@ -207,6 +207,7 @@ impl Core {
             Some(MemorySource::File { path }) => Some(open_image(path, size)?),
         };
         let mut reg = self.reg.borrow_mut();
+        reg.admit(&self.settings, 1, size)?;
         let id = reg.alloc_id(&self.settings.state_dir);
         let memory =
             GuestMemory::create(&format!("pagefork-{id}"), size).map_err(Error::CreateMemory)?;
@@ -282,6 +283,11 @@ impl Core {
                 source,
             })?;
         let pid = child.id().unwrap_or(0);
+        // The server lowered its own OOM score; a VMM is an ordinary
+        // process the OOM killer may pick before the server.
+        if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "0") {
+            warn!("{id}: cannot reset the vmm's oom_score_adj: {e}");
+        }
         pending.insert(token.clone(), PendingLaunch { vm: id, pid });
         drop(pending);
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {

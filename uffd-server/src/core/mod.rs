@@ -56,6 +56,48 @@ pub struct Settings {
     pub vmm_queue: usize,
     /// Logs of deleted VMs kept for post-mortems.
     pub keep_logs: usize,
+    /// Guest memory the server may promise, in bytes (admission control).
+    pub memory_budget: u64,
+    /// VMs at most (pagefork and Firecracker, frozen ones included).
+    pub max_vms: usize,
+}
+
+impl Registry {
+    /// Host memory promised: the whole guest RAM of every live VM (it may
+    /// all be written), plus what frozen (deleted) VMs still hold.
+    pub fn promised_bytes(&self) -> u64 {
+        let ours: u64 = self
+            .vms
+            .values()
+            .map(|v| {
+                if v.deleted {
+                    v.memory.allocated_bytes()
+                } else {
+                    v.memory.size()
+                }
+            })
+            .sum();
+        ours
+    }
+
+    /// Refuse `count` more VMs of `size` bytes each that would pass the
+    /// budget or the VM limit, before anything is allocated.
+    pub fn admit(&self, settings: &Settings, count: u64, size: u64) -> Result<()> {
+        let vms = self.vms.len() + self.fc_vms.len();
+        if vms + usize::try_from(count).unwrap_or(usize::MAX) > settings.max_vms {
+            return Err(Error::TooManyVms(vms));
+        }
+        let asked = count.saturating_mul(size);
+        let promised = self.promised_bytes();
+        if promised.saturating_add(asked) > settings.memory_budget {
+            return Err(Error::OverBudget {
+                asked_mib: asked >> 20,
+                promised_mib: promised >> 20,
+                budget_mib: settings.memory_budget >> 20,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Registry {
