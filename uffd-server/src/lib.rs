@@ -10,6 +10,5 @@ pub mod core;
 pub mod firecracker;
 pub mod memory;
 pub mod pages;
-pub mod uffd_ffi;
 pub mod vmm_conn;
 pub mod volume;

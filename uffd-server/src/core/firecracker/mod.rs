@@ -88,14 +88,12 @@ impl Core {
                 "memory source {path} is {len} bytes; it must be a non-empty multiple of 4096"
             )));
         }
-        let fault_around_pages = match req.fault_around_kib {
-            Some(0) => 1,
-            Some(k) if k % 4 == 0 && (k / 4).is_power_of_two() && k <= 4096 => k / 4,
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "fault_around_kib must be 0 or a power-of-two multiple of 4 up to 4096",
-                ))
-            }
+        let fault_around = req
+            .fault_around_kib
+            .map(crate::pages::FaultAround::from_kib);
+        let fault_around_pages = match fault_around {
+            Some(Ok(f)) => f.pages(),
+            Some(Err(e)) => return Err(ApiError::bad_request(format!("fault_around_kib {e}"))),
             None => self.settings.fault_around_pages,
         };
         let readahead_pages = match req.readahead_kib {
