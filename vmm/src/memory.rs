@@ -34,6 +34,15 @@ pub enum MemoryError {
     Collect(#[source] vm_memory::GuestRegionCollectionError),
     #[error("region size {0:#x} does not fit this host's address space")]
     Size(u64),
+    #[error(
+        "pages {start}..{end} are outside guest RAM ({ram_pages} pages ending at page {ram_end_page})"
+    )]
+    PagesOutsideRam {
+        start: u64,
+        end: u64,
+        ram_pages: u64,
+        ram_end_page: u64,
+    },
     #[error("cannot access guest memory at {addr:#x}")]
     Access {
         addr: u64,
@@ -145,7 +154,7 @@ impl GuestRam {
     }
 
     /// Check that pages `[start, start + pages)` lie inside one RAM region.
-    pub fn check_pages(&self, start: u64, pages: u64) -> std::result::Result<(), String> {
+    pub fn check_pages(&self, start: u64, pages: u64) -> Result<()> {
         let ok = self.regions.iter().any(|r| {
             let first = r.guest_phys / PAGE_SIZE;
             start >= first && r.contains_pages(start - first, pages)
@@ -153,12 +162,12 @@ impl GuestRam {
         if ok {
             Ok(())
         } else {
-            Err(format!(
-                "pages {start}..{} are outside guest RAM ({} pages ending at page {})",
-                start.saturating_add(pages),
-                self.regions.iter().map(GuestRegion::pages).sum::<u64>(),
-                self.ram_end() / PAGE_SIZE
-            ))
+            Err(MemoryError::PagesOutsideRam {
+                start,
+                end: start.saturating_add(pages),
+                ram_pages: self.regions.iter().map(GuestRegion::pages).sum::<u64>(),
+                ram_end_page: self.ram_end() / PAGE_SIZE,
+            })
         }
     }
 

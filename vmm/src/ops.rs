@@ -57,18 +57,30 @@ fn digest_worker(mem: std::sync::Arc<GuestRam>, rx: mpsc::Receiver<HostJob>) {
     }
 }
 
+/// Why an op was refused before it ran.
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidOp {
+    #[error(transparent)]
+    Pages(#[from] crate::memory::MemoryError),
+    #[error("the VM has no disk")]
+    NoDisk,
+    #[error("sectors {sector}..{end} are past the end of the disk ({total} sectors)")]
+    SectorsPastEnd { sector: u64, end: u64, total: u64 },
+}
+
 /// Check an op against the VM before running it.
-pub fn validate(mem: &GuestRam, disk_sectors: Option<u64>, op: &GuestOp) -> Result<(), String> {
+pub fn validate(mem: &GuestRam, disk_sectors: Option<u64>, op: &GuestOp) -> Result<(), InvalidOp> {
     if let Some((start, pages)) = op.page_range() {
         mem.check_pages(start, pages)?;
     }
     if let GuestOp::DiskFill { sector, count, .. } | GuestOp::DiskChecksum { sector, count } = *op {
-        let total = disk_sectors.ok_or("the VM has no disk")?;
+        let total = disk_sectors.ok_or(InvalidOp::NoDisk)?;
         if sector.checked_add(count).is_none_or(|end| end > total) {
-            return Err(format!(
-                "sectors {sector}..{} are past the end of the disk ({total} sectors)",
-                sector.saturating_add(count)
-            ));
+            return Err(InvalidOp::SectorsPastEnd {
+                sector,
+                end: sector.saturating_add(count),
+                total,
+            });
         }
     }
     Ok(())
@@ -123,7 +135,7 @@ impl Dispatcher {
     pub fn exec(&self, op: GuestOp, reply: ReplyFn) {
         let t0 = Instant::now();
         if let Err(e) = validate(self.machine.memory(), self.machine.disk_sectors(), &op) {
-            return reply(Err(e));
+            return reply(Err(crate::error_chain(&e)));
         }
         match (op, encode(&op)) {
             (GuestOp::Digest { start_page, pages }, _) => {
@@ -153,12 +165,22 @@ impl Dispatcher {
     /// answers later, from the vCPU or digest thread.
     pub fn handle(&self, request: Request, reply: ReplyFn) -> Flow {
         match request {
-            Request::Pause => reply(self.machine.pause().map(|()| Reply::Done)),
+            Request::Pause => reply(
+                self.machine
+                    .pause()
+                    .map(|()| Reply::Done)
+                    .map_err(|e| crate::error_chain(&e)),
+            ),
             Request::Resume => {
                 self.machine.resume();
                 reply(Ok(Reply::Done));
             }
-            Request::CaptureState => reply(self.machine.capture().map(Reply::State)),
+            Request::CaptureState => reply(
+                self.machine
+                    .capture()
+                    .map(Reply::State)
+                    .map_err(|e| crate::error_chain(&e)),
+            ),
             Request::Exec(op) => self.exec(op, reply),
             Request::Stop => {
                 reply(Ok(Reply::Done));

@@ -69,6 +69,19 @@ pub enum VmError {
 /// Result alias of this module.
 pub type Result<T> = std::result::Result<T, VmError>;
 
+/// Errors of pausing a running VM and capturing its state.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("a vCPU thread has exited")]
+    VcpuExited,
+    #[error("vCPUs did not pause within {0:?}")]
+    PauseTimeout(Duration),
+    #[error("the VM is not paused; pause it before capturing its state")]
+    NotPaused,
+    #[error(transparent)]
+    SaveDevices(#[from] devices::DeviceStateError),
+}
+
 /// How to build the VM.
 #[derive(Debug)]
 pub struct MachineConfig {
@@ -211,7 +224,7 @@ impl Machine {
     }
 
     /// Stop every vCPU at a consistent point; returns once all are parked.
-    pub fn pause(&self) -> std::result::Result<(), String> {
+    pub fn pause(&self) -> std::result::Result<(), ControlError> {
         self.ctl.update(|s| s.pause = true);
         let deadline = Instant::now() + PAUSE_TIMEOUT;
         let mut s = self.ctl.lock();
@@ -220,10 +233,10 @@ impl Machine {
                 return Ok(());
             }
             if self.threads.iter().any(JoinHandle::is_finished) {
-                return Err("a vCPU thread has exited".into());
+                return Err(ControlError::VcpuExited);
             }
             if Instant::now() > deadline {
-                return Err(format!("vCPUs did not pause within {PAUSE_TIMEOUT:?}"));
+                return Err(ControlError::PauseTimeout(PAUSE_TIMEOUT));
             }
             for (t, p) in self.threads.iter().zip(&s.paused) {
                 if p.is_none() {
@@ -242,13 +255,13 @@ impl Machine {
     }
 
     /// The paused VM's state.
-    pub fn capture(&self) -> std::result::Result<VmState, String> {
+    pub fn capture(&self) -> std::result::Result<VmState, ControlError> {
         let s = self.ctl.lock();
         if !s.pause || s.paused.iter().any(Option::is_none) {
-            return Err("the VM is not paused; pause it before capturing its state".into());
+            return Err(ControlError::NotPaused);
         }
         let vcpus = s.paused.iter().flatten().cloned().collect();
-        let devices = devices::save(&self.mem).map_err(|e| e.to_string())?;
+        let devices = devices::save(&self.mem)?;
         Ok(VmState { vcpus, devices })
     }
 
