@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use uffd_abi::{Errno, Install};
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
 use crate::mapping::{Mapping, MappingError, PAGE};
@@ -43,8 +44,10 @@ pub enum HandlerError {
     Copy {
         page: usize,
         #[source]
-        source: userfaultfd::Error,
+        source: Errno,
     },
+    #[error("UFFDIO_COPY of page {page} stopped: the address space is changing")]
+    CopyAgain { page: usize },
     #[error("fault at {addr:#x} outside the guest memory")]
     OutOfRange { addr: usize },
     #[error("the handler thread panicked")]
@@ -169,29 +172,34 @@ fn serve(
                 return Err(HandlerError::OutOfRange { addr });
             }
             let offset = (addr - base) & !(PAGE - 1);
-            // SAFETY: src covers [0, len) of the image and dst is the page
-            // of our registered region that faulted; both are PAGE long.
+            let page = offset / PAGE;
+            // SAFETY: src covers [0, len) of the image, so the page at
+            // `offset` is PAGE readable bytes of our live mapping.
             let copied = unsafe {
-                uffd.copy(
-                    src.ptr().add(offset).cast::<c_void>(),
-                    (base + offset) as *mut c_void,
-                    PAGE,
-                    true,
+                uffd_abi::copy(
+                    uffd,
+                    src.ptr().add(offset),
+                    (base + offset) as u64,
+                    PAGE as u64,
+                    0,
                 )
             };
             match copied {
-                Ok(_) => stats.copies += 1,
+                Install::Done => stats.copies += 1,
                 // Already installed (cannot happen with one faulting thread,
                 // but the example handler tolerates it): wake the faulter.
-                Err(userfaultfd::Error::CopyFailed(e)) if e as i32 == libc::EEXIST => {
-                    let _ = uffd.wake((base + offset) as *mut c_void, PAGE);
+                Install::Exists { .. } => {
+                    let _ = uffd_abi::wake(uffd, (base + offset) as u64, PAGE as u64);
                 }
-                Err(source) => {
+                // No REMOVE events are registered, so this is unexpected.
+                Install::Again { .. } => return Err(HandlerError::CopyAgain { page }),
+                Install::Gone => {
                     return Err(HandlerError::Copy {
-                        page: offset / PAGE,
-                        source,
+                        page,
+                        source: Errno::ESRCH,
                     })
                 }
+                Install::Failed(source) => return Err(HandlerError::Copy { page, source }),
             }
         }
     }

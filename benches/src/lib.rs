@@ -15,7 +15,6 @@
 //!   (the floor of a fork's pause).
 //! - [`fc_handler`]: the baseline page-fault handler that does what
 //!   Firecracker's example on-demand handler does.
-//! - [`uffd_bits`]: the few userfaultfd feature bits the crate lacks.
 //!
 //! End-to-end benches reuse the test harness of `pagefork-tests`
 //! ([`pagefork_tests::TestServer`]), which starts a real `uffd-server` with
@@ -28,7 +27,6 @@ pub mod plan;
 pub mod report;
 pub mod row;
 pub mod sys;
-pub mod uffd_bits;
 pub mod wp_floor;
 
 pub use plan::Plan;

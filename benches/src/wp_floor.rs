@@ -12,10 +12,10 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
+use uffd_abi::UFFD_FEATURE_WP_HUGETLBFS_SHMEM;
 use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 use crate::mapping::{Mapping, MappingError};
-use crate::uffd_bits::UFFD_FEATURE_WP_HUGETLBFS_SHMEM;
 
 /// Errors of the write-protect floor.
 #[derive(Debug, thiserror::Error)]

@@ -8,5 +8,4 @@ pub mod core;
 pub mod images;
 pub mod memory;
 pub mod pages;
-pub mod uffd_ffi;
 pub mod volume;

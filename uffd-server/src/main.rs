@@ -246,14 +246,8 @@ fn run(args: Args) -> Result<(), StartError> {
             .map_err(StartError::OwnBinary)?
             .with_file_name("vmm"),
     };
-    if args.fault_around_kib != 0
-        && !(args.fault_around_kib.is_multiple_of(4)
-            && (args.fault_around_kib / 4).is_power_of_two())
-    {
-        return Err(StartError::BadArgument(
-            "--fault-around-kib must be 0 or a power-of-two multiple of 4".into(),
-        ));
-    }
+    let fault_around = uffd_server::pages::FaultAround::from_kib(args.fault_around_kib)
+        .map_err(|e| StartError::BadArgument(format!("--fault-around-kib {e}")))?;
     let volumes = match uffd_server::volume::VolumeEngine::open(&state_dir) {
         Ok(engine) => Some(Arc::new(engine)),
         Err(e) => {
@@ -264,7 +258,7 @@ fn run(args: Args) -> Result<(), StartError> {
     let settings = Settings {
         state_dir: state_dir.clone(),
         vmm_bin,
-        fault_around_pages: (args.fault_around_kib / 4).max(1),
+        fault_around_pages: fault_around.pages(),
         readahead_pages: args.readahead_kib / 4,
         start_timeout: Duration::from_secs(30),
         exec_timeout: Duration::from_secs(300),

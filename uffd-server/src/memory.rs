@@ -1,6 +1,7 @@
 //! Guest RAM owned by the server: one memfd per VM, mapped MAP_SHARED into
-//! the server so it can fill pages before waking a faulting vCPU, and read
-//! a page to hand it to another VM.
+//! the server (a vm-memory `MmapRegion`, as the VMM maps it) so it can fill
+//! pages before waking a faulting vCPU, and read a page to hand it to
+//! another VM.
 //!
 //! Invariant: bytes are only written into this mapping for pages the table
 //! does not yet mark as present (`Vm(self)`), or by an explicit copy-on-write
@@ -8,11 +9,12 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
-use std::ptr::NonNull;
+use std::sync::Arc;
 
 use nix::fcntl::{fallocate, FallocateFlags};
-use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 use shared::PAGE_SIZE;
+use vm_memory::mmap::MmapRegionError;
+use vm_memory::{FileOffset, MmapRegion, VolatileMemory, VolatileSlice};
 
 /// Errors of this module.
 #[derive(Debug, thiserror::Error)]
@@ -22,14 +24,7 @@ pub enum MemoryError {
     #[error("cannot size the guest memfd to {0} bytes")]
     SizeMemfd(u64, #[source] std::io::Error),
     #[error("cannot map guest memory into the server")]
-    Map(#[source] nix::Error),
-    #[error("cannot read image {path} at byte {offset}")]
-    ReadImage {
-        path: String,
-        offset: u64,
-        #[source]
-        source: std::io::Error,
-    },
+    Map(#[source] MmapRegionError),
     #[error("cannot punch a hole in guest memory")]
     PunchHole(#[source] nix::Error),
     #[error("page range {0}..{1} is outside guest memory")]
@@ -42,8 +37,11 @@ pub type Result<T> = std::result::Result<T, MemoryError>;
 /// A VM's guest RAM: a memfd and the server's shared mapping of it.
 #[derive(Debug)]
 pub struct GuestMemory {
-    memfd: File,
-    base: NonNull<u8>,
+    /// The memfd; the mapping shares this one fd (no duplicate).
+    memfd: Arc<File>,
+    /// MAP_SHARED, read-write, unmapped on drop. `from_file` adds
+    /// MAP_NORESERVE, which changes nothing for a shared shmem mapping.
+    map: MmapRegion,
     size: u64,
 }
 
@@ -54,31 +52,20 @@ impl GuestMemory {
             .close_on_exec(true)
             .create(name)
             .map_err(MemoryError::CreateMemfd)?;
-        let memfd = mfd.into_file();
+        let memfd = Arc::new(mfd.into_file());
         memfd
             .set_len(size)
             .map_err(|e| MemoryError::SizeMemfd(size, e))?;
-        let len = std::num::NonZeroUsize::new(usize::try_from(size).unwrap_or(0)).ok_or(
-            MemoryError::SizeMemfd(size, std::io::Error::from_raw_os_error(libc::EINVAL)),
-        )?;
-        // SAFETY: a fresh shared mapping of a file we own; no existing memory
-        // is replaced (no MAP_FIXED) and the mapping lives until Drop.
-        let ptr = unsafe {
-            mmap(
-                None,
-                len,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                &memfd,
-                0,
-            )
-        }
-        .map_err(MemoryError::Map)?;
-        Ok(GuestMemory {
-            memfd,
-            base: ptr.cast(),
-            size,
-        })
+        let len = usize::try_from(size)
+            .ok()
+            .filter(|l| *l > 0)
+            .ok_or(MemoryError::SizeMemfd(
+                size,
+                std::io::Error::from_raw_os_error(libc::EINVAL),
+            ))?;
+        let map = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&memfd), 0), len)
+            .map_err(MemoryError::Map)?;
+        Ok(GuestMemory { memfd, map, size })
     }
 
     /// The memfd (to send to the VMM).
@@ -96,74 +83,19 @@ impl GuestMemory {
         self.size / PAGE_SIZE
     }
 
-    fn check(&self, page: u64, pages: u64) -> Result<*mut u8> {
+    /// The bytes of `[page, page+pages)` in the server's mapping.
+    pub fn slice(&self, page: u64, pages: u64) -> Result<VolatileSlice<'_>> {
+        let out = || MemoryError::OutOfRange(page, page.saturating_add(pages));
         let end = page.checked_add(pages).filter(|e| *e <= self.pages());
-        match end {
-            // SAFETY: `page * PAGE_SIZE` is inside the mapping (checked above).
-            Some(_) => Ok(unsafe {
-                self.base
-                    .as_ptr()
-                    .add(shared::geometry::usize_of(page * PAGE_SIZE))
-            }),
-            None => Err(MemoryError::OutOfRange(page, page.saturating_add(pages))),
-        }
-    }
-
-    /// Make `page` present and zero in the memfd (allocates it).
-    pub fn zero_page(&self, page: u64) -> Result<()> {
-        let ptr = self.check(page, 1)?;
-        // SAFETY: `ptr` points into our live shared mapping (checked). A
-        // volatile store of 0 into a hole makes shmem allocate a zeroed page;
-        // into an existing page (a race with a concurrent fill) it writes
-        // a byte of what must already be zero for an uninitialized page.
-        unsafe { std::ptr::write_volatile(ptr, 0) };
-        Ok(())
-    }
-
-    /// Fill `[page, page+pages)` from `file` at byte `offset` with one pread.
-    pub fn fill_from_file(
-        &self,
-        page: u64,
-        pages: u64,
-        file: &File,
-        path: &str,
-        offset: u64,
-    ) -> Result<()> {
-        let ptr = self.check(page, pages)?;
+        end.ok_or_else(out)?;
+        let off = shared::geometry::usize_of(page * PAGE_SIZE);
         let len = shared::geometry::usize_of(pages * PAGE_SIZE);
-        let mut done = 0usize;
-        while done < len {
-            let off = libc::off_t::try_from(offset + done as u64).unwrap_or(libc::off_t::MAX);
-            // SAFETY: the destination is `len - done` bytes inside our live
-            // mapping (checked above); the kernel writes at most that many.
-            let n = unsafe { libc::pread(file.as_raw_fd(), ptr.add(done).cast(), len - done, off) };
-            match n {
-                n if n > 0 => done += n.unsigned_abs(),
-                0 => {
-                    // Past the end of the image: the rest reads as zero.
-                    // SAFETY: same range as above.
-                    unsafe { std::ptr::write_bytes(ptr.add(done), 0, len - done) };
-                    done = len;
-                }
-                _ => {
-                    let err = std::io::Error::last_os_error();
-                    if err.kind() == std::io::ErrorKind::Interrupted {
-                        continue;
-                    }
-                    return Err(MemoryError::ReadImage {
-                        path: path.to_owned(),
-                        offset,
-                        source: err,
-                    });
-                }
-            }
-        }
-        Ok(())
+        self.map.get_slice(off, len).map_err(|_| out())
     }
 
     /// Address of `page` in the server's mapping, to copy from.
     pub fn page_ptr(&self, page: u64) -> Result<*const u8> {
-        self.check(page, 1).map(|p| p as *const u8)
+        Ok(self.slice(page, 1)?.ptr_guard().as_ptr())
     }
 
     /// Copy one page from `src` (another VM's memory) into this memory.
@@ -173,27 +105,22 @@ impl GuestMemory {
     /// last, and see or lose a torn page. Running VMs get pages through
     /// UFFDIO_COPY, which installs them whole.
     pub fn copy_page_from(&self, src: &GuestMemory, page: u64) -> Result<()> {
-        let d = self.check(page, 1)?;
-        let s = src.check(page, 1)?;
-        // SAFETY: both pointers are one page inside live mappings of two
-        // different memfds, so they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(s, d, shared::geometry::usize_of(PAGE_SIZE)) };
+        let d = self.slice(page, 1)?;
+        src.slice(page, 1)?.copy_to_volatile_slice(d);
         Ok(())
     }
 
     /// Read page bytes (for debugging and snapshots).
     pub fn read_page(&self, page: u64, out: &mut [u8]) -> Result<()> {
-        let s = self.check(page, 1)?;
-        let n = out.len().min(shared::geometry::usize_of(PAGE_SIZE));
-        // SAFETY: `s` is one page inside the live mapping; `out` is ours.
-        unsafe { std::ptr::copy_nonoverlapping(s, out.as_mut_ptr(), n) };
+        let s = self.slice(page, 1)?;
+        s.copy_to(out);
         Ok(())
     }
 
     /// Drop `[page, page+pages)` from the memfd: the pages become holes and
     /// fault again on next access.
     pub fn punch_hole(&self, page: u64, pages: u64) -> Result<()> {
-        self.check(page, pages)?;
+        self.slice(page, pages)?;
         let off = libc::off_t::try_from(page * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
         let len = libc::off_t::try_from(pages * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
         fallocate(
@@ -247,37 +174,32 @@ impl GuestMemory {
     }
 }
 
-impl Drop for GuestMemory {
-    fn drop(&mut self) {
-        // SAFETY: `base`/`size` are exactly the mapping created in `create`,
-        // and no reference into it outlives `self`.
-        let _ = unsafe { munmap(self.base.cast(), shared::geometry::usize_of(self.size)) };
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
+
+    const PAGE: usize = 4096;
 
     #[test]
-    fn fill_zero_punch_round_trip() {
+    fn write_copy_punch_round_trip() {
         let m = GuestMemory::create("t", 8 * PAGE_SIZE).unwrap();
         assert_eq!(m.allocated_bytes(), 0);
-        let mut f = tempfile::tempfile().unwrap();
-        f.write_all(&vec![0xab; 3 * shared::geometry::usize_of(PAGE_SIZE)])
-            .unwrap();
-        m.fill_from_file(1, 4, &f, "img", 0).unwrap();
-        let mut buf = vec![0u8; shared::geometry::usize_of(PAGE_SIZE)];
+        m.slice(1, 3).unwrap().copy_from(&[0xabu8; 3 * PAGE]);
+        assert_eq!(m.allocated_bytes(), 3 * PAGE_SIZE);
+        assert_eq!(m.present_ranges(), vec![(1, 3)]);
+        let mut buf = vec![0u8; PAGE];
         m.read_page(3, &mut buf).unwrap();
         assert!(buf.iter().all(|b| *b == 0xab));
         m.read_page(4, &mut buf).unwrap();
         assert!(buf.iter().all(|b| *b == 0));
-        assert_eq!(m.allocated_bytes(), 4 * PAGE_SIZE);
+        let other = GuestMemory::create("u", 8 * PAGE_SIZE).unwrap();
+        other.copy_page_from(&m, 2).unwrap();
+        other.read_page(2, &mut buf).unwrap();
+        assert!(buf.iter().all(|b| *b == 0xab));
+        assert!(other.is_present(2) && !other.is_present(3));
         m.punch_hole(1, 4).unwrap();
         assert_eq!(m.allocated_bytes(), 0);
-        m.zero_page(0).unwrap();
-        assert_eq!(m.allocated_bytes(), PAGE_SIZE);
-        assert!(m.fill_from_file(7, 2, &f, "img", 0).is_err());
+        assert!(m.slice(7, 2).is_err());
+        assert!(m.punch_hole(7, 2).is_err());
     }
 }

@@ -17,7 +17,6 @@ mod server;
 mod standalone;
 mod state;
 mod uffd;
-mod uffd_ffi;
 
 use clap::Parser;
 

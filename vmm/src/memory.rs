@@ -35,6 +35,15 @@ pub enum MemoryError {
     Collect(#[source] vm_memory::GuestRegionCollectionError),
     #[error("region size {0:#x} does not fit this host's address space")]
     Size(u64),
+    #[error(
+        "pages {start}..{end} are outside guest RAM ({ram_pages} pages ending at page {ram_end_page})"
+    )]
+    PagesOutsideRam {
+        start: u64,
+        end: u64,
+        ram_pages: u64,
+        ram_end_page: u64,
+    },
     #[error("cannot access guest memory at {addr:#x}")]
     Access {
         addr: u64,
@@ -154,12 +163,13 @@ impl GuestRam {
         if ok {
             Ok(())
         } else {
-            Err(RequestError::InvalidOp(format!(
-                "pages {start}..{} are outside guest RAM ({} pages ending at page {})",
-                start.saturating_add(pages),
-                self.regions.iter().map(GuestRegion::pages).sum::<u64>(),
-                self.ram_end() / PAGE_SIZE
-            )))
+            let outside = MemoryError::PagesOutsideRam {
+                start,
+                end: start.saturating_add(pages),
+                ram_pages: self.regions.iter().map(GuestRegion::pages).sum::<u64>(),
+                ram_end_page: self.ram_end() / PAGE_SIZE,
+            };
+            Err(RequestError::InvalidOp(outside.to_string()))
         }
     }
 

@@ -6,11 +6,10 @@
 
 use std::ffi::c_void;
 
-use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
-
-use crate::uffd_ffi::{
+use uffd_abi::{
     UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED,
 };
+use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 /// Errors of setting up the userfaultfd.
 #[derive(Debug, thiserror::Error)]

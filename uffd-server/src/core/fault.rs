@@ -5,16 +5,20 @@
 //! of the VM's memfd and then `UFFDIO_WAKE` (DESIGN §2): this never races
 //! with EEXIST (a plain UFFDIO_COPY that finds the page present does not
 //! wake the faulting thread) and it keeps write protection where a plain
-//! UFFDIO_COPY would drop it.
+//! UFFDIO_COPY would drop it. Which pages to install and their bytes come
+//! from the resolver in [`crate::pages::resolve`], shared with Firecracker
+//! VMs.
 
 use std::rc::Rc;
 
 use shared::{VmId, PAGE_SIZE};
 use tracing::{debug, warn};
+use uffd_abi::{Errno, Install};
 use userfaultfd::{Event, FaultKind};
 
 use super::Registry;
-use crate::pages::{PageSource, UNINITIALIZED};
+use crate::memory::{GuestMemory, MemoryError};
+use crate::pages::{plan_run, read_pages, Fault, ResolveError, UNINITIALIZED};
 
 /// Outcome of handling one event.
 #[derive(Debug, PartialEq, Eq)]
@@ -63,7 +67,10 @@ impl Registry {
         let (first, count) = match self.materialize(vm, page) {
             Ok(r) => r,
             Err(e) => {
-                warn!("{vm}: cannot resolve fault on page {page}: {e}");
+                warn!(
+                    "{vm}: cannot resolve fault on page {page}: {}",
+                    shared::error_chain(&e)
+                );
                 // Waking lets the vCPU retry the access; it faults again and
                 // the error is logged again rather than hanging the guest.
                 (page, 1)
@@ -87,20 +94,17 @@ impl Registry {
         let Some(uffd) = v.uffd.clone() else {
             return Handled::Ok;
         };
-        match uffd.get_ref().remove_write_protection(
-            v.addr_of(page),
-            shared::geometry::usize_of(PAGE_SIZE),
-            true,
-        ) {
+        match uffd_abi::write_protect(uffd.get_ref(), v.addr_of(page) as u64, PAGE_SIZE, false) {
             Ok(()) => Handled::Ok,
-            Err(e) => errno_outcome(vm, "remove write protection", &e),
+            Err(e) => errno_outcome(vm, "remove write protection", e),
         }
     }
 
     /// Install `page` (and, for image sources, the surrounding fault-around
-    /// block) into `vm`'s memfd. Returns the page range installed.
-    pub fn materialize(&mut self, vm: VmId, page: u64) -> Result<(u64, u64), String> {
-        let v = self.vms.get(&vm).ok_or("no such vm")?;
+    /// block or readahead window) into `vm`'s memfd. Returns the page range
+    /// installed.
+    pub fn materialize(&mut self, vm: VmId, page: u64) -> Result<(u64, u64), ResolveError> {
+        let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
         let src_id = v.table.get(page);
         if src_id == v.self_src {
             return Ok((page, 1)); // Already present: a concurrent fault.
@@ -109,64 +113,30 @@ impl Registry {
             .arena
             .get(src_id)
             .cloned()
-            .ok_or_else(|| format!("unknown source id {src_id}"))?;
-        match &*source {
-            PageSource::Uninitialized => {
-                v.memory.zero_page(page).map_err(|e| e.to_string())?;
-                self.mark_present(vm, page, 1);
-                Ok((page, 1))
-            }
-            PageSource::File(f) => {
-                let block = v.fault_around_pages.max(1);
-                // Readahead: a fault right where the last install ended is
-                // a sequential reader; double the window each time, up to
-                // the VM's readahead limit, as the page cache does.
-                let sequential = block > 1 && page == v.readahead.next;
-                let window = if sequential {
-                    (v.readahead.window * 2).clamp(block, v.readahead.max_pages.max(block))
-                } else {
-                    block
-                };
-                let start = if sequential {
-                    page
-                } else {
-                    page - page % block
-                };
-                let end = (start + window).min(v.memory.pages());
-                // Install the run of pages around `page` that still read
-                // from the same file.
-                let mut lo = page;
-                while lo > start && v.table.get(lo - 1) == src_id {
-                    lo -= 1;
-                }
-                let mut hi = page + 1;
-                while hi < end && v.table.get(hi) == src_id {
-                    hi += 1;
-                }
-                let path = f.path.display().to_string();
-                v.memory
-                    .fill_from_file(lo, hi - lo, &f.file, &path, lo * PAGE_SIZE)
-                    .map_err(|e| shared::error_chain(&e))?;
-                self.mark_present(vm, lo, hi - lo);
-                if let Some(v) = self.vms.get_mut(&vm) {
-                    v.readahead.next = hi;
-                    v.readahead.window = window;
-                }
-                Ok((lo, hi - lo))
-            }
-            PageSource::Vm(owner) => {
-                let owner_mem = self
-                    .vms
-                    .get(owner)
-                    .map(|o| Rc::clone(&o.memory))
-                    .ok_or_else(|| format!("source {owner} of page {page} is gone"))?;
-                v.memory
-                    .copy_page_from(&owner_mem, page)
-                    .map_err(|e| e.to_string())?;
-                self.mark_present(vm, page, 1);
-                Ok((page, 1))
-            }
+            .ok_or(ResolveError::UnknownSource(src_id))?;
+        let run = source.fault_around().then(|| {
+            let fault = Fault {
+                page,
+                bounds: 0..v.memory.pages(),
+                block: v.fault_around_pages,
+                track: true,
+            };
+            plan_run(&v.table, src_id, &fault, &v.readahead)
+        });
+        let (lo, hi) = run.map_or((page, page + 1), |r| (r.lo, r.hi));
+        {
+            let dst = v.memory.slice(lo, hi - lo)?;
+            let vms = &self.vms;
+            read_pages(&source, lo, &dst, &|id| {
+                vms.get(&id).map(|o| Rc::clone(&o.memory))
+            })?;
         }
+        self.mark_present(vm, lo, hi - lo);
+        if let (Some(run), Some(v)) = (run, self.vms.get_mut(&vm)) {
+            v.readahead.next = hi;
+            v.readahead.window = run.window;
+        }
+        Ok((lo, hi - lo))
     }
 
     fn mark_present(&mut self, vm: VmId, page: u64, pages: u64) {
@@ -233,6 +203,17 @@ impl Registry {
     }
 }
 
+/// Why the pre-write copy of a page could not be given to a dependent.
+#[derive(Debug, thiserror::Error)]
+enum PreserveError {
+    #[error("the page is already present although the table says it is not")]
+    AlreadyPresent,
+    #[error("UFFDIO_COPY failed")]
+    Copy(#[source] Errno),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+}
+
 /// Put a copy of `src`'s `page` into `dep`.
 ///
 /// A dependent whose VMM runs may be touching that very page: UFFDIO_COPY
@@ -241,57 +222,41 @@ impl Registry {
 /// present at its first byte and let the guest see or lose a torn page.
 /// Without a running VMM (not yet connected, exited, frozen) the memcpy is
 /// safe.
-fn install_copy(
-    dep: &super::vm::Vm,
-    src: &crate::memory::GuestMemory,
-    page: u64,
-) -> Result<(), String> {
-    use std::os::fd::AsRawFd;
-
-    use crate::uffd_ffi::{self, Install};
-
+fn install_copy(dep: &super::vm::Vm, src: &GuestMemory, page: u64) -> Result<(), PreserveError> {
     if let Some(uffd) = dep.uffd.clone() {
-        let from = src.page_ptr(page).map_err(|e| e.to_string())?;
+        let from = src.page_ptr(page)?;
         let to = dep.addr_of(page) as u64;
         // SAFETY: `from` is one page inside the source VM's live mapping,
         // which `src` keeps alive for the call.
-        match unsafe { uffd_ffi::copy(uffd.get_ref().as_raw_fd(), from, to, PAGE_SIZE, 0) } {
+        match unsafe { uffd_abi::copy(uffd.get_ref(), from, to, PAGE_SIZE, 0) } {
             Install::Done => return Ok(()),
-            Install::Exists { .. } => {
-                return Err("page is already present although the table says it is not".into())
-            }
+            Install::Exists { .. } => return Err(PreserveError::AlreadyPresent),
             // Gone: the VMM died, nobody touches the memfd any more.
             // Again: a non-cooperative event (REMOVE) is pending on the
             // dependent's uffd, which the VMM only raises while it discards
             // memory; the event is read on this same thread, so waiting here
             // cannot help. Both fall back to the memcpy.
             Install::Gone | Install::Again { .. } => {}
-            Install::Failed(errno) => return Err(format!("UFFDIO_COPY failed: errno {errno}")),
+            Install::Failed(errno) => return Err(PreserveError::Copy(errno)),
         }
     }
-    dep.memory
-        .copy_page_from(src, page)
-        .map_err(|e| e.to_string())
+    Ok(dep.memory.copy_page_from(src, page)?)
 }
 
 fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {
     let Some(uffd) = v.uffd.clone() else {
         return Handled::Ok;
     };
-    match uffd.get_ref().wake(
-        v.addr_of(first),
-        shared::geometry::usize_of(count * PAGE_SIZE),
-    ) {
+    let addr = v.addr_of(first) as u64;
+    match uffd_abi::wake(uffd.get_ref(), addr, count * PAGE_SIZE) {
         Ok(()) => Handled::Ok,
-        Err(e) => errno_outcome(v.id, "wake", &e),
+        Err(e) => errno_outcome(v.id, "wake", e),
     }
 }
 
-fn errno_outcome(vm: VmId, what: &str, e: &userfaultfd::Error) -> Handled {
-    if let userfaultfd::Error::SystemError(errno) = e {
-        if *errno as i32 == libc::ESRCH {
-            return Handled::VmmGone;
-        }
+fn errno_outcome(vm: VmId, what: &str, e: Errno) -> Handled {
+    if e == Errno::ESRCH {
+        return Handled::VmmGone;
     }
     warn!("{vm}: uffd {what} failed: {e}");
     Handled::Ok

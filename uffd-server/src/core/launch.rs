@@ -179,14 +179,11 @@ impl Core {
         if req.vcpus == 0 || req.vcpus > 32 {
             return bad("vcpus must be between 1 and 32".into());
         }
-        if let Some(k) = req.fault_around_kib {
-            if k != 0 && (k % 4 != 0 || !(k / 4).is_power_of_two() || k > 4096) {
-                return bad(
-                    "fault_around_kib must be 0 (off) or a power-of-two multiple of 4 up to 4096"
-                        .into(),
-                );
-            }
-        }
+        let fault_around = req
+            .fault_around_kib
+            .map(crate::pages::FaultAround::from_kib)
+            .transpose()
+            .map_err(|e| Error::BadRequest(format!("fault_around_kib {e}")))?;
         if let Some(k) = req.readahead_kib {
             if k % 4 != 0 || k > 64 * 1024 {
                 return bad("readahead_kib must be a multiple of 4 up to 65536 (0 = off)".into());
@@ -218,11 +215,8 @@ impl Core {
         };
         let pages = size / PAGE_SIZE;
         let (ready_tx, ready_rx) = oneshot::channel();
-        let fault_around_pages = match req.fault_around_kib {
-            Some(0) => 1,
-            Some(k) => k / 4,
-            None => self.settings.fault_around_pages,
-        };
+        let fault_around_pages =
+            fault_around.map_or(self.settings.fault_around_pages, |f| f.pages());
         let readahead_pages = match req.readahead_kib {
             Some(k) => k / 4,
             None => self.settings.readahead_pages,

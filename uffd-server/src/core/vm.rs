@@ -32,15 +32,7 @@ pub struct FaultStats {
 }
 
 /// Sequential-fault detection for image-backed pages.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Readahead {
-    /// The page right after the last install.
-    pub next: u64,
-    /// The last install's window in pages.
-    pub window: u64,
-    /// Largest window in pages (at most the fault-around block disables it).
-    pub max_pages: u64,
-}
+pub use crate::pages::Readahead;
 
 /// A pending answer from the VMM.
 pub type ReplySender = oneshot::Sender<super::Result<Reply>>;

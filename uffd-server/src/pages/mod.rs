@@ -1,8 +1,14 @@
-//! Where every guest page's bytes come from: the source arena and the
-//! chunked, copy-on-write page-source table.
+//! Where every guest page's bytes come from: the source arena, the
+//! chunked, copy-on-write page-source table, and the resolver that turns a
+//! fault into a run of pages and their bytes (shared by our VMs and
+//! Firecracker's).
 
+pub mod readahead;
+pub mod resolve;
 pub mod source;
 pub mod table;
 
+pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
+pub use resolve::{plan_run, read_pages, Fault, ResolveError, Run};
 pub use source::{FileSource, PageSource, SourceArena, SourceId, UNINITIALIZED};
 pub use table::{Extent, PageTable, CHUNK_PAGES};

@@ -51,6 +51,12 @@ impl PageSource {
         }
     }
 
+    /// Whether a fault on this source installs a run of pages around it
+    /// (fault-around and readahead) rather than the one page.
+    pub fn fault_around(&self) -> bool {
+        matches!(self, PageSource::File(_))
+    }
+
     /// A short human description: `uninitialized`, `vm-3`, `file:/path`.
     pub fn describe(&self) -> String {
         match self {

@@ -13,7 +13,7 @@ use kvm_bindings::kvm_segment;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use super::control::{Control, Job};
-use super::vm::{EventSink, VcpuEvent};
+use super::event::{EventSink, VcpuEvent};
 use crate::agent::{mailbox, opcode, CMD_PORT, DONE_PORT};
 use crate::devices::Devices;
 use crate::layout::{self, CS_SELECTOR, DS_SELECTOR, GDT, GDT_ENTRIES, MAILBOX, PML4, STACK_TOP};

@@ -13,24 +13,13 @@ use shared::VmState;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use super::control::{Control, Job};
+use super::event::EventSink;
 use super::vcpu::{self, VcpuThread};
 use crate::agent::{self, Agent};
 use crate::devices::{self, Devices, Disk};
 use crate::layout::{self, PRIV_BASE};
 use crate::memory::GuestRam;
 use crate::state;
-
-/// What vCPU threads report to the VMM's owner.
-#[derive(Debug, Clone)]
-pub enum VcpuEvent {
-    /// vCPU 0 reached its first command wait.
-    Ready,
-    /// A vCPU failed; the VM cannot go on.
-    Fatal(String),
-}
-
-/// Receiver of [`VcpuEvent`]s.
-pub type EventSink = Arc<dyn Fn(VcpuEvent) + Send + Sync>;
 
 /// Errors of building or driving the VM.
 #[derive(Debug, thiserror::Error)]

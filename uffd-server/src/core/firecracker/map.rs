@@ -1,51 +1,59 @@
-//! A read-only shared mapping of a memory source file, the source of
-//! every UFFDIO_COPY into a Firecracker process.
+//! A read-only shared mapping of a listener's memory source file.
+//!
+//! Faults no longer read through it: pages of every source are read by
+//! [`crate::pages::read_pages`] into a staging buffer and installed from
+//! there, so sources that cannot be mapped (compressed images) serve
+//! Firecracker the same way. The listener still creates one when it
+//! starts (its code is outside the fault path); it can go with that code.
 
-/// A read-only shared mapping of a source file.
+use std::fs::File;
+
+use vm_memory::mmap::MmapRegionError;
+use vm_memory::{FileOffset, MmapRegion};
+
+/// Errors of mapping a source file.
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    #[error("memory source is empty")]
+    Empty,
+    #[error("cannot duplicate the memory source's fd for its mapping")]
+    DupFd(#[source] std::io::Error),
+    #[error("cannot map the memory source")]
+    Map(#[source] MmapRegionError),
+}
+
+/// A read-only shared mapping of a source file (vm-memory's `MmapRegion`,
+/// which owns a duplicate of the file's fd and unmaps on drop).
 #[derive(Debug)]
 pub struct FileMap {
-    ptr: std::ptr::NonNull<u8>,
-    len: u64,
+    map: MmapRegion,
 }
 
 impl FileMap {
-    /// Map `file` read-only.
-    pub fn new(file: &std::fs::File, len: u64) -> Result<Self, String> {
-        let n = std::num::NonZeroUsize::new(usize::try_from(len).unwrap_or(0))
-            .ok_or("memory source is empty")?;
-        // SAFETY: a fresh read-only shared mapping of a file we hold open;
-        // no MAP_FIXED, unmapped in Drop.
-        let ptr = unsafe {
-            nix::sys::mman::mmap(
-                None,
-                n,
-                nix::sys::mman::ProtFlags::PROT_READ,
-                nix::sys::mman::MapFlags::MAP_SHARED,
-                file,
-                0,
-            )
-        }
-        .map_err(|e| format!("cannot map the memory source: {e}"))?;
-        Ok(FileMap {
-            ptr: ptr.cast(),
+    /// Map `len` bytes of `file` read-only.
+    pub fn new(file: &File, len: u64) -> Result<Self, MapError> {
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|l| *l > 0)
+            .ok_or(MapError::Empty)?;
+        let file = file.try_clone().map_err(MapError::DupFd)?;
+        let map = MmapRegion::build(
+            Some(FileOffset::new(file, 0)),
             len,
-        })
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+        )
+        .map_err(MapError::Map)?;
+        Ok(FileMap { map })
     }
 
-    pub(super) fn at(&self, offset: u64, len: u64) -> Option<*const u8> {
-        let end = offset.checked_add(len)?;
-        // SAFETY: `offset + len <= self.len`, inside the mapping.
-        (end <= self.len).then(|| unsafe {
-            self.ptr.as_ptr().add(shared::geometry::usize_of(offset)) as *const u8
-        })
+    /// Length of the mapping in bytes.
+    pub fn len(&self) -> u64 {
+        self.map.size() as u64
     }
-}
 
-impl Drop for FileMap {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping made in `new`.
-        let _ = unsafe {
-            nix::sys::mman::munmap(self.ptr.cast(), shared::geometry::usize_of(self.len))
-        };
+    /// Whether the mapping is empty (never: `new` refuses empty sources).
+    pub fn is_empty(&self) -> bool {
+        self.map.size() == 0
     }
 }

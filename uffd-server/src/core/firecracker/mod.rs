@@ -16,7 +16,7 @@
 //!   the next fault installs zeroes. EAGAIN from an install means such an
 //!   event is pending: the fault is deferred and retried after the events.
 
-mod map;
+pub mod map;
 mod serve;
 mod vm;
 
@@ -76,14 +76,12 @@ impl Core {
             });
         }
         let socket = PathBuf::from(&req.socket);
-        let fault_around_pages = match req.fault_around_kib {
-            Some(0) => 1,
-            Some(k) if k % 4 == 0 && (k / 4).is_power_of_two() && k <= 4096 => k / 4,
-            Some(_) => {
-                return Err(Error::BadRequest(
-                    "fault_around_kib must be 0 or a power-of-two multiple of 4 up to 4096".into(),
-                ))
-            }
+        let fault_around = req
+            .fault_around_kib
+            .map(crate::pages::FaultAround::from_kib);
+        let fault_around_pages = match fault_around {
+            Some(Ok(f)) => f.pages(),
+            Some(Err(e)) => return Err(Error::BadRequest(format!("fault_around_kib {e}"))),
             None => self.settings.fault_around_pages,
         };
         let readahead_pages = match req.readahead_kib {
@@ -95,9 +93,9 @@ impl Core {
             }
             None => self.settings.readahead_pages,
         };
-        let map = FileMap::new(&file, len).map_err(|reason| Error::Image {
+        let map = FileMap::new(&file, len).map_err(|source| Error::MapImage {
             path: path.clone(),
-            reason,
+            source,
         })?;
         if socket.symlink_metadata().is_ok() {
             return Err(Error::SocketExists { path: socket });

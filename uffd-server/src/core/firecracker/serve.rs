@@ -15,6 +15,7 @@ use crate::core::Core;
 /// Handle a batch of events for a Firecracker VM; returns faults to retry.
 fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u64>) -> bool {
     let mut reg = core.reg.borrow_mut();
+    let reg = &mut *reg;
     let Some(v) = reg.fc_vms.get_mut(&id) else {
         return false;
     };
@@ -37,7 +38,7 @@ fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u6
     v.stats.missing += faults.len() as u64;
     let retry: Vec<u64> = std::mem::take(deferred);
     for addr in retry.into_iter().chain(faults) {
-        match v.resolve(addr, record) {
+        match v.resolve(&reg.arena, addr, record) {
             Resolved::Ok => {}
             Resolved::Again => {
                 v.stats.deferred += 1;
@@ -109,6 +110,7 @@ pub(super) async fn prefetch_working_set(core: Rc<Core>, id: VmId, pages: Rc<Vec
     for chunk in pages.chunks(256) {
         {
             let mut reg = core.reg.borrow_mut();
+            let reg = &mut *reg;
             let Some(v) = reg.fc_vms.get_mut(&id) else {
                 return;
             };
@@ -126,7 +128,7 @@ pub(super) async fn prefetch_working_set(core: Rc<Core>, id: VmId, pages: Rc<Vec
                 }
                 let addr = r.base + (p * PAGE_SIZE - r.offset);
                 let before = v.stats.pages_installed;
-                if let Resolved::Gone = v.resolve(addr, false) {
+                if let Resolved::Gone = v.resolve(&reg.arena, addr, false) {
                     return;
                 }
                 installed += v.stats.pages_installed - before;

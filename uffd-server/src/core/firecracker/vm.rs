@@ -1,8 +1,10 @@
 //! One Firecracker VM being served: its regions, table and uffd, and how a
-//! fault is resolved (fault-around, readahead, zero pages, EAGAIN).
+//! fault is resolved (zero pages, EAGAIN). Which pages to install and
+//! their bytes come from the resolver in [`crate::pages::resolve`], shared
+//! with our own VMs; here they are installed with UFFDIO_COPY from a
+//! staging buffer, or UFFDIO_ZEROPAGE.
 
 use std::cell::RefCell;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 
@@ -10,12 +12,20 @@ use proto::firecracker::Region;
 use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
 use tracing::warn;
+use uffd_abi::Install;
 use userfaultfd::Uffd;
+use vm_memory::VolatileSlice;
 
 use super::map::FileMap;
 use crate::core::vm::{FaultStats, Readahead, RunState};
-use crate::pages::{PageTable, SourceId, UNINITIALIZED};
-use crate::uffd_ffi::{self, Install};
+use crate::pages::{
+    plan_run, read_pages, Fault, PageTable, ResolveError, SourceArena, SourceId, UNINITIALIZED,
+};
+
+/// Largest run installed by one UFFDIO_COPY: the staging buffer's size.
+/// One 2 MiB huge page, the largest page size served, which must be
+/// installed by a single call.
+const STAGING_PAGES: u64 = 512;
 
 /// A Firecracker VM being served.
 #[derive(Debug)]
@@ -59,32 +69,67 @@ impl FcVm {
             .find(|r| addr >= r.base && addr < r.base + r.size)
     }
 
-    fn raw_uffd(&self) -> i32 {
-        self.uffd.get_ref().as_raw_fd()
-    }
-
     /// Install source pages `[lo, hi)` of region `r`; returns how many pages
     /// from `lo` were installed before an existing page, or the outcome.
-    fn install_run(&mut self, r: Region, lo: u64, hi: u64) -> Result<u64, Resolved> {
-        let dst = r.base + (lo * PAGE_SIZE - r.offset);
-        let len = (hi - lo) * PAGE_SIZE;
+    fn install_run(
+        &mut self,
+        arena: &SourceArena,
+        r: Region,
+        lo: u64,
+        hi: u64,
+    ) -> Result<u64, Resolved> {
         let src_id = self.table.get(lo);
-        let res = if src_id == UNINITIALIZED {
-            if r.page_size == PAGE_SIZE {
-                uffd_ffi::zeropage(self.raw_uffd(), dst, len)
-            } else {
-                let zeros = zero_buffer(len);
-                // SAFETY: `zeros` is a live buffer of at least `len` bytes.
-                unsafe { uffd_ffi::copy(self.raw_uffd(), zeros.as_ptr(), dst, len, 0) }
-            }
-        } else {
-            let Some(src) = self.map.at(lo * PAGE_SIZE, len) else {
-                return Err(Resolved::Ok);
-            };
-            // SAFETY: `src..src+len` lies in our live read-only mapping.
-            unsafe { uffd_ffi::copy(self.raw_uffd(), src, dst, len, 0) }
+        if src_id == UNINITIALIZED && r.page_size == PAGE_SIZE {
+            let dst = r.base + (lo * PAGE_SIZE - r.offset);
+            let res = uffd_abi::zeropage(self.uffd.get_ref(), dst, (hi - lo) * PAGE_SIZE);
+            return self.installed(lo, hi, 0, res);
+        }
+        let Some(source) = arena.get(src_id).cloned() else {
+            warn!("{}: pages {lo}..{hi} name an unknown source", self.id);
+            return Err(Resolved::Ok);
         };
-        let done = |copied: u64| copied / PAGE_SIZE;
+        let mut at = lo;
+        while at < hi {
+            let end = hi.min(at + STAGING_PAGES);
+            let len = (end - at) * PAGE_SIZE;
+            let res = STAGING.with(|buf| -> Result<Install, ResolveError> {
+                let mut buf = buf.borrow_mut();
+                let bytes = shared::geometry::usize_of(len);
+                if buf.len() < bytes {
+                    buf.resize(bytes, 0);
+                }
+                let dst = VolatileSlice::from(&mut buf[..bytes]);
+                read_pages(&source, at, &dst, &|_| None)?;
+                let to = r.base + (at * PAGE_SIZE - r.offset);
+                // SAFETY: `buf` holds `len` initialized bytes and stays
+                // borrowed for the call.
+                Ok(unsafe { uffd_abi::copy(self.uffd.get_ref(), buf.as_ptr(), to, len, 0) })
+            });
+            let res = match res {
+                Ok(res) => res,
+                Err(e) => {
+                    warn!(
+                        "{}: cannot read pages {at}..{end}: {}",
+                        self.id,
+                        shared::error_chain(&e)
+                    );
+                    self.mark(lo, at - lo);
+                    return Err(Resolved::Ok);
+                }
+            };
+            match res {
+                Install::Done => at = end,
+                other => return self.installed(lo, end, at - lo, other),
+            }
+        }
+        self.mark(lo, hi - lo);
+        Ok(hi - lo)
+    }
+
+    /// Account for an install of `[lo, hi)` whose first `before` pages were
+    /// installed by earlier calls and whose last call ended in `res`.
+    fn installed(&mut self, lo: u64, hi: u64, before: u64, res: Install) -> Result<u64, Resolved> {
+        let done = |copied: u64| before + copied / PAGE_SIZE;
         let n = match res {
             Install::Done => hi - lo,
             Install::Exists { copied } => done(copied),
@@ -94,10 +139,8 @@ impl FcVm {
             }
             Install::Gone => return Err(Resolved::Gone),
             Install::Failed(errno) => {
-                warn!(
-                    "{}: install of pages {lo}..{hi} failed: errno {errno}",
-                    self.id
-                );
+                warn!("{}: install of pages {lo}..{hi} failed: {errno}", self.id);
+                self.mark(lo, before);
                 return Err(Resolved::Ok);
             }
         };
@@ -112,14 +155,11 @@ impl FcVm {
     }
 
     pub(super) fn wake(&self, addr: u64, len: u64) {
-        let _ = self
-            .uffd
-            .get_ref()
-            .wake(addr as *mut libc::c_void, shared::geometry::usize_of(len));
+        let _ = uffd_abi::wake(self.uffd.get_ref(), addr, len);
     }
 
     /// Resolve a MISSING fault at `addr`.
-    pub(super) fn resolve(&mut self, addr: u64, record: bool) -> Resolved {
+    pub(super) fn resolve(&mut self, arena: &SourceArena, addr: u64, record: bool) -> Resolved {
         let Some(r) = self.region_of(addr) else {
             warn!("{}: fault at {addr:#x} outside every region", self.id);
             return Resolved::Ok;
@@ -134,36 +174,20 @@ impl FcVm {
         let (lo, hi) = if unit > 1 || self.table.get(page) != self.file_src {
             (first, first + unit)
         } else {
-            // Fault-around: the run of image pages around `page` in its
-            // block; a fault where the last install ended (a sequential
-            // reader) doubles the window up to the readahead limit.
-            let block = self.fault_around_pages.max(1);
+            // Fault-around within the region, readahead for a sequential
+            // reader (see `pages::plan_run`).
             let r_lo = r.offset / PAGE_SIZE;
-            let r_hi = r_lo + r.size / PAGE_SIZE;
-            let sequential = record && block > 1 && page == self.readahead.next;
-            let window = if sequential {
-                (self.readahead.window * 2).clamp(block, self.readahead.max_pages.max(block))
-            } else {
-                block
+            let fault = Fault {
+                page,
+                bounds: r_lo..r_lo + r.size / PAGE_SIZE,
+                block: self.fault_around_pages,
+                track: record,
             };
-            self.readahead.window = window;
-            let b_lo = if sequential {
-                page
-            } else {
-                (page - (page - r_lo) % block).max(r_lo)
-            };
-            let b_hi = (b_lo + window).min(r_hi);
-            let mut lo = page;
-            while lo > b_lo && self.table.get(lo - 1) == self.file_src {
-                lo -= 1;
-            }
-            let mut hi = page + 1;
-            while hi < b_hi && self.table.get(hi) == self.file_src {
-                hi += 1;
-            }
-            (lo, hi)
+            let run = plan_run(&self.table, self.file_src, &fault, &self.readahead);
+            self.readahead.window = run.window;
+            (run.lo, run.hi)
         };
-        match self.install_run(r, lo, hi) {
+        match self.install_run(arena, r, lo, hi) {
             Ok(n) if lo + n > page => {
                 if record {
                     self.readahead.next = lo + n;
@@ -175,7 +199,7 @@ impl FcVm {
             }
             Ok(_) => {
                 // Something below `page` already existed: install just it.
-                match self.install_run(r, first, first + unit) {
+                match self.install_run(arena, r, first, first + unit) {
                     Ok(n) => {
                         if record {
                             self.fault_order.extend(first..first + n);
@@ -205,15 +229,7 @@ impl FcVm {
     }
 }
 
-fn zero_buffer(len: u64) -> Rc<Vec<u8>> {
-    thread_local! {
-        static ZEROS: RefCell<Rc<Vec<u8>>> = RefCell::new(Rc::new(Vec::new()));
-    }
-    ZEROS.with(|z| {
-        let mut z = z.borrow_mut();
-        if (z.len() as u64) < len {
-            *z = Rc::new(vec![0u8; shared::geometry::usize_of(len)]);
-        }
-        z.clone()
-    })
+thread_local! {
+    /// Where pages are read before UFFDIO_COPY; grows to [`STAGING_PAGES`].
+    static STAGING: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }

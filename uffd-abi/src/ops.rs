@@ -1,0 +1,171 @@
+//! Safe wrappers of the uffd ioctls in [`crate::abi`].
+//!
+//! The install ioctls (COPY, ZEROPAGE, POISON) report how many bytes they
+//! did in a signed field that holds `-errno` when they did none; it is read
+//! with its sign and turned into an [`Install`] before anything else.
+//! Addresses are in the address space of the process that registered the
+//! range, which may be another process than this one.
+
+use std::os::fd::{AsFd, AsRawFd};
+
+use nix::errno::Errno;
+
+use crate::abi::{
+    UffdioCopy, UffdioPoison, UffdioRange, UffdioWriteprotect, UffdioZeropage, UFFDIO_COPY,
+    UFFDIO_POISON, UFFDIO_WAKE, UFFDIO_WRITEPROTECT, UFFDIO_ZEROPAGE, WRITEPROTECT_MODE_WP,
+};
+
+/// What an install ioctl (COPY, ZEROPAGE, POISON) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Install {
+    /// All `len` bytes installed (and the faulting threads woken unless
+    /// DONTWAKE).
+    Done,
+    /// Stopped at a page that already exists after `copied` bytes.
+    Exists { copied: u64 },
+    /// The address space is changing (a non-cooperative event is pending);
+    /// `copied` bytes were installed. Retry after reading events.
+    Again { copied: u64 },
+    /// The process that registered the range is gone.
+    Gone,
+    /// Another error.
+    Failed(Errno),
+}
+
+/// The outcome of an install ioctl from its return value and the kernel's
+/// signed result field.
+fn outcome(ret: libc::c_int, result: i64, len: u64) -> Install {
+    // Negative (-errno) means nothing was installed.
+    let copied = u64::try_from(result).unwrap_or(0);
+    match Errno::result(ret) {
+        Ok(_) if copied >= len => Install::Done,
+        Ok(_) => Install::Again { copied },
+        Err(Errno::EEXIST) => Install::Exists { copied },
+        Err(Errno::EAGAIN) => Install::Again { copied },
+        Err(Errno::ESRCH) => Install::Gone,
+        Err(e) => Install::Failed(e),
+    }
+}
+
+/// UFFDIO_COPY `len` bytes from `src` (in this process) to `dst` (in the
+/// registered range of the uffd's process) with `mode` (e.g.
+/// [`crate::COPY_MODE_WP`]), waking the faulting threads.
+///
+/// # Safety
+/// `src..src+len` must be readable memory of this process for the whole
+/// call.
+pub unsafe fn copy(uffd: impl AsFd, src: *const u8, dst: u64, len: u64, mode: u64) -> Install {
+    let mut arg = UffdioCopy {
+        dst,
+        src: src as u64,
+        len,
+        mode,
+        copy: 0,
+    };
+    // SAFETY: `arg` is a live uffdio_copy matching UFFDIO_COPY's size; the
+    // kernel reads `len` bytes at `src`, which the caller guarantees, and
+    // writes only into the uffd's registered range.
+    let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_COPY, &mut arg) };
+    outcome(ret, arg.copy, len)
+}
+
+/// UFFDIO_ZEROPAGE over `len` bytes at `dst`, waking the faulting threads.
+pub fn zeropage(uffd: impl AsFd, dst: u64, len: u64) -> Install {
+    let mut arg = UffdioZeropage {
+        range: UffdioRange { start: dst, len },
+        mode: 0,
+        zeropage: 0,
+    };
+    // SAFETY: `arg` is a live uffdio_zeropage matching UFFDIO_ZEROPAGE's
+    // size; the kernel only maps zero pages into the registered range.
+    let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_ZEROPAGE, &mut arg) };
+    outcome(ret, arg.zeropage, len)
+}
+
+/// UFFDIO_POISON over `len` bytes at `dst` (Linux 6.6): the pages read as
+/// hardware-poisoned (SIGBUS to the process, an error to KVM), so a page
+/// that cannot be served fails its reader instead of faulting forever.
+/// Wakes the faulting threads.
+pub fn poison(uffd: impl AsFd, dst: u64, len: u64) -> Install {
+    let mut arg = UffdioPoison {
+        range: UffdioRange { start: dst, len },
+        mode: 0,
+        updated: 0,
+    };
+    // SAFETY: `arg` is a live uffdio_poison matching UFFDIO_POISON's size;
+    // the kernel only installs poison markers into the registered range.
+    let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_POISON, &mut arg) };
+    outcome(ret, arg.updated, len)
+}
+
+/// UFFDIO_WAKE the threads faulting in `[start, start + len)`.
+pub fn wake(uffd: impl AsFd, start: u64, len: u64) -> Result<(), Errno> {
+    let mut arg = UffdioRange { start, len };
+    // SAFETY: `arg` is a live uffdio_range matching UFFDIO_WAKE's size; the
+    // kernel only reads it.
+    let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_WAKE, &mut arg) };
+    Errno::result(ret).map(drop)
+}
+
+/// UFFDIO_WRITEPROTECT `[start, start + len)` with an explicit `mode`
+/// ([`crate::WRITEPROTECT_MODE_WP`] to protect, 0 to unprotect and wake,
+/// plus DONTWAKE if wanted).
+pub fn writeprotect(uffd: impl AsFd, start: u64, len: u64, mode: u64) -> Result<(), Errno> {
+    let mut arg = UffdioWriteprotect {
+        range: UffdioRange { start, len },
+        mode,
+    };
+    // SAFETY: `arg` is a live uffdio_writeprotect matching
+    // UFFDIO_WRITEPROTECT's size; the kernel only changes protection in
+    // the registered range.
+    let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_WRITEPROTECT, &mut arg) };
+    Errno::result(ret).map(drop)
+}
+
+/// Write-protect `[start, start + len)` (`protect`), or lift the protection
+/// and wake the threads waiting on it (`!protect`).
+pub fn write_protect(uffd: impl AsFd, start: u64, len: u64, protect: bool) -> Result<(), Errno> {
+    let mode = if protect { WRITEPROTECT_MODE_WP } else { 0 };
+    writeprotect(uffd, start, len, mode)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EAGAIN: i64 = -(libc::EAGAIN as i64);
+
+    #[test]
+    fn full_install_is_done() {
+        assert_eq!(outcome(0, 8192, 8192), Install::Done);
+    }
+
+    #[test]
+    fn negative_result_is_never_read_as_a_count() {
+        // The kernel's -EAGAIN in the result field must not become a huge
+        // unsigned count.
+        Errno::EAGAIN.set();
+        assert_eq!(outcome(-1, EAGAIN, 8192), Install::Again { copied: 0 });
+    }
+
+    #[test]
+    fn partial_counts_survive_errors() {
+        Errno::EEXIST.set();
+        assert_eq!(outcome(-1, 4096, 8192), Install::Exists { copied: 4096 });
+        Errno::EAGAIN.set();
+        assert_eq!(outcome(-1, 4096, 8192), Install::Again { copied: 4096 });
+    }
+
+    #[test]
+    fn dead_process_and_other_errors() {
+        Errno::ESRCH.set();
+        assert_eq!(outcome(-1, -3, 4096), Install::Gone);
+        Errno::EINVAL.set();
+        assert_eq!(outcome(-1, -22, 4096), Install::Failed(Errno::EINVAL));
+    }
+
+    #[test]
+    fn short_success_means_retry() {
+        assert_eq!(outcome(0, 4096, 8192), Install::Again { copied: 4096 });
+    }
+}

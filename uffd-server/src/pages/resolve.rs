@@ -1,0 +1,270 @@
+//! The page resolver both kinds of VM share: which run of pages to install
+//! for a fault, and the bytes of pages from their source.
+//!
+//! Our own VMs get the bytes written through the server's mapping of their
+//! memfd (then UFFDIO_WAKE); Firecracker's anonymous memory gets them with
+//! UFFDIO_COPY from a staging buffer. How the bytes are installed differs;
+//! what to install and what the bytes are is decided here, once, so a new
+//! kind of source is added in [`read_pages`] and serves both.
+
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::rc::Rc;
+
+use shared::{VmId, PAGE_SIZE};
+use vm_memory::VolatileSlice;
+
+use super::readahead::Readahead;
+use super::{PageSource, PageTable, SourceId};
+use crate::memory::{GuestMemory, MemoryError};
+
+/// Errors of resolving a fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("{0} is not a VM of this server")]
+    NoSuchVm(VmId),
+    #[error("page source id {0} is unknown; the table names a released source")]
+    UnknownSource(SourceId),
+    #[error("{owner}, the source of page {page}, is gone")]
+    SourceGone { owner: VmId, page: u64 },
+    #[error("cannot read image {} at byte {offset}", path.display())]
+    ReadImage {
+        path: PathBuf,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the destination of pages from {first} is not a whole number of pages")]
+    PartialPage { first: u64 },
+    #[error("cannot access guest memory")]
+    Memory(#[from] MemoryError),
+}
+
+/// Result alias of this module.
+pub type Result<T> = std::result::Result<T, ResolveError>;
+
+/// A MISSING fault on a page whose source installs runs (an image).
+#[derive(Debug, Clone)]
+pub struct Fault {
+    /// The page that faulted, as the table indexes it.
+    pub page: u64,
+    /// Pages a run may cover: the VM's memory, or the Firecracker region
+    /// the fault is in. Fault-around blocks are aligned to its start.
+    pub bounds: Range<u64>,
+    /// Fault-around block in pages (1 = off).
+    pub block: u64,
+    /// Whether this fault feeds readahead (a bulk prefetch does not).
+    pub track: bool,
+}
+
+/// What to install for a fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    /// First page of the run.
+    pub lo: u64,
+    /// One past the last page of the run.
+    pub hi: u64,
+    /// The readahead window this fault used, in pages.
+    pub window: u64,
+}
+
+/// The run `[lo, hi)` to install for `fault`: the pages around it in its
+/// fault-around block (or, for a sequential reader, the readahead window
+/// starting at it) that still read from `src`.
+pub fn plan_run(table: &PageTable, src: SourceId, fault: &Fault, ra: &Readahead) -> Run {
+    let page = fault.page;
+    let block = fault.block.max(1);
+    let (window, sequential) = ra.window(page, block, fault.track);
+    let start = if sequential {
+        page
+    } else {
+        (page - (page - fault.bounds.start) % block).max(fault.bounds.start)
+    };
+    let end = (start + window).min(fault.bounds.end);
+    let mut lo = page;
+    while lo > start && table.get(lo - 1) == src {
+        lo -= 1;
+    }
+    let mut hi = page + 1;
+    while hi < end && table.get(hi) == src {
+        hi += 1;
+    }
+    Run { lo, hi, window }
+}
+
+/// Where the memory of a VM named by a `Vm(id)` source is.
+pub type VmMemoryOf<'a> = dyn Fn(VmId) -> Option<Rc<GuestMemory>> + 'a;
+
+/// Write the bytes of pages `first..` of `source` into `dst` (a whole
+/// number of pages). An image shorter than the pages reads as zeroes past
+/// its end. `vm_memory` finds the memory a `Vm(id)` source names.
+pub fn read_pages(
+    source: &PageSource,
+    first: u64,
+    dst: &VolatileSlice<'_>,
+    vm_memory: &VmMemoryOf<'_>,
+) -> Result<()> {
+    let len = dst.len();
+    if !(len as u64).is_multiple_of(PAGE_SIZE) {
+        return Err(ResolveError::PartialPage { first });
+    }
+    let ptr = dst.ptr_guard_mut().as_ptr();
+    match source {
+        PageSource::Uninitialized => {
+            // SAFETY: `ptr..ptr+len` is the live memory `dst` describes.
+            unsafe { std::ptr::write_bytes(ptr, 0, len) };
+            Ok(())
+        }
+        PageSource::Vm(owner) => {
+            let mem = vm_memory(*owner).ok_or(ResolveError::SourceGone {
+                owner: *owner,
+                page: first,
+            })?;
+            let src = mem.slice(first, len as u64 / PAGE_SIZE)?;
+            src.copy_to_volatile_slice(*dst);
+            Ok(())
+        }
+        PageSource::File(f) => {
+            let offset = first * PAGE_SIZE;
+            let mut done = 0usize;
+            while done < len {
+                let off = libc::off_t::try_from(offset + done as u64).unwrap_or(libc::off_t::MAX);
+                // SAFETY: the destination is `len - done` bytes inside the
+                // live memory `dst` describes; the kernel writes at most
+                // that many.
+                let n = unsafe {
+                    libc::pread(f.file.as_raw_fd(), ptr.add(done).cast(), len - done, off)
+                };
+                match n {
+                    n if n > 0 => done += n.unsigned_abs(),
+                    0 => {
+                        // Past the end of the image: the rest reads as zero.
+                        // SAFETY: same range as above.
+                        unsafe { std::ptr::write_bytes(ptr.add(done), 0, len - done) };
+                        done = len;
+                    }
+                    _ => {
+                        let err = std::io::Error::last_os_error();
+                        if err.kind() == std::io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        return Err(ResolveError::ReadImage {
+                            path: f.path.clone(),
+                            offset,
+                            source: err,
+                        });
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::pages::FileSource;
+
+    const PAGE: usize = 4096;
+
+    fn no_vms(_: VmId) -> Option<Rc<GuestMemory>> {
+        None
+    }
+
+    fn fault(page: u64, bounds: Range<u64>, block: u64) -> Fault {
+        Fault {
+            page,
+            bounds,
+            block,
+            track: true,
+        }
+    }
+
+    #[test]
+    fn run_is_the_unresolved_part_of_the_aligned_block() {
+        let mut t = PageTable::new(64, 1);
+        t.set(17, 2); // already installed
+        let run = plan_run(&t, 1, &fault(21, 0..64, 8), &Readahead::new(0));
+        assert_eq!((run.lo, run.hi, run.window), (18, 24, 8));
+    }
+
+    #[test]
+    fn blocks_align_to_the_start_of_the_bounds_and_stop_at_their_end() {
+        let t = PageTable::new(64, 1);
+        let run = plan_run(&t, 1, &fault(12, 10..20, 8), &Readahead::new(0));
+        assert_eq!((run.lo, run.hi), (10, 18));
+        let run = plan_run(&t, 1, &fault(19, 10..20, 8), &Readahead::new(0));
+        assert_eq!((run.lo, run.hi), (18, 20));
+    }
+
+    #[test]
+    fn sequential_fault_starts_the_window_at_the_fault() {
+        let t = PageTable::new(256, 1);
+        let mut ra = Readahead::new(64);
+        ra.next = 40;
+        ra.window = 16;
+        let run = plan_run(&t, 1, &fault(40, 0..256, 16), &ra);
+        assert_eq!((run.lo, run.hi, run.window), (40, 72, 32));
+    }
+
+    #[test]
+    fn fault_around_off_installs_one_page() {
+        let t = PageTable::new(8, 1);
+        let run = plan_run(&t, 1, &fault(5, 0..8, 1), &Readahead::new(64));
+        assert_eq!((run.lo, run.hi), (5, 6));
+    }
+
+    #[test]
+    fn image_pages_read_exactly_and_zero_past_the_end() {
+        let mut f = tempfile::tempfile().unwrap();
+        let img: Vec<u8> = [1u8, 2, 3].iter().flat_map(|b| [*b; PAGE]).collect();
+        f.write_all(&img).unwrap();
+        let src = PageSource::File(FileSource {
+            path: "img".into(),
+            file: f,
+            len: img.len() as u64,
+        });
+        let mut buf = vec![0xeeu8; 3 * PAGE];
+        read_pages(&src, 1, &VolatileSlice::from(&mut buf[..]), &no_vms).unwrap();
+        assert!(buf[..PAGE].iter().all(|b| *b == 2));
+        assert!(buf[PAGE..2 * PAGE].iter().all(|b| *b == 3));
+        assert!(buf[2 * PAGE..].iter().all(|b| *b == 0), "past the end");
+    }
+
+    #[test]
+    fn uninitialized_reads_zero_and_gone_vm_is_an_error() {
+        let mut buf = vec![0xeeu8; PAGE];
+        let dst = VolatileSlice::from(&mut buf[..]);
+        read_pages(&PageSource::Uninitialized, 0, &dst, &no_vms).unwrap();
+        assert!(buf.iter().all(|b| *b == 0));
+        let dst = VolatileSlice::from(&mut buf[..]);
+        let err = read_pages(&PageSource::Vm(VmId(7)), 3, &dst, &no_vms).unwrap_err();
+        assert!(
+            matches!(err, ResolveError::SourceGone { page: 3, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn vm_source_copies_from_the_owner_memory() {
+        let owner = Rc::new(GuestMemory::create("owner", 4 * PAGE_SIZE).unwrap());
+        owner.slice(2, 1).unwrap().copy_from(&[9u8; PAGE]);
+        let lookup = |id: VmId| (id == VmId(1)).then(|| owner.clone());
+        let mut buf = vec![0u8; PAGE];
+        let dst = VolatileSlice::from(&mut buf[..]);
+        read_pages(&PageSource::Vm(VmId(1)), 2, &dst, &lookup).unwrap();
+        assert!(buf.iter().all(|b| *b == 9));
+    }
+
+    #[test]
+    fn partial_pages_are_refused() {
+        let mut buf = [0u8; 100];
+        let dst = VolatileSlice::from(&mut buf[..]);
+        let err = read_pages(&PageSource::Uninitialized, 0, &dst, &no_vms).unwrap_err();
+        assert!(matches!(err, ResolveError::PartialPage { first: 0 }));
+    }
+}
