@@ -8,4 +8,5 @@ pub mod core;
 pub mod images;
 pub mod memory;
 pub mod pages;
+pub mod snapshot;
 pub mod volume;

@@ -10,8 +10,14 @@ use shared::GuestOp;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {
-    /// Guest RAM in MiB.
+    /// Guest RAM in MiB. With `from_snapshot` it comes from the snapshot
+    /// (0 or absent; any other value must match it).
+    #[serde(default)]
     pub memory_mib: u64,
+    /// Start from this VM snapshot: its memory, vCPU and device state
+    /// (and a reflink of its volume snapshot, if it has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
     /// Number of vCPUs (default 1).
     #[serde(default = "default_vcpus")]
     pub vcpus: u8,

@@ -9,6 +9,7 @@
 
 pub mod openapi;
 pub mod serve;
+pub mod snapshots;
 pub mod volumes;
 
 use axum::body::Bytes;
@@ -325,6 +326,7 @@ pub fn router(
         .route("/v1/vms/{id}/pages/{page}", get(page))
         .route("/v1/tree", get(tree))
         .route("/v1/debug/invariant", get(invariant))
+        .merge(snapshots::routes())
         .route(
             "/v1/firecracker/listeners",
             get(list_listeners).post(add_listener),

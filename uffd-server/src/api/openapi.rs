@@ -10,7 +10,7 @@ use utoipa::OpenApi;
     info(
         title = "pagefork uffd-server API",
         description = "Control API of the pagefork page server: VMs, live fork, memory-source \
-                       debugging, Firecracker listeners and reflink disk volumes. JSON over the \
+                       debugging, Firecracker listeners, VM snapshots and reflink disk volumes. JSON over the \
                        server's Unix socket (STATE_DIR/api.sock). Errors are {\"error\": \"...\"}: \
                        4xx for the client's mistakes, 5xx for the server's own failures."
     ),
@@ -31,6 +31,10 @@ use utoipa::OpenApi;
         super::add_listener,
         super::list_listeners,
         super::delete_listener,
+        super::snapshots::create_snapshot,
+        super::snapshots::list_snapshots,
+        super::snapshots::get_snapshot,
+        super::snapshots::delete_snapshot,
         super::volumes::list_volumes,
         super::volumes::create_volume,
         super::volumes::get_volume,
@@ -71,14 +75,17 @@ mod tests {
         ("/v1/debug/invariant", &["get"]),
         ("/v1/firecracker/listeners", &["get", "post"]),
         ("/v1/firecracker/listeners/{id}", &["delete"]),
+        ("/v1/vms/{id}/snapshots", &["post"]),
+        ("/v1/snapshots", &["get"]),
+        ("/v1/snapshots/{name}", &["get", "delete"]),
         ("/v1/volumes", &["get", "post"]),
         ("/v1/volumes/{name}", &["get", "delete"]),
         ("/v1/volumes/{name}/grow", &["post"]),
         ("/v1/volumes/{name}/snapshots", &["get", "post"]),
         ("/v1/volumes/{name}/rollback", &["post"]),
-        ("/v1/snapshots", &["get"]),
-        ("/v1/snapshots/{name}", &["get", "delete"]),
-        ("/v1/snapshots/{name}/snapshots", &["post"]),
+        ("/v1/volume-snapshots", &["get"]),
+        ("/v1/volume-snapshots/{name}", &["get", "delete"]),
+        ("/v1/volume-snapshots/{name}/snapshots", &["post"]),
     ];
 
     #[test]
@@ -104,6 +111,9 @@ mod tests {
             "ForkResponse",
             "ErrorBody",
             "VolumeInfo",
+            "CreateSnapshot",
+            "SnapshotCreated",
+            "SnapshotInfo",
         ] {
             assert!(schemas.contains_key(t), "schema {t} missing");
         }

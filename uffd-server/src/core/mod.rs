@@ -14,6 +14,7 @@ mod inspect;
 mod launch;
 mod ops;
 pub(crate) mod ratelimit;
+mod snapshot;
 pub mod vm;
 
 use std::cell::RefCell;
@@ -199,6 +200,8 @@ pub struct Core {
     pub settings: Settings,
     pub pending: PendingLaunches,
     pub volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+    /// The complete VM snapshots of the state directory.
+    pub snapshots: RefCell<crate::snapshot::Catalog>,
     /// Where connection threads (VMM and Firecracker) report.
     pub events: mpsc::UnboundedSender<ConnEvent>,
 }
@@ -230,6 +233,10 @@ pub enum Answer {
     Listener(api::ListenerInfo),
     Listeners(api::ListenerList),
     ListenerDeleted(api::ListenerDeleted),
+    SnapshotCreated(api::SnapshotCreated),
+    Snapshots(api::SnapshotList),
+    Snapshot(Box<api::SnapshotInfo>),
+    SnapshotDeleted(api::SnapshotDeleted),
     /// The server is stopping.
     Stopped,
 }
@@ -252,6 +259,10 @@ pub enum CommandKind {
     AddFcListener(proto::api::CreateListener),
     ListFcListeners,
     DeleteFcListener(u32),
+    Snapshot(VmId, proto::api::CreateSnapshot),
+    ListSnapshots,
+    GetSnapshot(String),
+    DeleteSnapshot(String),
     Shutdown,
 }
 
@@ -278,6 +289,7 @@ impl Core {
         settings: Settings,
         pending: PendingLaunches,
         volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+        snapshots: crate::snapshot::Catalog,
         events: mpsc::UnboundedSender<ConnEvent>,
     ) -> Rc<Self> {
         let first = first_free_id(&settings.state_dir);
@@ -290,6 +302,7 @@ impl Core {
             settings,
             pending,
             volumes,
+            snapshots: RefCell::new(snapshots),
             events,
         })
     }
@@ -349,6 +362,16 @@ impl Core {
             CommandKind::ListFcListeners => Answer::Listeners(self.fc_listeners()),
             CommandKind::DeleteFcListener(id) => {
                 Answer::ListenerDeleted(self.delete_fc_listener(id)?)
+            }
+            CommandKind::Snapshot(id, req) => {
+                Answer::SnapshotCreated(self.snapshot(id, req).await?)
+            }
+            CommandKind::ListSnapshots => Answer::Snapshots(self.list_snapshots()),
+            CommandKind::GetSnapshot(name) => {
+                Answer::Snapshot(Box::new(self.snapshot_info(&name)?))
+            }
+            CommandKind::DeleteSnapshot(name) => {
+                Answer::SnapshotDeleted(self.delete_snapshot(&name)?)
             }
             CommandKind::Shutdown => Answer::Stopped,
         })

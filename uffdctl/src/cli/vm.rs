@@ -134,6 +134,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
             let req = api::CreateVm {
                 memory_mib,
                 vcpus,
+                from_snapshot: None,
                 memory_source: image.map(|path| api::MemorySource::File { path }),
                 volume,
                 fault_around_kib,

@@ -1,0 +1,123 @@
+//! `state.json`: what a snapshot directory holds besides its image.
+
+use std::collections::BTreeMap;
+
+use proto::api::SnapshotMode;
+use serde::{Deserialize, Serialize};
+
+/// The version of the snapshot format this server writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Size and checksum of one file of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileSum {
+    /// Logical size in bytes.
+    pub bytes: u64,
+    /// SHA-256 of the file's content, holes included, as lowercase hex.
+    pub sha256: String,
+}
+
+/// The contents of `state.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateFile {
+    pub format_version: u32,
+    pub name: String,
+    /// The VM it was taken from (`vm-N`).
+    pub vm: String,
+    pub mode: SnapshotMode,
+    /// The snapshot whose image `memory.img` was reflinked from.
+    pub parent: Option<String>,
+    /// Seconds since the Unix epoch.
+    pub created: u64,
+    pub memory_bytes: u64,
+    pub page_size: u64,
+    /// vCPU and device state, as the VMM captured it.
+    pub vm_state: shared::VmState,
+    /// The volume snapshot taken with it, if a volume was attached.
+    pub volume_snapshot: Option<String>,
+    /// Every other file of the snapshot directory, by name.
+    pub files: BTreeMap<String, FileSum>,
+}
+
+impl StateFile {
+    /// Number of vCPUs.
+    pub fn vcpus(&self) -> u8 {
+        u8::try_from(self.vm_state.vcpus.len()).unwrap_or(u8::MAX)
+    }
+
+    /// Check what does not need the files: version, geometry.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.format_version != FORMAT_VERSION {
+            return Err(format!(
+                "format version {} (this server reads {FORMAT_VERSION})",
+                self.format_version
+            ));
+        }
+        if self.page_size != shared::PAGE_SIZE {
+            return Err(format!(
+                "page size {} is not {}",
+                self.page_size,
+                shared::PAGE_SIZE
+            ));
+        }
+        if self.memory_bytes == 0 || !self.memory_bytes.is_multiple_of(self.page_size) {
+            return Err(format!(
+                "memory size {} is not whole pages",
+                self.memory_bytes
+            ));
+        }
+        if self.vm_state.vcpus.is_empty() {
+            return Err("no vCPU state".into());
+        }
+        if !self.files.contains_key(super::MEMORY_FILE) {
+            return Err(format!("no checksum of {}", super::MEMORY_FILE));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> StateFile {
+        StateFile {
+            format_version: FORMAT_VERSION,
+            name: "s".into(),
+            vm: "vm-1".into(),
+            mode: SnapshotMode::Full,
+            parent: None,
+            created: 1,
+            memory_bytes: 1 << 20,
+            page_size: shared::PAGE_SIZE,
+            vm_state: shared::VmState {
+                vcpus: vec![shared::VcpuState::default()],
+                devices: vec![1, 2],
+            },
+            volume_snapshot: None,
+            files: BTreeMap::from([(
+                super::super::MEMORY_FILE.to_owned(),
+                FileSum {
+                    bytes: 1 << 20,
+                    sha256: "00".into(),
+                },
+            )]),
+        }
+    }
+
+    #[test]
+    fn state_file_round_trips_and_validates() {
+        let s = sample();
+        let text = serde_json::to_string(&s).unwrap();
+        let back: StateFile = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, s);
+        assert!(back.validate().is_ok());
+        let mut bad = s.clone();
+        bad.format_version = 99;
+        assert!(bad.validate().unwrap_err().contains("format version"));
+        let mut bad = s;
+        bad.memory_bytes = 100;
+        assert!(bad.validate().is_err());
+    }
+}
