@@ -172,3 +172,154 @@ fn snapshot_names_are_checked_and_unique() {
         .collect();
     assert_eq!(leftovers, ["one"]);
 }
+
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    std::process::Command::new("cmp")
+        .arg("-s")
+        .arg(a)
+        .arg(b)
+        .status()
+        .expect("cannot run cmp")
+        .success()
+}
+
+fn info(s: &TestServer, name: &str) -> Value {
+    let (st, v) = s.api("GET", &format!("/v1/snapshots/{name}"), None);
+    assert_eq!(st, 200, "{v}");
+    v
+}
+
+#[test]
+fn incremental_and_dirty_images_equal_full_images_of_the_same_moment() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    s.fill(&a, 0, 4000, 1);
+    snapshot(&s, &a, "base", "full");
+
+    // A VM restored from `base` writes some pages.
+    let r = restore(&s, "base");
+    s.fill(&r, 100, 200, 2);
+    s.fill(&r, 8000, 50, 3);
+    let inc = snapshot(&s, &r, "inc", "incremental");
+    assert_eq!(inc["mode_used"], "incremental", "{inc}");
+    assert_eq!(info(&s, "inc")["parent"], "base");
+    // Pages the VM has not written or read since its start are not saved.
+    assert!(inc["pages_written"].as_u64().unwrap() < 4000, "{inc}");
+    let full = snapshot(&s, &r, "inc-full", "full");
+    assert_eq!(full["mode_used"], "full");
+    assert!(
+        same_file(&image(&s, "inc"), &image(&s, "inc-full")),
+        "incremental and full images of one moment differ"
+    );
+    let at_inc = all_ram_digest(&s, &r);
+
+    // k page writes after a snapshot: a dirty snapshot writes exactly k.
+    let k = 37;
+    s.fill(&r, 1000, k, 4);
+    let before = info(&s, "inc-full")["exclusive_bytes"].as_u64().unwrap();
+    let d = snapshot(&s, &r, "d1", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    assert_eq!(d["pages_written"], k, "{d}");
+    assert_eq!(d["bytes_written"], k * 4096, "{d}");
+    assert_eq!(info(&s, "d1")["parent"], "inc-full");
+    let excl = info(&s, "d1")["exclusive_bytes"].as_u64().unwrap();
+    assert!(
+        (k * 4096..=k * 4096 + (64 << 10)).contains(&excl),
+        "d1 holds {excl} bytes of its own for {k} pages (its parent {before})"
+    );
+    let d_full = snapshot(&s, &r, "d1-full", "full");
+    assert_eq!(d_full["mode_used"], "full");
+    assert!(same_file(&image(&s, "d1"), &image(&s, "d1-full")));
+    let at_d1 = all_ram_digest(&s, &r);
+
+    // A second dirty snapshot with nothing written saves nothing.
+    let d2 = snapshot(&s, &r, "d2", "dirty");
+    assert_eq!(d2["mode_used"], "dirty", "{d2}");
+    assert_eq!(d2["pages_written"], 0, "{d2}");
+
+    // Every image restores to the memory of its moment.
+    for (name, want) in [("inc", at_inc), ("d1", at_d1), ("d2", at_d1)] {
+        let x = restore(&s, name);
+        assert_eq!(all_ram_digest(&s, &x), want, "restore of {name}");
+        assert_eq!(s.verify(&x, 1000, k, 4), u64::from(name == "inc") * k);
+        s.api("DELETE", &format!("/v1/vms/{x}"), None);
+    }
+}
+
+#[test]
+fn dirty_and_incremental_without_a_base_degrade_to_full_and_say_why() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 10, 1);
+    let d = snapshot(&s, &a, "first", "dirty");
+    assert_eq!(d["mode_requested"], "dirty");
+    assert_eq!(d["mode_used"], "full", "{d}");
+    let why = d["fallback_reason"].as_str().unwrap_or_default();
+    assert!(why.contains("no snapshot"), "{d}");
+    let i = snapshot(&s, &a, "second", "incremental");
+    assert_eq!(i["mode_used"], "full", "{i}");
+    assert!(
+        i["fallback_reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("did not start from a snapshot"),
+        "{i}"
+    );
+    // Once it has a snapshot, dirty works; if that one is deleted, it
+    // degrades again.
+    let d = snapshot(&s, &a, "third", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    let (st, v) = s.api("DELETE", "/v1/snapshots/third", None);
+    assert_eq!(st, 200, "{v}");
+    let d = snapshot(&s, &a, "fourth", "dirty");
+    assert_eq!(d["mode_used"], "full", "{d}");
+    assert!(
+        d["fallback_reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("third"),
+        "{d}"
+    );
+}
+
+#[test]
+fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
+    let Some(s) = server_on_xfs() else { return };
+    let mib = 256;
+    let pages = pages_of(mib);
+    let a = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&a, 0, pages, 1);
+    let want = s.digest(&a, 0, pages);
+    // The guest rewrites the upper half of memory while the snapshot is
+    // being saved (the writer goes up from page 0, so it reaches those
+    // pages after the guest has started writing them).
+    let half = pages / 2;
+    std::thread::scope(|sc| {
+        let writer = sc.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            s.fill(&a, half, half, 2);
+        });
+        let r = snapshot(&s, &a, "busy", "full");
+        eprintln!("snapshot while the guest writes: {r}");
+        assert!(r["pause_us"].as_u64().unwrap() < 200_000, "{r}");
+        assert!(
+            r["pages_saved_ahead"].as_u64().unwrap() > 0,
+            "the guest's writes did not overlap the save: {r}"
+        );
+        writer.join().unwrap();
+    });
+    assert_eq!(s.verify(&a, half, half, 2), 0);
+    let x = restore(&s, "busy");
+    assert_eq!(
+        s.digest(&x, 0, pages),
+        want,
+        "snapshot is not of its moment"
+    );
+    // Dirty tracking saw every page the guest wrote after the pause.
+    let d = snapshot(&s, &a, "after", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    assert_eq!(d["pages_written"], half, "{d}");
+    let y = restore(&s, "after");
+    assert_eq!(s.verify(&y, 0, half, 1), 0);
+    assert_eq!(s.verify(&y, half, half, 2), 0);
+}

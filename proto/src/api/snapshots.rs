@@ -72,6 +72,10 @@ pub struct SnapshotCreated {
     pub duration_us: u64,
     /// Extents of the image file (FIEMAP).
     pub image_extents: u64,
+    /// Pages the guest wrote after the pause before the writer reached
+    /// them: their pre-write bytes were saved by the fault handler.
+    #[serde(default)]
+    pub pages_saved_ahead: u64,
 }
 
 /// Pages of a snapshot's image by kind.

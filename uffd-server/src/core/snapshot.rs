@@ -351,6 +351,7 @@ impl Core {
             pause_us,
             duration_us,
             image_extents: extents,
+            pages_saved_ahead: early,
         })
     }
 
