@@ -573,3 +573,45 @@ pub fn pages_total(vm: &Value) -> u64 {
         .map(|n| n.as_u64().expect("page count is a number"))
         .sum()
 }
+
+/// Crash and restart of a [`TestServer`] on the same state directory (for
+/// crash-safety tests).
+impl TestServer {
+    /// SIGKILL the server, so none of its clean-up runs, and reap it. The
+    /// state directory stays; its VMMs lose their server.
+    pub fn kill_hard(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Start a new server process on this server's state directory (after
+    /// [`TestServer::kill_hard`] or [`TestServer::stop`]), appending to the
+    /// same log, and wait until it is healthy.
+    pub fn restart(&mut self, args: &[&str]) {
+        assert!(self.child.is_none(), "the server is still running");
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(self.server_log())
+            .expect("cannot open server.log");
+        let child = Command::new(bin("uffd-server"))
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--vmm-bin")
+            .arg(bin("vmm"))
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("cannot restart uffd-server");
+        self.child = Some(child);
+        self.wait_healthy(Duration::from_secs(60));
+    }
+}

@@ -323,3 +323,142 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
     assert_eq!(s.verify(&y, 0, half, 1), 0);
     assert_eq!(s.verify(&y, half, half, 2), 0);
 }
+
+/// Start a VM for a crash round: from an earlier snapshot when there is
+/// one (so incremental snapshots have a base), else empty.
+fn crash_round_vm(s: &TestServer, from: Option<&str>) -> String {
+    match from {
+        Some(name) => restore(s, name),
+        None => s.create_vm(json!({ "memory_mib": CRASH_MIB })),
+    }
+}
+
+const CRASH_MIB: u64 = 32;
+
+#[test]
+fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
+    use rand::{Rng, SeedableRng};
+    let Some(mut s) = server_on_xfs() else { return };
+    let seed: u64 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos()
+        .into();
+    eprintln!("crash rounds seeded with {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let pages = pages_of(CRASH_MIB);
+    // Name -> digest of all RAM at the snapshot's moment.
+    let mut want: std::collections::BTreeMap<String, u64> = Default::default();
+    let rounds = 24;
+    let mut committed_by_crash = 0;
+    for round in 0..rounds {
+        let from = want.keys().last().cloned();
+        let vm = crash_round_vm(&s, from.as_deref());
+        let mode = ["full", "incremental", "dirty"][round % 3];
+        if mode == "dirty" {
+            let name = format!("r{round:02}-pre");
+            s.fill(&vm, 0, pages, 100 + round as u64);
+            snapshot(&s, &vm, &name, "full");
+            want.insert(name, s.digest(&vm, 0, pages));
+        }
+        let start = rng.gen_range(0..pages / 2);
+        s.fill(&vm, start, pages / 2, round as u64);
+        let digest = s.digest(&vm, 0, pages);
+        let name = format!("r{round:02}-{mode}");
+        let delay = rng.gen_range(0..120);
+        let sock = s.api_sock();
+        let body = json!({"name": name, "mode": mode});
+        let path = format!("/v1/vms/{vm}/snapshots");
+        let request = std::thread::spawn(move || {
+            let c = uffdctl::client::Client::new(sock);
+            c.request("POST", &path, Some(&body)).ok().map(|r| r.status)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(delay));
+        s.kill_hard();
+        let answered = request.join().unwrap();
+        s.restart(&[]);
+
+        let (st, list) = s.api("GET", "/v1/snapshots", None);
+        assert_eq!(st, 200, "{list}");
+        assert_eq!(list["quarantined"], json!([]), "round {round}: {list}");
+        let listed: Vec<String> = list["snapshots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["name"].as_str().unwrap().to_owned())
+            .collect();
+        let crashed_one_listed = listed.contains(&name);
+        if answered == Some(201) {
+            assert!(
+                crashed_one_listed,
+                "round {round}: answered 201, not listed"
+            );
+        }
+        if crashed_one_listed {
+            committed_by_crash += 1;
+            want.insert(name.clone(), digest);
+            let x = restore(&s, &name);
+            assert_eq!(s.digest(&x, 0, pages), digest, "round {round}: {name}");
+            s.api("DELETE", &format!("/v1/vms/{x}"), None);
+        }
+        let expected: Vec<&String> = want.keys().collect();
+        assert_eq!(
+            listed.iter().collect::<Vec<_>>(),
+            expected,
+            "round {round} (killed after {delay} ms, answer {answered:?})"
+        );
+        let leftovers: Vec<String> = std::fs::read_dir(s.state_dir().join("snapshots"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .filter(|n| n.starts_with(".tmp-"))
+            .collect();
+        assert!(leftovers.is_empty(), "round {round}: {leftovers:?}");
+    }
+    eprintln!(
+        "{rounds} rounds: {committed_by_crash} snapshots committed before the kill, {} in all",
+        want.len()
+    );
+    // Every snapshot that survived restores to its moment.
+    for (name, digest) in &want {
+        let x = restore(&s, name);
+        assert_eq!(s.digest(&x, 0, pages), *digest, "{name}");
+        s.api("DELETE", &format!("/v1/vms/{x}"), None);
+    }
+}
+
+#[test]
+fn a_snapshot_that_does_not_verify_is_quarantined_at_start() {
+    use std::os::unix::fs::FileExt;
+    let Some(mut s) = server_on_xfs() else { return };
+    let vm = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&vm, 0, 100, 1);
+    snapshot(&s, &vm, "good", "full");
+    snapshot(&s, &vm, "bad", "full");
+    s.stop(std::time::Duration::from_secs(20));
+    // One flipped byte in a data page.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(image(&s, "bad"))
+        .unwrap();
+    f.write_all_at(&[0x5a], 4096 * 10 + 17).unwrap();
+    drop(f);
+    s.restart(&[]);
+    let (st, list) = s.api("GET", "/v1/snapshots", None);
+    assert_eq!(st, 200, "{list}");
+    let names: Vec<&str> = list["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["good"], "{list}");
+    assert!(
+        list["quarantined"][0].as_str().unwrap().starts_with("bad."),
+        "{list}"
+    );
+    let (st, v) = s.api("POST", "/v1/vms", Some(json!({"from_snapshot": "bad"})));
+    assert_eq!(st, 404, "{v}");
+    let x = restore(&s, "good");
+    assert_eq!(s.verify(&x, 0, 100, 1), 0);
+}
