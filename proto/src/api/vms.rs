@@ -10,9 +10,10 @@ use shared::GuestOp;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {
-    /// Guest RAM in MiB. With `from_snapshot` it comes from the snapshot
-    /// (0 or absent; any other value must match it).
+    /// Guest RAM in MiB. With `from_snapshot` it comes from the snapshot:
+    /// leave it out (any value given must match the snapshot's).
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub memory_mib: u64,
     /// Start from this VM snapshot: its memory, vCPU and device state
     /// (and a reflink of its volume snapshot, if it has one).
@@ -20,6 +21,7 @@ pub struct CreateVm {
     pub from_snapshot: Option<String>,
     /// Number of vCPUs (default 1).
     #[serde(default = "default_vcpus")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 32))]
     pub vcpus: u8,
     /// Where the initial memory comes from; `null` is all zeroes.
     #[serde(default)]
@@ -340,6 +342,7 @@ pub const MAX_FORK_COUNT: u32 = 64;
 pub struct ForkRequest {
     /// Children to create, 1 to [`MAX_FORK_COUNT`].
     #[serde(default = "one")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 64))]
     pub count: u32,
 }
 
