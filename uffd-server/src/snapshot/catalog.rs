@@ -55,33 +55,44 @@ fn mkdir_private(dir: &Path) -> Result<()> {
 }
 
 /// Read and check one snapshot directory completely.
-fn verify(dir: &Path, name: &str) -> std::result::Result<StateFile, String> {
-    let text =
-        fs::read_to_string(dir.join(STATE_FILE)).map_err(|e| format!("{STATE_FILE}: {e}"))?;
-    let state: StateFile = serde_json::from_str(&text).map_err(|e| format!("{STATE_FILE}: {e}"))?;
-    state.validate()?;
+fn verify(dir: &Path, name: &str) -> Result<StateFile> {
+    let corrupt = |reason: String| SnapshotError::Corrupt {
+        name: name.to_owned(),
+        reason,
+    };
+    let path = dir.join(STATE_FILE);
+    let text = fs::read_to_string(&path).map_err(SnapshotError::io("read", &path))?;
+    let state: StateFile = serde_json::from_str(&text).map_err(|e| SnapshotError::BadState {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    state.validate().map_err(|e| SnapshotError::BadState {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
     if state.name != name {
-        return Err(format!("{STATE_FILE} names it {}", state.name));
+        return Err(corrupt(format!("{STATE_FILE} names it {}", state.name)));
     }
     for (file, want) in &state.files {
         if file.contains('/') || file.starts_with('.') {
-            return Err(format!("{STATE_FILE} names a bad file {file:?}"));
+            return Err(corrupt(format!("{STATE_FILE} names a bad file {file:?}")));
         }
-        let f = super::image::open_read(&dir.join(file)).map_err(|e| shared::error_chain(&e))?;
-        let got = sum_file(&f).map_err(|e| format!("{file}: {e}"))?;
+        let path = dir.join(file);
+        let f = super::image::open_read(&path)?;
+        let got = sum_file(&f).map_err(SnapshotError::io("checksum", &path))?;
         if &got != want {
-            return Err(format!(
-                "{file}: {} bytes with sha256 {}, state.json says {} bytes with sha256 {}",
+            return Err(corrupt(format!(
+                "{file}: {} bytes with sha256 {}, {STATE_FILE} says {} bytes with sha256 {}",
                 got.bytes, got.sha256, want.bytes, want.sha256
-            ));
+            )));
         }
     }
     let mem = &state.files[MEMORY_FILE];
     if mem.bytes != state.memory_bytes {
-        return Err(format!(
+        return Err(corrupt(format!(
             "{MEMORY_FILE} has {} bytes for {} bytes of memory",
             mem.bytes, state.memory_bytes
-        ));
+        )));
     }
     Ok(state)
 }
@@ -122,7 +133,8 @@ impl Catalog {
                 Ok(state) => {
                     cat.entries.insert(name, state);
                 }
-                Err(reason) => {
+                Err(e) => {
+                    let reason = shared::error_chain(&e);
                     warn!("snapshot {name} does not verify ({reason}); quarantining it");
                     cat.quarantine(&name);
                     removed = true;

@@ -47,34 +47,39 @@ impl StateFile {
     }
 
     /// Check what does not need the files: version, geometry.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), Invalid> {
         if self.format_version != FORMAT_VERSION {
-            return Err(format!(
-                "format version {} (this server reads {FORMAT_VERSION})",
-                self.format_version
-            ));
+            return Err(Invalid::Version(self.format_version));
         }
         if self.page_size != shared::PAGE_SIZE {
-            return Err(format!(
-                "page size {} is not {}",
-                self.page_size,
-                shared::PAGE_SIZE
-            ));
+            return Err(Invalid::PageSize(self.page_size));
         }
         if self.memory_bytes == 0 || !self.memory_bytes.is_multiple_of(self.page_size) {
-            return Err(format!(
-                "memory size {} is not whole pages",
-                self.memory_bytes
-            ));
+            return Err(Invalid::MemorySize(self.memory_bytes));
         }
         if self.vm_state.vcpus.is_empty() {
-            return Err("no vCPU state".into());
+            return Err(Invalid::NoVcpus);
         }
         if !self.files.contains_key(super::MEMORY_FILE) {
-            return Err(format!("no checksum of {}", super::MEMORY_FILE));
+            return Err(Invalid::NoChecksum);
         }
         Ok(())
     }
+}
+
+/// Why a `state.json` cannot describe a snapshot this server serves.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Invalid {
+    #[error("format version {0} (this server reads {FORMAT_VERSION})")]
+    Version(u32),
+    #[error("page size {0} is not {page}", page = shared::PAGE_SIZE)]
+    PageSize(u64),
+    #[error("memory size {0} is not whole pages")]
+    MemorySize(u64),
+    #[error("no vCPU state")]
+    NoVcpus,
+    #[error("no checksum of {}", super::MEMORY_FILE)]
+    NoChecksum,
 }
 
 #[cfg(test)]
@@ -115,7 +120,7 @@ mod tests {
         assert!(back.validate().is_ok());
         let mut bad = s.clone();
         bad.format_version = 99;
-        assert!(bad.validate().unwrap_err().contains("format version"));
+        assert_eq!(bad.validate(), Err(Invalid::Version(99)));
         let mut bad = s;
         bad.memory_bytes = 100;
         assert!(bad.validate().is_err());
