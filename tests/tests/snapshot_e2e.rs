@@ -462,3 +462,195 @@ fn a_snapshot_that_does_not_verify_is_quarantined_at_start() {
     let x = restore(&s, "good");
     assert_eq!(s.verify(&x, 0, 100, 1), 0);
 }
+
+fn server_on_xfs_with(args: &[&str]) -> Option<TestServer> {
+    let dir = xfs_dir()?;
+    if !require_kvm_uffd() {
+        return None;
+    }
+    std::env::set_var("TMPDIR", &dir);
+    Some(TestServer::start_with_args(args))
+}
+
+fn disk_sum(s: &TestServer, vm: &str, count: u64) -> u64 {
+    s.exec(
+        vm,
+        json!({"op": "disk_checksum", "sector": 0, "count": count}),
+    )
+}
+
+#[test]
+fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
+    let Some(s) = server_on_xfs() else { return };
+    let (st, v) = s.api(
+        "POST",
+        "/v1/volumes",
+        Some(json!({"name": "rb-disk", "size_mib": 1})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let a = s.create_vm(json!({ "memory_mib": MIB, "volume": "rb-disk" }));
+    s.fill(&a, 0, 2000, 1);
+    s.exec(
+        &a,
+        json!({"op": "disk_fill", "sector": 0, "count": 100, "seed": 1}),
+    );
+    let mem_at_snap = all_ram_digest(&s, &a);
+    let disk_at_snap = disk_sum(&s, &a, 2048);
+    let snap = snapshot(&s, &a, "rb", "full");
+    assert_eq!(info(&s, "rb")["volume_snapshot"], "rb.disk", "{snap}");
+
+    // A child forked after the snapshot reads its pages from the parent.
+    let (st, f) = s.api("POST", &format!("/v1/vms/{a}/fork"), Some(json!({})));
+    assert_eq!(st, 201, "{f}");
+    let child = f["children"][0].as_str().unwrap().to_owned();
+    // (Not read yet: at the rollback the child still reads most of its
+    // pages from the parent, which must hand them over.)
+    let child_mem = mem_at_snap;
+
+    // The parent moves on: memory and disk.
+    s.fill(&a, 0, 500, 2);
+    s.fill(&a, 3000, 500, 3);
+    s.exec(
+        &a,
+        json!({"op": "disk_fill", "sector": 0, "count": 50, "seed": 2}),
+    );
+    assert_ne!(all_ram_digest(&s, &a), mem_at_snap);
+    assert_ne!(disk_sum(&s, &a, 2048), disk_at_snap);
+
+    let (st, r) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/rollback"),
+        Some(json!({"snapshot": "rb"})),
+    );
+    assert_eq!(st, 200, "{r}");
+    eprintln!("rollback: {r}");
+    assert!(r["pages_handed_over"].as_u64().unwrap() > 1000, "{r}");
+    assert_eq!(s.vm(&a)["state"], "running");
+    assert_eq!(all_ram_digest(&s, &a), mem_at_snap, "memory after rollback");
+    assert_eq!(disk_sum(&s, &a, 2048), disk_at_snap, "disk after rollback");
+    assert_eq!(s.exec(&a, json!({"op": "identity"})), num(&a));
+    assert_eq!(s.verify(&a, 0, 2000, 1), 0);
+    // The child still has the memory it was forked with.
+    assert_eq!(all_ram_digest(&s, &child), child_mem, "the child changed");
+    let (st, inv) = s.api("GET", "/v1/debug/invariant", None);
+    assert_eq!(st, 200);
+    assert_eq!(inv["ok"], true, "{inv}");
+    // The rolled-back VM carries on, and can be snapshotted again.
+    s.fill(&a, 10, 5, 9);
+    assert_eq!(s.verify(&a, 10, 5, 9), 0);
+    let d = snapshot(&s, &a, "rb-after", "incremental");
+    assert_eq!(d["mode_used"], "incremental", "{d}");
+}
+
+#[test]
+fn clone_makes_n_running_copies() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 1000, 5);
+    let (st, c) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/clone"),
+        Some(json!({"count": 5, "concurrency": 2})),
+    );
+    assert_eq!(st, 201, "{c}");
+    eprintln!("clone: {c}");
+    let clones: Vec<String> = c["clones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(clones.len(), 5);
+    let name = c["snapshot"].as_str().unwrap();
+    assert_eq!(info(&s, name)["readers"].as_array().unwrap().len(), 5);
+    for x in &clones {
+        assert_eq!(s.verify(x, 0, 1000, 5), 0, "{x}");
+        assert_eq!(s.exec(x, json!({"op": "identity"})), num(x));
+    }
+}
+
+fn memfds_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|l| l.to_string_lossy().contains("memfd:pagefork-"))
+        })
+        .count()
+}
+
+#[test]
+fn clone_failing_at_the_kth_create_leaves_nothing_behind() {
+    // Room for the VM and three clones: the fourth create is refused.
+    let Some(s) = server_on_xfs_with(&["--memory-budget-mib", "64"]) else {
+        return;
+    };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 100, 5);
+    let before = memfds_of(s.pid());
+    let (st, c) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/clone"),
+        Some(json!({"count": 6, "concurrency": 2})),
+    );
+    assert_eq!(st, 507, "{c}");
+    assert!(
+        c["error"].as_str().unwrap().contains("of 6"),
+        "the error names the clone: {c}"
+    );
+    assert_eq!(s.vm_ids(), vec![a.clone()]);
+    let (_, list) = s.api("GET", "/v1/snapshots", None);
+    assert_eq!(list["snapshots"], json!([]), "{list}");
+    assert_eq!(memfds_of(s.pid()), before, "memfds left behind");
+    let names: Vec<String> = std::fs::read_dir(s.state_dir().join("snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().into_string().unwrap())
+        .collect();
+    assert!(names.is_empty(), "{names:?}");
+    // The source VM is unharmed.
+    assert_eq!(s.verify(&a, 0, 100, 5), 0);
+}
+
+fn uffdctl_json(s: &TestServer, args: &[&str]) -> Value {
+    let out = std::process::Command::new(pagefork_tests::bin("uffdctl"))
+        .arg("--socket")
+        .arg(s.api_sock())
+        .arg("--json")
+        .args(args)
+        .output()
+        .expect("cannot run uffdctl");
+    assert!(
+        out.status.success(),
+        "uffdctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("uffdctl printed no JSON")
+}
+
+#[test]
+fn uffdctl_snapshot_restore_rollback_and_clone() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 50, 1);
+    let c = uffdctl_json(&s, &["snapshot", "create", &a, "cli-1"]);
+    assert_eq!(c["mode_used"], "full", "{c}");
+    let d = uffdctl_json(&s, &["snapshot", "create", &a, "cli-2", "--mode", "dirty"]);
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    let list = uffdctl_json(&s, &["snapshot", "list"]);
+    assert_eq!(list["snapshots"].as_array().unwrap().len(), 2, "{list}");
+    let show = uffdctl_json(&s, &["snapshot", "show", "cli-2"]);
+    assert_eq!(show["parent"], "cli-1", "{show}");
+    let r = uffdctl_json(&s, &["snapshot", "restore", "cli-1"]);
+    let restored = r["id"].as_str().unwrap().to_owned();
+    assert_eq!(s.verify(&restored, 0, 50, 1), 0);
+    s.fill(&a, 0, 50, 2);
+    let rb = uffdctl_json(&s, &["vm", "rollback", &a, "cli-1"]);
+    assert_eq!(rb["snapshot"], "cli-1", "{rb}");
+    assert_eq!(s.verify(&a, 0, 50, 1), 0);
+    let cl = uffdctl_json(&s, &["vm", "clone", &a, "--count", "2"]);
+    assert_eq!(cl["clones"].as_array().unwrap().len(), 2, "{cl}");
+    let del = uffdctl_json(&s, &["snapshot", "delete", "cli-2"]);
+    assert_eq!(del["deleted"], true, "{del}");
+}

@@ -5,6 +5,8 @@
 //! GET    /v1/snapshots              every complete snapshot
 //! GET    /v1/snapshots/{name}       one snapshot
 //! DELETE /v1/snapshots/{name}       delete (409 while a VM reads from it)
+//! POST   /v1/vms/{id}/rollback      {"snapshot"}: roll the VM back in place
+//! POST   /v1/vms/{id}/clone         {"count", "concurrency"}: n VMs, all or none
 //! ```
 //!
 //! `POST /v1/vms` with `{"from_snapshot": "name"}` starts a VM from one.
@@ -22,6 +24,8 @@ use crate::core::{CommandKind, CoreHandle};
 pub fn routes() -> Router<CoreHandle> {
     Router::new()
         .route("/v1/vms/{id}/snapshots", post(create_snapshot))
+        .route("/v1/vms/{id}/rollback", post(rollback_vm))
+        .route("/v1/vms/{id}/clone", post(clone_vm))
         .route("/v1/snapshots", get(list_snapshots))
         .route(
             "/v1/snapshots/{name}",
@@ -95,4 +99,46 @@ pub(super) async fn delete_snapshot(
     Path(name): Path<String>,
 ) -> ApiResult {
     call(&core, CommandKind::DeleteSnapshot(name), StatusCode::OK).await
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/vms/{id}/rollback",
+    params(("id" = String, description = "a VM id (vm-N)")),
+    request_body = proto::api::RollbackVm,
+    responses(
+        (status = 200, description = "the VM runs from the snapshot's moment", body = proto::api::VmRolledBack),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn rollback_vm(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult {
+    let id = vm_id(&id)?;
+    let req = parse_body(&body)?;
+    call(&core, CommandKind::Rollback(id, req), StatusCode::OK).await
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/vms/{id}/clone",
+    params(("id" = String, description = "a VM id (vm-N)")),
+    request_body = proto::api::CloneVm,
+    responses(
+        (status = 201, description = "every clone runs", body = proto::api::ClonedVms),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed; no clone was kept", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn clone_vm(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult {
+    let id = vm_id(&id)?;
+    let req = parse_body(&body)?;
+    call(&core, CommandKind::Clone(id, req), StatusCode::CREATED).await
 }

@@ -162,6 +162,13 @@ pub enum Error {
         #[source]
         source: uffd_abi::Errno,
     },
+    #[error("clone {index} of {count} of {vm} failed, so none was kept: {source}")]
+    CloneFailed {
+        vm: VmId,
+        index: u32,
+        count: u32,
+        source: Box<Error>,
+    },
     #[error("cannot save the snapshot of {vm}: {reason}")]
     SaveSnapshot { vm: VmId, reason: String },
 }
@@ -229,6 +236,7 @@ impl Error {
                 SnapshotKind::Io => 500,
             },
             SaveSnapshot { .. } | ArmTracking { .. } => 500,
+            CloneFailed { source, .. } => source.status(),
         }
     }
 

@@ -187,13 +187,15 @@ impl Registry {
 
     /// Before `vm` overwrites `page`, copy its current bytes to every VM
     /// whose table still reads that page from `vm`.
-    fn preserve_for_dependents(&mut self, vm: VmId, page: u64) {
+    /// Returns how many VMs got a copy.
+    pub(super) fn preserve_for_dependents(&mut self, vm: VmId, page: u64) -> u64 {
         let Some(src) = self.arena.vm_id(vm) else {
-            return;
+            return 0;
         };
         let Some(mem) = self.vms.get(&vm).map(|v| Rc::clone(&v.memory)) else {
-            return;
+            return 0;
         };
+        let mut given = 0;
         for (id, dep) in self.vms.iter_mut() {
             if *id == vm || dep.table.get(page) != src {
                 continue;
@@ -205,7 +207,9 @@ impl Registry {
             let me = dep.self_src;
             dep.table.set(page, me);
             dep.stats.pages_installed += 1;
+            given += 1;
         }
+        given
     }
 
     fn handle_remove(&mut self, vm: VmId, start: u64, end: u64) -> Handled {

@@ -14,6 +14,7 @@ mod inspect;
 mod launch;
 mod ops;
 pub(crate) mod ratelimit;
+mod rollback;
 mod snapshot;
 pub mod vm;
 
@@ -237,6 +238,8 @@ pub enum Answer {
     Snapshots(api::SnapshotList),
     Snapshot(Box<api::SnapshotInfo>),
     SnapshotDeleted(api::SnapshotDeleted),
+    RolledBack(api::VmRolledBack),
+    Cloned(api::ClonedVms),
     /// The server is stopping.
     Stopped,
 }
@@ -263,6 +266,8 @@ pub enum CommandKind {
     ListSnapshots,
     GetSnapshot(String),
     DeleteSnapshot(String),
+    Rollback(VmId, proto::api::RollbackVm),
+    Clone(VmId, proto::api::CloneVm),
     Shutdown,
 }
 
@@ -373,6 +378,8 @@ impl Core {
             CommandKind::DeleteSnapshot(name) => {
                 Answer::SnapshotDeleted(self.delete_snapshot(&name)?)
             }
+            CommandKind::Rollback(id, req) => Answer::RolledBack(self.rollback(id, req).await?),
+            CommandKind::Clone(id, req) => Answer::Cloned(self.clone_vm(id, req).await?),
             CommandKind::Shutdown => Answer::Stopped,
         })
     }
