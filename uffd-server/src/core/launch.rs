@@ -329,7 +329,8 @@ impl Core {
                 nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), None).is_ok()
             })
         };
-        for _ in 0..150 {
+        // Polled finely: a rollback waits here with its guest stopped.
+        for _ in 0..1500 {
             let exited = self
                 .reg
                 .borrow()
@@ -339,7 +340,7 @@ impl Core {
             if exited && !alive() {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
             warn!("{id}: vmm pid {pid} did not stop; killing it");

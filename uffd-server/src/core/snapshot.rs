@@ -66,6 +66,9 @@ pub struct DirtyLog {
 pub struct Saving {
     /// Pages whose bytes at the pause are not in the image yet.
     pub pending: PageSet,
+    /// Every page this snapshot writes (`pending` at the pause): chunks
+    /// of a reflinked image without one keep their parent's checksums.
+    pub touched: PageSet,
     pub image: Rc<ImageWriter>,
     /// The image started empty (all holes), not as a parent's reflink.
     pub fresh: bool,
@@ -294,9 +297,15 @@ impl Core {
         let volume_snapshot = volume_snapshot?;
         resumed?;
         let saving = self.save_pending(vm).await?;
-        let (pages_written, bytes_written, early) = {
-            let s = saving.borrow();
-            (s.pages_written, s.bytes_written, s.saved_before_write)
+        let (pages_written, bytes_written, early, saving_touched) = {
+            let mut s = saving.borrow_mut();
+            let touched = std::mem::take(&mut s.touched);
+            (
+                s.pages_written,
+                s.bytes_written,
+                s.saved_before_write,
+                touched,
+            )
         };
         let memory_bytes = self
             .reg
@@ -327,8 +336,25 @@ impl Core {
         drop(saving);
         let root = self.snapshots.borrow().root().to_owned();
         let tmp = tmp.to_owned();
+        let parent_chunks = state
+            .parent
+            .as_deref()
+            .and_then(|p| self.snapshots.borrow().get(p).ok().cloned())
+            .and_then(|p| p.files.get(crate::snapshot::MEMORY_FILE).cloned())
+            .map(|f| f.chunks);
+        let touched = saving_touched;
         let (state, extents) = tokio::task::spawn_blocking(move || {
-            finish_files(&root, &tmp, &file, &mut state).map(|n| (state, n))
+            let reuse = |c: u64| {
+                let pages = checksum::CHUNK_BYTES / PAGE_SIZE;
+                let untouched = touched
+                    .next_from(c * pages)
+                    .is_none_or(|p| p >= (c + 1) * pages);
+                parent_chunks
+                    .as_ref()
+                    .filter(|_| untouched)
+                    .and_then(|ch| ch.get(shared::geometry::usize_of(c)).cloned())
+            };
+            finish_files(&root, &tmp, &file, &mut state, &reuse).map(|n| (state, n))
         })
         .await
         .map_err(|_| Error::ShuttingDown)??;
@@ -501,13 +527,24 @@ impl Core {
                 .map_or_else(|| PageSet::new(pages), |d| d.pages.clone()),
         };
         let uffd = v.uffd.clone().ok_or(Error::NoUffd { vm })?;
-        uffd_abi::write_protect(uffd.get_ref(), v.addr_of(0) as u64, v.memory.size(), true)
-            .map_err(|source| Error::ArmTracking { vm, source })?;
+        // While tracking runs, only the pages written since the last arm
+        // lost their protection (the WP handler marks each one dirty
+        // before lifting it): re-protect those. Otherwise all of RAM (never
+        // touched pages get markers, WP_UNPOPULATED).
+        let rearm = match &v.dirty {
+            Some(d) => d.pages.runs(),
+            None => vec![(0, pages)],
+        };
+        for (first, n) in rearm {
+            uffd_abi::write_protect(uffd.get_ref(), v.addr_of(first) as u64, n * PAGE_SIZE, true)
+                .map_err(|source| Error::ArmTracking { vm, source })?;
+        }
         v.dirty = Some(DirtyLog {
             since: name.to_owned(),
             pages: PageSet::new(pages),
         });
         v.saving = Some(Rc::new(RefCell::new(Saving {
+            touched: pending.clone(),
             pending,
             image: plan.image.clone(),
             fresh: plan.parent.is_none(),
@@ -769,18 +806,21 @@ impl Core {
     }
 }
 
-/// After the last page is saved: fsync the image, record its checksum in
-/// `state`, and commit the snapshot directory. Returns the image's extent
+/// After the last page is saved: fsync the image, record its checksums in
+/// `state` (`reuse` gives those of chunks the parent's image already has),
+/// and commit the snapshot directory. Returns the image's extent
 /// count. Blocking file I/O: runs off the core thread.
 fn finish_files(
     root: &Path,
     tmp: &Path,
     image: &std::fs::File,
     state: &mut StateFile,
+    reuse: &dyn Fn(u64) -> Option<String>,
 ) -> Result<u64> {
     let path = tmp.join(crate::snapshot::MEMORY_FILE);
     image.sync_all().map_err(SnapshotError::io("sync", &path))?;
-    let sum = checksum::sum_file(image).map_err(SnapshotError::io("checksum", &path))?;
+    let sum =
+        checksum::sum_file_reusing(image, reuse).map_err(SnapshotError::io("checksum", &path))?;
     state
         .files
         .insert(crate::snapshot::MEMORY_FILE.to_owned(), sum);

@@ -81,8 +81,14 @@ fn verify(dir: &Path, name: &str) -> Result<StateFile> {
         let f = super::image::open_read(&path)?;
         let got = sum_file(&f).map_err(SnapshotError::io("checksum", &path))?;
         if &got != want {
+            let bad = got
+                .chunks
+                .iter()
+                .zip(&want.chunks)
+                .position(|(a, b)| a != b)
+                .map_or_else(String::new, |c| format!(" (first at chunk {c})"));
             return Err(corrupt(format!(
-                "{file}: {} bytes with sha256 {}, {STATE_FILE} says {} bytes with sha256 {}",
+                "{file}: {} bytes with sha256 {}, {STATE_FILE} says {} bytes with sha256 {}{bad}",
                 got.bytes, got.sha256, want.bytes, want.sha256
             )));
         }

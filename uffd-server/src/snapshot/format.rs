@@ -13,8 +13,10 @@ pub const FORMAT_VERSION: u32 = 1;
 pub struct FileSum {
     /// Logical size in bytes.
     pub bytes: u64,
-    /// SHA-256 of the file's content, holes included, as lowercase hex.
+    /// SHA-256 over the chunk digests, as lowercase hex.
     pub sha256: String,
+    /// SHA-256 of each 1 MiB chunk of the content (holes read as zero).
+    pub chunks: Vec<String>,
 }
 
 /// The contents of `state.json`.
@@ -106,6 +108,7 @@ mod tests {
                 FileSum {
                     bytes: 1 << 20,
                     sha256: "00".into(),
+                    chunks: vec!["00".into()],
                 },
             )]),
         }

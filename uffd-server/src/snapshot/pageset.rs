@@ -50,10 +50,23 @@ impl PageSet {
         new
     }
 
-    /// Add `[first, first + n)`.
+    /// Add `[first, first + n)`, a word at a time.
     pub fn insert_range(&mut self, first: u64, n: u64) {
-        for p in first..first.saturating_add(n).min(self.pages) {
-            self.insert(p);
+        let end = first.saturating_add(n).min(self.pages);
+        let mut p = first;
+        while p < end {
+            let (w, _) = Self::at(p);
+            let lo = p % 64;
+            let hi = (end - (p - lo)).min(64);
+            let mask = if hi - lo == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << (hi - lo)) - 1) << lo
+            };
+            let before = self.words[w];
+            self.words[w] |= mask;
+            self.len += u64::from((self.words[w] ^ before).count_ones());
+            p += hi - lo;
         }
     }
 
@@ -141,6 +154,11 @@ mod tests {
             let mut m = std::collections::BTreeSet::new();
             for p in &pages {
                 prop_assert_eq!(s.insert(*p), m.insert(*p));
+            }
+            for p in &pages {
+                let n = p % 97;
+                s.insert_range(*p, n);
+                m.extend(*p..(p + n).min(500));
             }
             prop_assert_eq!(s.len(), m.len() as u64);
             let flat: Vec<u64> = s.runs().iter().flat_map(|(f, n)| *f..f + n).collect();
