@@ -157,6 +157,10 @@ pub struct VmRolledBack {
     pub pages_handed_over: u64,
     /// How long the guest was paused.
     pub pause_us: u64,
+    /// Where the pause went (pause, handover, memory, volume, restore,
+    /// resume).
+    #[serde(default)]
+    pub phases_us: BTreeMap<String, u64>,
 }
 
 /// Most clones one request may create.

@@ -169,6 +169,8 @@ pub enum Error {
         count: u32,
         source: Box<Error>,
     },
+    #[error("{vm} failed: {reason}")]
+    RollbackFailed { vm: VmId, reason: String },
     #[error("cannot save the snapshot of {vm}: {reason}")]
     SaveSnapshot { vm: VmId, reason: String },
 }
@@ -235,7 +237,7 @@ impl Error {
                 SnapshotKind::Conflict => 409,
                 SnapshotKind::Io => 500,
             },
-            SaveSnapshot { .. } | ArmTracking { .. } => 500,
+            SaveSnapshot { .. } | ArmTracking { .. } | RollbackFailed { .. } => 500,
             CloneFailed { source, .. } => source.status(),
         }
     }

@@ -1,15 +1,22 @@
 //! `impl Core` for rolling a VM back to a snapshot in place, and for
 //! cloning a VM n times (DESIGN §6).
 //!
-//! Rollback of VM X to snapshot S (X keeps its id, memfd and dependents):
-//! 1. Stop X's VMM: its vCPUs never run again on the old memory.
+//! Rollback of VM X to snapshot S (X keeps its id, memfd, VMM and
+//! dependents):
+//! 1. Pause X.
 //! 2. Hand every page another VM still reads from X to that VM (the
 //!    copy-on-write step of a WP fault, done for all of them at once).
-//! 3. Drop every page of X's memfd (no stale page may survive) and point
-//!    X's table at S's image (holes `Uninitialized`).
-//! 4. Put S's volume snapshot in place of X's volume.
-//! 5. Start a new VMM for X from S's vCPU/device state (the restore path):
-//!    it maps the now empty memfd and faults S's pages in lazily.
+//! 3. Drop every page of X's memfd (no stale page may survive; this also
+//!    unmaps them from the VMM and KVM) and point X's table at S's image
+//!    (holes `Uninitialized`): the next accesses fault S's bytes in. When S
+//!    is X's last snapshot and X's dirty log runs since S, only the pages
+//!    written since S differ from it: only those are dropped and pointed
+//!    at S (cost follows the dirty pages, not memory), and tracking goes
+//!    on from S.
+//! 4. FICLONE S's volume snapshot into X's volume file (same inode: the
+//!    VMM's open disk sees it).
+//! 5. Load S's vCPU/device state into the paused VMM (`Request::Restore`)
+//!    and resume. A failure after step 3 fails X visibly.
 //!
 //! clone(n, c): one snapshot (`dirty` where the VM has a base, else
 //! `full`), then n VMs from it, at most c being created at once. All or
@@ -23,15 +30,15 @@ use proto::api::{
     CloneVm, ClonedVms, CreateSnapshot, CreateVm, RollbackVm, SnapshotMode, VmRolledBack,
     MAX_CLONE_COUNT,
 };
-use shared::VmId;
-use tokio::sync::oneshot;
+use proto::vmm::Request;
+use shared::{VmId, PAGE_SIZE};
 use tracing::{info, warn};
 
+use super::snapshot::DirtyLog;
 use super::vm::RunState;
 use super::{Core, Error, Result};
 use crate::pages::{FileSource, ImageSource, PageSource, PageTable, UNINITIALIZED};
-use crate::snapshot::{image, SnapshotError};
-use crate::volume::VolumeError;
+use crate::snapshot::{image, PageSet, SnapshotError};
 
 fn us(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
@@ -51,10 +58,10 @@ impl Core {
             let cat = self.snapshots.borrow();
             (cat.get(&name)?.clone(), cat.image_of(&name))
         };
-        let (size, volume, owns_volume) = {
+        let (size, volume) = {
             let reg = self.reg.borrow();
             let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
-            (v.memory.size(), v.volume.clone(), v.owns_volume)
+            (v.memory.size(), v.volume.clone())
         };
         if state.memory_bytes != size {
             return Err(Error::BadRequest(format!(
@@ -89,18 +96,41 @@ impl Core {
         );
 
         let t_pause = Instant::now();
-        self.stop_vmm(vm).await;
-        let (handed, ready) = {
+        let mut phases = std::collections::BTreeMap::new();
+        let mut t = Instant::now();
+        let mut phase = |name: &str, phases: &mut std::collections::BTreeMap<String, u64>| {
+            phases.insert(name.to_owned(), us(t));
+            t = Instant::now();
+        };
+        self.request(vm, Request::Pause, self.settings.vmm_deadline)
+            .await?;
+        phase("pause", &mut phases);
+        let swapped: Result<u64> = (|| {
             let mut reg = self.reg.borrow_mut();
-            let present = {
+            let (self_src, pages, since_target) = {
                 let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
-                v.table.ranges_of(v.self_src)
+                let since = v
+                    .dirty
+                    .as_ref()
+                    .filter(|d| d.since == name)
+                    .map(|d| d.pages.clone());
+                (v.self_src, v.memory.pages(), since)
+            };
+            // Back to the VM's last snapshot with its dirty log intact: only
+            // the pages written since differ from the snapshot; reset those.
+            // Otherwise reset all of memory.
+            let reset = match &since_target {
+                Some(written) => written.runs(),
+                None => vec![(0, pages)],
             };
             // Pages other VMs read from this one go to them first.
             let mut handed = 0;
-            for (first, n) in present {
-                for p in first..first + n {
-                    handed += reg.preserve_for_dependents(vm, p);
+            for (first, n) in &reset {
+                for p in *first..first + n {
+                    let present = reg.vms.get(&vm).is_some_and(|v| v.table.get(p) == self_src);
+                    if present {
+                        handed += reg.preserve_for_dependents(vm, p);
+                    }
                 }
             }
             let src = reg.arena.insert(PageSource::Image(ImageSource {
@@ -112,37 +142,109 @@ impl Core {
                     pin,
                 },
             }));
+            phase("handover", &mut phases);
             let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-            let pages = v.memory.pages();
-            v.memory.punch_hole(0, pages).map_err(Error::CreateMemory)?;
-            let mut table = PageTable::new(pages, UNINITIALIZED);
-            for (first, n) in data {
-                table.set_range(first, n, src);
+            // No stale page survives: the reset pages leave the memfd (which
+            // also unmaps them from the paused VMM and from KVM), and the
+            // next access faults in the snapshot's bytes.
+            let punched = reset
+                .iter()
+                .try_for_each(|(first, n)| v.memory.punch_hole(*first, *n));
+            if let Err(e) = punched {
+                let reason = format!("rollback to {name}: cannot empty its memory: {e}");
+                v.failure = Some(reason.clone());
+                v.state = RunState::Failed;
+                Err(Error::RollbackFailed { vm, reason })
+            } else {
+                Ok(())
+            }?;
+            match since_target {
+                Some(_) => {
+                    let mut has_data = PageSet::new(pages);
+                    for (first, n) in &data {
+                        has_data.insert_range(*first, *n);
+                    }
+                    for (first, n) in &reset {
+                        for p in *first..first + n {
+                            let to = if has_data.contains(p) {
+                                src
+                            } else {
+                                UNINITIALIZED
+                            };
+                            v.table.set(p, to);
+                        }
+                    }
+                    // Tracking stays exact: the reset pages lost their
+                    // protection with their bytes; give it back.
+                    let rearmed = v.uffd.clone().is_some_and(|uffd| {
+                        reset.iter().all(|(first, n)| {
+                            uffd_abi::write_protect(
+                                uffd.get_ref(),
+                                v.addr_of(*first) as u64,
+                                n * PAGE_SIZE,
+                                true,
+                            )
+                            .is_ok()
+                        })
+                    });
+                    v.dirty = rearmed.then(|| DirtyLog {
+                        since: name.clone(),
+                        pages: PageSet::new(pages),
+                    });
+                }
+                None => {
+                    let mut table = PageTable::new(pages, UNINITIALIZED);
+                    for (first, n) in data {
+                        table.set_range(first, n, src);
+                    }
+                    v.table = table;
+                    v.base = Some((name.clone(), src));
+                    v.dirty = None;
+                }
             }
-            v.table = table;
-            v.start_state = Some(Rc::new(state.vm_state.clone()));
-            v.base = Some((name.clone(), src));
-            v.dirty = None;
-            // A fresh life for the VMM side of the VM.
-            let (tx, rx) = oneshot::channel();
-            v.state = RunState::Starting;
-            v.ready = Some(tx);
-            v.exit_reason = None;
-            v.failure = None;
-            v.pid = None;
-            v.uffd = None;
-            v.writer = None;
-            v.vmm_base = 0;
             v.readahead.next = u64::MAX;
-            v.closed = Rc::new(tokio::sync::Notify::new());
             reg.release_unused_sources();
-            (handed, rx)
+            Ok(handed)
+        })();
+        let handed = match swapped {
+            Ok(h) => h,
+            Err(e) => {
+                self.stop_vmm(vm).await;
+                return Err(e);
+            }
         };
-        if let (Some(vs), Some(vol)) = (&state.volume_snapshot, &volume) {
-            self.roll_volume_back(vol, vs, owns_volume)?;
+        phase("memory", &mut phases);
+        let restored = match (&state.volume_snapshot, &volume) {
+            (Some(vs), Some(vol)) => self.roll_volume_back(vol, vs),
+            _ => Ok(()),
+        };
+        phase("volume", &mut phases);
+        let restored = match restored {
+            Ok(()) => self
+                .request(
+                    vm,
+                    Request::Restore(state.vm_state.clone()),
+                    self.settings.vmm_deadline,
+                )
+                .await
+                .map(drop),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = restored {
+            // Memory is the snapshot's, the vCPUs are not: the VM cannot
+            // go on. It fails visibly.
+            let reason = format!("rollback to {name} failed half-way: {}", e.message());
+            if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
+                v.failure = Some(reason.clone());
+                v.state = RunState::Failed;
+            }
+            self.stop_vmm(vm).await;
+            return Err(Error::RollbackFailed { vm, reason });
         }
-        self.spawn_vmm(vm).await?;
-        self.wait_ready(vm, ready).await?;
+        phase("restore", &mut phases);
+        self.request(vm, Request::Resume, self.settings.vmm_deadline)
+            .await?;
+        phase("resume", &mut phases);
         let pause_us = us(t_pause);
         info!("{vm}: rolled back to {name} in {pause_us} us ({handed} pages handed to dependents)");
         Ok(VmRolledBack {
@@ -150,23 +252,16 @@ impl Core {
             snapshot: name,
             pages_handed_over: handed,
             pause_us,
+            phases_us: phases,
         })
     }
 
-    /// Put volume snapshot `vs` in place of volume `vol` (detached now).
-    fn roll_volume_back(&self, vol: &str, vs: &str, owned: bool) -> Result<()> {
+    /// Put volume snapshot `vs`'s content into volume `vol` in place (the
+    /// VMM keeps its open file and sees the new content).
+    fn roll_volume_back(&self, vol: &str, vs: &str) -> Result<()> {
         let engine = self.volumes.as_ref().ok_or(Error::NoVolumes)?;
-        match engine.rollback(vol, vs, false) {
-            Ok(_) => Ok(()),
-            // A volume made for this VM from the snapshot's volume: make
-            // it again.
-            Err(VolumeError::NotSnapshotOf { .. }) if owned => {
-                engine.delete(vol)?;
-                engine.clone_snapshot(vs, vol)?;
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
+        engine.restore_in_place(vol, vs)?;
+        Ok(())
     }
 
     /// `POST /v1/vms/{id}/clone`.
