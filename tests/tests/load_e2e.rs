@@ -140,10 +140,7 @@ fn fifty_vms_under_mixed_load_predict_every_verify_and_leak_nothing() {
         .map(|_| s.create_vm(json!({"memory_mib": MIB})))
         .collect();
     for id in &ids {
-        model
-            .lock()
-            .unwrap()
-            .insert(id.clone(), [0; CHUNKS]);
+        model.lock().unwrap().insert(id.clone(), [0; CHUNKS]);
     }
     let ops = std::sync::atomic::AtomicU64::new(0);
     // Each worker owns a slice of the VMs (and the children it forks), so

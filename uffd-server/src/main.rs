@@ -68,6 +68,10 @@ struct Args {
     /// VMs at most.
     #[arg(long, default_value_t = 4096)]
     max_vms: usize,
+    /// Serve only memory images under this directory (VM memory sources and
+    /// Firecracker memory files); any path by default.
+    #[arg(long)]
+    image_dir: Option<PathBuf>,
 }
 
 /// MemAvailable from /proc/meminfo, in MiB.
@@ -267,6 +271,12 @@ fn run(args: Args) -> Result<(), StartError> {
         keep_logs: args.keep_logs,
         memory_budget: memory_budget_mib.saturating_mul(1 << 20),
         max_vms: args.max_vms.max(1),
+        image_dir: match &args.image_dir {
+            Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
+                StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))
+            })?),
+            None => None,
+        },
     };
     let limits = uffd_server::api::serve::Limits {
         max_connections: args.api_max_connections.max(1),

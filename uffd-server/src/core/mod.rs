@@ -61,6 +61,8 @@ pub struct Settings {
     pub memory_budget: u64,
     /// VMs at most (pagefork and Firecracker, frozen ones included).
     pub max_vms: usize,
+    /// Images are served only from under this directory (canonical).
+    pub image_dir: Option<PathBuf>,
 }
 
 impl Registry {
