@@ -7,6 +7,7 @@ pub mod conn;
 pub mod core;
 pub mod images;
 pub mod memory;
+pub mod observe;
 pub mod pages;
 pub mod volume;
 

@@ -131,6 +131,7 @@ impl Registry {
     /// memfd goes when the last `Rc` of its memory does.
     pub fn forget(&mut self, id: VmId) {
         if let Some(v) = self.vms.remove(&id) {
+            self.retired.add(&v.stats);
             self.arena.release(v.self_src);
             v.closed.notify_one();
         }
@@ -192,6 +193,8 @@ pub struct Registry {
     pub fc_listeners: firecracker::FcListeners,
     pub fc_vms: firecracker::FcVms,
     next_listener: u32,
+    /// Fault counters of VMs that are gone (for server-wide totals).
+    pub retired: vm::FaultStats,
 }
 
 /// The core's state.
@@ -203,6 +206,8 @@ pub struct Core {
     pub volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
     /// Where connection threads (VMM and Firecracker) report.
     pub events: mpsc::UnboundedSender<ConnEvent>,
+    /// Time spent on each uffd event (both kinds of VM), for `/metrics`.
+    pub fault_seconds: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// The answer to a request in flight.
@@ -232,6 +237,9 @@ pub enum Answer {
     Listener(api::ListenerInfo),
     Listeners(api::ListenerList),
     ListenerDeleted(api::ListenerDeleted),
+    /// Counters for `/metrics` (rendered as text by the API, never JSON).
+    #[serde(skip)]
+    Metrics(Box<crate::observe::metrics::Sample>),
     /// The server is stopping.
     Stopped,
 }
@@ -251,6 +259,7 @@ pub enum CommandKind {
     Page(VmId, u64),
     Tree,
     CheckInvariant,
+    Metrics,
     AddFcListener(proto::api::CreateListener),
     ListFcListeners,
     DeleteFcListener(u32),
@@ -293,6 +302,7 @@ impl Core {
             pending,
             volumes,
             events,
+            fault_seconds: crate::observe::metrics::fault_histogram(),
         })
     }
 
@@ -337,6 +347,7 @@ impl Core {
         Ok(match kind {
             CommandKind::CreateVm(req) => vm(self.create_vm(req).await?),
             CommandKind::ListVms => Answer::Vms(self.list_vms()),
+            CommandKind::Metrics => Answer::Metrics(Box::new(self.metrics_sample())),
             CommandKind::GetVm(id) => vm(self.info(id)?),
             CommandKind::DeleteVm(id) => Answer::VmDeleted(self.delete_vm(id).await?),
             CommandKind::Pause(id) => vm(self.pause(id).await?),
@@ -691,6 +702,7 @@ async fn serve_faults(
         {
             let mut reg = core.reg.borrow_mut();
             for ev in events {
+                let t0 = std::time::Instant::now();
                 match ev {
                     Ok(ev) => match reg.handle_event(vm, ev) {
                         fault::Handled::Ok => {}
@@ -699,6 +711,7 @@ async fn serve_faults(
                     },
                     Err(e) => warn!("{vm}: bad uffd event: {e}"),
                 }
+                core.fault_seconds.observe(t0.elapsed().as_secs_f64());
             }
             reg.collect_garbage();
         }

@@ -329,6 +329,7 @@ impl Core {
             "{id}: firecracker pid {} disconnected after {} faults",
             v.pid, v.stats.missing
         );
+        reg.retired.add(&v.stats);
         reg.arena.release(v.self_src);
         reg.release_unused_sources();
         // `notify_one` keeps a permit if the task is not waiting right now.
