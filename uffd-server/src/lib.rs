@@ -7,6 +7,19 @@ pub mod conn;
 pub mod core;
 pub mod images;
 pub mod memory;
+pub mod observe;
 pub mod pages;
 pub mod snapshot;
 pub mod volume;
+
+/// A hint to append to an I/O error that means the process ran out of file
+/// descriptors (EMFILE, ENFILE); empty otherwise.
+pub fn fd_hint(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EMFILE) => {
+            "; the server is out of file descriptors: raise its limit (ulimit -n, LimitNOFILE=)"
+        }
+        Some(libc::ENFILE) => "; the system is out of file descriptors (fs.file-max)",
+        _ => "",
+    }
+}

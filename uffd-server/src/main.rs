@@ -68,6 +68,14 @@ struct Args {
     /// VMs at most.
     #[arg(long, default_value_t = 4096)]
     max_vms: usize,
+    /// Also serve `GET /metrics` (Prometheus) over TCP at this address,
+    /// e.g. 127.0.0.1:9464; it is always on the API socket.
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Serve only memory images under this directory (VM memory sources and
+    /// Firecracker memory files); any path by default.
+    #[arg(long)]
+    image_dir: Option<PathBuf>,
 }
 
 /// MemAvailable from /proc/meminfo, in MiB.
@@ -108,6 +116,8 @@ enum StartError {
     BadArgument(String),
     #[error("cannot listen on {}", .0.display())]
     Listen(PathBuf, #[source] std::io::Error),
+    #[error("cannot listen for metrics (--metrics-addr)")]
+    MetricsListen(#[source] std::io::Error),
     #[error("cannot start a thread")]
     Thread(#[source] std::io::Error),
     #[error("cannot start the runtime")]
@@ -271,7 +281,14 @@ fn run(args: Args) -> Result<(), StartError> {
         keep_logs: args.keep_logs,
         memory_budget: memory_budget_mib.saturating_mul(1 << 20),
         max_vms: args.max_vms.max(1),
+        image_dir: match &args.image_dir {
+            Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
+                StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))
+            })?),
+            None => None,
+        },
     };
+    let args_metrics_addr = args.metrics_addr;
     let limits = uffd_server::api::serve::Limits {
         max_connections: args.api_max_connections.max(1),
         header_timeout: Duration::from_millis(args.api_header_timeout_ms.max(1)),
@@ -331,6 +348,18 @@ fn run(args: Args) -> Result<(), StartError> {
             .map_err(|e| StartError::Listen(api_path.clone(), e))?;
         let app = uffd_server::api::router(handle.clone(), volumes);
         tokio::spawn(uffd_server::api::serve::serve(listener, app, limits));
+        if let Some(addr) = args_metrics_addr {
+            let tcp = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(StartError::MetricsListen)?;
+            let app = uffd_server::api::metrics_router(handle.clone());
+            info!("metrics on http://{addr}/metrics");
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(tcp, app).await {
+                    warn!("metrics listener stopped: {e}");
+                }
+            });
+        }
         let stopper = handle.clone();
         tokio::spawn(async move {
             wait_for_signal().await;

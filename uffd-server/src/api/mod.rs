@@ -300,6 +300,39 @@ async fn delete_listener(State(core): State<CoreHandle>, Path(id): Path<String>)
     call(&core, CommandKind::DeleteFcListener(n), StatusCode::OK).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses(
+        (status = 200, description = "Prometheus metrics (OpenMetrics text)", body = String,
+         content_type = "application/openmetrics-text"),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server is stopping", body = proto::api::ErrorBody)
+    )
+)]
+async fn metrics(State(core): State<CoreHandle>) -> Result<Response, Error> {
+    let Answer::Metrics(sample) = core.call(CommandKind::Metrics).await? else {
+        return Err(Error::ShuttingDown);
+    };
+    let body = crate::observe::metrics::render(&sample);
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::observe::metrics::CONTENT_TYPE,
+        )],
+        body,
+    )
+        .into_response())
+}
+
+/// Only `/metrics`, for `--metrics-addr`.
+pub fn metrics_router(core: CoreHandle) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(core)
+        .fallback(not_found)
+}
+
 async fn openapi_doc() -> Json<serde_json::Value> {
     Json(openapi::document())
 }
@@ -327,6 +360,7 @@ pub fn router(
         .route("/v1/tree", get(tree))
         .route("/v1/debug/invariant", get(invariant))
         .merge(snapshots::routes())
+        .route("/metrics", get(metrics))
         .route(
             "/v1/firecracker/listeners",
             get(list_listeners).post(add_listener),

@@ -44,7 +44,7 @@ pub async fn serve(listener: UnixListener, app: Router, limits: Limits) {
             Ok((s, _)) => s,
             Err(e) => {
                 // EMFILE and the like: back off instead of spinning.
-                warn!("api socket: accept failed: {e}");
+                warn!("api socket: accept failed: {e}{}", crate::fd_hint(&e));
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }

@@ -65,8 +65,9 @@ pub fn accept_loop(listener: UnixListener, ctx: ListenerCtx) {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break, // shut down
             Err(e) => {
                 warn!(
-                    "firecracker listener {}: accept failed: {e}",
-                    ctx.socket.display()
+                    "firecracker listener {}: accept failed: {e}{}",
+                    ctx.socket.display(),
+                    crate::fd_hint(&e)
                 );
                 std::thread::sleep(Duration::from_millis(50));
             }

@@ -81,7 +81,7 @@ pub fn accept_loop(
                 }
             }
             Err(e) => {
-                warn!("vmm socket: accept failed: {e}");
+                warn!("vmm socket: accept failed: {e}{}", crate::fd_hint(&e));
                 std::thread::sleep(Duration::from_millis(50));
             }
         }

@@ -19,6 +19,54 @@ pub(super) struct TableView<'a> {
     pub memory: Option<&'a GuestMemory>,
 }
 
+impl Core {
+    /// What `/metrics` reports, read from the core's counters now.
+    pub fn metrics_sample(&self) -> crate::observe::metrics::Sample {
+        use crate::observe::metrics::{Sample, VmSample};
+        let reg = self.reg.borrow();
+        let by_kind = |t: &PageTable| reg.pages_by_kind(t).into_iter().collect();
+        let mut vms: Vec<VmSample> = reg
+            .vms
+            .values()
+            .map(|v| VmSample {
+                id: v.id.to_string(),
+                kind: "pagefork",
+                state: if v.deleted {
+                    RunState::Deleted
+                } else {
+                    v.state
+                }
+                .name()
+                .to_owned(),
+                stats: v.stats,
+                resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
+                pages_by_source: by_kind(&v.table),
+                frozen: v.deleted,
+            })
+            .collect();
+        vms.extend(reg.fc_vms.values().map(|v| VmSample {
+            id: v.id.to_string(),
+            kind: "firecracker",
+            state: v.state.name().to_owned(),
+            stats: v.stats,
+            resident_pages: v.table.count_of(v.self_src),
+            pages_by_source: by_kind(&v.table),
+            frozen: false,
+        }));
+        Sample {
+            fault_seconds: self.fault_seconds.clone(),
+            vms,
+            retired: reg.retired,
+            sources_by_kind: reg
+                .arena
+                .count_by_kind()
+                .into_iter()
+                .map(|(k, n)| (k.to_owned(), n))
+                .collect(),
+        }
+    }
+}
+
 impl Registry {
     /// The table of a pagefork or Firecracker VM.
     pub(super) fn table_view(&self, id: VmId) -> Option<TableView<'_>> {

@@ -204,9 +204,7 @@ impl Core {
         let size = req.memory_mib << 20;
         let file = match &req.memory_source {
             None => None,
-            Some(MemorySource::File { path }) => {
-                Some(open_image(path, size, &self.settings.state_dir)?)
-            }
+            Some(MemorySource::File { path }) => Some(open_image(path, size, &self.settings)?),
         };
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
@@ -395,8 +393,9 @@ impl Core {
 /// the file's size, so a client learns nothing about a file it could not
 /// read itself. The image is pinned (see [`crate::images::pin`]) so it
 /// cannot change under the VM.
-fn open_image(path: &str, size: u64, state_dir: &std::path::Path) -> Result<FileSource> {
-    let (file, len) = crate::images::open_regular(std::path::Path::new(path))?;
+fn open_image(path: &str, size: u64, settings: &super::Settings) -> Result<FileSource> {
+    let (file, len) =
+        crate::images::open_regular(std::path::Path::new(path), settings.image_dir.as_deref())?;
     if len < size {
         return Err(Error::Image {
             path: path.into(),
@@ -406,7 +405,7 @@ fn open_image(path: &str, size: u64, state_dir: &std::path::Path) -> Result<File
             ),
         });
     }
-    let (file, pin) = crate::images::pin(file, state_dir).map_err(|source| {
+    let (file, pin) = crate::images::pin(file, &settings.state_dir).map_err(|source| {
         Error::OpenImageFile(crate::images::ImageError::Open {
             path: path.into(),
             source,

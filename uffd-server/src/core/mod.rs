@@ -63,6 +63,8 @@ pub struct Settings {
     pub memory_budget: u64,
     /// VMs at most (pagefork and Firecracker, frozen ones included).
     pub max_vms: usize,
+    /// Images are served only from under this directory (canonical).
+    pub image_dir: Option<PathBuf>,
 }
 
 impl Registry {
@@ -131,6 +133,7 @@ impl Registry {
     /// memfd goes when the last `Rc` of its memory does.
     pub fn forget(&mut self, id: VmId) {
         if let Some(v) = self.vms.remove(&id) {
+            self.retired.add(&v.stats);
             self.arena.release(v.self_src);
             v.closed.notify_one();
         }
@@ -192,6 +195,8 @@ pub struct Registry {
     pub fc_listeners: firecracker::FcListeners,
     pub fc_vms: firecracker::FcVms,
     next_listener: u32,
+    /// Fault counters of VMs that are gone (for server-wide totals).
+    pub retired: vm::FaultStats,
 }
 
 /// The core's state.
@@ -205,6 +210,8 @@ pub struct Core {
     pub snapshots: RefCell<crate::snapshot::Catalog>,
     /// Where connection threads (VMM and Firecracker) report.
     pub events: mpsc::UnboundedSender<ConnEvent>,
+    /// Time spent on each uffd event (both kinds of VM), for `/metrics`.
+    pub fault_seconds: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// The answer to a request in flight.
@@ -240,6 +247,9 @@ pub enum Answer {
     SnapshotDeleted(api::SnapshotDeleted),
     RolledBack(api::VmRolledBack),
     Cloned(api::ClonedVms),
+    /// Counters for `/metrics` (rendered as text by the API, never JSON).
+    #[serde(skip)]
+    Metrics(Box<crate::observe::metrics::Sample>),
     /// The server is stopping.
     Stopped,
 }
@@ -259,6 +269,7 @@ pub enum CommandKind {
     Page(VmId, u64),
     Tree,
     CheckInvariant,
+    Metrics,
     AddFcListener(proto::api::CreateListener),
     ListFcListeners,
     DeleteFcListener(u32),
@@ -309,6 +320,7 @@ impl Core {
             volumes,
             snapshots: RefCell::new(snapshots),
             events,
+            fault_seconds: crate::observe::metrics::fault_histogram(),
         })
     }
 
@@ -353,6 +365,7 @@ impl Core {
         Ok(match kind {
             CommandKind::CreateVm(req) => vm(self.create_vm(req).await?),
             CommandKind::ListVms => Answer::Vms(self.list_vms()),
+            CommandKind::Metrics => Answer::Metrics(Box::new(self.metrics_sample())),
             CommandKind::GetVm(id) => vm(self.info(id)?),
             CommandKind::DeleteVm(id) => Answer::VmDeleted(self.delete_vm(id).await?),
             CommandKind::Pause(id) => vm(self.pause(id).await?),
@@ -719,6 +732,7 @@ async fn serve_faults(
         {
             let mut reg = core.reg.borrow_mut();
             for ev in events {
+                let t0 = std::time::Instant::now();
                 match ev {
                     Ok(ev) => match reg.handle_event(vm, ev) {
                         fault::Handled::Ok => {}
@@ -727,6 +741,7 @@ async fn serve_faults(
                     },
                     Err(e) => warn!("{vm}: bad uffd event: {e}"),
                 }
+                core.fault_seconds.observe(t0.elapsed().as_secs_f64());
             }
             reg.collect_garbage();
         }

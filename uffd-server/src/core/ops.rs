@@ -13,7 +13,7 @@ use crate::pages::PageTable;
 
 impl Registry {
     /// Pages per source kind of `table`.
-    fn pages_by_kind(&self, table: &PageTable) -> BTreeMap<String, u64> {
+    pub(super) fn pages_by_kind(&self, table: &PageTable) -> BTreeMap<String, u64> {
         let mut pages = BTreeMap::new();
         for (src, n) in table.counts() {
             let kind = self.arena.get(*src).map_or("unknown", |s| s.kind());

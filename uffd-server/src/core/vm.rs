@@ -31,6 +31,17 @@ pub struct FaultStats {
     pub deferred: u64,
 }
 
+impl FaultStats {
+    /// Add `other`'s counts to these.
+    pub fn add(&mut self, other: &FaultStats) {
+        self.missing += other.missing;
+        self.write_protect += other.write_protect;
+        self.pages_installed += other.pages_installed;
+        self.removes += other.removes;
+        self.deferred += other.deferred;
+    }
+}
+
 /// Sequential-fault detection for image-backed pages.
 pub use crate::pages::Readahead;
 

@@ -26,6 +26,8 @@ pub enum ImageError {
     Symlink { path: String },
     #[error("cannot use {path}: it is a {kind}, not a regular file")]
     NotRegular { path: String, kind: &'static str },
+    #[error("cannot use {path}: images are served only from under {dir} (--image-dir)")]
+    OutsideImageDir { path: String, dir: String },
     #[error("cannot open {path}")]
     Open {
         path: String,
@@ -49,9 +51,27 @@ fn kind_of(ft: std::fs::FileType) -> &'static str {
     }
 }
 
-/// Open `path` read-only if it is a regular file; returns it and its size.
-pub fn open_regular(path: &Path) -> Result<(File, u64), ImageError> {
+/// Open `path` read-only if it is a regular file (under `confine_to`, if
+/// given: a canonical directory); returns it and its size.
+pub fn open_regular(path: &Path, confine_to: Option<&Path>) -> Result<(File, u64), ImageError> {
     let shown = || path.display().to_string();
+    if let Some(dir) = confine_to {
+        // The directory part is resolved (symlinks included); the last
+        // component is opened with O_NOFOLLOW below, so the file opened is
+        // the one inside.
+        let outside = || ImageError::OutsideImageDir {
+            path: shown(),
+            dir: dir.display().to_string(),
+        };
+        let parent = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .ok_or_else(outside)?;
+        let real = std::fs::canonicalize(parent).map_err(|_| outside())?;
+        if !real.starts_with(dir) || path.file_name().is_none() {
+            return Err(outside());
+        }
+    }
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
@@ -159,24 +179,44 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("img");
         std::fs::write(&img, [0u8; 4096]).unwrap();
-        assert_eq!(open_regular(&img).unwrap().1, 4096);
+        assert_eq!(open_regular(&img, None).unwrap().1, 4096);
 
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&img, &link).unwrap();
         assert!(matches!(
-            open_regular(&link),
+            open_regular(&link, None),
             Err(ImageError::Symlink { .. })
         ));
 
         let fifo = dir.path().join("fifo");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
-        let e = open_regular(&fifo).unwrap_err();
+        let e = open_regular(&fifo, None).unwrap_err();
         assert!(e.to_string().contains("FIFO"), "{e}");
 
-        let e = open_regular(dir.path()).unwrap_err();
+        let e = open_regular(dir.path(), None).unwrap_err();
         assert!(e.to_string().contains("directory"), "{e}");
-        let e = open_regular(Path::new("/dev/zero")).unwrap_err();
+        let e = open_regular(Path::new("/dev/zero"), None).unwrap_err();
         assert!(e.to_string().contains("device"), "{e}");
+    }
+
+    #[test]
+    fn image_dir_confines_paths_through_symlinked_directories_too() {
+        let root = tempfile::tempdir().unwrap();
+        let images = root.path().join("images");
+        let other = root.path().join("other");
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(images.join("a"), [0u8; 4096]).unwrap();
+        std::fs::write(other.join("b"), [0u8; 4096]).unwrap();
+        std::os::unix::fs::symlink(&other, images.join("escape")).unwrap();
+        let dir = std::fs::canonicalize(&images).unwrap();
+        assert!(open_regular(&images.join("a"), Some(&dir)).is_ok());
+        let e = open_regular(&other.join("b"), Some(&dir)).unwrap_err();
+        assert!(matches!(e, ImageError::OutsideImageDir { .. }), "{e}");
+        let e = open_regular(&images.join("escape/b"), Some(&dir)).unwrap_err();
+        assert!(matches!(e, ImageError::OutsideImageDir { .. }), "{e}");
+        let e = open_regular(&images.join("../other/b"), Some(&dir)).unwrap_err();
+        assert!(matches!(e, ImageError::OutsideImageDir { .. }), "{e}");
     }
 
     #[test]
@@ -184,7 +224,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("img");
         std::fs::write(&img, [1u8; 8192]).unwrap();
-        let (file, _) = open_regular(&img).unwrap();
+        let (file, _) = open_regular(&img, None).unwrap();
         let stamp = Stamp::of(&file).unwrap();
         stamp.check(&file).unwrap();
         std::fs::OpenOptions::new()

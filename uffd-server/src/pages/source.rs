@@ -148,6 +148,15 @@ impl SourceArena {
         self.slots.get(id as usize).and_then(Option::as_ref)
     }
 
+    /// How many sources of each kind are held.
+    pub fn count_by_kind(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        let mut counts = std::collections::BTreeMap::new();
+        for s in self.slots.iter().flatten() {
+            *counts.entry(s.kind()).or_insert(0) += 1;
+        }
+        counts
+    }
+
     /// Ids of the image sources (`File`, `Image`) still held.
     pub fn image_ids(&self) -> impl Iterator<Item = SourceId> + '_ {
         self.slots.iter().enumerate().filter_map(|(i, s)| {

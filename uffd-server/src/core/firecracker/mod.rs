@@ -65,7 +65,10 @@ impl Core {
     /// Start a Firecracker listener.
     pub fn add_fc_listener(self: &Rc<Self>, req: CreateListener) -> Result<ListenerInfo> {
         let MemorySource::File { path } = &req.memory_source;
-        let (file, len) = crate::images::open_regular(std::path::Path::new(path))?;
+        let (file, len) = crate::images::open_regular(
+            std::path::Path::new(path),
+            self.settings.image_dir.as_deref(),
+        )?;
         if len == 0 || len % PAGE_SIZE != 0 {
             return Err(Error::Image {
                 path: path.clone(),
@@ -326,6 +329,7 @@ impl Core {
             "{id}: firecracker pid {} disconnected after {} faults",
             v.pid, v.stats.missing
         );
+        reg.retired.add(&v.stats);
         reg.arena.release(v.self_src);
         reg.release_unused_sources();
         // `notify_one` keeps a permit if the task is not waiting right now.

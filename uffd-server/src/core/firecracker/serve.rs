@@ -38,7 +38,10 @@ fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u6
     v.stats.missing += faults.len() as u64;
     let retry: Vec<u64> = std::mem::take(deferred);
     for addr in retry.into_iter().chain(faults) {
-        match v.resolve(&reg.arena, addr, record) {
+        let t0 = std::time::Instant::now();
+        let resolved = v.resolve(&reg.arena, addr, record);
+        core.fault_seconds.observe(t0.elapsed().as_secs_f64());
+        match resolved {
             Resolved::Ok => {}
             Resolved::Again => {
                 v.stats.deferred += 1;
