@@ -118,6 +118,18 @@ fn full_snapshot_restores_exact_memory_and_guest_state() {
         src["by_source"].get("snapshot:full-1").is_some(),
         "sources name the snapshot: {src}"
     );
+    let (_, tree) = s.api("GET", "/v1/tree", None);
+    let node = tree["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == restored.as_str())
+        .cloned()
+        .unwrap();
+    assert!(
+        node["reads_from"]["snapshot:full-1"].as_u64().unwrap() > 0,
+        "the tree names the snapshot: {node}"
+    );
     assert_eq!(
         all_ram_digest(&s, &restored),
         want,

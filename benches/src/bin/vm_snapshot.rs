@@ -13,9 +13,9 @@
 //! 2. Restore: `POST /v1/vms {from_snapshot}` until the guest answers
 //!    `identity`, for 256 MiB, 1 GiB and 4 GiB (quick: 256 MiB, 1 GiB),
 //!    against a cold start of an empty VM of the same size.
-//! 3. Rollback in place of the VM with 10 % dirty (`pause_us`: from stopping
-//!    the guest to the guest running again) against restoring a new VM from
-//!    the same snapshot.
+//! 3. Rollback in place of the VM with 10 % dirty to its last snapshot
+//!    (`pause_us`: from pausing the guest to the guest running again)
+//!    against restoring a new VM from the same snapshot.
 //! 4. clone(n = 100, concurrency 50) of a 256 MiB VM (quick: n = 10) against
 //!    cold-starting as many empty VMs, 50 at a time; server RSS per clone.
 //! 5. A chain of 20 dirty snapshots: extents of the last image.
@@ -131,7 +131,7 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
             &floor,
         )
         .goal("≤ 1.3× and < 20 ms at 1 GiB dirty (Cube: ~487 ms)")
-        .note("pause = pause + capture vCPUs, write-protect all RAM, volume reflink, resume")
+        .note("pause = pause + capture vCPUs, re-protect the pages written since the last snapshot, resume")
         .emit();
         Row::new(
             BENCH,
@@ -144,7 +144,7 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
             &seq,
         )
         .goal("≤ 1.3×")
-        .note("total = pause, saving the pages, fsync, sha256 of the image, commit")
+        .note("total = pause, saving the pages, fsync, sha256 of the chunks written, commit")
         .emit();
         let dirty_bytes = vec![(dirty * 4096) as f64; written.len()];
         Row::new(
@@ -238,7 +238,7 @@ fn rollback_row(plan: &Plan, s: &TestServer) {
         &restore,
     )
     .goal("≤ 10 ms (Cube 81.6 ms)")
-    .note("the rollback restarts the VM's VMM from the snapshot's state")
+    .note("to the VM's last snapshot: only the pages written since are reset; the VMM loads the saved state in place")
     .emit();
     delete_vm(s, &vm);
     delete_snapshot(s, "bench-rb");
