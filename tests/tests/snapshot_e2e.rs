@@ -701,3 +701,48 @@ fn uffdctl_snapshot_restore_rollback_and_clone() {
     let del = uffdctl_json(&s, &["snapshot", "delete", "cli-2"]);
     assert_eq!(del["deleted"], true, "{del}");
 }
+
+#[test]
+fn snapshots_of_forked_and_restored_vms_survive_their_parents() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    s.fill(&a, 0, 4000, 1);
+    snapshot(&s, &a, "origin", "full");
+    // A VM restored from a snapshot is forked; the child reads pages from
+    // its parent and from the snapshot's image.
+    let r = restore(&s, "origin");
+    s.fill(&r, 100, 50, 2);
+    let (st, f) = s.api("POST", &format!("/v1/vms/{r}/fork"), Some(json!({})));
+    assert_eq!(st, 201, "{f}");
+    let c = f["children"][0].as_str().unwrap().to_owned();
+    s.fill(&c, 3000, 20, 3);
+    s.fill(&r, 0, 200, 4); // the parent moves on after the fork
+    let want = all_ram_digest(&s, &c);
+    let full = snapshot(&s, &c, "child-full", "full");
+    assert_eq!(full["mode_used"], "full", "{full}");
+    s.fill(&c, 5000, 7, 5);
+    let want2 = all_ram_digest(&s, &c);
+    let d = snapshot(&s, &c, "child-dirty", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    assert_eq!(d["pages_written"], 7, "{d}");
+    // The parents go; the snapshots and the child keep their memory.
+    for id in [&r, &a] {
+        let (st, v) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
+        assert_eq!(st, 200, "{v}");
+    }
+    assert_eq!(all_ram_digest(&s, &c), want2);
+    let x = restore(&s, "child-full");
+    assert_eq!(all_ram_digest(&s, &x), want);
+    let y = restore(&s, "child-dirty");
+    assert_eq!(all_ram_digest(&s, &y), want2);
+    // A fork of a restored VM, snapshotted again.
+    let (st, f) = s.api("POST", &format!("/v1/vms/{y}/fork"), Some(json!({})));
+    assert_eq!(st, 201, "{f}");
+    let z = f["children"][0].as_str().unwrap().to_owned();
+    let zs = snapshot(&s, &z, "grandchild", "incremental");
+    assert_eq!(zs["mode_used"], "full", "a fork child has no base: {zs}");
+    let w = restore(&s, "grandchild");
+    assert_eq!(all_ram_digest(&s, &w), want2);
+    let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
+    assert_eq!(inv["ok"], true, "{inv}");
+}

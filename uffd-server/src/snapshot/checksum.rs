@@ -66,27 +66,60 @@ pub fn sum_file_reusing(
     let len = file.metadata()?.len();
     let data = data_ranges(file.as_raw_fd(), len)?;
     let nchunks = len.div_ceil(CHUNK_BYTES);
-    let mut buf = vec![0u8; shared::geometry::usize_of(CHUNK_BYTES)];
-    let mut chunks = Vec::with_capacity(shared::geometry::usize_of(nchunks));
+    let mut chunks: Vec<Option<String>> = Vec::with_capacity(shared::geometry::usize_of(nchunks));
+    let mut to_read: Vec<(usize, u64, u64)> = Vec::new();
     let mut di = 0;
     for c in 0..nchunks {
         let (lo, hi) = (c * CHUNK_BYTES, ((c + 1) * CHUNK_BYTES).min(len));
         if let Some(d) = reuse(c) {
-            chunks.push(d);
+            chunks.push(Some(d));
             continue;
         }
         while di < data.len() && data[di].1 <= lo {
             di += 1;
         }
-        let has_data = data.get(di).is_some_and(|(s, _)| *s < hi);
-        if !has_data {
-            chunks.push(zero_digest(hi - lo));
-            continue;
+        if data.get(di).is_some_and(|(s, _)| *s < hi) {
+            to_read.push((chunks.len(), lo, hi));
+            chunks.push(None);
+        } else {
+            chunks.push(Some(zero_digest(hi - lo)));
         }
-        let k = shared::geometry::usize_of(hi - lo);
-        file.read_exact_at(&mut buf[..k], lo)?;
-        chunks.push(hex(&Sha256::digest(&buf[..k])));
     }
+    // The chunks with data are read and hashed on every core.
+    let workers = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .min(to_read.len().max(1));
+    let per = to_read.len().div_ceil(workers).max(1);
+    let hashed: Vec<std::io::Result<Vec<(usize, String)>>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = to_read
+            .chunks(per)
+            .map(|part| {
+                sc.spawn(move || {
+                    let mut buf = vec![0u8; shared::geometry::usize_of(CHUNK_BYTES)];
+                    part.iter()
+                        .map(|(i, lo, hi)| {
+                            let k = shared::geometry::usize_of(hi - lo);
+                            file.read_exact_at(&mut buf[..k], *lo)?;
+                            Ok((*i, hex(&Sha256::digest(&buf[..k]))))
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("a checksum thread panicked")))
+            })
+            .collect()
+    });
+    for part in hashed {
+        for (i, d) in part? {
+            chunks[i] = Some(d);
+        }
+    }
+    let chunks: Vec<String> = chunks.into_iter().map(Option::unwrap_or_default).collect();
     Ok(FileSum {
         bytes: len,
         sha256: top_digest(&chunks),
