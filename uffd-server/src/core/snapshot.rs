@@ -260,10 +260,25 @@ impl Core {
         let t0 = Instant::now();
         self.expect_state(vm, RunState::Running, "snapshot")?;
         let _busy = self.begin_busy(vm, "snapshot", "a snapshot")?;
+        let disk = self.volume_snapshot_name(vm, &req.name);
+        if let (Some(disk), Some(engine)) = (&disk, &self.volumes) {
+            // Taken with the memory, under the snapshot's name: refuse a
+            // name whose volume snapshot exists before pausing anything.
+            if engine.snapshot_info(disk).is_ok() {
+                return Err(SnapshotError::Exists(disk.clone()).into());
+            }
+        }
         let tmp = self.snapshots.borrow_mut().reserve(&req.name)?;
         let taken = self.take_snapshot(vm, &req, &tmp, t0).await;
         if taken.is_err() {
             self.snapshots.borrow_mut().abandon(&req.name);
+            if let (Some(disk), Some(engine)) = (&disk, &self.volumes) {
+                if engine.snapshot_info(disk).is_ok() {
+                    if let Err(e) = engine.delete_snapshot(disk) {
+                        warn!("cannot delete volume snapshot {disk}: {}", e.chain());
+                    }
+                }
+            }
             if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
                 v.saving = None;
                 // The log restarted at the pause for a snapshot that never
@@ -554,6 +569,16 @@ impl Core {
             saved_before_write: 0,
         })));
         Ok(())
+    }
+
+    /// The name of the volume snapshot taken with snapshot `name` of `vm`,
+    /// if `vm` has a volume.
+    fn volume_snapshot_name(&self, vm: VmId, name: &str) -> Option<String> {
+        let reg = self.reg.borrow();
+        reg.vms
+            .get(&vm)
+            .and_then(|v| v.volume.as_ref())
+            .map(|_| format!("{name}.disk"))
     }
 
     /// Snapshot `vm`'s volume (while paused) as `<name>.disk`.

@@ -11,8 +11,9 @@
 //!                            byte p * page_size; holes read as zero
 //!     state.json             [`format::StateFile`]: format version, vCPU and
 //!                            device state, memory size, page size, mode,
-//!                            parent, volume snapshot, and the size and
-//!                            sha256 of memory.img
+//!                            parent, volume snapshot, and memory.img's size,
+//!                            sha256 of each 1 MiB chunk and sha256 over
+//!                            those ([`checksum`])
 //!   .tmp-<name>/             a snapshot being written (never listed)
 //!   .quarantine/<name>.<t>/  a snapshot that did not verify (never served)
 //! ```
@@ -21,7 +22,8 @@
 //! their parent's image and write only their pages over it, so every image
 //! is complete on its own: reading one never chains through parents, and
 //! deleting a parent never breaks a child (the filesystem keeps shared
-//! extents alive).
+//! extents alive). Such a child takes its parent's digests of the chunks it
+//! did not write, so checksumming costs what was written.
 //!
 //! # Commit point
 //!
