@@ -35,7 +35,7 @@ use proto::api::{
 };
 use proto::vmm::{Reply, Request};
 use shared::{VmId, PAGE_SIZE};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tracing::{info, warn};
 use vm_memory::VolatileSlice;
 
@@ -47,6 +47,7 @@ use crate::pages::{
     read_pages, FileSource, ImageSource, PageSource, PageTable, ResolveError, SourceId,
 };
 use crate::snapshot::image::{self, ImageWriter};
+use crate::snapshot::writer::{self, WriteReport, WriterHandle};
 use crate::snapshot::{catalog, checksum, PageSet, SnapshotError, StateFile};
 
 /// Pages saved per step of the writer before it lets faults and other
@@ -69,57 +70,13 @@ pub struct Saving {
     /// Every page this snapshot writes (`pending` at the pause): chunks
     /// of a reflinked image without one keep their parent's checksums.
     pub touched: PageSet,
-    pub image: Rc<ImageWriter>,
-    /// The image started empty (all holes), not as a parent's reflink.
-    pub fresh: bool,
-    /// The first failure to save a page; the snapshot fails with it.
+    /// The thread writing the image; taken when the last page is queued.
+    pub writer: Option<WriterHandle>,
+    /// The first failure to read a page; the snapshot fails with it.
     pub error: Option<String>,
     pub pages_written: u64,
-    pub bytes_written: u64,
     /// Pages saved by the fault handler ahead of the writer.
     pub saved_before_write: u64,
-}
-
-/// Why a page could not be saved.
-#[derive(Debug, thiserror::Error)]
-enum SaveError {
-    #[error("cannot read the page")]
-    Resolve(#[source] ResolveError),
-    #[error(transparent)]
-    Write(#[from] SnapshotError),
-}
-
-/// Write whole pages `buf` at `first` into `image`, leaving all-zero pages
-/// as holes (punched, unless the image is `fresh`: all holes already).
-/// Returns the bytes written.
-fn write_sparse(
-    image: &ImageWriter,
-    fresh: bool,
-    first: u64,
-    buf: &[u8],
-) -> std::result::Result<u64, SaveError> {
-    let ps = shared::geometry::usize_of(PAGE_SIZE);
-    let zero: Vec<bool> = buf
-        .chunks_exact(ps)
-        .map(|pg| pg.iter().all(|b| *b == 0))
-        .collect();
-    let mut written = 0;
-    let mut i = 0;
-    while i < zero.len() {
-        let mut j = i + 1;
-        while j < zero.len() && zero[j] == zero[i] {
-            j += 1;
-        }
-        let at = first + i as u64;
-        if !zero[i] {
-            image.write_pages(at, &buf[i * ps..j * ps])?;
-            written += ((j - i) * ps) as u64;
-        } else if !fresh {
-            image.punch(at, (j - i) as u64)?;
-        }
-        i = j;
-    }
-    Ok(written)
 }
 
 fn us(t: Instant) -> u64 {
@@ -159,15 +116,22 @@ impl Registry {
         if !saving.borrow().pending.contains(page) {
             return;
         }
-        let mut buf = Vec::new();
-        self.save_run(vm, &saving, page, 1, &mut buf);
+        self.save_run(vm, &saving, page, 1, None);
         saving.borrow_mut().saved_before_write += 1;
     }
 
-    /// Save pages `[lo, lo + n)` of `vm` (all pending) into `saving`'s
-    /// image, reading them through the live table, and mark them saved. A
-    /// failure is recorded in `saving` (the snapshot fails with it).
-    fn save_run(&self, vm: VmId, saving: &RefCell<Saving>, lo: u64, n: u64, buf: &mut Vec<u8>) {
+    /// Save pages `[lo, lo + n)` of `vm` (all pending): read them through
+    /// the live table, hand the bytes to `saving`'s writer thread (a bulk
+    /// run with its `permit`) and mark them saved. A failure is recorded
+    /// in `saving` (the snapshot fails with it).
+    fn save_run(
+        &self,
+        vm: VmId,
+        saving: &RefCell<Saving>,
+        lo: u64,
+        n: u64,
+        mut permit: Option<OwnedSemaphorePermit>,
+    ) {
         let Some(v) = self.vms.get(&vm) else {
             return;
         };
@@ -181,23 +145,22 @@ impl Registry {
                 q += 1;
             }
             let cnt = q - p;
-            let saved = if src == UNINITIALIZED {
-                if s.fresh {
-                    Ok(0)
+            if let Some(w) = &s.writer {
+                if src == UNINITIALIZED {
+                    w.punch(p, cnt);
                 } else {
-                    s.image.punch(p, cnt).map(|()| 0).map_err(SaveError::from)
-                }
-            } else {
-                match self.read_into(src, p, cnt, buf) {
-                    Ok(()) => write_sparse(&s.image, s.fresh, p, buf),
-                    Err(e) => Err(e),
-                }
-            };
-            match saved {
-                Ok(bytes) => s.bytes_written += bytes,
-                Err(e) => {
-                    s.error
-                        .get_or_insert(format!("pages {p}..{q}: {}", shared::error_chain(&e)));
+                    match self.read_run(src, p, cnt) {
+                        Ok(bytes) => match permit.take() {
+                            Some(permit) => w.bulk(p, bytes, Some(permit)),
+                            None => w.pages(p, bytes),
+                        },
+                        Err(e) => {
+                            s.error.get_or_insert(format!(
+                                "pages {p}..{q}: {}",
+                                shared::error_chain(&e)
+                            ));
+                        }
+                    }
                 }
             }
             for x in p..q {
@@ -208,26 +171,25 @@ impl Registry {
         }
     }
 
-    /// The bytes of pages `[first, first + n)` of source `src` into `buf`.
-    fn read_into(
+    /// The bytes of pages `[first, first + n)` of source `src`.
+    fn read_run(
         &self,
         src: SourceId,
         first: u64,
         n: u64,
-        buf: &mut Vec<u8>,
-    ) -> std::result::Result<(), SaveError> {
+    ) -> std::result::Result<Vec<u8>, ResolveError> {
         let source = self
             .arena
             .get(src)
             .cloned()
-            .ok_or(SaveError::Resolve(ResolveError::UnknownSource(src)))?;
-        buf.resize(shared::geometry::usize_of(n * PAGE_SIZE), 0);
+            .ok_or(ResolveError::UnknownSource(src))?;
+        let mut buf = vec![0u8; shared::geometry::usize_of(n * PAGE_SIZE)];
         let dst = VolatileSlice::from(&mut buf[..]);
         let vms = &self.vms;
         read_pages(&source, first, &dst, &|id| {
             vms.get(&id).map(|o| Rc::clone(&o.memory))
-        })
-        .map_err(SaveError::Resolve)
+        })?;
+        Ok(buf)
     }
 
     /// VMs whose tables read pages from snapshot `name`'s image.
@@ -311,16 +273,11 @@ impl Core {
         armed?;
         let volume_snapshot = volume_snapshot?;
         resumed?;
-        let saving = self.save_pending(vm).await?;
-        let (pages_written, bytes_written, early, saving_touched) = {
+        let (saving, bytes_written) = self.save_pending(vm).await?;
+        let (pages_written, early, saving_touched) = {
             let mut s = saving.borrow_mut();
             let touched = std::mem::take(&mut s.touched);
-            (
-                s.pages_written,
-                s.bytes_written,
-                s.saved_before_write,
-                touched,
-            )
+            (s.pages_written, s.saved_before_write, touched)
         };
         let memory_bytes = self
             .reg
@@ -504,6 +461,13 @@ impl Core {
     /// While `vm` is paused: choose the pages to save, write-protect all
     /// of its RAM, restart its dirty log and open the saving window.
     fn arm_snapshot(&self, vm: VmId, name: &str, plan: &Plan) -> Result<()> {
+        let path = plan.image.path.clone();
+        let writer = plan
+            .image
+            .file
+            .try_clone()
+            .and_then(|f| writer::spawn(f, path.clone(), plan.parent.is_none()))
+            .map_err(SnapshotError::io("start writing", &path))?;
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         let pages = v.memory.pages();
@@ -561,11 +525,9 @@ impl Core {
         v.saving = Some(Rc::new(RefCell::new(Saving {
             touched: pending.clone(),
             pending,
-            image: plan.image.clone(),
-            fresh: plan.parent.is_none(),
+            writer: Some(writer),
             error: None,
             pages_written: 0,
-            bytes_written: 0,
             saved_before_write: 0,
         })));
         Ok(())
@@ -598,7 +560,7 @@ impl Core {
     }
 
     /// Save every page still pending, a run at a time, in page order.
-    async fn save_pending(self: &Rc<Self>, vm: VmId) -> Result<Rc<RefCell<Saving>>> {
+    async fn save_pending(self: &Rc<Self>, vm: VmId) -> Result<(Rc<RefCell<Saving>>, u64)> {
         let saving = self
             .reg
             .borrow()
@@ -606,9 +568,17 @@ impl Core {
             .get(&vm)
             .and_then(|v| v.saving.clone())
             .ok_or(Error::NoSuchVm(vm))?;
-        let mut buf = Vec::new();
+        let gate = saving
+            .borrow()
+            .writer
+            .as_ref()
+            .map(WriterHandle::gate)
+            .ok_or(Error::NoSuchVm(vm))?;
         let mut cursor = 0;
         loop {
+            // Room in the writer's queue first; then read and queue a run
+            // in one step (no fault can come between).
+            let permit = gate.clone().acquire_owned().await.ok();
             let next = saving.borrow().pending.next_from(cursor);
             let Some(lo) = next else { break };
             let mut hi = lo + 1;
@@ -629,12 +599,13 @@ impl Core {
                         })
                     }
                 }
-                reg.save_run(vm, &saving, lo, hi - lo, &mut buf);
+                reg.save_run(vm, &saving, lo, hi - lo, permit);
             }
             if let Some(e) = saving.borrow().error.clone() {
                 return Err(Error::SaveSnapshot { vm, reason: e });
             }
             cursor = hi;
+            // Faults and other requests run between runs.
             tokio::task::yield_now().await;
         }
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
@@ -643,7 +614,15 @@ impl Core {
         if let Some(e) = saving.borrow().error.clone() {
             return Err(Error::SaveSnapshot { vm, reason: e });
         }
-        Ok(saving)
+        let writer = saving.borrow_mut().writer.take();
+        let report = match writer {
+            Some(w) => w.finish().await,
+            None => WriteReport::default(),
+        };
+        if let Some(e) = report.error {
+            return Err(e.into());
+        }
+        Ok((saving, report.bytes_written))
     }
 
     /// `GET /v1/snapshots`.

@@ -42,6 +42,7 @@ mod error;
 pub mod format;
 pub mod image;
 pub mod pageset;
+pub mod writer;
 
 pub use catalog::Catalog;
 pub use error::{ErrorKind, Result, SnapshotError};

@@ -1,0 +1,200 @@
+//! The image writer: a thread of its own that writes page runs into a
+//! `memory.img` being made, so the core thread (which reads the pages, and
+//! must never block on a file) only copies bytes into messages.
+//!
+//! Messages are written in the order they were sent; all-zero pages become
+//! holes. Bulk runs take a permit from a small gate first (at most
+//! [`IN_FLIGHT`] runs queued), so memory in flight stays bounded; single
+//! pages from the fault path never wait.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use shared::PAGE_SIZE;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+
+use super::image::ImageWriter;
+use super::SnapshotError;
+
+/// Bulk runs queued for the writer at most.
+pub const IN_FLIGHT: usize = 16;
+
+enum Job {
+    Pages {
+        first: u64,
+        bytes: Vec<u8>,
+        _permit: Option<OwnedSemaphorePermit>,
+    },
+    Punch {
+        first: u64,
+        pages: u64,
+    },
+}
+
+/// What the writer did.
+#[derive(Debug, Default)]
+pub struct WriteReport {
+    /// Bytes of data written (zero pages excluded).
+    pub bytes_written: u64,
+    /// The first failure; later jobs were skipped.
+    pub error: Option<SnapshotError>,
+}
+
+/// The core's end of a writer thread.
+#[derive(Debug)]
+pub struct WriterHandle {
+    tx: mpsc::Sender<Job>,
+    gate: Arc<Semaphore>,
+    done: oneshot::Receiver<WriteReport>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Job::Pages { first, bytes, .. } => write!(f, "Pages({first}, {} bytes)", bytes.len()),
+            Job::Punch { first, pages } => write!(f, "Punch({first}, {pages})"),
+        }
+    }
+}
+
+/// Start a writer for `file` (at `path`). `fresh`: the image is all holes
+/// (zero pages need no punching).
+pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHandle> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    let (done_tx, done) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("snapshot-writer".into())
+        .spawn(move || {
+            let image = ImageWriter { path, file };
+            let mut report = WriteReport::default();
+            for job in rx {
+                if report.error.is_some() {
+                    continue;
+                }
+                let r = match job {
+                    Job::Pages { first, bytes, .. } => write_sparse(&image, fresh, first, &bytes),
+                    Job::Punch { first, pages } if !fresh => image.punch(first, pages).map(|()| 0),
+                    Job::Punch { .. } => Ok(0),
+                };
+                match r {
+                    Ok(n) => report.bytes_written += n,
+                    Err(e) => report.error = Some(e),
+                }
+            }
+            let _ = done_tx.send(report);
+        })?;
+    Ok(WriterHandle {
+        tx,
+        gate: Arc::new(Semaphore::new(IN_FLIGHT)),
+        done,
+    })
+}
+
+impl WriterHandle {
+    /// Queue pages `first..` (whole pages) without waiting.
+    pub fn pages(&self, first: u64, bytes: Vec<u8>) {
+        let _ = self.tx.send(Job::Pages {
+            first,
+            bytes,
+            _permit: None,
+        });
+    }
+
+    /// Wait until a bulk run may be queued; queue it with the returned
+    /// permit ([`WriterHandle::bulk`]).
+    pub async fn room(&self) -> Option<OwnedSemaphorePermit> {
+        self.gate().acquire_owned().await.ok()
+    }
+
+    /// The gate bulk runs pass (to wait on it without borrowing the
+    /// handle).
+    pub fn gate(&self) -> Arc<Semaphore> {
+        self.gate.clone()
+    }
+
+    /// Queue a bulk run holding `permit` until it is written.
+    pub fn bulk(&self, first: u64, bytes: Vec<u8>, permit: Option<OwnedSemaphorePermit>) {
+        let _ = self.tx.send(Job::Pages {
+            first,
+            bytes,
+            _permit: permit,
+        });
+    }
+
+    /// Queue a hole for `[first, first + pages)`.
+    pub fn punch(&self, first: u64, pages: u64) {
+        let _ = self.tx.send(Job::Punch { first, pages });
+    }
+
+    /// Wait until everything queued is written.
+    pub async fn finish(self) -> WriteReport {
+        drop(self.tx);
+        self.done.await.unwrap_or_else(|_| WriteReport {
+            bytes_written: 0,
+            error: Some(SnapshotError::Io {
+                what: "write",
+                path: PathBuf::from("memory.img"),
+                source: std::io::Error::other("the snapshot writer thread died"),
+            }),
+        })
+    }
+}
+
+/// Write whole pages `buf` at `first` into `image`, leaving all-zero pages
+/// as holes (punched, unless the image is `fresh`: all holes already).
+/// Returns the bytes written.
+fn write_sparse(
+    image: &ImageWriter,
+    fresh: bool,
+    first: u64,
+    buf: &[u8],
+) -> Result<u64, SnapshotError> {
+    let ps = shared::geometry::usize_of(PAGE_SIZE);
+    let zero: Vec<bool> = buf
+        .chunks_exact(ps)
+        .map(|pg| pg.iter().all(|b| *b == 0))
+        .collect();
+    let mut written = 0;
+    let mut i = 0;
+    while i < zero.len() {
+        let mut j = i + 1;
+        while j < zero.len() && zero[j] == zero[i] {
+            j += 1;
+        }
+        let at = first + i as u64;
+        if !zero[i] {
+            image.write_pages(at, &buf[i * ps..j * ps])?;
+            written += ((j - i) * ps) as u64;
+        } else if !fresh {
+            image.punch(at, (j - i) as u64)?;
+        }
+        i = j;
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn writes_in_order_and_leaves_zero_pages_as_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m");
+        let img = ImageWriter::create(&path, 8 * PAGE_SIZE).unwrap();
+        let w = spawn(img.file.try_clone().unwrap(), path.clone(), true).unwrap();
+        let mut two = vec![0u8; 2 * 4096];
+        two[..4096].fill(1);
+        let permit = w.room().await;
+        w.bulk(2, two, permit);
+        w.pages(2, vec![3u8; 4096]); // a later write of the same page wins
+        let report = w.finish().await;
+        assert!(report.error.is_none());
+        assert_eq!(report.bytes_written, 2 * 4096);
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(bytes[2 * 4096..3 * 4096].iter().all(|b| *b == 3));
+        assert!(bytes[3 * 4096..].iter().all(|b| *b == 0));
+    }
+}
