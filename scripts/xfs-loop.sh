@@ -128,10 +128,23 @@ mount_path() {
 	echo "$dir"
 }
 
+# Wait until no loop device is bound to image $1. Detaching a device that
+# something still has open (udev probing it right after the unmount) only
+# marks it to go when the last user closes it.
+wait_detached() {
+	local i
+	for i in $(seq 100); do
+		[ -n "$(losetup -j "$1" -O NAME -n 2>/dev/null)" ] || return 0
+		sleep 0.1
+	done
+	return 1
+}
+
 cmd_down() {
-	local dir
+	local dir img
 	need_root
 	dir="$(mount_path "$1")"
+	img="$(image_for "$dir")"
 	local src fstype
 	fstype="$(fstype_of "$dir")"
 	if [ -n "$fstype" ]; then
@@ -143,22 +156,22 @@ cmd_down() {
 		echo "xfs-loop: unmounted $dir"
 		case "$src" in
 		/dev/loop*)
-			if losetup -d "$src" 2>/dev/null; then
-				echo "xfs-loop: detached $src"
-			fi
+			losetup -d "$src" 2>/dev/null || true
 			;;
 		esac
 	elif [ ! -e "$dir" ]; then
 		return 0
 	fi
 	# Detach any loop device still bound to our image, then drop the image.
-	local img dev
-	img="$(image_for "$dir")"
+	local dev
 	if [ -e "$img" ]; then
 		for dev in $(losetup -j "$img" -O NAME -n 2>/dev/null); do
 			losetup -d "$dev" || die "cannot detach $dev from $img"
-			echo "xfs-loop: detached $dev"
 		done
+		wait_detached "$img" || die "the loop device of $img is still busy after 10 s"
+		case "${src:-}" in
+		/dev/loop*) echo "xfs-loop: detached $src" ;;
+		esac
 		rm -f "$img"
 		echo "xfs-loop: removed $img"
 	fi
