@@ -937,3 +937,54 @@ impl Drop for ScratchXfs {
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// Requests a client gives up on
+
+/// An HTTP request on a fresh connection; `None` if the server did not
+/// answer within `timeout` (the client gives up, as a real one would).
+pub fn request_within(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+) -> Option<(u16, String)> {
+    let mut s = UnixStream::connect(sock).expect("cannot connect to the API socket");
+    s.set_read_timeout(Some(timeout)).expect("set_read_timeout");
+    s.set_write_timeout(Some(timeout))
+        .expect("set_write_timeout");
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if s.write_all(head.as_bytes()).is_err() {
+        return None;
+    }
+    let mut resp = Vec::new();
+    // A server that answers and closes before reading the whole request
+    // (a 503 beyond the connection cap) makes the read after the answer
+    // fail with ECONNRESET: the answer is still what was read.
+    match s.read_to_end(&mut resp) {
+        Ok(_) => {}
+        Err(_) if !resp.is_empty() => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            return None
+        }
+        Err(e) => panic!("{method} {path}: no answer: {e}"),
+    }
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
+}
