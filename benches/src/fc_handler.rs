@@ -67,12 +67,14 @@ pub struct HandlerStats {
 }
 
 /// A guest-memory region served by the baseline handler.
+#[derive(Debug)]
 pub struct BaselineVm {
     // Field order: stop the handler (and close the uffd) before unmapping.
     handler: Option<Handler>,
     memory: Mapping,
 }
 
+#[derive(Debug)]
 struct Handler {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<Result<HandlerStats>>,

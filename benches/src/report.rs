@@ -36,7 +36,7 @@ pub struct BenchOutput {
 }
 
 /// Rows of the volume bench from its `--json` object.
-pub fn volume_rows(v: &Value) -> Result<Vec<Row>, String> {
+pub fn volume_rows(v: &Value) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
     let get = |k: &str| {
         v[k].as_f64()
             .ok_or_else(|| format!("volume_snapshot JSON lacks {k}: {v}"))

@@ -34,6 +34,7 @@ pub enum WpError {
 pub type Result<T> = std::result::Result<T, WpError>;
 
 /// A registered shmem region with a populated prefix to protect.
+#[derive(Debug)]
 pub struct WpFloor {
     // Field order: the uffd closes (unregistering) before the unmap.
     uffd: Uffd,

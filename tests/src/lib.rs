@@ -62,13 +62,14 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
-fn device_usable(path: &str) -> Result<(), String> {
+/// Why device `path` cannot be opened read-write, if it cannot.
+fn device_unusable(path: &str) -> Option<String> {
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)
-        .map(drop)
-        .map_err(|e| format!("{path} is not usable: {e}"))
+        .err()
+        .map(|e| format!("{path} is not usable: {e}"))
 }
 
 /// Whether this machine can run KVM guests served through userfaultfd.
@@ -78,7 +79,7 @@ fn device_usable(path: &str) -> Result<(), String> {
 pub fn require_kvm_uffd() -> bool {
     let missing: Vec<String> = ["/dev/kvm", "/dev/userfaultfd"]
         .iter()
-        .filter_map(|d| device_usable(d).err())
+        .filter_map(|d| device_unusable(d))
         .collect();
     if missing.is_empty() {
         return true;

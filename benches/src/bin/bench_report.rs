@@ -24,7 +24,7 @@ struct Args {
     quick: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args() -> Result<Args, Box<dyn std::error::Error>> {
     let (mut dir, mut out) = (None, None);
     let mut info = RunInfo::default();
     let mut quick = false;
@@ -39,7 +39,7 @@ fn parse_args() -> Result<Args, String> {
             "--date" => info.date = val()?,
             "--build" => info.build = val()?,
             "--quick" => quick = true,
-            _ => return Err(format!("unknown argument {a}")),
+            _ => return Err(format!("unknown argument {a}").into()),
         }
     }
     let dir = dir.ok_or("--dir DIR is required")?;
@@ -69,7 +69,7 @@ fn load(dir: &Path, bench: &str) -> BenchOutput {
             .and_then(|t| {
                 serde_json::from_str(&t).map_err(|e| format!("bad volume_snapshot.json: {e}"))
             })
-            .and_then(|v| volume_rows(&v))
+            .and_then(|v| volume_rows(&v).map_err(|e| e.to_string()))
     } else {
         std::fs::read_to_string(dir.join(format!("{bench}.jsonl")))
             .map_err(|e| format!("no {bench}.jsonl: {e}"))

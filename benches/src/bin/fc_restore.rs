@@ -62,7 +62,11 @@ const MODES: [(&str, &str, u64, u64, bool); 4] = [
 
 /// Run `fc_client` against `socket` with one touch command; returns the
 /// client's touch time (µs) and the sum of the first byte of every page.
-fn client_touch(socket: &std::path::Path, mib: u64, cmd: &str) -> Result<(f64, u64), String> {
+fn client_touch(
+    socket: &std::path::Path,
+    mib: u64,
+    cmd: &str,
+) -> Result<(f64, u64), Box<dyn std::error::Error>> {
     let out = std::process::Command::new(bin("fc_client"))
         .arg("--socket")
         .arg(socket)
@@ -72,10 +76,7 @@ fn client_touch(socket: &std::path::Path, mib: u64, cmd: &str) -> Result<(f64, u
         .output()
         .map_err(|e| format!("cannot run fc_client: {e}"))?;
     if !out.status.success() {
-        return Err(format!(
-            "fc_client failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
+        return Err(format!("fc_client failed: {}", String::from_utf8_lossy(&out.stderr)).into());
     }
     let line = String::from_utf8_lossy(&out.stdout);
     let v: serde_json::Value = serde_json::from_str(line.lines().next().unwrap_or_default())
@@ -94,7 +95,7 @@ fn pagefork_samples(
     tag: &str,
     reps: usize,
     expected: u64,
-) -> Result<Vec<Vec<f64>>, String> {
+) -> Result<Vec<Vec<f64>>, Box<dyn std::error::Error>> {
     let mut out = Vec::new();
     for (key, _, fa, ra, ws) in MODES {
         let socket = server.state_dir().join(format!("fc-{tag}-{key}.sock"));
@@ -110,7 +111,7 @@ fn pagefork_samples(
             })),
         );
         if st != 201 {
-            return Err(format!("cannot create listener: {v}"));
+            return Err(format!("cannot create listener: {v}").into());
         }
         if ws {
             // The first client records the working set; it is not measured.
@@ -124,7 +125,8 @@ fn pagefork_samples(
             if sum != expected {
                 return Err(format!(
                     "fc_client read wrong bytes in mode {key} (sum {sum}, expected {expected})"
-                ));
+                )
+                .into());
             }
             times.push(us);
         }

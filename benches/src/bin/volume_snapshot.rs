@@ -33,7 +33,7 @@ struct Args {
     write_all: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args() -> Result<Args, Box<dyn std::error::Error>> {
     let mut dir = std::env::var_os("PAGEFORK_XFS_DIR").map(PathBuf::from);
     let (mut json, mut write_all) = (None, false);
     let mut it = std::env::args().skip(1);
@@ -57,7 +57,12 @@ fn parse_args() -> Result<Args, String> {
 }
 
 /// Fill `len` bytes of `path` from `offset` with fresh pseudo-random data.
-fn write_data(path: &Path, offset: u64, len: u64, seed: u64) -> Result<(), String> {
+fn write_data(
+    path: &Path,
+    offset: u64,
+    len: u64,
+    seed: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
     let f = OpenOptions::new()
         .write(true)
         .open(path)
@@ -77,7 +82,7 @@ fn write_data(path: &Path, offset: u64, len: u64, seed: u64) -> Result<(), Strin
         done += CHUNK as u64;
     }
     f.sync_all()
-        .map_err(|e| format!("fsync {}: {e}", path.display()))
+        .map_err(|e| format!("fsync {}: {e}", path.display()).into())
 }
 
 fn ms(d: Duration) -> f64 {
@@ -90,7 +95,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Median time of `RUNS` snapshots of `vol` (each deleted afterwards, untimed).
-fn time_snapshots(e: &VolumeEngine, vol: &str) -> Result<f64, String> {
+fn time_snapshots(e: &VolumeEngine, vol: &str) -> Result<f64, Box<dyn std::error::Error>> {
     let mut times = Vec::new();
     for i in 0..RUNS {
         let name = format!("{vol}-snap{i}");
@@ -103,7 +108,7 @@ fn time_snapshots(e: &VolumeEngine, vol: &str) -> Result<f64, String> {
 }
 
 /// Median time of `RUNS` `cp --reflink=never` + fsync of `src`.
-fn time_cp(src: &Path, dir: &Path) -> Result<f64, String> {
+fn time_cp(src: &Path, dir: &Path) -> Result<f64, Box<dyn std::error::Error>> {
     let mut times = Vec::new();
     for i in 0..RUNS {
         let dst = dir.join(format!("cp-{i}"));
@@ -115,7 +120,7 @@ fn time_cp(src: &Path, dir: &Path) -> Result<f64, String> {
             .status()
             .map_err(|e| format!("cannot run cp: {e}"))?;
         if !status.success() {
-            return Err(format!("cp failed: {status}"));
+            return Err(format!("cp failed: {status}").into());
         }
         fs::File::open(&dst)
             .and_then(|f| f.sync_all())
@@ -126,7 +131,7 @@ fn time_cp(src: &Path, dir: &Path) -> Result<f64, String> {
     Ok(median(times))
 }
 
-fn run(args: &Args) -> Result<(), String> {
+fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let root = args.dir.join("bench-volume-snapshot");
     let _ = fs::remove_dir_all(&root);
     fs::create_dir_all(&root).map_err(|e| format!("create {}: {e}", root.display()))?;
@@ -135,7 +140,8 @@ fn run(args: &Args) -> Result<(), String> {
         return Err(format!(
             "{} is on {fs}; use XFS with reflink=1 (scripts/xfs-loop.sh up DIR)",
             root.display()
-        ));
+        )
+        .into());
     }
 
     eprintln!("filling the 1 GiB volume ...");
@@ -173,10 +179,7 @@ fn run(args: &Args) -> Result<(), String> {
     eprintln!("  {:.1} s", t.elapsed().as_secs_f64());
     let v16 = e.show("v16g").map_err(|e| e.chain())?;
     if v16.usage.allocated_bytes < 16 * GIB {
-        return Err(format!(
-            "16 GiB volume is not fully allocated: {:?}",
-            v16.usage
-        ));
+        return Err(format!("16 GiB volume is not fully allocated: {:?}", v16.usage).into());
     }
 
     let snap1 = time_snapshots(&e, "v1g")?;

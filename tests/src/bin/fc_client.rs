@@ -33,7 +33,7 @@ struct Args {
     commands: Vec<String>,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args() -> Result<Args, Box<dyn std::error::Error>> {
     let mut a = Args {
         socket: String::new(),
         mib: 64,
@@ -70,7 +70,7 @@ fn main() {
     }
 }
 
-fn run() -> Result<(), String> {
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
     let len = args.mib << 20;
     let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
@@ -89,10 +89,7 @@ fn run() -> Result<(), String> {
         )
     };
     if mem == libc::MAP_FAILED {
-        return Err(format!(
-            "mmap {len} bytes: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(format!("mmap {len} bytes: {}", std::io::Error::last_os_error()).into());
     }
     let uffd = UffdBuilder::new()
         .close_on_exec(true)
@@ -194,7 +191,7 @@ fn run() -> Result<(), String> {
                     )
                 };
                 if r != 0 {
-                    return Err(format!("madvise: {}", std::io::Error::last_os_error()));
+                    return Err(format!("madvise: {}", std::io::Error::last_os_error()).into());
                 }
                 serde_json::json!({ "removed": n })
             }
@@ -282,7 +279,7 @@ fn run() -> Result<(), String> {
                 let _ = std::io::stdin().read_to_end(&mut sink);
                 serde_json::json!({})
             }
-            _ => return Err(format!("unknown command {cmd}")),
+            _ => return Err(format!("unknown command {cmd}").into()),
         };
         let mut out = out;
         out["cmd"] = serde_json::json!(cmd);

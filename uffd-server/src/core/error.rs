@@ -46,12 +46,6 @@ pub enum Error {
     NoDisk { vm: VmId },
     #[error("cannot use memory image {path}: {reason}")]
     Image { path: String, reason: String },
-    #[error("cannot map memory image {path}")]
-    MapImage {
-        path: String,
-        #[source]
-        source: super::firecracker::map::MapError,
-    },
     #[error(transparent)]
     OpenImageFile(#[from] crate::images::ImageError),
     #[error("{path} already exists; remove it or pick another path")]
@@ -182,7 +176,6 @@ impl Error {
             | PageOutOfRange { .. }
             | NoDisk { .. }
             | Image { .. }
-            | MapImage { .. }
             | OpenImageFile(_)
             | Listen { .. }
             | NoVolumes => 400,

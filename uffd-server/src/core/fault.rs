@@ -12,10 +12,12 @@
 use std::rc::Rc;
 
 use shared::{VmId, PAGE_SIZE};
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 use uffd_abi::{Errno, Install};
 use userfaultfd::{Event, FaultKind};
 
+use super::ratelimit::suppressed_note;
+use super::vm::RunState;
 use super::Registry;
 use crate::memory::{GuestMemory, MemoryError};
 use crate::pages::{plan_run, read_pages, Fault, ResolveError, UNINITIALIZED};
@@ -26,6 +28,9 @@ pub enum Handled {
     Ok,
     /// The VMM's address space is gone (ESRCH): treat the VMM as exited.
     VmmGone,
+    /// The VM failed just now: a fault could not be served, for this
+    /// reason. The page is poisoned (see [`Registry::unservable`]).
+    Failed(String),
 }
 
 impl Registry {
@@ -46,7 +51,14 @@ impl Registry {
             return Handled::Ok;
         };
         let Some(page) = v.page_of(addr) else {
-            warn!("{vm}: fault at {addr:#x} outside guest RAM; ignoring");
+            if let Some(v) = self.vms.get_mut(&vm) {
+                if let Some(n) = v.warnings.allow() {
+                    warn!(
+                        "{vm}: fault at {addr:#x} outside guest RAM; ignoring{}",
+                        suppressed_note(n)
+                    );
+                }
+            }
             return Handled::Ok;
         };
         match kind {
@@ -66,21 +78,40 @@ impl Registry {
     fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
         let (first, count) = match self.materialize(vm, page) {
             Ok(r) => r,
-            Err(e) => {
-                warn!(
-                    "{vm}: cannot resolve fault on page {page}: {}",
-                    shared::error_chain(&e)
-                );
-                // Waking lets the vCPU retry the access; it faults again and
-                // the error is logged again rather than hanging the guest.
-                (page, 1)
-            }
+            Err(e) => return self.unservable(vm, page, &e),
         };
         let Some(v) = self.vms.get_mut(&vm) else {
             return Handled::Ok;
         };
         v.stats.missing += 1;
         wake(v, first, count)
+    }
+
+    /// A fault on `page` cannot be served (its image is unreadable or
+    /// changed, its source is gone): waking the vCPU would only make it
+    /// fault again, for ever. The VM fails instead, with the reason in the
+    /// API, and the page is poisoned (UFFDIO_POISON), so the access cannot
+    /// be retried into: KVM turns it into SIGBUS for the vCPU thread, a
+    /// direct access by the VMM gets SIGBUS too, and the VMM ends. Every
+    /// fault after the first is only counted, with a rate-limited warning.
+    fn unservable(&mut self, vm: VmId, page: u64, e: &ResolveError) -> Handled {
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Handled::Ok;
+        };
+        v.stats.missing += 1;
+        let reason = format!("page {page} cannot be served: {}", shared::error_chain(e));
+        let first = v.failure.is_none();
+        if first {
+            error!("{vm}: failed: {reason}; the page is poisoned");
+            v.failure = Some(reason.clone());
+            v.state = RunState::Failed;
+        } else if let Some(n) = v.warnings.allow() {
+            warn!("{vm}: {reason}{}", suppressed_note(n));
+        }
+        match poison(v, page) {
+            Handled::Ok if first => Handled::Failed(reason),
+            other => other,
+        }
     }
 
     /// Copy-on-write step for a WP fault: give the pre-write page to every
@@ -241,6 +272,29 @@ fn install_copy(dep: &super::vm::Vm, src: &GuestMemory, page: u64) -> Result<(),
         }
     }
     Ok(dep.memory.copy_page_from(src, page)?)
+}
+
+/// Poison `page` in `v`'s VMM: every access to it fails from now on.
+fn poison(v: &mut super::vm::Vm, page: u64) -> Handled {
+    let Some(uffd) = v.uffd.clone() else {
+        return Handled::Ok;
+    };
+    match uffd_abi::poison(uffd.get_ref(), v.addr_of(page) as u64, PAGE_SIZE) {
+        Install::Done => Handled::Ok,
+        // Installed meanwhile, or an event is pending: let the access retry.
+        Install::Exists { .. } | Install::Again { .. } => wake(v, page, 1),
+        Install::Gone => Handled::VmmGone,
+        Install::Failed(errno) => {
+            if let Some(n) = v.warnings.allow() {
+                warn!(
+                    "{}: cannot poison page {page}: {errno}{}",
+                    v.id,
+                    suppressed_note(n)
+                );
+            }
+            wake(v, page, 1)
+        }
+    }
 }
 
 fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {

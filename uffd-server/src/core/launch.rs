@@ -201,7 +201,9 @@ impl Core {
         let size = req.memory_mib << 20;
         let file = match &req.memory_source {
             None => None,
-            Some(MemorySource::File { path }) => Some(open_image(path, size)?),
+            Some(MemorySource::File { path }) => {
+                Some(open_image(path, size, &self.settings.state_dir)?)
+            }
         };
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
@@ -386,8 +388,9 @@ impl Core {
 /// without blocking (a FIFO opens at once and is refused); only a regular
 /// file covering `size` bytes of guest RAM is accepted. Errors never quote
 /// the file's size, so a client learns nothing about a file it could not
-/// read itself.
-fn open_image(path: &str, size: u64) -> Result<FileSource> {
+/// read itself. The image is pinned (see [`crate::images::pin`]) so it
+/// cannot change under the VM.
+fn open_image(path: &str, size: u64, state_dir: &std::path::Path) -> Result<FileSource> {
     let (file, len) = crate::images::open_regular(std::path::Path::new(path))?;
     if len < size {
         return Err(Error::Image {
@@ -398,10 +401,17 @@ fn open_image(path: &str, size: u64) -> Result<FileSource> {
             ),
         });
     }
+    let (file, pin) = crate::images::pin(file, state_dir).map_err(|source| {
+        Error::OpenImageFile(crate::images::ImageError::Open {
+            path: path.into(),
+            source,
+        })
+    })?;
     Ok(FileSource {
         path: path.into(),
         file,
         len,
+        pin,
     })
 }
 

@@ -13,6 +13,7 @@ mod fork;
 mod inspect;
 mod launch;
 mod ops;
+pub(crate) mod ratelimit;
 pub mod vm;
 
 use std::cell::RefCell;
@@ -515,6 +516,21 @@ impl Core {
         }
     }
 
+    /// Append why `vm` failed to its log, next to its VMM's last words.
+    pub fn log_failure(&self, vm: VmId, reason: &str) {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.log_path(vm);
+        let appended = std::fs::OpenOptions::new()
+            .append(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .and_then(|mut f| writeln!(f, "uffd-server: {vm} failed: {reason}"));
+        if let Err(e) = appended {
+            warn!("{vm}: cannot note the failure in {}: {e}", path.display());
+        }
+    }
+
     /// Record that `vm`'s VMM is gone; its memory stays for dependents.
     pub fn mark_exited(&self, vm: VmId, reason: &str) {
         let mut reg = self.reg.borrow_mut();
@@ -534,7 +550,10 @@ impl Core {
         }
         v.uffd = None;
         v.closed.notify_one();
-        v.fail_pending(reason);
+        // A VM that failed tells its waiting requests why, not just that
+        // its VMM went away.
+        let why = v.failure.clone();
+        v.fail_pending(why.as_deref().unwrap_or(reason));
     }
 
     /// Send a request to `vm`'s VMM and wait for the reply.
@@ -666,15 +685,23 @@ async fn serve_faults(
             continue;
         }
         let mut vmm_gone = false;
+        let mut failed = None;
         {
             let mut reg = core.reg.borrow_mut();
             for ev in events {
                 match ev {
-                    Ok(ev) => vmm_gone |= reg.handle_event(vm, ev) == fault::Handled::VmmGone,
+                    Ok(ev) => match reg.handle_event(vm, ev) {
+                        fault::Handled::Ok => {}
+                        fault::Handled::VmmGone => vmm_gone = true,
+                        fault::Handled::Failed(reason) => failed = Some(reason),
+                    },
                     Err(e) => warn!("{vm}: bad uffd event: {e}"),
                 }
             }
             reg.collect_garbage();
+        }
+        if let Some(reason) = failed {
+            core.log_failure(vm, &reason);
         }
         if vmm_gone {
             core.mark_exited(vm, "vmm address space is gone (ESRCH)");

@@ -38,7 +38,7 @@ impl Core {
                 pages: reg.pages_by_kind(&v.table),
                 resident_pages: v.table.count_of(v.self_src),
                 exit_reason: None,
-                failure: None,
+                failure: v.failure.clone(),
                 parent: None,
                 volume: None,
                 faults: FaultCounters {

@@ -79,6 +79,8 @@ pub struct Vm {
     /// Notified when the VMM is gone: the fault-serving task stops and
     /// drops its handle on the uffd.
     pub closed: Rc<tokio::sync::Notify>,
+    /// Limits the fault path's repeated warnings about this VM.
+    pub warnings: super::ratelimit::RateLimit,
 }
 
 /// What a new VM is made of; everything else starts empty.
@@ -126,6 +128,7 @@ impl Vm {
             deleted: false,
             forking: false,
             closed: Rc::new(tokio::sync::Notify::new()),
+            warnings: super::ratelimit::RateLimit::default(),
         }
     }
 

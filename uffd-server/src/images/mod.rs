@@ -7,9 +7,16 @@
 //! runs as root, read a file through a link it planted. Errors say what is
 //! wrong without quoting anything the client could not see itself (such as
 //! the file's size).
+//!
+//! An image must not change under a VM that reads it (a truncated image
+//! would read as zeroes, silently). [`pin`] serves a private reflink copy
+//! where the state directory's filesystem can make one of the image (it
+//! costs microseconds and shares every block), and otherwise records the
+//! image's size and modification time, which the resolver checks before
+//! each read: a change fails the VM instead of serving other bytes.
 
 use std::fs::File;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 /// Why an image cannot be used.
@@ -69,6 +76,80 @@ pub fn open_regular(path: &Path) -> Result<(File, u64), ImageError> {
     Ok((file, meta.len()))
 }
 
+/// How an open image is kept from changing under the VMs reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    /// Served from a private, unlinked reflink copy nobody else can reach.
+    PrivateClone,
+    /// Served from the client's file; what it looked like when opened.
+    Stamp(Stamp),
+}
+
+/// Size and modification time of an image when it was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    len: u64,
+    mtime: (i64, i64),
+}
+
+/// The image changed since it was opened.
+#[derive(Debug, thiserror::Error)]
+pub enum Changed {
+    #[error("the image changed since it was opened (size {was} -> {now} bytes or modified)")]
+    Modified { was: u64, now: u64 },
+    #[error("cannot stat the image")]
+    Stat(#[source] std::io::Error),
+}
+
+impl Stamp {
+    /// The stamp of `file` now.
+    pub fn of(file: &File) -> std::io::Result<Stamp> {
+        let m = file.metadata()?;
+        Ok(Stamp {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        })
+    }
+
+    /// Fail if `file` no longer matches this stamp.
+    pub fn check(&self, file: &File) -> Result<(), Changed> {
+        let now = Stamp::of(file).map_err(Changed::Stat)?;
+        if now == *self {
+            Ok(())
+        } else {
+            Err(Changed::Modified {
+                was: self.len,
+                now: now.len,
+            })
+        }
+    }
+}
+
+/// Keep `file` (an opened image) from changing under its readers: a
+/// private reflink copy made in `dir` when the filesystem allows it,
+/// otherwise the file itself with its [`Stamp`].
+pub fn pin(file: File, dir: &Path) -> std::io::Result<(File, Pin)> {
+    match private_clone(&file, dir) {
+        Ok(copy) => Ok((copy, Pin::PrivateClone)),
+        Err(_) => {
+            let stamp = Stamp::of(&file)?;
+            Ok((file, Pin::Stamp(stamp)))
+        }
+    }
+}
+
+/// An unlinked (`O_TMPFILE`) file in `dir` sharing all of `file`'s blocks.
+fn private_clone(file: &File, dir: &Path) -> std::io::Result<File> {
+    let copy = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC)
+        .open(dir)?;
+    crate::volume::ffi::ficlone(&copy, file)?;
+    Ok(copy)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,5 +177,23 @@ mod tests {
         assert!(e.to_string().contains("directory"), "{e}");
         let e = open_regular(Path::new("/dev/zero")).unwrap_err();
         assert!(e.to_string().contains("device"), "{e}");
+    }
+
+    #[test]
+    fn a_stamp_sees_truncation_and_rewrites() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("img");
+        std::fs::write(&img, [1u8; 8192]).unwrap();
+        let (file, _) = open_regular(&img).unwrap();
+        let stamp = Stamp::of(&file).unwrap();
+        stamp.check(&file).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        let e = stamp.check(&file).unwrap_err();
+        assert!(e.to_string().contains("8192 -> 4096"), "{e}");
     }
 }

@@ -35,6 +35,12 @@ pub enum ResolveError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot serve image {}", path.display())]
+    ImageChanged {
+        path: PathBuf,
+        #[source]
+        source: crate::images::Changed,
+    },
     #[error("the destination of pages from {first} is not a whole number of pages")]
     PartialPage { first: u64 },
     #[error("cannot access guest memory")]
@@ -127,6 +133,14 @@ pub fn read_pages(
         }
         PageSource::File(f) => {
             let offset = first * PAGE_SIZE;
+            if let crate::images::Pin::Stamp(stamp) = &f.pin {
+                stamp
+                    .check(&f.file)
+                    .map_err(|source| ResolveError::ImageChanged {
+                        path: f.path.clone(),
+                        source,
+                    })?;
+            }
             let mut done = 0usize;
             while done < len {
                 let off = libc::off_t::try_from(offset + done as u64).unwrap_or(libc::off_t::MAX);
@@ -138,6 +152,17 @@ pub fn read_pages(
                 };
                 match n {
                     n if n > 0 => done += n.unsigned_abs(),
+                    0 if offset + (done as u64) < f.len => {
+                        // Shorter than when it was opened: truncated under
+                        // its readers (between the check above and now).
+                        return Err(ResolveError::ImageChanged {
+                            path: f.path.clone(),
+                            source: crate::images::Changed::Modified {
+                                was: f.len,
+                                now: offset + done as u64,
+                            },
+                        });
+                    }
                     0 => {
                         // Past the end of the image: the rest reads as zero.
                         // SAFETY: same range as above.
@@ -225,8 +250,9 @@ mod tests {
         f.write_all(&img).unwrap();
         let src = PageSource::File(FileSource {
             path: "img".into(),
-            file: f,
             len: img.len() as u64,
+            pin: crate::images::Pin::Stamp(crate::images::Stamp::of(&f).unwrap()),
+            file: f,
         });
         let mut buf = vec![0xeeu8; 3 * PAGE];
         read_pages(&src, 1, &VolatileSlice::from(&mut buf[..]), &no_vms).unwrap();

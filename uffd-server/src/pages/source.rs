@@ -28,6 +28,8 @@ pub struct FileSource {
     pub file: File,
     /// Size of the file in bytes when opened.
     pub len: u64,
+    /// How the file is kept from changing under its readers.
+    pub pin: crate::images::Pin,
 }
 
 /// Where a page's bytes come from.

@@ -16,7 +16,7 @@
 mod engine;
 mod error;
 pub mod extents;
-mod ffi;
+pub(crate) mod ffi;
 pub mod index;
 pub mod name;
 pub mod probe;

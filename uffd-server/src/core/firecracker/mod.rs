@@ -16,7 +16,6 @@
 //!   the next fault installs zeroes. EAGAIN from an install means such an
 //!   event is pending: the fault is deferred and retried after the events.
 
-pub mod map;
 mod serve;
 mod vm;
 
@@ -35,7 +34,6 @@ use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
 use userfaultfd::Uffd;
 
-pub use map::FileMap;
 pub use vm::FcVm;
 
 use super::vm::{FaultStats, RunState};
@@ -52,7 +50,6 @@ pub struct FcListener {
     pub socket: PathBuf,
     pub source_path: PathBuf,
     pub source: SourceId,
-    pub map: Rc<FileMap>,
     pub fault_around_pages: u64,
     /// Largest readahead window in pages.
     pub readahead_pages: u64,
@@ -93,9 +90,11 @@ impl Core {
             }
             None => self.settings.readahead_pages,
         };
-        let map = FileMap::new(&file, len).map_err(|source| Error::MapImage {
-            path: path.clone(),
-            source,
+        let (file, pin) = crate::images::pin(file, &self.settings.state_dir).map_err(|source| {
+            Error::OpenImageFile(crate::images::ImageError::Open {
+                path: path.clone(),
+                source,
+            })
         })?;
         if socket.symlink_metadata().is_ok() {
             return Err(Error::SocketExists { path: socket });
@@ -118,6 +117,7 @@ impl Core {
                 path: PathBuf::from(path),
                 file,
                 len,
+                pin,
             }));
         let ctx = crate::conn::firecracker::ListenerCtx {
             id,
@@ -140,7 +140,6 @@ impl Core {
                 socket: socket.clone(),
                 source_path: PathBuf::from(path),
                 source,
-                map: Rc::new(map),
                 fault_around_pages,
                 readahead_pages,
                 working_set: req.working_set,
@@ -258,8 +257,7 @@ impl Core {
             return;
         };
         let readahead_pages = l.readahead_pages;
-        let (map, file_src, fault_around, recorded) = (
-            l.map.clone(),
+        let (file_src, fault_around, recorded) = (
             l.source,
             l.fault_around_pages,
             if l.working_set {
@@ -291,9 +289,10 @@ impl Core {
                 table,
                 self_src,
                 file_src,
-                map,
                 uffd: afd.clone(),
                 state: RunState::Running,
+                failure: None,
+                warnings: Default::default(),
                 stats: FaultStats::default(),
                 fault_around_pages: fault_around,
                 readahead: super::vm::Readahead {

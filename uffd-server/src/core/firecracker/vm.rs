@@ -11,12 +11,12 @@ use std::rc::Rc;
 use proto::firecracker::Region;
 use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
-use tracing::warn;
+use tracing::{error, warn};
 use uffd_abi::Install;
 use userfaultfd::Uffd;
 use vm_memory::VolatileSlice;
 
-use super::map::FileMap;
+use crate::core::ratelimit::{suppressed_note, RateLimit};
 use crate::core::vm::{FaultStats, Readahead, RunState};
 use crate::pages::{
     plan_run, read_pages, Fault, PageTable, ResolveError, SourceArena, SourceId, UNINITIALIZED,
@@ -38,7 +38,6 @@ pub struct FcVm {
     pub table: PageTable,
     pub self_src: SourceId,
     pub file_src: SourceId,
-    pub map: Rc<FileMap>,
     pub uffd: Rc<AsyncFd<Uffd>>,
     pub state: RunState,
     pub stats: FaultStats,
@@ -51,6 +50,10 @@ pub struct FcVm {
     /// Signalled on hang-up: the serving task stops and drops the uffd
     /// (after the process exits its uffd never becomes readable again).
     pub closed: Rc<tokio::sync::Notify>,
+    /// Why the VM failed (state `Failed`): a fault could not be served.
+    pub failure: Option<String>,
+    /// Limits the fault path's repeated warnings about this VM.
+    pub warnings: RateLimit,
 }
 
 /// Result of resolving one fault.
@@ -59,6 +62,13 @@ pub(super) enum Resolved {
     /// Retry after the pending events.
     Again,
     Gone,
+}
+
+/// How an attempt to resolve a fault ended.
+enum Outcome {
+    Resolved(Resolved),
+    /// The pages cannot be served, for this reason.
+    Unservable(String),
 }
 
 impl FcVm {
@@ -77,7 +87,7 @@ impl FcVm {
         r: Region,
         lo: u64,
         hi: u64,
-    ) -> Result<u64, Resolved> {
+    ) -> Result<u64, Outcome> {
         let src_id = self.table.get(lo);
         if src_id == UNINITIALIZED && r.page_size == PAGE_SIZE {
             let dst = r.base + (lo * PAGE_SIZE - r.offset);
@@ -85,8 +95,8 @@ impl FcVm {
             return self.installed(lo, hi, 0, res);
         }
         let Some(source) = arena.get(src_id).cloned() else {
-            warn!("{}: pages {lo}..{hi} name an unknown source", self.id);
-            return Err(Resolved::Ok);
+            let e = ResolveError::UnknownSource(src_id);
+            return Err(Outcome::Unservable(e.to_string()));
         };
         let mut at = lo;
         while at < hi {
@@ -108,13 +118,11 @@ impl FcVm {
             let res = match res {
                 Ok(res) => res,
                 Err(e) => {
-                    warn!(
-                        "{}: cannot read pages {at}..{end}: {}",
-                        self.id,
-                        shared::error_chain(&e)
-                    );
                     self.mark(lo, at - lo);
-                    return Err(Resolved::Ok);
+                    return Err(Outcome::Unservable(format!(
+                        "pages {at}..{end} cannot be served: {}",
+                        shared::error_chain(&e)
+                    )));
                 }
             };
             match res {
@@ -128,20 +136,21 @@ impl FcVm {
 
     /// Account for an install of `[lo, hi)` whose first `before` pages were
     /// installed by earlier calls and whose last call ended in `res`.
-    fn installed(&mut self, lo: u64, hi: u64, before: u64, res: Install) -> Result<u64, Resolved> {
+    fn installed(&mut self, lo: u64, hi: u64, before: u64, res: Install) -> Result<u64, Outcome> {
         let done = |copied: u64| before + copied / PAGE_SIZE;
         let n = match res {
             Install::Done => hi - lo,
             Install::Exists { copied } => done(copied),
             Install::Again { copied } => {
                 self.mark(lo, done(copied));
-                return Err(Resolved::Again);
+                return Err(Outcome::Resolved(Resolved::Again));
             }
-            Install::Gone => return Err(Resolved::Gone),
+            Install::Gone => return Err(Outcome::Resolved(Resolved::Gone)),
             Install::Failed(errno) => {
-                warn!("{}: install of pages {lo}..{hi} failed: {errno}", self.id);
                 self.mark(lo, before);
-                return Err(Resolved::Ok);
+                return Err(Outcome::Unservable(format!(
+                    "UFFDIO_COPY of pages {lo}..{hi} failed: {errno}"
+                )));
             }
         };
         self.mark(lo, n);
@@ -158,18 +167,68 @@ impl FcVm {
         let _ = uffd_abi::wake(self.uffd.get_ref(), addr, len);
     }
 
-    /// Resolve a MISSING fault at `addr`.
+    /// Resolve a MISSING fault at `addr`; a fault that cannot be served
+    /// fails the VM and poisons the faulting page (see [`Self::unservable`]).
     pub(super) fn resolve(&mut self, arena: &SourceArena, addr: u64, record: bool) -> Resolved {
+        match self.try_resolve(arena, addr, record) {
+            Outcome::Resolved(r) => r,
+            Outcome::Unservable(reason) => self.unservable(addr, reason),
+        }
+    }
+
+    /// As for our own VMs (`Registry::unservable`): waking would make the
+    /// vCPU fault again for ever, so the VM fails with the reason in the
+    /// API and the page is poisoned; Firecracker's access gets SIGBUS.
+    /// Faults after the first are counted under a rate-limited warning.
+    fn unservable(&mut self, addr: u64, reason: String) -> Resolved {
+        if self.failure.is_none() {
+            error!("{}: failed: {reason}; the page is poisoned", self.id);
+            self.failure = Some(reason);
+            self.state = RunState::Failed;
+        } else if let Some(n) = self.warnings.allow() {
+            warn!("{}: {reason}{}", self.id, suppressed_note(n));
+        }
+        let size = self.region_of(addr).map_or(PAGE_SIZE, |r| r.page_size);
+        let start = addr & !(size - 1);
+        match uffd_abi::poison(self.uffd.get_ref(), start, size) {
+            Install::Done => Resolved::Ok,
+            Install::Gone => Resolved::Gone,
+            Install::Again { .. } => Resolved::Again,
+            Install::Exists { .. } => {
+                self.wake(start, size);
+                Resolved::Ok
+            }
+            Install::Failed(errno) => {
+                if let Some(n) = self.warnings.allow() {
+                    warn!(
+                        "{}: cannot poison {start:#x}: {errno}{}",
+                        self.id,
+                        suppressed_note(n)
+                    );
+                }
+                self.wake(start, size);
+                Resolved::Ok
+            }
+        }
+    }
+
+    fn try_resolve(&mut self, arena: &SourceArena, addr: u64, record: bool) -> Outcome {
         let Some(r) = self.region_of(addr) else {
-            warn!("{}: fault at {addr:#x} outside every region", self.id);
-            return Resolved::Ok;
+            if let Some(n) = self.warnings.allow() {
+                warn!(
+                    "{}: fault at {addr:#x} outside every region{}",
+                    self.id,
+                    suppressed_note(n)
+                );
+            }
+            return Outcome::Resolved(Resolved::Ok);
         };
         let unit = r.page_size / PAGE_SIZE;
         let page = (r.offset + (addr - r.base)) / PAGE_SIZE;
         let first = page - page % unit;
         if self.table.get(first) == self.self_src {
             self.wake(addr & !(r.page_size - 1), r.page_size);
-            return Resolved::Ok;
+            return Outcome::Resolved(Resolved::Ok);
         }
         let (lo, hi) = if unit > 1 || self.table.get(page) != self.file_src {
             (first, first + unit)
@@ -195,7 +254,7 @@ impl FcVm {
                     // order, including those installed around the fault.
                     self.fault_order.extend(lo..lo + n);
                 }
-                Resolved::Ok
+                Outcome::Resolved(Resolved::Ok)
             }
             Ok(_) => {
                 // Something below `page` already existed: install just it.
@@ -205,7 +264,7 @@ impl FcVm {
                             self.fault_order.extend(first..first + n);
                         }
                         self.wake(addr & !(r.page_size - 1), r.page_size);
-                        Resolved::Ok
+                        Outcome::Resolved(Resolved::Ok)
                     }
                     Err(e) => e,
                 }
