@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install what building and testing pagefork needs on a fresh Debian machine:
-# libclang (userfaultfd-sys runs bindgen at build time) and xfsprogs (the
-# reflink volume tests use a loop-mounted XFS). Idempotent; root needed only
-# when something is missing.
+# libclang (userfaultfd-sys runs bindgen at build time), xfsprogs (the
+# reflink volume tests use a loop-mounted XFS), and schemathesis from PyPI
+# in a venv (the API-schema test; PAGEFORK_VENV, default
+# /var/tmp/pagefork-venv). Idempotent; root needed only when a Debian
+# package is missing.
 set -euo pipefail
 
 missing=()
@@ -19,6 +21,18 @@ if [ "${#missing[@]}" -gt 0 ]; then
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -qq
 	apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+VENV="${PAGEFORK_VENV:-/var/tmp/pagefork-venv}"
+SCHEMATHESIS_VERSION=4.32.5
+if ! "$VENV/bin/schemathesis" --version 2>/dev/null | grep -q "$SCHEMATHESIS_VERSION"; then
+	echo "setup: installing schemathesis $SCHEMATHESIS_VERSION into $VENV" >&2
+	if ! python3 -m venv "$VENV" 2>/dev/null; then
+		export DEBIAN_FRONTEND=noninteractive
+		apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+		python3 -m venv "$VENV"
+	fi
+	"$VENV/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION"
 fi
 
 command -v cargo >/dev/null 2>&1 || {

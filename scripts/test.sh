@@ -2,7 +2,8 @@
 # Set up and run every pagefork test: unit and property tests, end-to-end
 # tests with real uffd-server and vmm processes on real KVM and
 # userfaultfd, volume tests on a loop-mounted XFS with reflink=1, and a
-# smoke run of every benchmark (no timing thresholds).
+# bounded run of every fuzz target, and a smoke run of every benchmark (no
+# timing thresholds).
 #
 # With CI=true, tests whose prerequisites (/dev/kvm, /dev/userfaultfd, the
 # XFS mount) are missing fail instead of skipping.
@@ -18,6 +19,7 @@ if [ -z "${PAGEFORK_XFS_DIR:-}" ]; then
 	scripts/xfs-loop.sh up "$XFS_DIR" >/dev/null
 fi
 export PAGEFORK_XFS_DIR="$XFS_DIR"
+export PAGEFORK_SCHEMATHESIS="${PAGEFORK_VENV:-/var/tmp/pagefork-venv}/bin/schemathesis"
 
 echo "== build" >&2
 cargo build --workspace --all-targets
@@ -32,6 +34,11 @@ set +e
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee target/test.log
 status=${PIPESTATUS[0]}
 set -e
+
+echo "== fuzzing (bounded)" >&2
+if ! scripts/fuzz.sh "${FUZZ_SECONDS:-30}"; then
+	status=1
+fi
 
 echo "== benchmark smoke run" >&2
 scripts/bench.sh --quick --out target/bench-quick.md

@@ -10,4 +10,5 @@
 pub mod api;
 pub mod firecracker;
 pub mod frame;
+pub mod fuzz;
 pub mod vmm;

@@ -270,3 +270,25 @@ fn sockets_are_created_mode_0600() {
         );
     }
 }
+
+#[test]
+fn silent_connections_are_capped_and_a_vm_still_starts() {
+    let s = TestServer::start();
+    // Peers that connect and say nothing hold a slot each until the hello
+    // timeout; beyond the cap a new one is refused at once.
+    // (The socket is 0600 in a 0700 directory: only the server's user can
+    // connect at all; the cap bounds the threads such peers can hold.)
+    let mut silent: Vec<UnixStream> = (0..uffd_server::conn::vmm::MAX_UNAUTHENTICATED)
+        .map(|_| connect(&s))
+        .collect();
+    let extra = connect(&s);
+    let msg = expect_error_then_close(&extra, "connection beyond the cap");
+    assert!(msg.contains("too many connections"), "{msg}");
+    // Freed slots are counted back: with a few silent peers gone, a VM's
+    // own VMM gets in and the VM runs, next to the rest still waiting.
+    silent.truncate(uffd_server::conn::vmm::MAX_UNAUTHENTICATED - 8);
+    std::thread::sleep(Duration::from_millis(100));
+    let bystander = Bystander::new(&s);
+    bystander.assert_unaffected(&s, "silent connections");
+    drop(silent);
+}

@@ -43,6 +43,13 @@ fn exit_now(code: i32) -> ! {
 
 /// Run in server mode until stopped or the server hangs up.
 pub fn run(socket: &Path, token: &str) -> Result<()> {
+    // The server owns this VM's memory: if it dies (even by SIGKILL), the
+    // guest cannot go on, so this process goes with it. The signal follows
+    // the death of the server thread that spawned us, which is the core
+    // thread, alive as long as the server.
+    if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL) {
+        tracing::warn!("cannot ask to die with the server: {e}");
+    }
     let (conn, welcome) = Connection::connect(socket, token)?;
     let conn = Arc::new(conn);
     let vm_id = welcome.vm_id;

@@ -11,9 +11,11 @@ use shared::GuestOp;
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {
     /// Guest RAM in MiB.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub memory_mib: u64,
     /// Number of vCPUs (default 1).
     #[serde(default = "default_vcpus")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 32))]
     pub vcpus: u8,
     /// Where the initial memory comes from; `null` is all zeroes.
     #[serde(default)]
@@ -334,6 +336,7 @@ pub const MAX_FORK_COUNT: u32 = 64;
 pub struct ForkRequest {
     /// Children to create, 1 to [`MAX_FORK_COUNT`].
     #[serde(default = "one")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 64))]
     pub count: u32,
 }
 

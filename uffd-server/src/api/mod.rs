@@ -176,7 +176,7 @@ async fn exec(State(core): State<CoreHandle>, Path(id): Path<String>, body: Byte
     post,
     path = "/v1/vms/{id}/fork",
     params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)")),
-    request_body = proto::api::ForkRequest,
+    request_body = Option<proto::api::ForkRequest>,
     responses(
         (status = 201, description = "the children run", body = proto::api::ForkResponse),
         (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),

@@ -9,6 +9,8 @@
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
@@ -31,6 +33,23 @@ fn refuse(stream: &UnixStream, why: &str) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
+/// Connections that have not yet proved they are a launched VMM, at most;
+/// more are refused at once (each holds a thread for up to
+/// [`HELLO_TIMEOUT`]).
+pub const MAX_UNAUTHENTICATED: usize = 64;
+
+/// How long a new connection has to send its hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Counts a connection as unauthenticated while it lives.
+struct Unauthenticated(Arc<AtomicUsize>);
+
+impl Drop for Unauthenticated {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Accept connections forever on `listener`, one thread per connection;
 /// each VMM's sends are queued up to `queue` messages.
 pub fn accept_loop(
@@ -39,14 +58,24 @@ pub fn accept_loop(
     events: UnboundedSender<ConnEvent>,
     queue: usize,
 ) {
+    let unauthenticated = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
+                if unauthenticated.fetch_add(1, Ordering::Relaxed) >= MAX_UNAUTHENTICATED {
+                    unauthenticated.fetch_sub(1, Ordering::Relaxed);
+                    refuse(
+                        &stream,
+                        "too many connections waiting to say hello; try again later",
+                    );
+                    continue;
+                }
+                let guard = Unauthenticated(unauthenticated.clone());
                 let pending = pending.clone();
                 let events = events.clone();
                 let spawned = std::thread::Builder::new()
                     .name("vmm-conn".into())
-                    .spawn(move || serve_connection(stream, pending, events, queue));
+                    .spawn(move || serve_connection(stream, pending, events, queue, guard));
                 if let Err(e) = spawned {
                     warn!("vmm socket: cannot start a connection thread: {e}");
                 }
@@ -64,12 +93,13 @@ fn serve_connection(
     pending: PendingLaunches,
     events: UnboundedSender<ConnEvent>,
     queue: usize,
+    unauthenticated: Unauthenticated,
 ) {
     let peer_pid = getsockopt(&stream, PeerCredentials)
         .map(|c| c.pid())
         .unwrap_or(-1);
     // A peer has a few seconds to say hello.
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
     let hello = msg::recv::<VmmMsg>(&stream);
     let (token, pid) = match hello {
         Ok((
@@ -115,6 +145,7 @@ fn serve_connection(
         return refuse(&stream, "unknown launch token: a VMM may only connect with the token its server launched it with");
     };
     let _ = stream.set_read_timeout(None);
+    drop(unauthenticated);
     let vm = launch.vm;
     let writer = match stream
         .try_clone()
