@@ -168,6 +168,9 @@ fn idle_and_half_sent_connections_cannot_lock_clients_out() {
         match request_within(&sock, "GET", "/v1/health", None, Duration::from_secs(5)) {
             Some((200, _)) => break t0.elapsed(),
             Some((503, _)) => refused_meanwhile += 1,
+            // No answer within 5 s (a busy machine): try again until the
+            // deadline below.
+            None => {}
             other => panic!("health answered {other:?}"),
         }
         assert!(
