@@ -101,6 +101,9 @@ if [ -z "$XFS_DIR" ]; then
 fi
 if [ -n "$XFS_DIR" ]; then
 	run volume_snapshot "$XFS_DIR" --json "$WORK/volume_snapshot.json"
+	run vm_snapshot "$XFS_DIR" "${QUICK_ARG[@]}"
+else
+	cp "$WORK/volume_snapshot.status" "$WORK/vm_snapshot.status"
 fi
 
 run fc_restore "${QUICK_ARG[@]}"

@@ -24,6 +24,12 @@ pub struct Plan {
     pub fork_mib: Vec<u64>,
     /// Memory the Firecracker-like client touches, MiB.
     pub fc_mib: u64,
+    /// Guest RAM of the VM whose dirty snapshots and rollback are measured.
+    pub snap_mib: u64,
+    /// VM sizes restored from a snapshot, MiB.
+    pub restore_mib: Vec<u64>,
+    /// Clones of one clone request.
+    pub clone_count: u32,
 }
 
 impl Plan {
@@ -36,6 +42,9 @@ impl Plan {
                 lazy_mib: 64,
                 fork_mib: vec![256, 1024],
                 fc_mib: 64,
+                snap_mib: 256,
+                restore_mib: vec![256, 1024],
+                clone_count: 10,
             }
         } else {
             Plan {
@@ -44,6 +53,9 @@ impl Plan {
                 lazy_mib: 256,
                 fork_mib: vec![256, 1024, 4096],
                 fc_mib: 256,
+                snap_mib: 1024,
+                restore_mib: vec![256, 1024, 4096],
+                clone_count: 100,
             }
         }
     }
@@ -93,13 +105,31 @@ impl Plan {
                 "volume.snap1_vs_cp".into(),
                 "volume.clone_vs_cp".into(),
             ],
+            "vm_snapshot" => {
+                let mut k: Vec<String> = [1, 10, 50, 100]
+                    .iter()
+                    .flat_map(|p| ["pause", "total", "bytes"].map(|m| format!("snap.{m}.{p}")))
+                    .collect();
+                k.extend(self.restore_mib.iter().map(|m| format!("snap.restore.{m}")));
+                k.extend(
+                    ["rollback", "clone", "clone_rss", "chain_extents"]
+                        .map(|m| format!("snap.{m}")),
+                );
+                k
+            }
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 4] = ["lazy_restore", "fork", "volume_snapshot", "fc_restore"];
+pub const BENCHES: [&str; 5] = [
+    "lazy_restore",
+    "fork",
+    "volume_snapshot",
+    "vm_snapshot",
+    "fc_restore",
+];
 
 #[cfg(test)]
 mod tests {

@@ -9,7 +9,7 @@
 //!   |-- UffdReady{bases}         + fds [uffd] -------->|  server starts serving faults
 //!   |   start vCPUs; agent waits for its first command |
 //!   |-- Running ---------------------------------------->|
-//!   |<-- Request{seq, Pause|Resume|CaptureState|Exec|Stop}
+//!   |<-- Request{seq, Pause|Resume|CaptureState|Restore|Exec|Stop}
 //!   |-- Reply{seq, result} ---------------------------->|
 //!   |-- Console{text} / Exited{code} ------------------>|  unsolicited
 //! ```
@@ -85,6 +85,10 @@ pub enum Request {
     Exec(GuestOp),
     /// Shut down the VM and exit.
     Stop,
+    /// Load this state into the paused vCPUs and devices (a rollback in
+    /// place: the server has already replaced guest memory); it takes
+    /// effect at the next resume. An agent op in flight is abandoned.
+    Restore(VmState),
 }
 
 impl Request {
@@ -96,6 +100,7 @@ impl Request {
             Request::CaptureState => "capture the state of",
             Request::Exec(_) => "exec",
             Request::Stop => "stop",
+            Request::Restore(_) => "restore the state of",
         }
     }
 }

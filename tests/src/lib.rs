@@ -659,15 +659,27 @@ impl TestServer {
     /// Stop the server (SIGTERM) and start a new one with `args` on the
     /// same state directory, appending to the same log.
     pub fn restart(&mut self, args: &[&str]) {
-        let status = self.stop(Duration::from_secs(20));
-        assert!(status.success(), "uffd-server stopped with {status}");
+        if self.child.is_some() {
+            let status = self.stop(Duration::from_secs(20));
+            assert!(status.success(), "uffd-server stopped with {status}");
+        }
         self.child = Some(spawn_server(
             &self.state_dir,
             &self.server_log(),
             args,
             None,
         ));
-        self.wait_healthy(Duration::from_secs(15));
+        // A restart after a crash verifies what it finds first.
+        self.wait_healthy(Duration::from_secs(60));
+    }
+
+    /// SIGKILL the server, so none of its clean-up runs, and reap it. The
+    /// state directory stays; its VMMs die with it.
+    pub fn kill_hard(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     /// The whole server log so far.

@@ -122,6 +122,8 @@ enum StartError {
     Thread(#[source] std::io::Error),
     #[error("cannot start the runtime")]
     Runtime(#[source] std::io::Error),
+    #[error("cannot open the snapshots of the state directory")]
+    Snapshots(#[source] uffd_server::snapshot::SnapshotError),
     #[error("firecracker listener {}", .0.display())]
     Firecracker(PathBuf, #[source] Box<uffd_server::core::Error>),
 }
@@ -265,6 +267,8 @@ fn run(args: Args) -> Result<(), StartError> {
             None
         }
     };
+    let snapshots =
+        uffd_server::snapshot::Catalog::open(&state_dir).map_err(StartError::Snapshots)?;
     let settings = Settings {
         state_dir: state_dir.clone(),
         vmm_bin,
@@ -326,7 +330,7 @@ fn run(args: Args) -> Result<(), StartError> {
         .map_err(StartError::Runtime)?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
-        let core = Core::new(settings, pending, volumes.clone(), core_events);
+        let core = Core::new(settings, pending, volumes.clone(), snapshots, core_events);
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
             if std::fs::symlink_metadata(&sock)

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffdctl::cli::{demo, firecracker, inspect, vm, volume};
+use uffdctl::cli::{demo, firecracker, inspect, snapshot, vm, volume};
 use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -32,6 +32,9 @@ enum Cmd {
     /// Serve Firecracker's Uffd memory backend: listeners.
     #[command(subcommand)]
     Firecracker(firecracker::FirecrackerCmd),
+    /// VM snapshots: create, list, show, delete, restore.
+    #[command(subcommand)]
+    Snapshot(snapshot::SnapshotCmd),
     /// Manage disk volumes and their snapshots.
     #[command(subcommand)]
     Volume(volume::VolumeCmd),
@@ -79,6 +82,7 @@ fn main() -> ExitCode {
         Cmd::Demo(d) => demo::run(d),
         Cmd::Firecracker(cmd) => firecracker::run(cmd, &client, args.json),
         Cmd::Volume(cmd) => volume::run(cmd, &client, args.json),
+        Cmd::Snapshot(cmd) => snapshot::run(cmd, &client, args.json),
         Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
         Cmd::Page { id, page } => inspect::page(&client, &id, page, args.json),
         Cmd::Tree => inspect::tree(&client, args.json),

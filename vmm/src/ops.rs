@@ -164,6 +164,7 @@ impl Dispatcher {
                 reply(Ok(Reply::Done));
             }
             Request::CaptureState => reply(self.machine.capture().map(Reply::State)),
+            Request::Restore(state) => reply(self.machine.restore(&state).map(|()| Reply::Done)),
             Request::Exec(op) => self.exec(op, reply),
             Request::Stop => {
                 reply(Ok(Reply::Done));

@@ -97,6 +97,7 @@ fn print_reply(
         Request::Resume => "resume",
         Request::CaptureState => "capture_state",
         Request::Stop => "stop",
+        Request::Restore(_) => "restore",
     };
     println!(
         "{}",

@@ -63,7 +63,8 @@ pub struct TreeNode {
     pub children: Vec<String>,
     /// Pages present in the VM's own memory.
     pub own_pages: u64,
-    /// Pages read from each other VM.
+    /// Pages read from each other VM (`vm-N`) and from snapshot images
+    /// (`snapshot:NAME`).
     pub reads_from: BTreeMap<String, u64>,
 }
 

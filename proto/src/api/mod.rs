@@ -10,9 +10,11 @@
 //! - [`volumes`]: disk volumes and their snapshots.
 //! - [`firecracker`]: listeners serving Firecracker's Uffd memory backend.
 //! - [`debug`]: memory-source debugging (sources, pages, tree, invariant).
+//! - [`snapshots`]: VM snapshots, restore, rollback in place, clone(n).
 
 pub mod debug;
 pub mod firecracker;
+pub mod snapshots;
 pub mod vms;
 pub mod volumes;
 
@@ -20,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 pub use debug::*;
 pub use firecracker::*;
+pub use snapshots::*;
 pub use vms::*;
 pub use volumes::*;
 

@@ -10,9 +10,15 @@ use shared::GuestOp;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CreateVm {
-    /// Guest RAM in MiB.
+    /// Guest RAM in MiB. With `from_snapshot` it comes from the snapshot:
+    /// leave it out (any value given must match the snapshot's).
+    #[serde(default)]
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub memory_mib: u64,
+    /// Start from this VM snapshot: its memory, vCPU and device state
+    /// (and a reflink of its volume snapshot, if it has one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
     /// Number of vCPUs (default 1).
     #[serde(default = "default_vcpus")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 32))]

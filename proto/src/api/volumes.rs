@@ -24,7 +24,7 @@ pub struct GrowVolume {
 }
 
 /// `POST /v1/volumes/{name}/snapshots` and
-/// `POST /v1/snapshots/{name}/snapshots`.
+/// `POST /v1/volume-snapshots/{name}/snapshots`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]

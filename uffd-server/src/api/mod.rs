@@ -9,6 +9,7 @@
 
 pub mod openapi;
 pub mod serve;
+pub mod snapshots;
 pub mod volumes;
 
 use axum::body::Bytes;
@@ -358,6 +359,7 @@ pub fn router(
         .route("/v1/vms/{id}/pages/{page}", get(page))
         .route("/v1/tree", get(tree))
         .route("/v1/debug/invariant", get(invariant))
+        .merge(snapshots::routes())
         .route("/metrics", get(metrics))
         .route(
             "/v1/firecracker/listeners",

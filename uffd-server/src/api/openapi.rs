@@ -10,7 +10,7 @@ use utoipa::OpenApi;
     info(
         title = "pagefork uffd-server API",
         description = "Control API of the pagefork page server: VMs, live fork, memory-source \
-                       debugging, Firecracker listeners and reflink disk volumes. JSON over the \
+                       debugging, Firecracker listeners, VM snapshots and reflink disk volumes. JSON over the \
                        server's Unix socket (STATE_DIR/api.sock). Errors are {\"error\": \"...\"}: \
                        4xx for the client's mistakes, 5xx for the server's own failures."
     ),
@@ -32,6 +32,12 @@ use utoipa::OpenApi;
         super::add_listener,
         super::list_listeners,
         super::delete_listener,
+        super::snapshots::create_snapshot,
+        super::snapshots::list_snapshots,
+        super::snapshots::get_snapshot,
+        super::snapshots::delete_snapshot,
+        super::snapshots::rollback_vm,
+        super::snapshots::clone_vm,
         super::volumes::list_volumes,
         super::volumes::create_volume,
         super::volumes::get_volume,
@@ -73,14 +79,19 @@ mod tests {
         ("/metrics", &["get"]),
         ("/v1/firecracker/listeners", &["get", "post"]),
         ("/v1/firecracker/listeners/{id}", &["delete"]),
+        ("/v1/vms/{id}/snapshots", &["post"]),
+        ("/v1/vms/{id}/rollback", &["post"]),
+        ("/v1/vms/{id}/clone", &["post"]),
+        ("/v1/snapshots", &["get"]),
+        ("/v1/snapshots/{name}", &["get", "delete"]),
         ("/v1/volumes", &["get", "post"]),
         ("/v1/volumes/{name}", &["get", "delete"]),
         ("/v1/volumes/{name}/grow", &["post"]),
         ("/v1/volumes/{name}/snapshots", &["get", "post"]),
         ("/v1/volumes/{name}/rollback", &["post"]),
-        ("/v1/snapshots", &["get"]),
-        ("/v1/snapshots/{name}", &["get", "delete"]),
-        ("/v1/snapshots/{name}/snapshots", &["post"]),
+        ("/v1/volume-snapshots", &["get"]),
+        ("/v1/volume-snapshots/{name}", &["get", "delete"]),
+        ("/v1/volume-snapshots/{name}/snapshots", &["post"]),
     ];
 
     #[test]
@@ -106,6 +117,9 @@ mod tests {
             "ForkResponse",
             "ErrorBody",
             "VolumeInfo",
+            "CreateSnapshot",
+            "SnapshotCreated",
+            "SnapshotInfo",
         ] {
             assert!(schemas.contains_key(t), "schema {t} missing");
         }

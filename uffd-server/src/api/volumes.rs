@@ -11,10 +11,10 @@
 //! GET    /v1/volumes/{name}/snapshots         its snapshots, oldest first
 //! POST   /v1/volumes/{name}/snapshots         {"name"}
 //! POST   /v1/volumes/{name}/rollback          {"snapshot", "delete_newer"}
-//! GET    /v1/snapshots                        every snapshot
-//! GET    /v1/snapshots/{name}                 one snapshot
-//! DELETE /v1/snapshots/{name}                 delete a snapshot
-//! POST   /v1/snapshots/{name}/snapshots       {"name"}: snapshot of a snapshot
+//! GET    /v1/volume-snapshots                 every volume snapshot
+//! GET    /v1/volume-snapshots/{name}          one volume snapshot
+//! DELETE /v1/volume-snapshots/{name}          delete a volume snapshot
+//! POST   /v1/volume-snapshots/{name}/snapshots {"name"}: snapshot of a snapshot
 //! ```
 //!
 //! Errors are `{"error": "..."}`: 400 bad input, 404 unknown name, 409 name
@@ -52,12 +52,15 @@ pub fn router(engine: Arc<VolumeEngine>) -> Router {
             get(list_volume_snapshots).post(snapshot_volume),
         )
         .route("/v1/volumes/{name}/rollback", post(rollback_volume))
-        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/volume-snapshots", get(list_snapshots))
         .route(
-            "/v1/snapshots/{name}",
+            "/v1/volume-snapshots/{name}",
             get(get_snapshot).delete(delete_snapshot),
         )
-        .route("/v1/snapshots/{name}/snapshots", post(snapshot_snapshot))
+        .route(
+            "/v1/volume-snapshots/{name}/snapshots",
+            post(snapshot_snapshot),
+        )
         .with_state(engine)
 }
 
@@ -188,7 +191,7 @@ async fn grow_volume(
 }
 
 /// Snapshot a volume (`/v1/volumes/{name}/snapshots`) or a snapshot
-/// (`/v1/snapshots/{name}/snapshots`, recorded against its volume).
+/// (`/v1/volume-snapshots/{name}/snapshots`, recorded against its volume).
 #[utoipa::path(
     post,
     path = "/v1/volumes/{name}/snapshots",
@@ -215,7 +218,7 @@ async fn snapshot_volume(
 /// A snapshot of a snapshot (recorded against its volume).
 #[utoipa::path(
     post,
-    path = "/v1/snapshots/{name}/snapshots",
+    path = "/v1/volume-snapshots/{name}/snapshots",
     params(("name" = String, description = "a volume or snapshot name")),
     request_body = proto::api::CreateVolumeSnapshot,
     responses(
@@ -274,7 +277,7 @@ async fn rollback_volume(
 
 #[utoipa::path(
     get,
-    path = "/v1/snapshots",
+    path = "/v1/volume-snapshots",
     responses(
         (status = 200, description = "every snapshot", body = Vec<proto::api::VolumeSnapshotInfo>),
         (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
@@ -289,7 +292,7 @@ async fn list_snapshots(
 
 #[utoipa::path(
     get,
-    path = "/v1/snapshots/{name}",
+    path = "/v1/volume-snapshots/{name}",
     params(("name" = String, description = "a volume or snapshot name")),
     responses(
         (status = 200, description = "the snapshot", body = proto::api::VolumeSnapshotInfo),
@@ -306,7 +309,7 @@ async fn get_snapshot(
 
 #[utoipa::path(
     delete,
-    path = "/v1/snapshots/{name}",
+    path = "/v1/volume-snapshots/{name}",
     params(("name" = String, description = "a volume or snapshot name")),
     responses(
         (status = 200, description = "deleted", body = proto::api::Deleted),

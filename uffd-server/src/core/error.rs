@@ -12,6 +12,7 @@ use proto::api::RunState;
 use shared::VmId;
 
 use crate::memory::MemoryError;
+use crate::snapshot::ErrorKind as SnapshotKind;
 use crate::volume::{ErrorKind, VolumeError};
 
 /// An error for an API client.
@@ -153,6 +154,25 @@ pub enum Error {
     },
     #[error("the server runs {0} VMs already, its --max-vms; delete some first")]
     TooManyVms(usize),
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
+    #[error("cannot write-protect the memory of {vm} for its snapshot")]
+    ArmTracking {
+        vm: VmId,
+        #[source]
+        source: uffd_abi::Errno,
+    },
+    #[error("clone {index} of {count} of {vm} failed, so none was kept: {source}")]
+    CloneFailed {
+        vm: VmId,
+        index: u32,
+        count: u32,
+        source: Box<Error>,
+    },
+    #[error("{vm} failed: {reason}")]
+    RollbackFailed { vm: VmId, reason: String },
+    #[error("cannot save the snapshot of {vm}: {reason}")]
+    SaveSnapshot { vm: VmId, reason: String },
 }
 
 /// Result alias for core operations.
@@ -211,6 +231,14 @@ impl Error {
             ShuttingDown => 503,
             OverBudget { .. } | TooManyVms(_) => 507,
             VmmTimeout { .. } | StartTimeout { .. } => 504,
+            Snapshot(e) => match e.kind() {
+                SnapshotKind::BadRequest => 400,
+                SnapshotKind::NotFound => 404,
+                SnapshotKind::Conflict => 409,
+                SnapshotKind::Io => 500,
+            },
+            SaveSnapshot { .. } | ArmTracking { .. } | RollbackFailed { .. } => 500,
+            CloneFailed { source, .. } => source.status(),
         }
     }
 
@@ -257,6 +285,17 @@ mod tests {
                 500,
             ),
             (Error::VmmGone { vm }, 502),
+            (
+                Error::Snapshot(crate::snapshot::SnapshotError::InUse {
+                    name: "s".into(),
+                    vms: vec!["vm-2".into()],
+                }),
+                409,
+            ),
+            (
+                Error::Snapshot(crate::snapshot::SnapshotError::NotFound("s".into())),
+                404,
+            ),
             (Error::ShuttingDown, 503),
             (
                 Error::VmmTimeout {

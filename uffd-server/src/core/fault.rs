@@ -16,7 +16,7 @@ use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, error, warn};
 use uffd_abi::{Errno, Install};
-use userfaultfd::{Event, FaultKind, Uffd};
+use userfaultfd::{Event, FaultKind, ReadWrite, Uffd};
 use vm_memory::VolatileSlice;
 
 use super::ratelimit::suppressed_note;
@@ -40,7 +40,9 @@ impl Registry {
     /// Handle one uffd event of `vm`.
     pub fn handle_event(&mut self, vm: VmId, event: Event) -> Handled {
         match event {
-            Event::Pagefault { kind, addr, .. } => self.handle_fault(vm, kind, addr as u64),
+            Event::Pagefault { kind, rw, addr, .. } => {
+                self.handle_fault(vm, kind, rw == ReadWrite::Write, addr as u64)
+            }
             Event::Remove { start, end } => self.handle_remove(vm, start as u64, end as u64),
             other => {
                 debug!("{vm}: ignoring uffd event {other:?}");
@@ -49,7 +51,7 @@ impl Registry {
         }
     }
 
-    fn handle_fault(&mut self, vm: VmId, kind: FaultKind, addr: u64) -> Handled {
+    fn handle_fault(&mut self, vm: VmId, kind: FaultKind, write: bool, addr: u64) -> Handled {
         let Some(v) = self.vms.get(&vm) else {
             return Handled::Ok;
         };
@@ -64,6 +66,11 @@ impl Registry {
             }
             return Handled::Ok;
         };
+        if write || kind == FaultKind::WriteProtected {
+            // A write is coming: the dirty log and a snapshot still saving
+            // this page see it first (see `snapshot.rs`).
+            self.before_write(vm, page);
+        }
         match kind {
             FaultKind::Missing => self.resolve_missing(vm, page),
             FaultKind::WriteProtected => self.resolve_write_protect(vm, page),
@@ -299,13 +306,15 @@ impl Registry {
 
     /// Before `vm` overwrites `page`, copy its current bytes to every VM
     /// whose table still reads that page from `vm`.
-    fn preserve_for_dependents(&mut self, vm: VmId, page: u64) {
+    /// Returns how many VMs got a copy.
+    pub(super) fn preserve_for_dependents(&mut self, vm: VmId, page: u64) -> u64 {
         let Some(src) = self.arena.vm_id(vm) else {
-            return;
+            return 0;
         };
         let Some(mem) = self.vms.get(&vm).map(|v| Rc::clone(&v.memory)) else {
-            return;
+            return 0;
         };
+        let mut given = 0;
         for (id, dep) in self.vms.iter_mut() {
             if *id == vm || dep.table.get(page) != src {
                 continue;
@@ -317,7 +326,9 @@ impl Registry {
             let me = dep.self_src;
             dep.table.set(page, me);
             dep.stats.pages_installed += 1;
+            given += 1;
         }
+        given
     }
 
     fn handle_remove(&mut self, vm: VmId, start: u64, end: u64) -> Handled {
@@ -330,6 +341,13 @@ impl Registry {
         let pages = last - first + 1;
         v.stats.removes += 1;
         let me = v.self_src;
+        let tracked = v.dirty.is_some();
+        for p in first..first + pages {
+            self.before_write(vm, p);
+        }
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Handled::Ok;
+        };
         let present: Vec<u64> = (first..first + pages)
             .filter(|p| v.table.get(*p) == me)
             .collect();
@@ -348,6 +366,17 @@ impl Registry {
                 "{vm}: cannot drop removed pages {first}..{}: {e}",
                 first + pages
             );
+        }
+        if tracked {
+            // Keep tracking writes to the discarded range.
+            if let Some(uffd) = v.uffd.clone() {
+                let addr = v.addr_of(first) as u64;
+                if let Err(e) =
+                    uffd_abi::write_protect(uffd.get_ref(), addr, pages * PAGE_SIZE, true)
+                {
+                    return errno_outcome(vm, "write-protect removed pages", e);
+                }
+            }
         }
         Handled::Ok
     }
@@ -382,9 +411,15 @@ fn install_copy(dep: &super::vm::Vm, src: &GuestMemory, page: u64) -> Result<(),
     if let Some(uffd) = dep.uffd.clone() {
         let from = src.page_ptr(page)?;
         let to = dep.addr_of(page) as u64;
+        // A dependent whose writes are tracked keeps the page protected.
+        let mode = if dep.dirty.is_some() || dep.saving.is_some() {
+            uffd_abi::COPY_MODE_WP
+        } else {
+            0
+        };
         // SAFETY: `from` is one page inside the source VM's live mapping,
         // which `src` keeps alive for the call.
-        match unsafe { uffd_abi::copy(uffd.get_ref(), from, to, PAGE_SIZE, 0) } {
+        match unsafe { uffd_abi::copy(uffd.get_ref(), from, to, PAGE_SIZE, mode) } {
             Install::Done => return Ok(()),
             Install::Exists { .. } => return Err(PreserveError::AlreadyPresent),
             // Gone: the VMM died, nobody touches the memfd any more.

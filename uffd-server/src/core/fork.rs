@@ -47,7 +47,7 @@ impl Core {
             let size = reg.vms.get(&parent).map_or(0, |v| v.memory.size());
             reg.admit(&self.settings, u64::from(count), size)?;
         }
-        let _forking = self.begin_fork(parent)?;
+        let _busy = self.begin_busy(parent, "fork", "a fork")?;
         let timeout = self.settings.vmm_deadline;
         // Pause and capture are sent back to back (the VMM answers in
         // order), so the parent's pause pays one round trip, not two.
@@ -278,8 +278,13 @@ impl Core {
         let mut reg = self.reg.borrow_mut();
         for id in ids {
             let vol = reg.vms.get_mut(id).and_then(|v| {
-                // Only a fork child's own reflinked disk goes with it.
-                v.parent.and(v.volume.take())
+                // Only a fork child's (or a restored VM's) own reflinked
+                // disk goes with it.
+                if v.parent.is_some() || v.owns_volume {
+                    v.volume.take()
+                } else {
+                    None
+                }
             });
             if let (Some(vol), Some(engine)) = (vol, self.volumes.as_ref()) {
                 if let Err(e) = engine.delete(&vol) {

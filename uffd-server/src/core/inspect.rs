@@ -160,10 +160,15 @@ impl Core {
                     if *src == v.self_src {
                         continue;
                     }
-                    if let Some(crate::pages::PageSource::Vm(other)) =
-                        reg.arena.get(*src).map(|s| &**s)
-                    {
-                        reads.insert(other.to_string(), *n);
+                    match reg.arena.get(*src).map(|s| &**s) {
+                        Some(crate::pages::PageSource::Vm(other)) => {
+                            reads.insert(other.to_string(), *n);
+                        }
+                        // Snapshot images, by name, next to the VMs.
+                        Some(crate::pages::PageSource::Image(i)) => {
+                            *reads.entry(format!("snapshot:{}", i.snapshot)).or_insert(0) += *n;
+                        }
+                        _ => {}
                     }
                 }
                 let children: Vec<String> = reg

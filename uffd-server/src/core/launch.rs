@@ -78,7 +78,10 @@ pub(super) fn launch_config(
 impl Core {
     /// `POST /v1/vms`.
     pub(super) async fn create_vm(self: Rc<Self>, req: CreateVm) -> Result<VmInfo> {
-        let (id, ready_rx) = self.prepare_vm(&req)?;
+        let (id, ready_rx) = match &req.from_snapshot {
+            Some(name) => self.prepare_restore(&req, name)?,
+            None => self.prepare_vm(&req)?,
+        };
         let started = match self.spawn_vmm(id).await {
             Ok(()) => self.wait_ready(id, ready_rx).await,
             Err(e) => Err(e),
@@ -324,7 +327,8 @@ impl Core {
                 nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), None).is_ok()
             })
         };
-        for _ in 0..150 {
+        // Polled finely: a rollback waits here with its guest stopped.
+        for _ in 0..1500 {
             let exited = self
                 .reg
                 .borrow()
@@ -334,7 +338,7 @@ impl Core {
             if exited && !alive() {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
         if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
             warn!("{id}: vmm pid {pid} did not stop; killing it");
@@ -359,8 +363,9 @@ impl Core {
                 v.deleted = true;
                 forget_borrowed_pages(v);
                 if let (Some(vol), Some(engine)) = (v.volume.take(), self.volumes.as_ref()) {
-                    if v.parent.is_some() && vol.ends_with(&format!("-{id}")) {
-                        // A fork child's own reflinked disk goes with it.
+                    if v.owns_volume || (v.parent.is_some() && vol.ends_with(&format!("-{id}"))) {
+                        // A fork child's (or a restored VM's) own reflinked
+                        // disk goes with it.
                         let _ = engine.delete(&vol);
                     }
                 }

@@ -14,6 +14,8 @@ mod inspect;
 mod launch;
 mod ops;
 pub(crate) mod ratelimit;
+mod rollback;
+mod snapshot;
 pub mod vm;
 
 use std::cell::RefCell;
@@ -204,6 +206,8 @@ pub struct Core {
     pub settings: Settings,
     pub pending: PendingLaunches,
     pub volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+    /// The complete VM snapshots of the state directory.
+    pub snapshots: RefCell<crate::snapshot::Catalog>,
     /// Where connection threads (VMM and Firecracker) report.
     pub events: mpsc::UnboundedSender<ConnEvent>,
     /// Time spent on each uffd event (both kinds of VM), for `/metrics`.
@@ -237,6 +241,12 @@ pub enum Answer {
     Listener(api::ListenerInfo),
     Listeners(api::ListenerList),
     ListenerDeleted(api::ListenerDeleted),
+    SnapshotCreated(api::SnapshotCreated),
+    Snapshots(api::SnapshotList),
+    Snapshot(Box<api::SnapshotInfo>),
+    SnapshotDeleted(api::SnapshotDeleted),
+    RolledBack(api::VmRolledBack),
+    Cloned(api::ClonedVms),
     /// Counters for `/metrics` (rendered as text by the API, never JSON).
     #[serde(skip)]
     Metrics(Box<crate::observe::metrics::Sample>),
@@ -263,6 +273,12 @@ pub enum CommandKind {
     AddFcListener(proto::api::CreateListener),
     ListFcListeners,
     DeleteFcListener(u32),
+    Snapshot(VmId, proto::api::CreateSnapshot),
+    ListSnapshots,
+    GetSnapshot(String),
+    DeleteSnapshot(String),
+    Rollback(VmId, proto::api::RollbackVm),
+    Clone(VmId, proto::api::CloneVm),
     Shutdown,
 }
 
@@ -289,6 +305,7 @@ impl Core {
         settings: Settings,
         pending: PendingLaunches,
         volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+        snapshots: crate::snapshot::Catalog,
         events: mpsc::UnboundedSender<ConnEvent>,
     ) -> Rc<Self> {
         let first = first_free_id(&settings.state_dir);
@@ -301,6 +318,7 @@ impl Core {
             settings,
             pending,
             volumes,
+            snapshots: RefCell::new(snapshots),
             events,
             fault_seconds: crate::observe::metrics::fault_histogram(),
         })
@@ -363,6 +381,18 @@ impl Core {
             CommandKind::DeleteFcListener(id) => {
                 Answer::ListenerDeleted(self.delete_fc_listener(id)?)
             }
+            CommandKind::Snapshot(id, req) => {
+                Answer::SnapshotCreated(self.snapshot(id, req).await?)
+            }
+            CommandKind::ListSnapshots => Answer::Snapshots(self.list_snapshots()),
+            CommandKind::GetSnapshot(name) => {
+                Answer::Snapshot(Box::new(self.snapshot_info(&name)?))
+            }
+            CommandKind::DeleteSnapshot(name) => {
+                Answer::SnapshotDeleted(self.delete_snapshot(&name)?)
+            }
+            CommandKind::Rollback(id, req) => Answer::RolledBack(self.rollback(id, req).await?),
+            CommandKind::Clone(id, req) => Answer::Cloned(self.clone_vm(id, req).await?),
             CommandKind::Shutdown => Answer::Stopped,
         })
     }

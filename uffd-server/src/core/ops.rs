@@ -102,32 +102,39 @@ impl Core {
         }
     }
 
-    /// Mark `vm` as being forked until the guard drops; refuse if a fork
-    /// is under way already. (Guest ops may run during a fork: the pause
-    /// stops the vCPUs at an instruction boundary and children resume
-    /// mid-op.)
-    pub(super) fn begin_fork(self: &Rc<Self>, vm: VmId) -> Result<ForkGuard> {
-        self.refuse_while_forking(vm, "fork")?;
+    /// Mark `vm` as running `running` (a fork, a snapshot, a rollback:
+    /// operations that pause and resume the VM themselves) until the guard
+    /// drops; refuse if one is under way already. (Guest ops may run
+    /// meanwhile: a pause stops the vCPUs at an instruction boundary.)
+    pub(super) fn begin_busy(
+        self: &Rc<Self>,
+        vm: VmId,
+        action: &'static str,
+        running: &'static str,
+    ) -> Result<BusyGuard> {
+        self.refuse_while_busy(vm, action)?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
-            v.forking = true;
+            v.busy = Some(running);
         }
-        Ok(ForkGuard {
+        Ok(BusyGuard {
             core: self.clone(),
             vm,
         })
     }
 
-    /// Refuse `action` while `vm` is being forked (the fork pauses and
-    /// resumes it itself).
-    fn refuse_while_forking(&self, vm: VmId, action: &'static str) -> Result<()> {
+    /// Refuse `action` while `vm` runs an operation that pauses and
+    /// resumes it itself.
+    pub(super) fn refuse_while_busy(&self, vm: VmId, action: &'static str) -> Result<()> {
         let reg = self.reg.borrow();
         match reg.vms.get(&vm) {
-            Some(v) if v.forking => Err(Error::Busy {
-                vm,
-                action,
-                running: "a fork",
-            }),
-            Some(_) => Ok(()),
+            Some(v) => match v.busy {
+                Some(running) => Err(Error::Busy {
+                    vm,
+                    action,
+                    running,
+                }),
+                None => Ok(()),
+            },
             None => Err(Error::NoSuchVm(vm)),
         }
     }
@@ -173,7 +180,7 @@ impl Core {
 
     /// `POST /v1/vms/{id}/pause`.
     pub(super) async fn pause(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
-        self.refuse_while_forking(id, "pause")?;
+        self.refuse_while_busy(id, "pause")?;
         self.expect_state(id, RunState::Running, "pause")?;
         self.pause_or_resume(id, true).await?;
         self.info(id)
@@ -181,7 +188,7 @@ impl Core {
 
     /// `POST /v1/vms/{id}/resume`.
     pub(super) async fn resume(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
-        self.refuse_while_forking(id, "resume")?;
+        self.refuse_while_busy(id, "resume")?;
         self.expect_state(id, RunState::Paused, "resume")?;
         self.pause_or_resume(id, false).await?;
         self.info(id)
@@ -250,17 +257,17 @@ fn request_name(pause: bool) -> &'static str {
     }
 }
 
-/// Marks a VM as being forked while alive.
+/// Marks a VM as busy (see [`Core::begin_busy`]) while alive.
 #[derive(Debug)]
-pub(super) struct ForkGuard {
+pub(super) struct BusyGuard {
     core: Rc<Core>,
     vm: VmId,
 }
 
-impl Drop for ForkGuard {
+impl Drop for BusyGuard {
     fn drop(&mut self) {
         if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
-            v.forking = false;
+            v.busy = None;
         }
     }
 }

@@ -84,9 +84,20 @@ pub struct Vm {
     /// Deleted by the user but kept as a frozen source while other tables
     /// still read pages from it.
     pub deleted: bool,
-    /// A fork of this VM is under way: it pauses, captures and resumes
-    /// the VM itself, so pause, resume and another fork wait their turn.
-    pub forking: bool,
+    /// An operation that pauses, captures and resumes the VM itself (a
+    /// fork, a snapshot, a rollback) is under way: pause, resume and
+    /// another such operation wait their turn.
+    pub busy: Option<&'static str>,
+    /// Pages written since the VM's last snapshot, while tracked.
+    pub dirty: Option<super::snapshot::DirtyLog>,
+    /// A snapshot still saving pages after the guest resumed: a write to
+    /// one of them first hands its pre-image to it.
+    pub saving: Option<Rc<std::cell::RefCell<super::snapshot::Saving>>>,
+    /// The snapshot the VM started from (restore or rollback), and the
+    /// arena id of its image.
+    pub base: Option<(String, SourceId)>,
+    /// Its volume was made for it (from a snapshot) and goes with it.
+    pub owns_volume: bool,
     /// Notified when the VMM is gone: the fault-serving task stops and
     /// drops its handle on the uffd.
     pub closed: Rc<tokio::sync::Notify>,
@@ -137,7 +148,11 @@ impl Vm {
             volume: None,
             start_state: None,
             deleted: false,
-            forking: false,
+            busy: None,
+            dirty: None,
+            saving: None,
+            base: None,
+            owns_volume: false,
             closed: Rc::new(tokio::sync::Notify::new()),
             warnings: super::ratelimit::RateLimit::default(),
         }

@@ -10,5 +10,5 @@ pub mod table;
 
 pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
 pub use resolve::{plan_run, read_pages, Fault, ResolveError, Run};
-pub use source::{FileSource, PageSource, SourceArena, SourceId, UNINITIALIZED};
+pub use source::{FileSource, ImageSource, PageSource, SourceArena, SourceId, UNINITIALIZED};
 pub use table::{Extent, PageTable, CHUNK_PAGES};

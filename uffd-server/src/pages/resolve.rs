@@ -137,7 +137,7 @@ pub fn read_pages(
             src.copy_to_volatile_slice(*dst);
             Ok(())
         }
-        PageSource::File(f) => {
+        PageSource::File(f) | PageSource::Image(super::source::ImageSource { file: f, .. }) => {
             let offset = first * PAGE_SIZE;
             if let crate::images::Pin::Stamp(stamp) = &f.pin {
                 stamp

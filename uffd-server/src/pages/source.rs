@@ -32,6 +32,14 @@ pub struct FileSource {
     pub pin: crate::images::Pin,
 }
 
+/// A snapshot's reflinked `memory.img`, opened read-only.
+#[derive(Debug)]
+pub struct ImageSource {
+    /// The snapshot's name.
+    pub snapshot: String,
+    pub file: FileSource,
+}
+
 /// Where a page's bytes come from.
 #[derive(Debug)]
 pub enum PageSource {
@@ -41,6 +49,9 @@ pub enum PageSource {
     Vm(VmId),
     /// A raw image file.
     File(FileSource),
+    /// A snapshot's image: served like `File`; its holes are
+    /// `Uninitialized` in the tables that read it.
+    Image(ImageSource),
 }
 
 impl PageSource {
@@ -50,13 +61,30 @@ impl PageSource {
             PageSource::Uninitialized => "uninitialized",
             PageSource::Vm(_) => "vm",
             PageSource::File(_) => "file",
+            PageSource::Image(_) => "image",
         }
     }
 
     /// Whether a fault on this source installs a run of pages around it
     /// (fault-around and readahead) rather than the one page.
     pub fn fault_around(&self) -> bool {
-        matches!(self, PageSource::File(_))
+        matches!(self, PageSource::File(_) | PageSource::Image(_))
+    }
+
+    /// The image file behind this source, if it is one.
+    pub fn file(&self) -> Option<&FileSource> {
+        match self {
+            PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => Some(f),
+            PageSource::Uninitialized | PageSource::Vm(_) => None,
+        }
+    }
+
+    /// The snapshot whose image this is, if it is one.
+    pub fn snapshot(&self) -> Option<&str> {
+        match self {
+            PageSource::Image(i) => Some(&i.snapshot),
+            _ => None,
+        }
     }
 
     /// A short human description: `uninitialized`, `vm-3`, `file:/path`.
@@ -65,6 +93,7 @@ impl PageSource {
             PageSource::Uninitialized => "uninitialized".into(),
             PageSource::Vm(id) => id.to_string(),
             PageSource::File(f) => format!("file:{}", f.path.display()),
+            PageSource::Image(i) => format!("snapshot:{}", i.snapshot),
         }
     }
 }
@@ -128,12 +157,15 @@ impl SourceArena {
         counts
     }
 
-    /// Ids of the image sources (`File`) still held.
+    /// Ids of the image sources (`File`, `Image`) still held.
     pub fn image_ids(&self) -> impl Iterator<Item = SourceId> + '_ {
         self.slots.iter().enumerate().filter_map(|(i, s)| {
-            matches!(s.as_deref(), Some(PageSource::File(_)))
-                .then(|| SourceId::try_from(i).ok())
-                .flatten()
+            matches!(
+                s.as_deref(),
+                Some(PageSource::File(_) | PageSource::Image(_))
+            )
+            .then(|| SourceId::try_from(i).ok())
+            .flatten()
         })
     }
 

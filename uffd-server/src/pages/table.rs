@@ -88,10 +88,43 @@ impl PageTable {
         old
     }
 
-    /// Set `[start, start + pages)` to `source`.
+    /// Set `[start, start + pages)` to `source`: one copy-on-write check
+    /// per chunk and one count update per source replaced, not per page
+    /// (a restore points a whole table at its image this way).
     pub fn set_range(&mut self, start: u64, pages: u64, source: SourceId) {
-        for p in start..start.saturating_add(pages).min(self.pages) {
-            self.set(p, source);
+        let end = start.saturating_add(pages).min(self.pages);
+        let mut p = start;
+        let mut replaced: Vec<(SourceId, u64)> = Vec::new();
+        while p < end {
+            let (c, i) = Self::split(p);
+            let n = shared::geometry::usize_of((end - p).min((CHUNK_PAGES - i) as u64));
+            let slots = &self.chunks[c][i..i + n];
+            if slots.iter().any(|s| *s != source) {
+                let chunk = Rc::make_mut(&mut self.chunks[c]);
+                for slot in &mut chunk[i..i + n] {
+                    let old = std::mem::replace(slot, source);
+                    if old == source {
+                        continue;
+                    }
+                    match replaced.iter_mut().find(|(s, _)| *s == old) {
+                        Some((_, k)) => *k += 1,
+                        None => replaced.push((old, 1)),
+                    }
+                }
+            }
+            p += n as u64;
+        }
+        let mut added = 0;
+        for (old, k) in replaced {
+            let e = self.counts.entry(old).or_insert(0);
+            *e = e.saturating_sub(k);
+            if *e == 0 {
+                self.counts.remove(&old);
+            }
+            added += k;
+        }
+        if added > 0 {
+            *self.counts.entry(source).or_insert(0) += added;
         }
     }
 
@@ -216,6 +249,27 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn set_range_matches_setting_each_page(
+            pages in 1u64..5_000,
+            ranges in proptest::collection::vec((0u64..5_000, 0u64..3_000, 0u32..4), 0..20),
+        ) {
+            let mut fast = PageTable::new(pages, 0);
+            let mut slow = PageTable::new(pages, 0);
+            let shared = fast.fork();
+            for (start, n, src) in &ranges {
+                fast.set_range(*start, *n, *src);
+                for p in *start..start.saturating_add(*n).min(pages) {
+                    slow.set(p, *src);
+                }
+            }
+            for p in 0..pages {
+                prop_assert_eq!(fast.get(p), slow.get(p));
+                prop_assert_eq!(shared.get(p), 0);
+            }
+            prop_assert_eq!(fast.counts(), slow.counts());
+        }
+
         #[test]
         fn table_matches_a_plain_vector(
             pages in 1u64..10_000,

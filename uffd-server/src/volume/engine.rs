@@ -320,6 +320,39 @@ impl VolumeEngine {
         })
     }
 
+    /// Make volume `name`'s content and size those of snapshot `snapshot`
+    /// (any volume's) by FICLONE into the volume's own file: the inode
+    /// stays, so a VMM holding the volume open sees the new content. For a
+    /// VM rollback in place, with the VM's vCPUs paused.
+    pub fn restore_in_place(&self, name: &str, snapshot: &str) -> Result<()> {
+        self.available()?;
+        let index = self.write();
+        if !index.volumes.contains(name) {
+            return Err(VolumeError::VolumeNotFound(name.into()));
+        }
+        let snap = index
+            .snapshots
+            .get(snapshot)
+            .ok_or_else(|| VolumeError::SnapshotNotFound(snapshot.into()))?;
+        let src_path = self.file_path(&snap.volume, snapshot);
+        let err = |source| VolumeError::Rollback {
+            name: name.to_owned(),
+            snapshot: snapshot.to_owned(),
+            source,
+        };
+        let src = File::open(&src_path).map_err(err)?;
+        let len = src.metadata().map_err(err)?.len();
+        let dst = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(self.volume_path(name))
+            .map_err(err)?;
+        ffi::ficlone(&dst, &src)
+            .and_then(|()| dst.set_len(len))
+            .and_then(|()| dst.sync_all())
+            .map_err(err)
+    }
+
     /// The path of volume `name`'s file (whether or not it exists).
     pub fn volume_path(&self, name: &str) -> PathBuf {
         self.file_path(name, name)

@@ -25,6 +25,8 @@ mod queries;
 pub use engine::{VolumeEngine, SECTOR};
 pub use error::{ErrorKind, Result, VolumeError};
 pub use extents::Usage;
+/// Whole-file reflink and extent listing, for the snapshot images.
+pub use ffi::{ficlone, fiemap, Extent};
 pub use index::Repair;
 pub use probe::Reflink;
 

@@ -129,6 +129,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         "/v1/vms",
         Some(&body(&api::CreateVm {
             memory_mib: args.memory_mib,
+            from_snapshot: None,
             vcpus: 1,
             memory_source: None,
             volume: None,

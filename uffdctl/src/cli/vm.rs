@@ -48,6 +48,17 @@ pub enum VmCmd {
         #[arg(long, default_value_t = 1)]
         count: u32,
     },
+    /// Roll a running VM back in place to one of its snapshots.
+    Rollback { id: String, snapshot: String },
+    /// Clone a running VM COUNT times (all or none), through one snapshot.
+    Clone {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Clones being created at once at most.
+        #[arg(long, default_value_t = 8)]
+        concurrency: u32,
+    },
     /// Run a guest agent op: fill, touch, checksum, verify, digest, identity,
     /// disk_fill, disk_checksum.
     Exec {
@@ -134,6 +145,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
             let req = api::CreateVm {
                 memory_mib,
                 vcpus,
+                from_snapshot: None,
                 memory_source: image.map(|path| api::MemorySource::File { path }),
                 volume,
                 fault_around_kib,
@@ -183,6 +195,22 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
             }
             v
         }
+        VmCmd::Rollback { id, snapshot } => call(
+            client,
+            "POST",
+            &format!("/v1/vms/{id}/rollback"),
+            Some(&body(&api::RollbackVm { snapshot })),
+        )?,
+        VmCmd::Clone {
+            id,
+            count,
+            concurrency,
+        } => call(
+            client,
+            "POST",
+            &format!("/v1/vms/{id}/clone"),
+            Some(&body(&api::CloneVm { count, concurrency })),
+        )?,
         VmCmd::Exec {
             id,
             op,

@@ -140,11 +140,11 @@ pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<()> {
             print_snapshots,
         ),
         VolumeCmd::Snapshots { volume: None } => {
-            ("GET", "/v1/snapshots".into(), None, print_snapshots)
+            ("GET", "/v1/volume-snapshots".into(), None, print_snapshots)
         }
         VolumeCmd::DeleteSnapshot { name } => (
             "DELETE",
-            format!("/v1/snapshots/{}", seg(&name)),
+            format!("/v1/volume-snapshots/{}", seg(&name)),
             None,
             print_deleted,
         ),

@@ -42,6 +42,8 @@ pub struct Shared {
     pub stop: bool,
     /// Per vCPU: its captured state while parked.
     pub paused: Vec<Option<VcpuState>>,
+    /// Per vCPU: a state to load before it runs again (a rollback).
+    pub load: Vec<Option<VcpuState>>,
     /// Agent commands not yet taken by vCPU 0.
     pub queue: VecDeque<Job>,
 }
@@ -61,6 +63,7 @@ impl Control {
                 pause: false,
                 stop: false,
                 paused: vec![None; vcpus],
+                load: vec![None; vcpus],
                 queue: VecDeque::new(),
             }),
             cond: Condvar::new(),

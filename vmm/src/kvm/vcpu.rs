@@ -120,6 +120,8 @@ pub struct VcpuThread {
 enum Next {
     Run,
     Exit,
+    /// Parked, then loaded with another state (a rollback).
+    Reloaded,
 }
 
 impl VcpuThread {
@@ -144,8 +146,17 @@ impl VcpuThread {
                 return Ok(());
             }
             if pause {
-                if let Next::Exit = self.park()? {
-                    return Ok(());
+                match self.park()? {
+                    Next::Exit => return Ok(()),
+                    Next::Reloaded => {
+                        // The op in flight belongs to the discarded past.
+                        if let Some(job) = current.take() {
+                            (job.reply)(Err(proto::vmm::RequestError::Guest(
+                                "the VM was rolled back while the op ran".into(),
+                            )));
+                        }
+                    }
+                    Next::Run => {}
                 }
                 continue;
             }
@@ -252,7 +263,18 @@ impl VcpuThread {
             s = self.ctl.wait(s);
         }
         s.paused[self.index] = None;
-        Ok(if s.stop { Next::Exit } else { Next::Run })
+        let load = s.load[self.index].take();
+        if s.stop {
+            return Ok(Next::Exit);
+        }
+        drop(s);
+        match load {
+            Some(state) => {
+                state::restore(&self.fd, &state)?;
+                Ok(Next::Reloaded)
+            }
+            None => Ok(Next::Run),
+        }
     }
 }
 

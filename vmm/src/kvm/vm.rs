@@ -255,6 +255,28 @@ impl Machine {
         Ok(VmState { vcpus, devices })
     }
 
+    /// Load `state` into the paused VM: devices now, each vCPU when it
+    /// resumes (a rollback in place).
+    pub fn restore(&self, state: &VmState) -> std::result::Result<(), RequestError> {
+        let mut s = self.ctl.lock();
+        if !s.pause || s.paused.iter().any(Option::is_none) {
+            return Err(RequestError::NotPaused);
+        }
+        if state.vcpus.len() != s.load.len() {
+            return Err(RequestError::InvalidOp(format!(
+                "the state has {} vCPUs, this VM {}",
+                state.vcpus.len(),
+                s.load.len()
+            )));
+        }
+        devices::restore(&self.mem, &state.devices)
+            .map_err(|e| RequestError::Memory(e.to_string()))?;
+        for (slot, v) in s.load.iter_mut().zip(&state.vcpus) {
+            *slot = Some(v.clone());
+        }
+        Ok(())
+    }
+
     /// Stop the vCPU threads and wait for them.
     pub fn shutdown(self) {
         self.ctl.update(|s| s.stop = true);

@@ -1,0 +1,372 @@
+//! VM snapshots (issue 9), side by side with their baselines in one run.
+//! The server's state directory is on the XFS (reflink=1) given as the
+//! first argument or `$PAGEFORK_XFS_DIR`.
+//!
+//! 1. Dirty snapshots of a VM (1 GiB; quick: 256 MiB) after the guest wrote
+//!    1 %, 10 %, 50 % and 100 % of its pages since its last snapshot:
+//!    - the pause (`pause_us`) against a bare UFFDIO_WRITEPROTECT of as much
+//!      populated shmem ([`pagefork_benches::wp_floor`]);
+//!    - the whole request (`duration_us`: pause, saving the pages, fsync,
+//!      checksum, commit) against one sequential write + fsync of the same
+//!      bytes into a file on the same filesystem;
+//!    - bytes written against the dirty bytes.
+//! 2. Restore: `POST /v1/vms {from_snapshot}` until the guest answers
+//!    `identity`, for 256 MiB, 1 GiB and 4 GiB (quick: 256 MiB, 1 GiB),
+//!    against a cold start of an empty VM of the same size.
+//! 3. Rollback in place of the VM with 10 % dirty to its last snapshot
+//!    (`pause_us`: from pausing the guest to the guest running again)
+//!    against restoring a new VM from the same snapshot.
+//! 4. clone(n = 100, concurrency 50) of a 256 MiB VM (quick: n = 10) against
+//!    cold-starting as many empty VMs, 50 at a time; server RSS per clone.
+//! 5. A chain of 20 dirty snapshots: extents of the last image.
+//!
+//! Usage: `vm_snapshot [XFS_DIR] [--quick]`. Prints JSON rows.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use pagefork_benches::sys::proc_status_kib;
+use pagefork_benches::wp_floor::WpFloor;
+use pagefork_benches::{Plan, Row};
+use pagefork_tests::{pages_of, TestServer};
+use serde_json::{json, Value};
+
+const BENCH: &str = "vm_snapshot";
+const T_DIRTY: &str = "VM snapshots: dirty snapshot pause and total (issue 9)";
+const T_RESTORE: &str = "VM snapshots: restore, rollback, clone (issue 9)";
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn snapshot(s: &TestServer, vm: &str, name: &str, mode: &str) -> Value {
+    let (st, v) = s.api(
+        "POST",
+        &format!("/v1/vms/{vm}/snapshots"),
+        Some(json!({"name": name, "mode": mode})),
+    );
+    assert!(st == 201, "snapshot {name}: {v}");
+    v
+}
+
+fn num(v: &Value, k: &str) -> f64 {
+    v[k].as_u64().map_or(f64::NAN, |x| x as f64)
+}
+
+fn delete_vm(s: &TestServer, id: &str) {
+    s.api("DELETE", &format!("/v1/vms/{id}"), None);
+}
+
+fn delete_snapshot(s: &TestServer, name: &str) {
+    s.api("DELETE", &format!("/v1/snapshots/{name}"), None);
+}
+
+/// Time to write `bytes` sequentially into a new file in `dir` and fsync.
+fn sequential_write_fsync(dir: &std::path::Path, bytes: u64) -> f64 {
+    let path = dir.join(format!("pagefork-bench-seq-{}", std::process::id()));
+    let buf = vec![0x5au8; 1 << 20];
+    let t = Instant::now();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .expect("cannot create the baseline file");
+    let mut left = bytes;
+    while left > 0 {
+        let k = left.min(buf.len() as u64);
+        f.write_all(&buf[..usize::try_from(k).unwrap_or(0)])
+            .expect("baseline write");
+        left -= k;
+    }
+    f.sync_all().expect("baseline fsync");
+    let took = ms(t);
+    drop(f);
+    let _ = std::fs::remove_file(&path);
+    took
+}
+
+fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
+    let mib = plan.snap_mib;
+    let pages = pages_of(mib);
+    let vm = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&vm, 0, pages, 1);
+    snapshot(s, &vm, "bench-base", "full");
+    let mut last = "bench-base".to_owned();
+    for pct in [1u64, 10, 50, 100] {
+        let dirty = pages * pct / 100;
+        let (mut pause, mut total, mut written) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut floor, mut seq) = (Vec::new(), Vec::new());
+        let wp = WpFloor::new(
+            usize::try_from(mib << 20).unwrap_or(0),
+            usize::try_from(dirty * 4096).unwrap_or(0),
+        )
+        .expect("write-protect floor");
+        for rep in 0..plan.reps {
+            s.fill(&vm, 0, dirty, 100 + rep as u64);
+            let name = format!("bench-d{pct}-{rep}");
+            let r = snapshot(s, &vm, &name, "dirty");
+            assert!(r["mode_used"] == "dirty", "{r}");
+            pause.push(num(&r, "pause_us"));
+            total.push(num(&r, "duration_us") / 1e3);
+            written.push(num(&r, "bytes_written"));
+            delete_snapshot(s, &last);
+            last = name;
+            floor.push(wp.measure().map_or(f64::NAN, |d| d.as_secs_f64() * 1e6));
+            seq.push(sequential_write_fsync(xfs, dirty * 4096));
+        }
+        let what = format!("{mib} MiB VM, {pct} % dirty ({dirty} pages)");
+        Row::new(
+            BENCH,
+            &format!("snap.pause.{pct}"),
+            T_DIRTY,
+            &format!("{what}: guest pause"),
+            "µs",
+            &pause,
+            "bare UFFDIO_WRITEPROTECT of the dirty bytes of populated shmem",
+            &floor,
+        )
+        .goal("≤ 1.3× and < 20 ms at 1 GiB dirty (Cube: ~487 ms)")
+        .note("pause = pause + capture vCPUs, re-protect the pages written since the last snapshot, resume")
+        .emit();
+        Row::new(
+            BENCH,
+            &format!("snap.total.{pct}"),
+            T_DIRTY,
+            &format!("{what}: whole request"),
+            "ms",
+            &total,
+            "one sequential write + fsync of the same bytes",
+            &seq,
+        )
+        .goal("≤ 1.3×")
+        .note("total = pause, saving the pages, fsync, sha256 of the chunks written, commit")
+        .emit();
+        let dirty_bytes = vec![(dirty * 4096) as f64; written.len()];
+        Row::new(
+            BENCH,
+            &format!("snap.bytes.{pct}"),
+            T_DIRTY,
+            &format!("{what}: bytes written"),
+            "B",
+            &written,
+            "dirty bytes",
+            &dirty_bytes,
+        )
+        .goal("1.00")
+        .emit();
+    }
+    delete_snapshot(s, &last);
+    delete_vm(s, &vm);
+}
+
+fn answer(s: &TestServer, id: &str) {
+    s.exec(id, json!({"op": "identity"}));
+}
+
+fn restore_rows(plan: &Plan, s: &TestServer) {
+    for &mib in &plan.restore_mib {
+        let vm = s.create_vm(json!({ "memory_mib": mib }));
+        s.fill(&vm, 0, pages_of(mib) / 16, 1);
+        let name = format!("bench-restore-{mib}");
+        snapshot(s, &vm, &name, "full");
+        delete_vm(s, &vm);
+        let (mut restore, mut cold) = (Vec::new(), Vec::new());
+        for _ in 0..plan.reps {
+            let t = Instant::now();
+            let id = s.create_vm(json!({ "from_snapshot": name }));
+            answer(s, &id);
+            restore.push(ms(t));
+            delete_vm(s, &id);
+            let t = Instant::now();
+            let id = s.create_vm(json!({ "memory_mib": mib }));
+            answer(s, &id);
+            cold.push(ms(t));
+            delete_vm(s, &id);
+        }
+        Row::new(
+            BENCH,
+            &format!("snap.restore.{mib}"),
+            T_RESTORE,
+            &format!("restore a {mib} MiB VM until the guest answers"),
+            "ms",
+            &restore,
+            "cold start of an empty VM of the same size",
+            &cold,
+        )
+        .goal("< 10 ms, flat in size (Firecracker < 8 ms at 512 MiB; Cube 60–85 ms)")
+        .note("a 16th of memory holds data; the rest are holes (Uninitialized up front)")
+        .emit();
+        delete_snapshot(s, &name);
+    }
+}
+
+fn rollback_row(plan: &Plan, s: &TestServer) {
+    let mib = plan.snap_mib;
+    let pages = pages_of(mib);
+    let vm = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&vm, 0, pages, 1);
+    snapshot(s, &vm, "bench-rb", "full");
+    let (mut rb, mut restore) = (Vec::new(), Vec::new());
+    for rep in 0..plan.reps {
+        s.fill(&vm, 0, pages / 10, 50 + rep as u64);
+        let (st, r) = s.api(
+            "POST",
+            &format!("/v1/vms/{vm}/rollback"),
+            Some(json!({"snapshot": "bench-rb"})),
+        );
+        assert!(st == 200, "rollback: {r}");
+        rb.push(num(&r, "pause_us") / 1e3);
+        let t = Instant::now();
+        let id = s.create_vm(json!({ "from_snapshot": "bench-rb" }));
+        answer(s, &id);
+        restore.push(ms(t));
+        delete_vm(s, &id);
+    }
+    Row::new(
+        BENCH,
+        "snap.rollback",
+        T_RESTORE,
+        &format!("rollback in place of a {mib} MiB VM with 10 % dirty"),
+        "ms",
+        &rb,
+        "restore a new VM from the same snapshot",
+        &restore,
+    )
+    .goal("≤ 10 ms (Cube 81.6 ms)")
+    .note("to the VM's last snapshot: only the pages written since are reset; the VMM loads the saved state in place")
+    .emit();
+    delete_vm(s, &vm);
+    delete_snapshot(s, "bench-rb");
+}
+
+fn clone_rows(plan: &Plan, s: &TestServer) {
+    let n = plan.clone_count;
+    let vm = s.create_vm(json!({ "memory_mib": 256 }));
+    s.fill(&vm, 0, pages_of(256) / 4, 1);
+    let (mut clone, mut cold, mut rss) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..plan.reps {
+        let rss0 = proc_status_kib(s.pid(), "VmRSS").unwrap_or(0);
+        let t = Instant::now();
+        let (st, c) = s.api(
+            "POST",
+            &format!("/v1/vms/{vm}/clone"),
+            Some(json!({"count": n, "concurrency": 50})),
+        );
+        assert!(st == 201, "clone: {c}");
+        clone.push(ms(t));
+        let rss1 = proc_status_kib(s.pid(), "VmRSS").unwrap_or(0);
+        rss.push(rss1.saturating_sub(rss0) as f64 / f64::from(n));
+        for id in c["clones"].as_array().into_iter().flatten() {
+            delete_vm(s, id.as_str().unwrap_or_default());
+        }
+        delete_snapshot(s, c["snapshot"].as_str().unwrap_or_default());
+        let t = Instant::now();
+        let ids: Vec<String> = std::thread::scope(|sc| {
+            let per = n.div_ceil(50);
+            let handles: Vec<_> = (0..50.min(n))
+                .map(|_| {
+                    sc.spawn(move || {
+                        (0..per)
+                            .map(|_| s.create_vm(json!({ "memory_mib": 256 })))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        cold.push(ms(t));
+        for id in &ids {
+            delete_vm(s, id);
+        }
+    }
+    Row::new(
+        BENCH,
+        "snap.clone",
+        T_RESTORE,
+        &format!("clone(n = {n}, concurrency 50) of a 256 MiB VM"),
+        "ms",
+        &clone,
+        &format!("cold start of {n} empty 256 MiB VMs, 50 at a time"),
+        &cold,
+    )
+    .goal("≤ 270 ms at n = 100 (Cube 540.9 ms)")
+    .emit();
+    Row::new(
+        BENCH,
+        "snap.clone_rss",
+        T_RESTORE,
+        "server RSS added per clone",
+        "KiB",
+        &rss,
+        "",
+        &[],
+    )
+    .goal("report")
+    .emit();
+    delete_vm(s, &vm);
+}
+
+fn chain_row(plan: &Plan, s: &TestServer) {
+    let vm = s.create_vm(json!({ "memory_mib": 256 }));
+    let pages = pages_of(256);
+    s.fill(&vm, 0, pages, 1);
+    snapshot(s, &vm, "bench-chain-0", "full");
+    let mut extents = Vec::new();
+    for i in 1..=20u64 {
+        // Scattered writes: every 97th page from a moving start.
+        for k in 0..32 {
+            s.fill(&vm, (i * 131 + k * 97 * 7) % pages, 1, i);
+        }
+        let r = snapshot(s, &vm, &format!("bench-chain-{i}"), "dirty");
+        if i == 20 {
+            extents.push(num(&r, "image_extents"));
+        }
+    }
+    let _ = plan;
+    Row::new(
+        BENCH,
+        "snap.chain_extents",
+        T_RESTORE,
+        "extents of the 20th image of a chain of dirty snapshots (32 scattered pages each)",
+        "extents",
+        &extents,
+        "",
+        &[],
+    )
+    .goal("report (rewrite past a threshold)")
+    .emit();
+    for i in 0..=20 {
+        delete_snapshot(s, &format!("bench-chain-{i}"));
+    }
+    delete_vm(s, &vm);
+}
+
+fn main() -> ExitCode {
+    let plan = Plan::from_args();
+    let xfs = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with("--"))
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("PAGEFORK_XFS_DIR").map(PathBuf::from));
+    let Some(xfs) = xfs else {
+        eprintln!("vm_snapshot: give an XFS (reflink=1) directory or set PAGEFORK_XFS_DIR");
+        return ExitCode::from(2);
+    };
+    // The harness makes its state directory under TMPDIR.
+    std::env::set_var("TMPDIR", &xfs);
+    let s = TestServer::start();
+    dirty_rows(&plan, &s, &xfs);
+    restore_rows(&plan, &s);
+    rollback_row(&plan, &s);
+    clone_rows(&plan, &s);
+    chain_row(&plan, &s);
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,748 @@
+//! End-to-end VM snapshots: real server, VMMs, KVM, userfaultfd and a
+//! loop-mounted XFS (reflink=1, PAGEFORK_XFS_DIR) for the state directory.
+//! Memory is compared whole with the VMM's `digest` of all RAM.
+
+use std::path::PathBuf;
+
+use pagefork_tests::{pages_of, require_kvm_uffd, TestServer};
+use serde_json::{json, Value};
+
+/// The XFS mount, or None (skip) outside CI; in CI a missing mount fails.
+fn xfs_dir() -> Option<PathBuf> {
+    match std::env::var_os("PAGEFORK_XFS_DIR") {
+        Some(d) => Some(PathBuf::from(d)),
+        None if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("CI=true but PAGEFORK_XFS_DIR is not set: run the tests through scripts/test.sh")
+        }
+        None => {
+            eprintln!("skipping: PAGEFORK_XFS_DIR is not set (scripts/test.sh sets up a loop-mounted XFS)");
+            None
+        }
+    }
+}
+
+/// A server whose state directory is on the XFS mount.
+fn server_on_xfs() -> Option<TestServer> {
+    let dir = xfs_dir()?;
+    if !require_kvm_uffd() {
+        return None;
+    }
+    std::env::set_var("TMPDIR", &dir);
+    Some(TestServer::start())
+}
+
+const MIB: u64 = 64;
+
+fn all_ram_digest(s: &TestServer, id: &str) -> u64 {
+    s.digest(id, 0, pages_of(MIB))
+}
+
+fn snapshot(s: &TestServer, vm: &str, name: &str, mode: &str) -> Value {
+    let (st, v) = s.api(
+        "POST",
+        &format!("/v1/vms/{vm}/snapshots"),
+        Some(json!({"name": name, "mode": mode})),
+    );
+    assert_eq!(st, 201, "snapshot {name} of {vm}: {v}");
+    v
+}
+
+fn restore(s: &TestServer, name: &str) -> String {
+    s.create_vm(json!({ "from_snapshot": name }))
+}
+
+fn image(s: &TestServer, name: &str) -> PathBuf {
+    s.state_dir()
+        .join("snapshots")
+        .join(name)
+        .join("memory.img")
+}
+
+fn num(id: &str) -> u64 {
+    id.trim_start_matches("vm-").parse().expect("vm-N")
+}
+
+#[test]
+fn full_snapshot_restores_exact_memory_and_guest_state() {
+    let Some(s) = server_on_xfs() else { return };
+    let vm = s.create_vm(json!({ "memory_mib": MIB }));
+    // Part of memory written, part only read, the rest never touched.
+    s.fill(&vm, 0, 3000, 1);
+    s.touch(&vm, 5000, 500, false);
+    s.fill(&vm, 9000, 100, 7);
+    let want = all_ram_digest(&s, &vm);
+
+    let r = snapshot(&s, &vm, "full-1", "full");
+    assert_eq!(r["mode_used"], "full", "{r}");
+    assert_eq!(r["mode_requested"], "full", "{r}");
+    assert!(r.get("fallback_reason").is_none(), "{r}");
+    // `digest` read every page into the VM: all are saved, but only the
+    // written ones hold data; zero pages stay holes.
+    assert_eq!(r["pages_written"], pages_of(MIB), "{r}");
+    assert_eq!(r["bytes_written"], 3100 * 4096, "{r}");
+    assert!(r["image_extents"].as_u64().unwrap() >= 1, "{r}");
+
+    // The original moves on; the snapshot keeps the moment.
+    s.fill(&vm, 0, 200, 2);
+    assert_ne!(all_ram_digest(&s, &vm), want);
+
+    let (st, list) = s.api("GET", "/v1/snapshots", None);
+    assert_eq!(st, 200, "{list}");
+    assert_eq!(list["snapshots"][0]["name"], "full-1", "{list}");
+    let (st, info) = s.api("GET", "/v1/snapshots/full-1", None);
+    assert_eq!(st, 200, "{info}");
+    assert_eq!(info["memory_mib"], MIB, "{info}");
+    assert_eq!(info["vm"], vm.as_str(), "{info}");
+    assert_eq!(
+        info["pages"]["data"].as_u64().unwrap() + info["pages"]["zero_hole"].as_u64().unwrap(),
+        pages_of(MIB),
+        "{info}"
+    );
+    let meta = std::fs::metadata(image(&s, "full-1")).unwrap();
+    assert_eq!(meta.len(), MIB << 20);
+    assert!(
+        std::os::unix::fs::MetadataExt::blocks(&meta) * 512 < (MIB << 20) / 2,
+        "memory.img is not sparse"
+    );
+
+    let restored = restore(&s, "full-1");
+    let info = s.vm(&restored);
+    assert_eq!(info["memory_mib"], MIB, "{info}");
+    assert!(pagefork_tests::pages_by(&info, "image") > 0, "{info}");
+    // Deleting a snapshot a VM reads from is refused, naming the VM.
+    let (st, v) = s.api("DELETE", "/v1/snapshots/full-1", None);
+    assert_eq!(st, 409, "{v}");
+    assert!(v["error"].as_str().unwrap().contains(&restored), "{v}");
+    let (_, src) = s.api("GET", &format!("/v1/vms/{restored}/sources"), None);
+    assert!(
+        src["by_source"].get("snapshot:full-1").is_some(),
+        "sources name the snapshot: {src}"
+    );
+    let (_, tree) = s.api("GET", "/v1/tree", None);
+    let node = tree["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == restored.as_str())
+        .cloned()
+        .unwrap();
+    assert!(
+        node["reads_from"]["snapshot:full-1"].as_u64().unwrap() > 0,
+        "the tree names the snapshot: {node}"
+    );
+    assert_eq!(
+        all_ram_digest(&s, &restored),
+        want,
+        "restored memory differs"
+    );
+    assert_eq!(s.verify(&restored, 0, 3000, 1), 0);
+    assert_eq!(s.verify(&restored, 9000, 100, 7), 0);
+    // The guest agent carries on as itself and keeps working.
+    assert_eq!(s.exec(&restored, json!({"op": "identity"})), num(&restored));
+    s.fill(&restored, 100, 10, 3);
+    assert_eq!(s.verify(&restored, 100, 10, 3), 0);
+    assert_eq!(s.verify(&vm, 0, 200, 2), 0, "the original is unaffected");
+
+    let (st, v) = s.api("DELETE", &format!("/v1/vms/{restored}"), None);
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = s.api("DELETE", "/v1/snapshots/full-1", None);
+    assert_eq!(st, 200, "{v}");
+    assert!(!image(&s, "full-1").exists());
+    let (st, _) = s.api("GET", "/v1/snapshots/full-1", None);
+    assert_eq!(st, 404);
+}
+
+#[test]
+fn snapshot_names_are_checked_and_unique() {
+    let Some(s) = server_on_xfs() else { return };
+    let vm = s.create_vm(json!({ "memory_mib": 16 }));
+    snapshot(&s, &vm, "one", "full");
+    for (body, want) in [
+        (json!({"name": "one"}), 409),
+        (json!({"name": "../x"}), 400),
+        (json!({"name": ".hidden"}), 400),
+        (json!({"name": "a", "mode": "soft"}), 400),
+    ] {
+        let (st, v) = s.api(
+            "POST",
+            &format!("/v1/vms/{vm}/snapshots"),
+            Some(body.clone()),
+        );
+        assert_eq!(st, want, "{body}: {v}");
+    }
+    let (st, v) = s.api(
+        "POST",
+        "/v1/vms/vm-999/snapshots",
+        Some(json!({"name": "two"})),
+    );
+    assert_eq!(st, 404, "{v}");
+    // Nothing half-made is left behind by the refused requests.
+    let leftovers: Vec<String> = std::fs::read_dir(s.state_dir().join("snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(leftovers, ["one"]);
+}
+
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    std::process::Command::new("cmp")
+        .arg("-s")
+        .arg(a)
+        .arg(b)
+        .status()
+        .expect("cannot run cmp")
+        .success()
+}
+
+fn info(s: &TestServer, name: &str) -> Value {
+    let (st, v) = s.api("GET", &format!("/v1/snapshots/{name}"), None);
+    assert_eq!(st, 200, "{v}");
+    v
+}
+
+#[test]
+fn incremental_and_dirty_images_equal_full_images_of_the_same_moment() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    s.fill(&a, 0, 4000, 1);
+    snapshot(&s, &a, "base", "full");
+
+    // A VM restored from `base` writes some pages.
+    let r = restore(&s, "base");
+    s.fill(&r, 100, 200, 2);
+    s.fill(&r, 8000, 50, 3);
+    let inc = snapshot(&s, &r, "inc", "incremental");
+    assert_eq!(inc["mode_used"], "incremental", "{inc}");
+    assert_eq!(info(&s, "inc")["parent"], "base");
+    // Pages the VM has not written or read since its start are not saved.
+    assert!(inc["pages_written"].as_u64().unwrap() < 4000, "{inc}");
+    let full = snapshot(&s, &r, "inc-full", "full");
+    assert_eq!(full["mode_used"], "full");
+    assert!(
+        same_file(&image(&s, "inc"), &image(&s, "inc-full")),
+        "incremental and full images of one moment differ"
+    );
+    let at_inc = all_ram_digest(&s, &r);
+
+    // k page writes after a snapshot: a dirty snapshot writes exactly k.
+    let k = 37;
+    s.fill(&r, 1000, k, 4);
+    let before = info(&s, "inc-full")["exclusive_bytes"].as_u64().unwrap();
+    let d = snapshot(&s, &r, "d1", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    assert_eq!(d["pages_written"], k, "{d}");
+    assert_eq!(d["bytes_written"], k * 4096, "{d}");
+    assert_eq!(info(&s, "d1")["parent"], "inc-full");
+    let excl = info(&s, "d1")["exclusive_bytes"].as_u64().unwrap();
+    assert!(
+        (k * 4096..=k * 4096 + (64 << 10)).contains(&excl),
+        "d1 holds {excl} bytes of its own for {k} pages (its parent {before})"
+    );
+    let d_full = snapshot(&s, &r, "d1-full", "full");
+    assert_eq!(d_full["mode_used"], "full");
+    assert!(same_file(&image(&s, "d1"), &image(&s, "d1-full")));
+    let at_d1 = all_ram_digest(&s, &r);
+
+    // A second dirty snapshot with nothing written saves nothing.
+    let d2 = snapshot(&s, &r, "d2", "dirty");
+    assert_eq!(d2["mode_used"], "dirty", "{d2}");
+    assert_eq!(d2["pages_written"], 0, "{d2}");
+
+    // Every image restores to the memory of its moment.
+    for (name, want) in [("inc", at_inc), ("d1", at_d1), ("d2", at_d1)] {
+        let x = restore(&s, name);
+        assert_eq!(all_ram_digest(&s, &x), want, "restore of {name}");
+        assert_eq!(s.verify(&x, 1000, k, 4), u64::from(name == "inc") * k);
+        s.api("DELETE", &format!("/v1/vms/{x}"), None);
+    }
+}
+
+#[test]
+fn dirty_and_incremental_without_a_base_degrade_to_full_and_say_why() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 10, 1);
+    let d = snapshot(&s, &a, "first", "dirty");
+    assert_eq!(d["mode_requested"], "dirty");
+    assert_eq!(d["mode_used"], "full", "{d}");
+    let why = d["fallback_reason"].as_str().unwrap_or_default();
+    assert!(why.contains("no snapshot"), "{d}");
+    let i = snapshot(&s, &a, "second", "incremental");
+    assert_eq!(i["mode_used"], "full", "{i}");
+    assert!(
+        i["fallback_reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("did not start from a snapshot"),
+        "{i}"
+    );
+    // Once it has a snapshot, dirty works; if that one is deleted, it
+    // degrades again.
+    let d = snapshot(&s, &a, "third", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    let (st, v) = s.api("DELETE", "/v1/snapshots/third", None);
+    assert_eq!(st, 200, "{v}");
+    let d = snapshot(&s, &a, "fourth", "dirty");
+    assert_eq!(d["mode_used"], "full", "{d}");
+    assert!(
+        d["fallback_reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("third"),
+        "{d}"
+    );
+}
+
+#[test]
+fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
+    let Some(s) = server_on_xfs() else { return };
+    let mib = 256;
+    let pages = pages_of(mib);
+    let a = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&a, 0, pages, 1);
+    let want = s.digest(&a, 0, pages);
+    // The guest rewrites the upper half of memory while the snapshot is
+    // being saved (the writer goes up from page 0, so it reaches those
+    // pages after the guest has started writing them).
+    let half = pages / 2;
+    std::thread::scope(|sc| {
+        let writer = sc.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            s.fill(&a, half, half, 2);
+        });
+        let r = snapshot(&s, &a, "busy", "full");
+        eprintln!("snapshot while the guest writes: {r}");
+        assert!(r["pause_us"].as_u64().unwrap() < 200_000, "{r}");
+        assert!(
+            r["pages_saved_ahead"].as_u64().unwrap() > 0,
+            "the guest's writes did not overlap the save: {r}"
+        );
+        writer.join().unwrap();
+    });
+    assert_eq!(s.verify(&a, half, half, 2), 0);
+    let x = restore(&s, "busy");
+    assert_eq!(
+        s.digest(&x, 0, pages),
+        want,
+        "snapshot is not of its moment"
+    );
+    // Dirty tracking saw every page the guest wrote after the pause.
+    let d = snapshot(&s, &a, "after", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    assert_eq!(d["pages_written"], half, "{d}");
+    let y = restore(&s, "after");
+    assert_eq!(s.verify(&y, 0, half, 1), 0);
+    assert_eq!(s.verify(&y, half, half, 2), 0);
+}
+
+/// Start a VM for a crash round: from an earlier snapshot when there is
+/// one (so incremental snapshots have a base), else empty.
+fn crash_round_vm(s: &TestServer, from: Option<&str>) -> String {
+    match from {
+        Some(name) => restore(s, name),
+        None => s.create_vm(json!({ "memory_mib": CRASH_MIB })),
+    }
+}
+
+const CRASH_MIB: u64 = 32;
+
+#[test]
+fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
+    use rand::{Rng, SeedableRng};
+    let Some(mut s) = server_on_xfs() else { return };
+    let seed: u64 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos()
+        .into();
+    eprintln!("crash rounds seeded with {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let pages = pages_of(CRASH_MIB);
+    // Name -> digest of all RAM at the snapshot's moment.
+    let mut want: std::collections::BTreeMap<String, u64> = Default::default();
+    let rounds = 24;
+    let mut committed_by_crash = 0;
+    for round in 0..rounds {
+        let from = want.keys().last().cloned();
+        let vm = crash_round_vm(&s, from.as_deref());
+        let mode = ["full", "incremental", "dirty"][round % 3];
+        if mode == "dirty" {
+            let name = format!("r{round:02}-pre");
+            s.fill(&vm, 0, pages, 100 + round as u64);
+            snapshot(&s, &vm, &name, "full");
+            want.insert(name, s.digest(&vm, 0, pages));
+        }
+        let start = rng.gen_range(0..pages / 2);
+        s.fill(&vm, start, pages / 2, round as u64);
+        let digest = s.digest(&vm, 0, pages);
+        let name = format!("r{round:02}-{mode}");
+        let delay = rng.gen_range(0..120);
+        let sock = s.api_sock();
+        let body = json!({"name": name, "mode": mode});
+        let path = format!("/v1/vms/{vm}/snapshots");
+        let request = std::thread::spawn(move || {
+            let c = uffdctl::client::Client::new(sock);
+            c.request("POST", &path, Some(&body)).ok().map(|r| r.status)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(delay));
+        s.kill_hard();
+        let answered = request.join().unwrap();
+        s.restart(&[]);
+
+        let (st, list) = s.api("GET", "/v1/snapshots", None);
+        assert_eq!(st, 200, "{list}");
+        assert_eq!(list["quarantined"], json!([]), "round {round}: {list}");
+        let listed: Vec<String> = list["snapshots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["name"].as_str().unwrap().to_owned())
+            .collect();
+        let crashed_one_listed = listed.contains(&name);
+        if answered == Some(201) {
+            assert!(
+                crashed_one_listed,
+                "round {round}: answered 201, not listed"
+            );
+        }
+        if crashed_one_listed {
+            committed_by_crash += 1;
+            want.insert(name.clone(), digest);
+            let x = restore(&s, &name);
+            assert_eq!(s.digest(&x, 0, pages), digest, "round {round}: {name}");
+            s.api("DELETE", &format!("/v1/vms/{x}"), None);
+        }
+        let expected: Vec<&String> = want.keys().collect();
+        assert_eq!(
+            listed.iter().collect::<Vec<_>>(),
+            expected,
+            "round {round} (killed after {delay} ms, answer {answered:?})"
+        );
+        let leftovers: Vec<String> = std::fs::read_dir(s.state_dir().join("snapshots"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .filter(|n| n.starts_with(".tmp-"))
+            .collect();
+        assert!(leftovers.is_empty(), "round {round}: {leftovers:?}");
+    }
+    eprintln!(
+        "{rounds} rounds: {committed_by_crash} snapshots committed before the kill, {} in all",
+        want.len()
+    );
+    // Every snapshot that survived restores to its moment.
+    for (name, digest) in &want {
+        let x = restore(&s, name);
+        assert_eq!(s.digest(&x, 0, pages), *digest, "{name}");
+        s.api("DELETE", &format!("/v1/vms/{x}"), None);
+    }
+}
+
+#[test]
+fn a_snapshot_that_does_not_verify_is_quarantined_at_start() {
+    use std::os::unix::fs::FileExt;
+    let Some(mut s) = server_on_xfs() else { return };
+    let vm = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&vm, 0, 100, 1);
+    snapshot(&s, &vm, "good", "full");
+    snapshot(&s, &vm, "bad", "full");
+    s.stop(std::time::Duration::from_secs(20));
+    // One flipped byte in a data page.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(image(&s, "bad"))
+        .unwrap();
+    f.write_all_at(&[0x5a], 4096 * 10 + 17).unwrap();
+    drop(f);
+    s.restart(&[]);
+    let (st, list) = s.api("GET", "/v1/snapshots", None);
+    assert_eq!(st, 200, "{list}");
+    let names: Vec<&str> = list["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["good"], "{list}");
+    assert!(
+        list["quarantined"][0].as_str().unwrap().starts_with("bad."),
+        "{list}"
+    );
+    let (st, v) = s.api("POST", "/v1/vms", Some(json!({"from_snapshot": "bad"})));
+    assert_eq!(st, 404, "{v}");
+    let x = restore(&s, "good");
+    assert_eq!(s.verify(&x, 0, 100, 1), 0);
+}
+
+fn server_on_xfs_with(args: &[&str]) -> Option<TestServer> {
+    let dir = xfs_dir()?;
+    if !require_kvm_uffd() {
+        return None;
+    }
+    std::env::set_var("TMPDIR", &dir);
+    Some(TestServer::start_with_args(args))
+}
+
+fn disk_sum(s: &TestServer, vm: &str, count: u64) -> u64 {
+    s.exec(
+        vm,
+        json!({"op": "disk_checksum", "sector": 0, "count": count}),
+    )
+}
+
+#[test]
+fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
+    let Some(s) = server_on_xfs() else { return };
+    let (st, v) = s.api(
+        "POST",
+        "/v1/volumes",
+        Some(json!({"name": "rb-disk", "size_mib": 1})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let a = s.create_vm(json!({ "memory_mib": MIB, "volume": "rb-disk" }));
+    s.fill(&a, 0, 2000, 1);
+    s.exec(
+        &a,
+        json!({"op": "disk_fill", "sector": 0, "count": 100, "seed": 1}),
+    );
+    let mem_at_snap = all_ram_digest(&s, &a);
+    let disk_at_snap = disk_sum(&s, &a, 2048);
+    let snap = snapshot(&s, &a, "rb", "full");
+    assert_eq!(info(&s, "rb")["volume_snapshot"], "rb.disk", "{snap}");
+
+    // A child forked after the snapshot reads its pages from the parent.
+    let (st, f) = s.api("POST", &format!("/v1/vms/{a}/fork"), Some(json!({})));
+    assert_eq!(st, 201, "{f}");
+    let child = f["children"][0].as_str().unwrap().to_owned();
+    // (Not read yet: the child still reads most of its pages from the
+    // parent at the rollbacks.)
+    let child_mem = mem_at_snap;
+
+    // The parent moves on: memory and disk.
+    s.fill(&a, 0, 500, 2);
+    s.fill(&a, 3000, 500, 3);
+    s.exec(
+        &a,
+        json!({"op": "disk_fill", "sector": 0, "count": 50, "seed": 2}),
+    );
+    assert_ne!(all_ram_digest(&s, &a), mem_at_snap);
+    assert_ne!(disk_sum(&s, &a, 2048), disk_at_snap);
+
+    let (st, r) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/rollback"),
+        Some(json!({"snapshot": "rb"})),
+    );
+    assert_eq!(st, 200, "{r}");
+    eprintln!("rollback: {r}");
+    // Back to its last snapshot: only the pages written since are reset
+    // (the child already holds its own copies of those).
+    assert_eq!(r["pages_handed_over"], 0, "{r}");
+    assert_eq!(s.vm(&a)["state"], "running");
+    assert_eq!(all_ram_digest(&s, &a), mem_at_snap, "memory after rollback");
+    assert_eq!(disk_sum(&s, &a, 2048), disk_at_snap, "disk after rollback");
+    assert_eq!(s.exec(&a, json!({"op": "identity"})), num(&a));
+    assert_eq!(s.verify(&a, 0, 2000, 1), 0);
+    // The child still has the memory it was forked with.
+    assert_eq!(all_ram_digest(&s, &child), child_mem, "the child changed");
+    let (st, inv) = s.api("GET", "/v1/debug/invariant", None);
+    assert_eq!(st, 200);
+    assert_eq!(inv["ok"], true, "{inv}");
+    // The rolled-back VM carries on; tracking went on from the snapshot,
+    // so a dirty snapshot saves exactly what it wrote since the rollback.
+    s.fill(&a, 10, 5, 9);
+    assert_eq!(s.verify(&a, 10, 5, 9), 0);
+    let d = snapshot(&s, &a, "rb-after", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    assert_eq!(d["pages_written"], 5, "{d}");
+    let after = all_ram_digest(&s, &a);
+    let x = restore(&s, "rb-after");
+    assert_eq!(all_ram_digest(&s, &x), after);
+    // Back to the older snapshot (not the last one: all memory is reset).
+    s.fill(&a, 0, 3000, 11);
+    let before = all_ram_digest(&s, &a);
+    let (st, f) = s.api("POST", &format!("/v1/vms/{a}/fork"), Some(json!({})));
+    assert_eq!(st, 201, "{f}");
+    let child2 = f["children"][0].as_str().unwrap().to_owned();
+    let (st, r) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/rollback"),
+        Some(json!({"snapshot": "rb"})),
+    );
+    assert_eq!(st, 200, "{r}");
+    // Every page the new child still read from the parent was handed over.
+    assert_eq!(r["pages_handed_over"], pages_of(MIB), "{r}");
+    assert_eq!(all_ram_digest(&s, &child2), before, "the 2nd child changed");
+    assert_eq!(
+        all_ram_digest(&s, &a),
+        mem_at_snap,
+        "memory after 2nd rollback"
+    );
+    assert_eq!(disk_sum(&s, &a, 2048), disk_at_snap);
+    assert_eq!(
+        all_ram_digest(&s, &x),
+        after,
+        "a VM restored before is unaffected"
+    );
+    let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
+    assert_eq!(inv["ok"], true, "{inv}");
+}
+
+#[test]
+fn clone_makes_n_running_copies() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 1000, 5);
+    let (st, c) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/clone"),
+        Some(json!({"count": 5, "concurrency": 2})),
+    );
+    assert_eq!(st, 201, "{c}");
+    eprintln!("clone: {c}");
+    let clones: Vec<String> = c["clones"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(clones.len(), 5);
+    let name = c["snapshot"].as_str().unwrap();
+    assert_eq!(info(&s, name)["readers"].as_array().unwrap().len(), 5);
+    for x in &clones {
+        assert_eq!(s.verify(x, 0, 1000, 5), 0, "{x}");
+        assert_eq!(s.exec(x, json!({"op": "identity"})), num(x));
+    }
+}
+
+fn memfds_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|l| l.to_string_lossy().contains("memfd:pagefork-"))
+        })
+        .count()
+}
+
+#[test]
+fn clone_failing_at_the_kth_create_leaves_nothing_behind() {
+    // Room for the VM and three clones: the fourth create is refused.
+    let Some(s) = server_on_xfs_with(&["--memory-budget-mib", "64"]) else {
+        return;
+    };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 100, 5);
+    let before = memfds_of(s.pid());
+    let (st, c) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/clone"),
+        Some(json!({"count": 6, "concurrency": 2})),
+    );
+    assert_eq!(st, 507, "{c}");
+    assert!(
+        c["error"].as_str().unwrap().contains("of 6"),
+        "the error names the clone: {c}"
+    );
+    assert_eq!(s.vm_ids(), vec![a.clone()]);
+    let (_, list) = s.api("GET", "/v1/snapshots", None);
+    assert_eq!(list["snapshots"], json!([]), "{list}");
+    assert_eq!(memfds_of(s.pid()), before, "memfds left behind");
+    let names: Vec<String> = std::fs::read_dir(s.state_dir().join("snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().into_string().unwrap())
+        .collect();
+    assert!(names.is_empty(), "{names:?}");
+    // The source VM is unharmed.
+    assert_eq!(s.verify(&a, 0, 100, 5), 0);
+}
+
+fn uffdctl_json(s: &TestServer, args: &[&str]) -> Value {
+    let out = std::process::Command::new(pagefork_tests::bin("uffdctl"))
+        .arg("--socket")
+        .arg(s.api_sock())
+        .arg("--json")
+        .args(args)
+        .output()
+        .expect("cannot run uffdctl");
+    assert!(
+        out.status.success(),
+        "uffdctl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("uffdctl printed no JSON")
+}
+
+#[test]
+fn uffdctl_snapshot_restore_rollback_and_clone() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    s.fill(&a, 0, 50, 1);
+    let c = uffdctl_json(&s, &["snapshot", "create", &a, "cli-1"]);
+    assert_eq!(c["mode_used"], "full", "{c}");
+    let d = uffdctl_json(&s, &["snapshot", "create", &a, "cli-2", "--mode", "dirty"]);
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    let list = uffdctl_json(&s, &["snapshot", "list"]);
+    assert_eq!(list["snapshots"].as_array().unwrap().len(), 2, "{list}");
+    let show = uffdctl_json(&s, &["snapshot", "show", "cli-2"]);
+    assert_eq!(show["parent"], "cli-1", "{show}");
+    let r = uffdctl_json(&s, &["snapshot", "restore", "cli-1"]);
+    let restored = r["id"].as_str().unwrap().to_owned();
+    assert_eq!(s.verify(&restored, 0, 50, 1), 0);
+    s.fill(&a, 0, 50, 2);
+    let rb = uffdctl_json(&s, &["vm", "rollback", &a, "cli-1"]);
+    assert_eq!(rb["snapshot"], "cli-1", "{rb}");
+    assert_eq!(s.verify(&a, 0, 50, 1), 0);
+    let cl = uffdctl_json(&s, &["vm", "clone", &a, "--count", "2"]);
+    assert_eq!(cl["clones"].as_array().unwrap().len(), 2, "{cl}");
+    let del = uffdctl_json(&s, &["snapshot", "delete", "cli-2"]);
+    assert_eq!(del["deleted"], true, "{del}");
+}
+
+#[test]
+fn snapshots_of_forked_and_restored_vms_survive_their_parents() {
+    let Some(s) = server_on_xfs() else { return };
+    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    s.fill(&a, 0, 4000, 1);
+    snapshot(&s, &a, "origin", "full");
+    // A VM restored from a snapshot is forked; the child reads pages from
+    // its parent and from the snapshot's image.
+    let r = restore(&s, "origin");
+    s.fill(&r, 100, 50, 2);
+    let (st, f) = s.api("POST", &format!("/v1/vms/{r}/fork"), Some(json!({})));
+    assert_eq!(st, 201, "{f}");
+    let c = f["children"][0].as_str().unwrap().to_owned();
+    s.fill(&c, 3000, 20, 3);
+    s.fill(&r, 0, 200, 4); // the parent moves on after the fork
+    let want = all_ram_digest(&s, &c);
+    let full = snapshot(&s, &c, "child-full", "full");
+    assert_eq!(full["mode_used"], "full", "{full}");
+    s.fill(&c, 5000, 7, 5);
+    let want2 = all_ram_digest(&s, &c);
+    let d = snapshot(&s, &c, "child-dirty", "dirty");
+    assert_eq!(d["mode_used"], "dirty", "{d}");
+    assert_eq!(d["pages_written"], 7, "{d}");
+    // The parents go; the snapshots and the child keep their memory.
+    for id in [&r, &a] {
+        let (st, v) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
+        assert_eq!(st, 200, "{v}");
+    }
+    assert_eq!(all_ram_digest(&s, &c), want2);
+    let x = restore(&s, "child-full");
+    assert_eq!(all_ram_digest(&s, &x), want);
+    let y = restore(&s, "child-dirty");
+    assert_eq!(all_ram_digest(&s, &y), want2);
+    // A fork of a restored VM, snapshotted again.
+    let (st, f) = s.api("POST", &format!("/v1/vms/{y}/fork"), Some(json!({})));
+    assert_eq!(st, 201, "{f}");
+    let z = f["children"][0].as_str().unwrap().to_owned();
+    let zs = snapshot(&s, &z, "grandchild", "incremental");
+    assert_eq!(zs["mode_used"], "full", "a fork child has no base: {zs}");
+    let w = restore(&s, "grandchild");
+    assert_eq!(all_ram_digest(&s, &w), want2);
+    let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
+    assert_eq!(inv["ok"], true, "{inv}");
+}

@@ -1,0 +1,830 @@
+//! `impl Core` for VM snapshots (DESIGN §5, §6): take one (`full`,
+//! `incremental`, `dirty`) with a short pause and a copy-on-write window;
+//! list, show and delete them; start a VM from one. The files themselves
+//! are the [`crate::snapshot`] module's; this file decides what to write
+//! and when.
+//!
+//! Taking a snapshot of VM X:
+//! 1. Before the pause: reserve the name, create `memory.img` (a FICLONE of
+//!    the parent's image for `incremental` / `dirty`).
+//! 2. Pause X and capture its vCPU/device state (as a fork does).
+//! 3. While paused: the pages to save (all data pages, the pages not read
+//!    from the base image, or the dirty log), write-protect all of X's RAM
+//!    (one ioctl: this re-arms dirty tracking and opens the copy-on-write
+//!    window), start a new dirty log, snapshot the volume.
+//! 4. Resume X. Save the pages in order, a run at a time, yielding between
+//!    runs. A write by X to a page not yet saved raises a WP fault (or a
+//!    MISSING one) first, and the fault handler saves that page's pre-write
+//!    bytes before lifting the protection ([`Registry::before_write`]).
+//!    Both run on the core thread, so a page is saved exactly once, with
+//!    the bytes it had at the pause.
+//! 5. fsync the image, checksum it, write `state.json`, rename: committed.
+//!
+//! Dirty tracking is the same write protection the fork machinery uses:
+//! every WP fault (and every MISSING fault on a write) marks its page in
+//! the VM's [`DirtyLog`], whoever armed the protection.
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Instant;
+
+use proto::api::{
+    CreateSnapshot, CreateVm, SnapshotCreated, SnapshotDeleted, SnapshotInfo, SnapshotList,
+    SnapshotMode, SnapshotPages,
+};
+use proto::vmm::{Reply, Request};
+use shared::{VmId, PAGE_SIZE};
+use tokio::sync::oneshot;
+use tracing::{info, warn};
+use vm_memory::VolatileSlice;
+
+use super::vm::{RunState, Vm, VmParts};
+use super::{Core, Error, Registry, Result};
+use crate::memory::GuestMemory;
+use crate::pages::UNINITIALIZED;
+use crate::pages::{
+    read_pages, FileSource, ImageSource, PageSource, PageTable, ResolveError, SourceId,
+};
+use crate::snapshot::image::{self, ImageWriter};
+use crate::snapshot::{catalog, checksum, PageSet, SnapshotError, StateFile};
+
+/// Pages saved per step of the writer before it lets faults and other
+/// requests run.
+const SAVE_RUN_PAGES: u64 = 256;
+
+/// Pages written since a VM's last snapshot.
+#[derive(Debug)]
+pub struct DirtyLog {
+    /// The snapshot the log counts from.
+    pub since: String,
+    pub pages: PageSet,
+}
+
+/// A snapshot saving pages while its VM runs again.
+#[derive(Debug)]
+pub struct Saving {
+    /// Pages whose bytes at the pause are not in the image yet.
+    pub pending: PageSet,
+    /// Every page this snapshot writes (`pending` at the pause): chunks
+    /// of a reflinked image without one keep their parent's checksums.
+    pub touched: PageSet,
+    pub image: Rc<ImageWriter>,
+    /// The image started empty (all holes), not as a parent's reflink.
+    pub fresh: bool,
+    /// The first failure to save a page; the snapshot fails with it.
+    pub error: Option<String>,
+    pub pages_written: u64,
+    pub bytes_written: u64,
+    /// Pages saved by the fault handler ahead of the writer.
+    pub saved_before_write: u64,
+}
+
+/// Why a page could not be saved.
+#[derive(Debug, thiserror::Error)]
+enum SaveError {
+    #[error("cannot read the page")]
+    Resolve(#[source] ResolveError),
+    #[error(transparent)]
+    Write(#[from] SnapshotError),
+}
+
+/// Write whole pages `buf` at `first` into `image`, leaving all-zero pages
+/// as holes (punched, unless the image is `fresh`: all holes already).
+/// Returns the bytes written.
+fn write_sparse(
+    image: &ImageWriter,
+    fresh: bool,
+    first: u64,
+    buf: &[u8],
+) -> std::result::Result<u64, SaveError> {
+    let ps = shared::geometry::usize_of(PAGE_SIZE);
+    let zero: Vec<bool> = buf
+        .chunks_exact(ps)
+        .map(|pg| pg.iter().all(|b| *b == 0))
+        .collect();
+    let mut written = 0;
+    let mut i = 0;
+    while i < zero.len() {
+        let mut j = i + 1;
+        while j < zero.len() && zero[j] == zero[i] {
+            j += 1;
+        }
+        let at = first + i as u64;
+        if !zero[i] {
+            image.write_pages(at, &buf[i * ps..j * ps])?;
+            written += ((j - i) * ps) as u64;
+        } else if !fresh {
+            image.punch(at, (j - i) as u64)?;
+        }
+        i = j;
+    }
+    Ok(written)
+}
+
+fn us(t: Instant) -> u64 {
+    u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// What a snapshot will write, decided before the pause.
+struct Plan {
+    mode: SnapshotMode,
+    parent: Option<String>,
+    fallback_reason: Option<String>,
+    image: Rc<ImageWriter>,
+    /// For `incremental`: the base image's source and its data pages.
+    base: Option<(SourceId, Vec<(u64, u64)>)>,
+}
+
+impl Registry {
+    /// Before `page` of `vm` changes (a write fault, a discard): record it
+    /// in the dirty log, and hand its current bytes to a snapshot that has
+    /// not saved it yet.
+    pub(super) fn before_write(&mut self, vm: VmId, page: u64) {
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return;
+        };
+        if let Some(d) = v.dirty.as_mut() {
+            d.pages.insert(page);
+        }
+        let Some(saving) = v.saving.clone() else {
+            return;
+        };
+        if !saving.borrow().pending.contains(page) {
+            return;
+        }
+        let mut buf = Vec::new();
+        self.save_run(vm, &saving, page, 1, &mut buf);
+        saving.borrow_mut().saved_before_write += 1;
+    }
+
+    /// Save pages `[lo, lo + n)` of `vm` (all pending) into `saving`'s
+    /// image, reading them through the live table, and mark them saved. A
+    /// failure is recorded in `saving` (the snapshot fails with it).
+    fn save_run(&self, vm: VmId, saving: &RefCell<Saving>, lo: u64, n: u64, buf: &mut Vec<u8>) {
+        let Some(v) = self.vms.get(&vm) else {
+            return;
+        };
+        let mut s = saving.borrow_mut();
+        let end = lo + n;
+        let mut p = lo;
+        while p < end {
+            let src = v.table.get(p);
+            let mut q = p + 1;
+            while q < end && v.table.get(q) == src {
+                q += 1;
+            }
+            let cnt = q - p;
+            let saved = if src == UNINITIALIZED {
+                if s.fresh {
+                    Ok(0)
+                } else {
+                    s.image.punch(p, cnt).map(|()| 0).map_err(SaveError::from)
+                }
+            } else {
+                match self.read_into(src, p, cnt, buf) {
+                    Ok(()) => write_sparse(&s.image, s.fresh, p, buf),
+                    Err(e) => Err(e),
+                }
+            };
+            match saved {
+                Ok(bytes) => s.bytes_written += bytes,
+                Err(e) => {
+                    s.error
+                        .get_or_insert(format!("pages {p}..{q}: {}", shared::error_chain(&e)));
+                }
+            }
+            for x in p..q {
+                s.pending.remove(x);
+            }
+            s.pages_written += cnt;
+            p = q;
+        }
+    }
+
+    /// The bytes of pages `[first, first + n)` of source `src` into `buf`.
+    fn read_into(
+        &self,
+        src: SourceId,
+        first: u64,
+        n: u64,
+        buf: &mut Vec<u8>,
+    ) -> std::result::Result<(), SaveError> {
+        let source = self
+            .arena
+            .get(src)
+            .cloned()
+            .ok_or(SaveError::Resolve(ResolveError::UnknownSource(src)))?;
+        buf.resize(shared::geometry::usize_of(n * PAGE_SIZE), 0);
+        let dst = VolatileSlice::from(&mut buf[..]);
+        let vms = &self.vms;
+        read_pages(&source, first, &dst, &|id| {
+            vms.get(&id).map(|o| Rc::clone(&o.memory))
+        })
+        .map_err(SaveError::Resolve)
+    }
+
+    /// VMs whose tables read pages from snapshot `name`'s image.
+    fn readers_of(&self, name: &str) -> Vec<String> {
+        let sources: Vec<SourceId> = self
+            .arena
+            .image_ids()
+            .filter(|id| {
+                self.arena
+                    .get(*id)
+                    .and_then(|s| s.snapshot())
+                    .is_some_and(|s| s == name)
+            })
+            .collect();
+        self.vms
+            .values()
+            .filter(|v| sources.iter().any(|s| v.table.count_of(*s) > 0))
+            .map(|v| v.id.to_string())
+            .collect()
+    }
+}
+
+impl Core {
+    /// `POST /v1/vms/{id}/snapshots`.
+    pub(super) async fn snapshot(
+        self: &Rc<Self>,
+        vm: VmId,
+        req: CreateSnapshot,
+    ) -> Result<SnapshotCreated> {
+        let t0 = Instant::now();
+        self.expect_state(vm, RunState::Running, "snapshot")?;
+        let _busy = self.begin_busy(vm, "snapshot", "a snapshot")?;
+        let tmp = self.snapshots.borrow_mut().reserve(&req.name)?;
+        let taken = self.take_snapshot(vm, &req, &tmp, t0).await;
+        if taken.is_err() {
+            self.snapshots.borrow_mut().abandon(&req.name);
+            if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
+                v.saving = None;
+                // The log restarted at the pause for a snapshot that never
+                // came to be: the next `dirty` needs a new base.
+                v.dirty = None;
+            }
+        }
+        taken
+    }
+
+    async fn take_snapshot(
+        self: &Rc<Self>,
+        vm: VmId,
+        req: &CreateSnapshot,
+        tmp: &Path,
+        t0: Instant,
+    ) -> Result<SnapshotCreated> {
+        let plan = self.plan_snapshot(vm, req.mode, tmp)?;
+        let t_pause = Instant::now();
+        let state = self.pause_and_capture(vm).await?;
+        let armed = self.arm_snapshot(vm, &req.name, &plan);
+        let volume_snapshot = match &armed {
+            Ok(()) => self.snapshot_volume(vm, &req.name),
+            Err(_) => Ok(None),
+        };
+        let resumed = self
+            .request(vm, Request::Resume, self.settings.vmm_deadline)
+            .await;
+        let pause_us = us(t_pause);
+        armed?;
+        let volume_snapshot = volume_snapshot?;
+        resumed?;
+        let saving = self.save_pending(vm).await?;
+        let (pages_written, bytes_written, early, saving_touched) = {
+            let mut s = saving.borrow_mut();
+            let touched = std::mem::take(&mut s.touched);
+            (
+                s.pages_written,
+                s.bytes_written,
+                s.saved_before_write,
+                touched,
+            )
+        };
+        let memory_bytes = self
+            .reg
+            .borrow()
+            .vms
+            .get(&vm)
+            .map_or(0, |v| v.memory.size());
+        let mut state = StateFile {
+            format_version: crate::snapshot::FORMAT_VERSION,
+            name: req.name.clone(),
+            vm: vm.to_string(),
+            mode: plan.mode,
+            parent: plan.parent.clone(),
+            created: now_secs(),
+            memory_bytes,
+            page_size: PAGE_SIZE,
+            vm_state: state,
+            volume_snapshot,
+            files: Default::default(),
+        };
+        let file = plan
+            .image
+            .file
+            .try_clone()
+            .map_err(SnapshotError::io("reopen", &plan.image.path))?;
+        let fallback_reason = plan.fallback_reason.clone();
+        drop(plan);
+        drop(saving);
+        let root = self.snapshots.borrow().root().to_owned();
+        let tmp = tmp.to_owned();
+        let parent_chunks = state
+            .parent
+            .as_deref()
+            .and_then(|p| self.snapshots.borrow().get(p).ok().cloned())
+            .and_then(|p| p.files.get(crate::snapshot::MEMORY_FILE).cloned())
+            .map(|f| f.chunks);
+        let touched = saving_touched;
+        let (state, extents) = tokio::task::spawn_blocking(move || {
+            let reuse = |c: u64| {
+                let pages = checksum::CHUNK_BYTES / PAGE_SIZE;
+                let untouched = touched
+                    .next_from(c * pages)
+                    .is_none_or(|p| p >= (c + 1) * pages);
+                parent_chunks
+                    .as_ref()
+                    .filter(|_| untouched)
+                    .and_then(|ch| ch.get(shared::geometry::usize_of(c)).cloned())
+            };
+            finish_files(&root, &tmp, &file, &mut state, &reuse).map(|n| (state, n))
+        })
+        .await
+        .map_err(|_| Error::ShuttingDown)??;
+        let mode_used = state.mode;
+        self.snapshots.borrow_mut().insert(state);
+        let duration_us = us(t0);
+        info!(
+            "{vm}: snapshot {} ({mode_used}): {pages_written} pages, pause {pause_us} us, \
+             {early} saved ahead of guest writes, {duration_us} us in all",
+            req.name
+        );
+        Ok(SnapshotCreated {
+            name: req.name.clone(),
+            vm: vm.to_string(),
+            mode_requested: req.mode,
+            mode_used,
+            fallback_reason,
+            pages_written,
+            bytes_written,
+            pause_us,
+            duration_us,
+            image_extents: extents,
+            pages_saved_ahead: early,
+        })
+    }
+
+    /// Decide the mode and create the image (a reflink of the parent's
+    /// for `incremental` and `dirty`), before the pause.
+    fn plan_snapshot(&self, vm: VmId, asked: SnapshotMode, tmp: &Path) -> Result<Plan> {
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let cat = self.snapshots.borrow();
+        let size = v.memory.size();
+        let fits = |name: &str| cat.get(name).is_ok_and(|s| s.memory_bytes == size);
+        let mut reasons: Vec<String> = Vec::new();
+        let mut choice: Option<(SnapshotMode, String)> = None;
+        if asked == SnapshotMode::Dirty {
+            match &v.dirty {
+                Some(d) if fits(&d.since) => {
+                    choice = Some((SnapshotMode::Dirty, d.since.clone()));
+                }
+                Some(d) => reasons.push(format!("{vm}'s last snapshot {} is gone", d.since)),
+                None => reasons.push(format!(
+                    "{vm} has no snapshot since it started (or its last one failed)"
+                )),
+            }
+        }
+        if choice.is_none() && asked != SnapshotMode::Full {
+            match &v.base {
+                Some((b, _)) if fits(b) => choice = Some((SnapshotMode::Incremental, b.clone())),
+                Some((b, _)) => reasons.push(format!("{vm}'s base snapshot {b} is gone")),
+                None => reasons.push(format!("{vm} did not start from a snapshot")),
+            }
+        }
+        let path = tmp.join(crate::snapshot::MEMORY_FILE);
+        let mut mode = SnapshotMode::Full;
+        let mut parent = None;
+        let mut reflinked = None;
+        let mut base = None;
+        if let Some((m, p)) = choice {
+            match ImageWriter::reflink(&path, &cat.image_of(&p), size) {
+                Ok(img) => {
+                    if m == SnapshotMode::Incremental {
+                        let (_, src) = v.base.clone().unwrap_or_default();
+                        let data = reg
+                            .arena
+                            .get(src)
+                            .and_then(|s| s.file())
+                            .map(|f| image::data_pages(&f.file, f.len))
+                            .transpose()
+                            .map_err(SnapshotError::io("read the base image of", &path))?
+                            .unwrap_or_default();
+                        base = Some((src, data));
+                    }
+                    mode = m;
+                    parent = Some(p);
+                    reflinked = Some(img);
+                }
+                Err(e) => reasons.push(format!(
+                    "cannot reflink {} on this filesystem ({e}); use XFS with reflink=1 or btrfs",
+                    cat.image_of(&p).display()
+                )),
+            }
+        }
+        let image = match reflinked {
+            Some(img) => img,
+            None => ImageWriter::create(&path, size)?,
+        };
+        Ok(Plan {
+            mode,
+            parent,
+            fallback_reason: (mode != asked).then(|| reasons.join("; ")),
+            image: Rc::new(image),
+            base,
+        })
+    }
+
+    /// Pause `vm` and capture its state; on failure it is resumed.
+    async fn pause_and_capture(self: &Rc<Self>, vm: VmId) -> Result<shared::VmState> {
+        let timeout = self.settings.vmm_deadline;
+        let paused = self.send_request(vm, Request::Pause)?;
+        let captured = self.send_request(vm, Request::CaptureState);
+        let paused = self.await_reply(vm, paused, timeout).await;
+        let captured = match captured {
+            Ok(rx) => self.await_reply(vm, rx, timeout).await,
+            Err(e) => Err(e),
+        };
+        match (paused, captured) {
+            (Ok(_), Ok(Reply::State(s))) => Ok(s),
+            (p, c) => {
+                if let Ok(rx) = self.send_request(vm, Request::Resume) {
+                    let core = self.clone();
+                    tokio::task::spawn_local(async move {
+                        let late = core.settings.exec_timeout;
+                        if let Err(e) = core.await_reply(vm, rx, late).await {
+                            warn!("{vm}: resume after a failed capture: {}", e.message());
+                        }
+                    });
+                }
+                Err(match (p, c) {
+                    (Err(e), _) | (_, Err(e)) => e,
+                    (_, Ok(r)) => Error::UnexpectedReply {
+                        vm,
+                        request: "capture",
+                        reply: format!("{r:?}"),
+                    },
+                })
+            }
+        }
+    }
+
+    /// While `vm` is paused: choose the pages to save, write-protect all
+    /// of its RAM, restart its dirty log and open the saving window.
+    fn arm_snapshot(&self, vm: VmId, name: &str, plan: &Plan) -> Result<()> {
+        let mut reg = self.reg.borrow_mut();
+        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let pages = v.memory.pages();
+        let pending = match plan.mode {
+            SnapshotMode::Full => {
+                let mut set = PageSet::new(pages);
+                for e in v.table.extents() {
+                    if e.source != UNINITIALIZED {
+                        set.insert_range(e.start, e.pages);
+                    }
+                }
+                set
+            }
+            SnapshotMode::Incremental => {
+                let (base_src, data) = plan.base.clone().unwrap_or_default();
+                let mut set = PageSet::new(pages);
+                for e in v.table.extents() {
+                    if e.source != UNINITIALIZED && e.source != base_src {
+                        set.insert_range(e.start, e.pages);
+                    }
+                }
+                // Pages discarded since the start read as zero now, where
+                // the base image may hold data.
+                for (first, n) in data {
+                    for p in first..(first + n).min(pages) {
+                        if v.table.get(p) == UNINITIALIZED {
+                            set.insert(p);
+                        }
+                    }
+                }
+                set
+            }
+            SnapshotMode::Dirty => v
+                .dirty
+                .as_ref()
+                .map_or_else(|| PageSet::new(pages), |d| d.pages.clone()),
+        };
+        let uffd = v.uffd.clone().ok_or(Error::NoUffd { vm })?;
+        // While tracking runs, only the pages written since the last arm
+        // lost their protection (the WP handler marks each one dirty
+        // before lifting it): re-protect those. Otherwise all of RAM (never
+        // touched pages get markers, WP_UNPOPULATED).
+        let rearm = match &v.dirty {
+            Some(d) => d.pages.runs(),
+            None => vec![(0, pages)],
+        };
+        for (first, n) in rearm {
+            uffd_abi::write_protect(uffd.get_ref(), v.addr_of(first) as u64, n * PAGE_SIZE, true)
+                .map_err(|source| Error::ArmTracking { vm, source })?;
+        }
+        v.dirty = Some(DirtyLog {
+            since: name.to_owned(),
+            pages: PageSet::new(pages),
+        });
+        v.saving = Some(Rc::new(RefCell::new(Saving {
+            touched: pending.clone(),
+            pending,
+            image: plan.image.clone(),
+            fresh: plan.parent.is_none(),
+            error: None,
+            pages_written: 0,
+            bytes_written: 0,
+            saved_before_write: 0,
+        })));
+        Ok(())
+    }
+
+    /// Snapshot `vm`'s volume (while paused) as `<name>.disk`.
+    fn snapshot_volume(&self, vm: VmId, name: &str) -> Result<Option<String>> {
+        let vol = self
+            .reg
+            .borrow()
+            .vms
+            .get(&vm)
+            .and_then(|v| v.volume.clone());
+        let (Some(vol), Some(engine)) = (vol, self.volumes.as_ref()) else {
+            return Ok(None);
+        };
+        let snap = format!("{name}.disk");
+        engine.snapshot(&vol, &snap)?;
+        Ok(Some(snap))
+    }
+
+    /// Save every page still pending, a run at a time, in page order.
+    async fn save_pending(self: &Rc<Self>, vm: VmId) -> Result<Rc<RefCell<Saving>>> {
+        let saving = self
+            .reg
+            .borrow()
+            .vms
+            .get(&vm)
+            .and_then(|v| v.saving.clone())
+            .ok_or(Error::NoSuchVm(vm))?;
+        let mut buf = Vec::new();
+        let mut cursor = 0;
+        loop {
+            let next = saving.borrow().pending.next_from(cursor);
+            let Some(lo) = next else { break };
+            let mut hi = lo + 1;
+            {
+                let s = saving.borrow();
+                while hi - lo < SAVE_RUN_PAGES && s.pending.contains(hi) {
+                    hi += 1;
+                }
+            }
+            {
+                let reg = self.reg.borrow();
+                match reg.vms.get(&vm) {
+                    Some(v) if !v.deleted => {}
+                    _ => {
+                        return Err(Error::SaveSnapshot {
+                            vm,
+                            reason: "the VM was deleted while its snapshot was written".into(),
+                        })
+                    }
+                }
+                reg.save_run(vm, &saving, lo, hi - lo, &mut buf);
+            }
+            if let Some(e) = saving.borrow().error.clone() {
+                return Err(Error::SaveSnapshot { vm, reason: e });
+            }
+            cursor = hi;
+            tokio::task::yield_now().await;
+        }
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
+            v.saving = None;
+        }
+        if let Some(e) = saving.borrow().error.clone() {
+            return Err(Error::SaveSnapshot { vm, reason: e });
+        }
+        Ok(saving)
+    }
+
+    /// `GET /v1/snapshots`.
+    pub(super) fn list_snapshots(&self) -> SnapshotList {
+        let names: Vec<String> = self
+            .snapshots
+            .borrow()
+            .iter()
+            .map(|s| s.name.clone())
+            .collect();
+        SnapshotList {
+            snapshots: names
+                .iter()
+                .filter_map(|n| self.snapshot_info(n).ok())
+                .collect(),
+            quarantined: self.snapshots.borrow().quarantined().to_vec(),
+        }
+    }
+
+    /// `GET /v1/snapshots/{name}`.
+    pub(super) fn snapshot_info(&self, name: &str) -> Result<SnapshotInfo> {
+        let cat = self.snapshots.borrow();
+        let s = cat.get(name)?;
+        let path = cat.image_of(name);
+        let file = image::open_read(&path)?;
+        let data: u64 = image::data_pages(&file, s.memory_bytes)
+            .map_err(SnapshotError::io("read", &path))?
+            .iter()
+            .map(|(_, n)| n)
+            .sum();
+        let total = s.memory_bytes / PAGE_SIZE;
+        let on_disk = |p: PathBuf| {
+            std::fs::metadata(p).map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+        };
+        Ok(SnapshotInfo {
+            name: s.name.clone(),
+            vm: s.vm.clone(),
+            mode: s.mode,
+            parent: s.parent.clone(),
+            memory_mib: s.memory_bytes >> 20,
+            vcpus: s.vcpus(),
+            page_size: s.page_size,
+            pages: SnapshotPages {
+                data,
+                zero_hole: total.saturating_sub(data),
+            },
+            bytes_on_disk: on_disk(path.clone())
+                + on_disk(cat.dir_of(name).join(crate::snapshot::STATE_FILE)),
+            exclusive_bytes: image::exclusive_bytes(&file),
+            image_extents: image::extent_count(&file),
+            volume_snapshot: s.volume_snapshot.clone(),
+            created: s.created,
+            readers: self.reg.borrow().readers_of(name),
+        })
+    }
+
+    /// `DELETE /v1/snapshots/{name}`: refused while a VM reads from it.
+    pub(super) fn delete_snapshot(&self, name: &str) -> Result<SnapshotDeleted> {
+        self.snapshots.borrow().get(name)?;
+        let readers = {
+            let mut reg = self.reg.borrow_mut();
+            reg.collect_garbage();
+            reg.readers_of(name)
+        };
+        if !readers.is_empty() {
+            return Err(SnapshotError::InUse {
+                name: name.to_owned(),
+                vms: readers,
+            }
+            .into());
+        }
+        let state = self.snapshots.borrow_mut().remove(name)?;
+        if let (Some(vs), Some(engine)) = (&state.volume_snapshot, self.volumes.as_ref()) {
+            if let Err(e) = engine.delete_snapshot(vs) {
+                warn!(
+                    "snapshot {name}: cannot delete its volume snapshot {vs}: {}",
+                    e.chain()
+                );
+            }
+        }
+        info!("snapshot {name} deleted");
+        Ok(SnapshotDeleted {
+            name: name.to_owned(),
+            deleted: true,
+        })
+    }
+
+    /// Register a VM that starts from snapshot `name` (`POST /v1/vms`
+    /// with `from_snapshot`): its table reads the snapshot's image (holes
+    /// are `Uninitialized` up front), its VMM starts from the saved state.
+    pub(super) fn prepare_restore(
+        &self,
+        req: &CreateVm,
+        name: &str,
+    ) -> Result<(VmId, oneshot::Receiver<Result<()>>)> {
+        let (state, path) = {
+            let cat = self.snapshots.borrow();
+            (cat.get(name)?.clone(), cat.image_of(name))
+        };
+        let size = state.memory_bytes;
+        if req.memory_mib != 0 && req.memory_mib << 20 != size {
+            return Err(Error::BadRequest(format!(
+                "snapshot {name} has {} MiB of memory; leave memory_mib out",
+                size >> 20
+            )));
+        }
+        if req.memory_source.is_some() || req.volume.is_some() || req.prefetch {
+            return Err(Error::BadRequest(
+                "from_snapshot takes memory and volume from the snapshot; \
+                 leave memory_source, volume and prefetch out"
+                    .into(),
+            ));
+        }
+        let fault_around = req
+            .fault_around_kib
+            .map(crate::pages::FaultAround::from_kib)
+            .transpose()
+            .map_err(|e| Error::BadRequest(format!("fault_around_kib {e}")))?;
+        let file = image::open_read(&path)?;
+        let len = file
+            .metadata()
+            .map_err(SnapshotError::io("stat", &path))?
+            .len();
+        let data = image::data_pages(&file, len).map_err(SnapshotError::io("read", &path))?;
+        let pin = crate::images::Pin::Stamp(
+            crate::images::Stamp::of(&file).map_err(SnapshotError::io("stat", &path))?,
+        );
+        let mut reg = self.reg.borrow_mut();
+        reg.admit(&self.settings, 1, size)?;
+        let id = reg.alloc_id(&self.settings.state_dir);
+        let volume = match (&state.volume_snapshot, self.volumes.as_ref()) {
+            (Some(vs), Some(engine)) => {
+                let vol = format!("{name}-{id}");
+                engine.clone_snapshot(vs, &vol)?;
+                Some(vol)
+            }
+            (Some(_), None) => return Err(Error::NoVolumes),
+            (None, _) => None,
+        };
+        let memory = match GuestMemory::create(&format!("pagefork-{id}"), size) {
+            Ok(m) => m,
+            Err(e) => {
+                if let (Some(vol), Some(engine)) = (&volume, self.volumes.as_ref()) {
+                    let _ = engine.delete(vol);
+                }
+                return Err(Error::CreateMemory(e));
+            }
+        };
+        let self_src = reg.arena.vm(id);
+        let src = reg.arena.insert(PageSource::Image(ImageSource {
+            snapshot: name.to_owned(),
+            file: FileSource {
+                path: path.clone(),
+                file,
+                len,
+                pin,
+            },
+        }));
+        let pages = size / PAGE_SIZE;
+        let mut table = PageTable::new(pages, UNINITIALIZED);
+        for (first, n) in data {
+            table.set_range(first, n, src);
+        }
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let mut vm = Vm::new(VmParts {
+            id,
+            memory,
+            table,
+            self_src,
+            vcpus: state.vcpus(),
+            fault_around_pages: fault_around
+                .map_or(self.settings.fault_around_pages, |f| f.pages()),
+            readahead_pages: req
+                .readahead_kib
+                .map_or(self.settings.readahead_pages, |k| k / 4),
+            ready: ready_tx,
+        });
+        vm.start_state = Some(Rc::new(state.vm_state));
+        vm.base = Some((name.to_owned(), src));
+        vm.owns_volume = volume.is_some();
+        vm.volume = volume;
+        reg.vms.insert(id, vm);
+        info!("{id}: restoring from snapshot {name}");
+        Ok((id, ready_rx))
+    }
+}
+
+/// After the last page is saved: fsync the image, record its checksums in
+/// `state` (`reuse` gives those of chunks the parent's image already has),
+/// and commit the snapshot directory. Returns the image's extent
+/// count. Blocking file I/O: runs off the core thread.
+fn finish_files(
+    root: &Path,
+    tmp: &Path,
+    image: &std::fs::File,
+    state: &mut StateFile,
+    reuse: &dyn Fn(u64) -> Option<String>,
+) -> Result<u64> {
+    let path = tmp.join(crate::snapshot::MEMORY_FILE);
+    image.sync_all().map_err(SnapshotError::io("sync", &path))?;
+    let sum =
+        checksum::sum_file_reusing(image, reuse).map_err(SnapshotError::io("checksum", &path))?;
+    state
+        .files
+        .insert(crate::snapshot::MEMORY_FILE.to_owned(), sum);
+    let extents = image::extent_count(image);
+    catalog::commit(root, tmp, state)?;
+    Ok(extents)
+}

@@ -1,0 +1,131 @@
+//! `state.json`: what a snapshot directory holds besides its image.
+
+use std::collections::BTreeMap;
+
+use proto::api::SnapshotMode;
+use serde::{Deserialize, Serialize};
+
+/// The version of the snapshot format this server writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Size and checksum of one file of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileSum {
+    /// Logical size in bytes.
+    pub bytes: u64,
+    /// SHA-256 over the chunk digests, as lowercase hex.
+    pub sha256: String,
+    /// SHA-256 of each 1 MiB chunk of the content (holes read as zero).
+    pub chunks: Vec<String>,
+}
+
+/// The contents of `state.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StateFile {
+    pub format_version: u32,
+    pub name: String,
+    /// The VM it was taken from (`vm-N`).
+    pub vm: String,
+    pub mode: SnapshotMode,
+    /// The snapshot whose image `memory.img` was reflinked from.
+    pub parent: Option<String>,
+    /// Seconds since the Unix epoch.
+    pub created: u64,
+    pub memory_bytes: u64,
+    pub page_size: u64,
+    /// vCPU and device state, as the VMM captured it.
+    pub vm_state: shared::VmState,
+    /// The volume snapshot taken with it, if a volume was attached.
+    pub volume_snapshot: Option<String>,
+    /// Every other file of the snapshot directory, by name.
+    pub files: BTreeMap<String, FileSum>,
+}
+
+impl StateFile {
+    /// Number of vCPUs.
+    pub fn vcpus(&self) -> u8 {
+        u8::try_from(self.vm_state.vcpus.len()).unwrap_or(u8::MAX)
+    }
+
+    /// Check what does not need the files: version, geometry.
+    pub fn validate(&self) -> Result<(), Invalid> {
+        if self.format_version != FORMAT_VERSION {
+            return Err(Invalid::Version(self.format_version));
+        }
+        if self.page_size != shared::PAGE_SIZE {
+            return Err(Invalid::PageSize(self.page_size));
+        }
+        if self.memory_bytes == 0 || !self.memory_bytes.is_multiple_of(self.page_size) {
+            return Err(Invalid::MemorySize(self.memory_bytes));
+        }
+        if self.vm_state.vcpus.is_empty() {
+            return Err(Invalid::NoVcpus);
+        }
+        if !self.files.contains_key(super::MEMORY_FILE) {
+            return Err(Invalid::NoChecksum);
+        }
+        Ok(())
+    }
+}
+
+/// Why a `state.json` cannot describe a snapshot this server serves.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Invalid {
+    #[error("format version {0} (this server reads {FORMAT_VERSION})")]
+    Version(u32),
+    #[error("page size {0} is not {page}", page = shared::PAGE_SIZE)]
+    PageSize(u64),
+    #[error("memory size {0} is not whole pages")]
+    MemorySize(u64),
+    #[error("no vCPU state")]
+    NoVcpus,
+    #[error("no checksum of {}", super::MEMORY_FILE)]
+    NoChecksum,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> StateFile {
+        StateFile {
+            format_version: FORMAT_VERSION,
+            name: "s".into(),
+            vm: "vm-1".into(),
+            mode: SnapshotMode::Full,
+            parent: None,
+            created: 1,
+            memory_bytes: 1 << 20,
+            page_size: shared::PAGE_SIZE,
+            vm_state: shared::VmState {
+                vcpus: vec![shared::VcpuState::default()],
+                devices: vec![1, 2],
+            },
+            volume_snapshot: None,
+            files: BTreeMap::from([(
+                super::super::MEMORY_FILE.to_owned(),
+                FileSum {
+                    bytes: 1 << 20,
+                    sha256: "00".into(),
+                    chunks: vec!["00".into()],
+                },
+            )]),
+        }
+    }
+
+    #[test]
+    fn state_file_round_trips_and_validates() {
+        let s = sample();
+        let text = serde_json::to_string(&s).unwrap();
+        let back: StateFile = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, s);
+        assert!(back.validate().is_ok());
+        let mut bad = s.clone();
+        bad.format_version = 99;
+        assert_eq!(bad.validate(), Err(Invalid::Version(99)));
+        let mut bad = s;
+        bad.memory_bytes = 100;
+        assert!(bad.validate().is_err());
+    }
+}

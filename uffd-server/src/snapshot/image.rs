@@ -1,0 +1,178 @@
+//! `memory.img`: creating it (empty or as a reflink of a parent image),
+//! writing page runs, punching holes, and reading back where its data is.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{fallocate, FallocateFlags};
+use shared::PAGE_SIZE;
+
+use super::{Result, SnapshotError};
+
+/// Byte ranges `[start, end)` of `fd` (of `len` bytes) that hold data, found
+/// with SEEK_DATA / SEEK_HOLE; everything else reads as zero.
+pub fn data_ranges(fd: RawFd, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    let len_off = libc::off_t::try_from(len).unwrap_or(libc::off_t::MAX);
+    let mut out = Vec::new();
+    let mut pos: libc::off_t = 0;
+    while pos < len_off {
+        // SAFETY: lseek on an open fd has no memory effects.
+        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // No data past `pos`.
+            }
+            return Err(e);
+        }
+        if data >= len_off {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let hole = hole.min(len_off);
+        out.push((data.unsigned_abs(), hole.unsigned_abs()));
+        pos = hole;
+    }
+    Ok(out)
+}
+
+/// Page runs `(first, pages)` of an image that hold data (a partly written
+/// page counts as data).
+pub fn data_pages(file: &File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (s, e) in data_ranges(file.as_raw_fd(), len)? {
+        let (first, end) = (s / PAGE_SIZE, e.div_ceil(PAGE_SIZE));
+        match out.last_mut() {
+            Some((f, n)) if *f + *n >= first => *n = (*n).max(end - *f),
+            _ => out.push((first, end - first)),
+        }
+    }
+    Ok(out)
+}
+
+/// Open an image read-only, never through a symlink.
+pub fn open_read(path: &Path) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(SnapshotError::io("open", path))
+}
+
+/// A `memory.img` being written.
+#[derive(Debug)]
+pub struct ImageWriter {
+    pub path: PathBuf,
+    pub file: File,
+}
+
+impl ImageWriter {
+    /// A new, all-hole image of `size` bytes.
+    pub fn create(path: &Path, size: u64) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(SnapshotError::io("create", path))?;
+        file.set_len(size)
+            .map_err(SnapshotError::io("size", path))?;
+        Ok(ImageWriter {
+            path: path.to_owned(),
+            file,
+        })
+    }
+
+    /// A new image sharing every extent of `parent` (one FICLONE; the
+    /// cost does not depend on the image's size).
+    pub fn reflink(path: &Path, parent: &Path, size: u64) -> std::io::Result<Self> {
+        let src = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(parent)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)?;
+        let cloned = crate::volume::ficlone(&file, &src).and_then(|()| file.set_len(size));
+        if let Err(e) = cloned {
+            drop(file);
+            let _ = std::fs::remove_file(path);
+            return Err(e);
+        }
+        Ok(ImageWriter {
+            path: path.to_owned(),
+            file,
+        })
+    }
+
+    /// Write `bytes` (whole pages) at `first`'s offset.
+    pub fn write_pages(&self, first: u64, bytes: &[u8]) -> Result<()> {
+        self.file
+            .write_all_at(bytes, first * PAGE_SIZE)
+            .map_err(SnapshotError::io("write", &self.path))
+    }
+
+    /// Make `[first, first + pages)` a hole (reads as zero).
+    pub fn punch(&self, first: u64, pages: u64) -> Result<()> {
+        let off = libc::off_t::try_from(first * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
+        let len = libc::off_t::try_from(pages * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
+        fallocate(
+            self.file.as_raw_fd(),
+            FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        )
+        .map_err(|e| SnapshotError::Io {
+            what: "punch a hole in",
+            path: self.path.clone(),
+            source: e.into(),
+        })
+    }
+}
+
+/// Number of extents of `file` (FIEMAP; 0 if it cannot tell).
+pub fn extent_count(file: &File) -> u64 {
+    crate::volume::fiemap(file).map_or(0, |e| e.len() as u64)
+}
+
+/// Bytes of `file` no other file shares (FIEMAP).
+pub fn exclusive_bytes(file: &File) -> u64 {
+    crate::volume::extents::usage(file).map_or(0, |u| u.exclusive_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_pages_find_written_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = ImageWriter::create(&dir.path().join("m"), 64 * PAGE_SIZE).unwrap();
+        img.write_pages(3, &[1u8; 2 * 4096]).unwrap();
+        img.write_pages(40, &[2u8; 4096]).unwrap();
+        let runs = data_pages(&img.file, 64 * PAGE_SIZE).unwrap();
+        // Filesystems may round data to their block size; the written
+        // pages are always inside a data run.
+        let covered = |p: u64| runs.iter().any(|(f, n)| p >= *f && p < f + n);
+        assert!(covered(3) && covered(4) && covered(40), "{runs:?}");
+        assert!(!covered(20), "{runs:?}");
+        img.punch(40, 1).unwrap();
+        let runs = data_pages(&img.file, 64 * PAGE_SIZE).unwrap();
+        assert!(
+            !runs.iter().any(|(f, n)| 40 >= *f && 40 < f + n),
+            "{runs:?}"
+        );
+    }
+}

@@ -1,0 +1,52 @@
+//! VM snapshots on disk: the format, the image writer, the catalog of
+//! complete snapshots and their checksums. The core (`core/snapshot.rs`)
+//! decides what to write and when; this module owns the files.
+//!
+//! # On-disk format
+//!
+//! ```text
+//! STATE/snapshots/
+//!   <name>/                  one complete snapshot
+//!     memory.img             guest RAM in guest-physical layout: page p at
+//!                            byte p * page_size; holes read as zero
+//!     state.json             [`format::StateFile`]: format version, vCPU and
+//!                            device state, memory size, page size, mode,
+//!                            parent, volume snapshot, and the size and
+//!                            sha256 of memory.img
+//!   .tmp-<name>/             a snapshot being written (never listed)
+//!   .quarantine/<name>.<t>/  a snapshot that did not verify (never served)
+//! ```
+//!
+//! `incremental` and `dirty` snapshots start `memory.img` as a FICLONE of
+//! their parent's image and write only their pages over it, so every image
+//! is complete on its own: reading one never chains through parents, and
+//! deleting a parent never breaks a child (the filesystem keeps shared
+//! extents alive).
+//!
+//! # Commit point
+//!
+//! Everything is written under `.tmp-<name>/`: `memory.img` first (written,
+//! then fsynced), then `state.json` with the image's checksum (fsynced), then
+//! the temporary directory is fsynced, renamed to `<name>`, and
+//! `STATE/snapshots/` is fsynced. The rename is the single commit point: a
+//! crash before it leaves only a `.tmp-` directory, which the next start
+//! removes; after it, the snapshot is complete. At start-up every snapshot
+//! is verified against the checksums in its `state.json`; one that does not
+//! verify is moved to `.quarantine/` and never served.
+
+pub mod catalog;
+pub mod checksum;
+mod error;
+pub mod format;
+pub mod image;
+pub mod pageset;
+
+pub use catalog::Catalog;
+pub use error::{ErrorKind, Result, SnapshotError};
+pub use format::{FileSum, StateFile, FORMAT_VERSION};
+pub use pageset::PageSet;
+
+/// The image file in a snapshot directory.
+pub const MEMORY_FILE: &str = "memory.img";
+/// The description file in a snapshot directory.
+pub const STATE_FILE: &str = "state.json";

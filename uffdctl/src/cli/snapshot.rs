@@ -1,0 +1,154 @@
+//! `uffdctl snapshot ...`: VM snapshots (memory, vCPU/device state and the
+//! attached volume).
+
+use clap::Subcommand;
+use proto::api;
+use serde_json::Value;
+
+use super::body;
+use super::table::render;
+use super::vm::call;
+use crate::client::Client;
+use crate::Result;
+
+/// Snapshot commands.
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCmd {
+    /// Snapshot a running VM (the guest pauses only for a moment).
+    Create {
+        /// The VM (vm-N).
+        vm: String,
+        /// The snapshot's name.
+        name: String,
+        /// full, incremental (pages not from the VM's base snapshot) or
+        /// dirty (pages written since its last snapshot).
+        #[arg(long, default_value = "full")]
+        mode: String,
+    },
+    /// List the complete snapshots.
+    List,
+    /// Show one snapshot.
+    Show { name: String },
+    /// Delete a snapshot no VM reads from.
+    Delete { name: String },
+    /// Start a VM from a snapshot.
+    Restore { name: String },
+}
+
+fn mode(s: &str) -> Result<api::SnapshotMode> {
+    match s {
+        "full" => Ok(api::SnapshotMode::Full),
+        "incremental" => Ok(api::SnapshotMode::Incremental),
+        "dirty" => Ok(api::SnapshotMode::Dirty),
+        other => Err(crate::CliError::Usage(format!(
+            "unknown mode {other}; use full, incremental or dirty"
+        ))),
+    }
+}
+
+fn row(v: &Value) -> Vec<String> {
+    let s = |x: &Value| match x {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    };
+    vec![
+        s(&v["name"]),
+        s(&v["vm"]),
+        s(&v["mode"]),
+        s(&v["parent"]),
+        s(&v["memory_mib"]),
+        s(&v["pages"]["data"]),
+        s(&v["bytes_on_disk"]),
+        s(&v["exclusive_bytes"]),
+        s(&v["volume_snapshot"]),
+    ]
+}
+
+const HEADERS: [&str; 9] = [
+    "NAME",
+    "VM",
+    "MODE",
+    "PARENT",
+    "MEM_MIB",
+    "DATA_PAGES",
+    "ON_DISK",
+    "EXCLUSIVE",
+    "VOLUME",
+];
+
+/// Run a snapshot command.
+pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
+    let out = match cmd {
+        SnapshotCmd::Create { vm, name, mode: m } => {
+            let req = api::CreateSnapshot {
+                name,
+                mode: mode(&m)?,
+            };
+            let v = call(
+                client,
+                "POST",
+                &format!("/v1/vms/{vm}/snapshots"),
+                Some(&body(&req)),
+            )?;
+            if !as_json {
+                println!(
+                    "snapshot {} of {vm}: {} ({} pages, {} bytes written; paused {} us, {} us in all){}",
+                    v["name"].as_str().unwrap_or("?"),
+                    v["mode_used"].as_str().unwrap_or("?"),
+                    v["pages_written"],
+                    v["bytes_written"],
+                    v["pause_us"],
+                    v["duration_us"],
+                    v["fallback_reason"]
+                        .as_str()
+                        .map(|r| format!("\n  not {m}: {r}"))
+                        .unwrap_or_default()
+                );
+                return Ok(());
+            }
+            v
+        }
+        SnapshotCmd::List => {
+            let v = call(client, "GET", "/v1/snapshots", None)?;
+            if !as_json {
+                let rows: Vec<Vec<String>> = v["snapshots"]
+                    .as_array()
+                    .map(|a| a.iter().map(row).collect())
+                    .unwrap_or_default();
+                print!("{}", render(&HEADERS, &rows));
+                if let Some(q) = v["quarantined"].as_array().filter(|q| !q.is_empty()) {
+                    println!("quarantined (did not verify): {}", Value::Array(q.clone()));
+                }
+                return Ok(());
+            }
+            v
+        }
+        SnapshotCmd::Show { name } => {
+            let v = call(client, "GET", &format!("/v1/snapshots/{name}"), None)?;
+            if !as_json {
+                print!("{}", render(&HEADERS, &[row(&v)]));
+                return Ok(());
+            }
+            v
+        }
+        SnapshotCmd::Delete { name } => {
+            call(client, "DELETE", &format!("/v1/snapshots/{name}"), None)?
+        }
+        SnapshotCmd::Restore { name } => {
+            let req = api::CreateVm {
+                memory_mib: 0,
+                from_snapshot: Some(name),
+                vcpus: 1,
+                memory_source: None,
+                volume: None,
+                fault_around_kib: None,
+                readahead_kib: None,
+                prefetch: false,
+            };
+            call(client, "POST", "/v1/vms", Some(&body(&req)))?
+        }
+    };
+    println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+    Ok(())
+}
