@@ -134,6 +134,14 @@ impl Registry {
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
         let len = (hi - lo) * PAGE_SIZE;
         let to = v.addr_of(lo) as u64;
+        // While writes are tracked (dirty log, a snapshot saving), the
+        // installed pages stay write-protected like the rest of memory, so
+        // a later write is seen.
+        let mode = if v.dirty.is_some() || v.saving.is_some() {
+            uffd_abi::COPY_MODE_WP
+        } else {
+            0
+        };
         let res = STAGING.with(|buf| -> Result<Install, ResolveError> {
             let mut buf = buf.borrow_mut();
             let bytes = shared::geometry::usize_of(len);
@@ -147,7 +155,7 @@ impl Registry {
             })?;
             // SAFETY: `buf` holds `len` initialized bytes and stays
             // borrowed for the call.
-            Ok(unsafe { uffd_abi::copy(uffd.get_ref(), buf.as_ptr(), to, len, 0) })
+            Ok(unsafe { uffd_abi::copy(uffd.get_ref(), buf.as_ptr(), to, len, mode) })
         })?;
         let installed = match res {
             Install::Done => hi - lo,
