@@ -5,8 +5,9 @@
 #                                         loop device, mounted at DIR; prints DIR
 #   scripts/xfs-loop.sh up-noreflink DIR  tmpfs mounted at DIR (cannot reflink);
 #                                         prints DIR
-#   scripts/xfs-loop.sh down DIR          unmount DIR, detach its loop device,
-#                                         remove its image
+#   scripts/xfs-loop.sh down DIR          unmount DIR (also after its XFS was
+#                                         shut down), detach its loop device,
+#                                         remove its image; says what it did
 #
 # Idempotent: `up` on a DIR that is already an XFS mount with reflink prints
 # DIR and succeeds; `down` on a DIR that is not mounted succeeds.
@@ -105,28 +106,74 @@ cmd_up_noreflink() {
 	echo "$dir"
 }
 
+# DIR as an absolute path with its parent's symlinks resolved, without
+# touching DIR itself: the root of a shut-down XFS answers EIO to every
+# stat (so `[ -d DIR ]` and `cd DIR` fail), and `down` must still work.
+mount_path() {
+	local dir="$1" parent base
+	case "$dir" in /*) ;; *) dir="$PWD/$dir" ;; esac
+	while [ "${#dir}" -gt 1 ] && [ "${dir%/}" != "$dir" ]; do
+		dir="${dir%/}"
+	done
+	if [ -L "$dir" ]; then
+		# A link to the mount point: resolve it (readlink does not stat
+		# the target's root).
+		dir="$(readlink -f "$dir")" || die "cannot resolve $1"
+	fi
+	parent="$(dirname "$dir")"
+	base="$(basename "$dir")"
+	if parent="$(cd "$parent" 2>/dev/null && pwd -P)"; then
+		dir="${parent%/}/$base"
+	fi
+	echo "$dir"
+}
+
+# Wait until no loop device is bound to image $1. Detaching a device that
+# something still has open (udev probing it right after the unmount) only
+# marks it to go when the last user closes it.
+wait_detached() {
+	local i
+	for i in $(seq 100); do
+		[ -n "$(losetup -j "$1" -O NAME -n 2>/dev/null)" ] || return 0
+		sleep 0.1
+	done
+	return 1
+}
+
 cmd_down() {
-	local dir="$1"
+	local dir img
 	need_root
-	[ -d "$dir" ] || return 0
-	dir="$(cd "$dir" && pwd -P)"
+	dir="$(mount_path "$1")"
+	img="$(image_for "$dir")"
 	local src fstype
 	fstype="$(fstype_of "$dir")"
 	if [ -n "$fstype" ]; then
 		src="$(findmnt -n -o SOURCE --mountpoint "$dir")"
+		if ! stat "$dir" >/dev/null 2>&1; then
+			echo "xfs-loop: $dir cannot be read (a shut-down or failing filesystem); unmounting it anyway"
+		fi
 		umount "$dir" || die "cannot unmount $dir (busy? see 'fuser -m $dir')"
+		echo "xfs-loop: unmounted $dir"
 		case "$src" in
-		/dev/loop*) losetup -d "$src" 2>/dev/null || true ;;
+		/dev/loop*)
+			losetup -d "$src" 2>/dev/null || true
+			;;
 		esac
+	elif [ ! -e "$dir" ]; then
+		return 0
 	fi
 	# Detach any loop device still bound to our image, then drop the image.
-	local img
-	img="$(image_for "$dir")"
+	local dev
 	if [ -e "$img" ]; then
-		losetup -j "$img" -O NAME -n 2>/dev/null | while read -r dev; do
-			losetup -d "$dev" || true
+		for dev in $(losetup -j "$img" -O NAME -n 2>/dev/null); do
+			losetup -d "$dev" || die "cannot detach $dev from $img"
 		done
+		wait_detached "$img" || die "the loop device of $img is still busy after 10 s"
+		case "${src:-}" in
+		/dev/loop*) echo "xfs-loop: detached $src" ;;
+		esac
 		rm -f "$img"
+		echo "xfs-loop: removed $img"
 	fi
 }
 

@@ -575,11 +575,106 @@ pub fn pages_total(vm: &Value) -> u64 {
         .sum()
 }
 
-/// Crash and restart of a [`TestServer`] on the same state directory (for
-/// crash-safety tests).
+// ---------------------------------------------------------------------------
+// Servers started differently: under resource limits, on another
+// filesystem, restarted on the same state directory, or refusing to start.
+
+/// How to start a [`TestServer`] beyond its command-line arguments.
+#[derive(Debug, Clone, Default)]
+pub struct ServerOptions {
+    /// Directory the server's temporary directory (state directory and
+    /// log) is made in; default the system's temp dir. On an XFS mount the
+    /// server gets volumes and shares a filesystem with images made there.
+    pub parent: Option<PathBuf>,
+    /// `RLIMIT_NOFILE` (soft, hard) the server starts with, set by
+    /// `prlimit(1)`, which then execs the server (same pid).
+    pub nofile: Option<(u64, u64)>,
+}
+
+/// Spawn `uffd-server` on `state_dir`, its stderr appended to `log`.
+fn spawn_server(state_dir: &Path, log: &Path, args: &[&str], nofile: Option<(u64, u64)>) -> Child {
+    let server = bin("uffd-server");
+    let vmm = bin("vmm");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap_or_else(|e| panic!("cannot open {}: {e}", log.display()));
+    let mut cmd = match nofile {
+        Some((soft, hard)) => {
+            let mut c = Command::new("prlimit");
+            c.arg(format!("--nofile={soft}:{hard}"))
+                .arg("--")
+                .arg(&server);
+            c
+        }
+        None => Command::new(&server),
+    };
+    cmd.arg("--state-dir")
+        .arg(state_dir)
+        .arg("--vmm-bin")
+        .arg(&vmm)
+        .args(args)
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", server.display()))
+}
+
 impl TestServer {
+    /// Start a server with extra arguments and [`ServerOptions`].
+    pub fn start_with_options(args: &[&str], opts: &ServerOptions) -> Self {
+        let mut builder = tempfile::Builder::new();
+        builder.prefix("pagefork-e2e-");
+        let dir = match &opts.parent {
+            Some(p) => builder.tempdir_in(p),
+            None => builder.tempdir(),
+        }
+        .expect("cannot create a temp dir");
+        let state_dir = dir.path().join("state");
+        std::fs::create_dir_all(&state_dir).expect("cannot create the state dir");
+        let child = spawn_server(
+            &state_dir,
+            &dir.path().join("server.log"),
+            args,
+            opts.nofile,
+        );
+        let client = Client::new(state_dir.join("api.sock"));
+        let mut s = TestServer {
+            child: Some(child),
+            dir: Some(dir),
+            state_dir,
+            client,
+            vmm_pids: Mutex::default(),
+        };
+        s.wait_healthy(Duration::from_secs(15));
+        s
+    }
+
+    /// Stop the server (SIGTERM) and start a new one with `args` on the
+    /// same state directory, appending to the same log.
+    pub fn restart(&mut self, args: &[&str]) {
+        if self.child.is_some() {
+            let status = self.stop(Duration::from_secs(20));
+            assert!(status.success(), "uffd-server stopped with {status}");
+        }
+        self.child = Some(spawn_server(
+            &self.state_dir,
+            &self.server_log(),
+            args,
+            None,
+        ));
+        // A restart after a crash verifies what it finds first.
+        self.wait_healthy(Duration::from_secs(60));
+    }
+
     /// SIGKILL the server, so none of its clean-up runs, and reap it. The
-    /// state directory stays; its VMMs lose their server.
+    /// state directory stays; its VMMs die with it.
     pub fn kill_hard(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
@@ -587,32 +682,322 @@ impl TestServer {
         }
     }
 
-    /// Start a new server process on this server's state directory (after
-    /// [`TestServer::kill_hard`] or [`TestServer::stop`]), appending to the
-    /// same log, and wait until it is healthy.
-    pub fn restart(&mut self, args: &[&str]) {
-        assert!(self.child.is_none(), "the server is still running");
-        let log = std::fs::OpenOptions::new()
-            .append(true)
-            .create(true)
-            .open(self.server_log())
-            .expect("cannot open server.log");
-        let child = Command::new(bin("uffd-server"))
-            .arg("--state-dir")
-            .arg(&self.state_dir)
-            .arg("--vmm-bin")
-            .arg(bin("vmm"))
-            .args(args)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("cannot restart uffd-server");
-        self.child = Some(child);
-        self.wait_healthy(Duration::from_secs(60));
+    /// The whole server log so far.
+    pub fn server_log_text(&self) -> String {
+        std::fs::read_to_string(self.server_log()).unwrap_or_default()
     }
+}
+
+/// Run `uffd-server` on `state_dir` expecting it to refuse to start.
+/// Returns its exit status and what it logged; panics if it is still
+/// running after `within` (it is killed then).
+pub fn server_start_failure(
+    state_dir: &Path,
+    args: &[&str],
+    within: Duration,
+) -> (std::process::ExitStatus, String) {
+    let log = tempfile::NamedTempFile::new().expect("cannot create a log file");
+    let mut child = spawn_server(state_dir, log.path(), args, None);
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait on uffd-server") {
+            let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+            return (status, text);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "uffd-server on {} still runs after {within:?}; it should have refused to start; log:\n{}",
+                state_dir.display(),
+                tail(log.path(), 20)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// What a process holds, from /proc
+
+/// Targets of the open fds of process `pid`.
+pub fn open_fds(pid: u32) -> Vec<PathBuf> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS`, `RssShmem`, ...).
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("cannot read /proc/{pid}/status: {e}"));
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// Pids of the direct children of `pid` (zombies included).
+pub fn child_pids(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            // Fields after the parenthesized command: state, ppid, ...
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| {
+                    let rest = &s[s.rfind(')')? + 1..];
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .collect()
+}
+
+/// Regular files (and links) under `dir`, recursively.
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            match e.file_type() {
+                Ok(t) if t.is_dir() => todo.push(e.path()),
+                Ok(_) => out.push(e.path()),
+                Err(_) => {}
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// What a server process holds, to compare before and after a workload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holdings {
+    pub fds: usize,
+    pub userfaultfds: usize,
+    pub rss_kib: u64,
+    pub rss_shmem_kib: u64,
+    pub children: usize,
+}
+
+impl Holdings {
+    /// The figures of process `pid` now.
+    pub fn of(pid: u32) -> Self {
+        let fds = open_fds(pid);
+        Holdings {
+            fds: fds.len(),
+            userfaultfds: fds
+                .iter()
+                .filter(|p| p.to_string_lossy().contains("userfaultfd"))
+                .count(),
+            rss_kib: status_kib(pid, "VmRSS"),
+            rss_shmem_kib: status_kib(pid, "RssShmem"),
+            children: child_pids(pid).len(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A loop-mounted XFS of a test's own
+
+/// Whether tests that need root (mount, loop devices) run: skips with a
+/// printed reason when not root, but fails under `CI=true`.
+pub fn require_root(what: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("CI=true but {what} needs root");
+    }
+    eprintln!("skipping: {what} needs root");
+    false
+}
+
+/// `scripts/xfs-loop.sh` of this checkout.
+pub fn xfs_loop_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/xfs-loop.sh")
+}
+
+/// A small loop-mounted XFS (reflink=1) made for one test with
+/// `scripts/xfs-loop.sh`, its image and mount point in a temporary
+/// directory under /var/tmp: a test may shut it down or fill it without
+/// touching the shared `PAGEFORK_XFS_DIR`. Unmounted and removed on drop.
+#[derive(Debug)]
+pub struct ScratchXfs {
+    dir: Option<tempfile::TempDir>,
+    mount: PathBuf,
+}
+
+impl ScratchXfs {
+    /// Make and mount one (sparse, 512 MiB); panics if that fails.
+    pub fn new() -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("pagefork-scratch-xfs-")
+            .tempdir_in("/var/tmp")
+            .expect("cannot create a directory under /var/tmp");
+        let mount = dir.path().join("mnt");
+        let out = Self::script(dir.path(), "up", &mount);
+        assert!(
+            out.status.success(),
+            "xfs-loop.sh up {} failed: {}{}",
+            mount.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ScratchXfs {
+            dir: Some(dir),
+            mount,
+        }
+    }
+
+    fn script(image_dir: &Path, verb: &str, mount: &Path) -> std::process::Output {
+        Command::new("bash")
+            .arg(xfs_loop_script())
+            .arg(verb)
+            .arg(mount)
+            .env("XFS_LOOP_IMAGE_DIR", image_dir)
+            .env("XFS_LOOP_SIZE", "512M")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run xfs-loop.sh {verb}: {e}"))
+    }
+
+    /// The mount point.
+    pub fn path(&self) -> &Path {
+        &self.mount
+    }
+
+    /// The directory holding the image file (and the mount point).
+    pub fn image_dir(&self) -> &Path {
+        self.dir.as_ref().map_or(Path::new("/"), |d| d.path())
+    }
+
+    /// Shut the filesystem down (`xfs_io -x -c shutdown`): every read of
+    /// it fails with EIO from now on.
+    pub fn shutdown(&self) {
+        let st = Command::new("xfs_io")
+            .args(["-x", "-c", "shutdown"])
+            .arg(&self.mount)
+            .status()
+            .expect("cannot run xfs_io");
+        assert!(
+            st.success(),
+            "xfs_io shutdown {} failed",
+            self.mount.display()
+        );
+    }
+
+    /// Whether it is still mounted.
+    pub fn is_mounted(&self) -> bool {
+        Command::new("findmnt")
+            .arg("--mountpoint")
+            .arg(&self.mount)
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Run `xfs-loop.sh down` on it and return what it did.
+    pub fn down(&self) -> std::process::Output {
+        Self::script(self.image_dir(), "down", &self.mount)
+    }
+}
+
+impl Default for ScratchXfs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for ScratchXfs {
+    fn drop(&mut self) {
+        if self.is_mounted() {
+            let _ = self.down();
+        }
+        if self.is_mounted() {
+            // Busy (a process still holds a file): detach it lazily so the
+            // test's directory can go.
+            let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+            eprintln!("{} was busy; unmounted lazily", self.mount.display());
+        }
+        if let Some(dir) = self.dir.take() {
+            let img_dir = dir.path().to_owned();
+            // Loop devices bound to images in it.
+            if let Ok(entries) = std::fs::read_dir(&img_dir) {
+                for e in entries.flatten() {
+                    if e.path().extension().is_some_and(|x| x == "img") {
+                        let _ = Command::new("sh")
+                            .arg("-c")
+                            .arg("losetup -j \"$1\" -O NAME -n | xargs -r -n1 losetup -d")
+                            .arg("sh")
+                            .arg(e.path())
+                            .status();
+                    }
+                }
+            }
+            drop(dir);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Requests a client gives up on
+
+/// An HTTP request on a fresh connection; `None` if the server did not
+/// answer within `timeout` (the client gives up, as a real one would).
+pub fn request_within(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+) -> Option<(u16, String)> {
+    let mut s = UnixStream::connect(sock).expect("cannot connect to the API socket");
+    s.set_read_timeout(Some(timeout)).expect("set_read_timeout");
+    s.set_write_timeout(Some(timeout))
+        .expect("set_write_timeout");
+    let body = body.map(Value::to_string).unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    if s.write_all(head.as_bytes()).is_err() {
+        return None;
+    }
+    let mut resp = Vec::new();
+    // A server that answers and closes before reading the whole request
+    // (a 503 beyond the connection cap) makes the read after the answer
+    // fail with ECONNRESET: the answer is still what was read.
+    match s.read_to_end(&mut resp) {
+        Ok(_) => {}
+        Err(_) if !resp.is_empty() => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            return None
+        }
+        Err(e) => panic!("{method} {path}: no answer: {e}"),
+    }
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((status, body))
 }

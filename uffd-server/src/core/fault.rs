@@ -9,18 +9,21 @@
 //! from the resolver in [`crate::pages::resolve`], shared with Firecracker
 //! VMs.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use shared::{VmId, PAGE_SIZE};
+use tokio::io::unix::AsyncFd;
 use tracing::{debug, error, warn};
 use uffd_abi::{Errno, Install};
-use userfaultfd::{Event, FaultKind, ReadWrite};
+use userfaultfd::{Event, FaultKind, ReadWrite, Uffd};
+use vm_memory::VolatileSlice;
 
 use super::ratelimit::suppressed_note;
 use super::vm::RunState;
 use super::Registry;
 use crate::memory::{GuestMemory, MemoryError};
-use crate::pages::{plan_run, read_pages, Fault, ResolveError, UNINITIALIZED};
+use crate::pages::{plan_run, read_pages, Fault, PageSource, ResolveError, UNINITIALIZED};
 
 /// Outcome of handling one event.
 #[derive(Debug, PartialEq, Eq)]
@@ -81,9 +84,24 @@ impl Registry {
         }
     }
 
-    /// Make `page` present in `vm`'s memfd from its source, then wake.
+    /// Make `page` (and the run planned around it) present in `vm`'s
+    /// memory from its source, and wake the faulting thread.
+    ///
+    /// With the VMM running, the bytes are read into a staging buffer and
+    /// installed with UFFDIO_COPY, which makes each page visible whole and
+    /// wakes the waiters. Writing them through the server's mapping of the
+    /// memfd instead would make a page present at its first byte: a vCPU
+    /// that left its fault wait (a signal, such as the pause of a fork)
+    /// and touched the page again would find it half written and its
+    /// write could be overwritten by the rest of the install.
     fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
-        let (first, count) = match self.materialize(vm, page) {
+        let result = match self.vms.get(&vm).and_then(|v| v.uffd.clone()) {
+            Some(uffd) => self.install_missing(vm, page, &uffd),
+            None => self
+                .materialize(vm, page)
+                .map(|(first, count)| (first, count, true)),
+        };
+        let (first, count, woken) = match result {
             Ok(r) => r,
             Err(e) => return self.unservable(vm, page, &e),
         };
@@ -91,7 +109,78 @@ impl Registry {
             return Handled::Ok;
         };
         v.stats.missing += 1;
+        if woken {
+            // UFFDIO_COPY woke the run; only a page installed earlier
+            // (a concurrent fault) or a memcpy install needs a wake.
+            return Handled::Ok;
+        }
         wake(v, first, count)
+    }
+
+    /// Install the run around `page` through `uffd` (see
+    /// [`Self::resolve_missing`]). Returns the run and whether the copy
+    /// woke it; when it did not (the page was there already, or an event
+    /// is pending), the caller wakes the faulting page so its thread
+    /// retries.
+    fn install_missing(
+        &mut self,
+        vm: VmId,
+        page: u64,
+        uffd: &AsyncFd<Uffd>,
+    ) -> Result<(u64, u64, bool), ResolveError> {
+        let Some((source, lo, hi, window)) = self.plan(vm, page)? else {
+            return Ok((page, 1, false)); // Already present: a concurrent fault.
+        };
+        let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        let len = (hi - lo) * PAGE_SIZE;
+        let to = v.addr_of(lo) as u64;
+        // While writes are tracked (dirty log, a snapshot saving), the
+        // installed pages stay write-protected like the rest of memory, so
+        // a later write is seen.
+        let mode = if v.dirty.is_some() || v.saving.is_some() {
+            uffd_abi::COPY_MODE_WP
+        } else {
+            0
+        };
+        let res = STAGING.with(|buf| -> Result<Install, ResolveError> {
+            let mut buf = buf.borrow_mut();
+            let bytes = shared::geometry::usize_of(len);
+            if buf.len() < bytes {
+                buf.resize(bytes, 0);
+            }
+            let dst = VolatileSlice::from(&mut buf[..bytes]);
+            let vms = &self.vms;
+            read_pages(&source, lo, &dst, &|id| {
+                vms.get(&id).map(|o| Rc::clone(&o.memory))
+            })?;
+            // SAFETY: `buf` holds `len` initialized bytes and stays
+            // borrowed for the call.
+            Ok(unsafe { uffd_abi::copy(uffd.get_ref(), buf.as_ptr(), to, len, mode) })
+        })?;
+        let installed = match res {
+            Install::Done => hi - lo,
+            Install::Exists { copied } | Install::Again { copied } => copied / PAGE_SIZE,
+            Install::Gone => 0,
+            Install::Failed(errno) => return Err(ResolveError::Install { first: lo, errno }),
+        };
+        self.mark_present(vm, lo, installed);
+        if let Install::Exists { .. } = res {
+            if lo + installed == page {
+                // The faulting page itself is in the memfd already (put
+                // there by another path): it is present; say so, so the
+                // next fault does not try to install it again.
+                self.mark_present(vm, page, 1);
+            } else if page > lo + installed && hi - lo > 1 {
+                // A page before it was there: install just the faulting
+                // page.
+                return self.install_missing_one(vm, page, uffd);
+            }
+        }
+        if let (Some(window), Some(v)) = (window, self.vms.get_mut(&vm)) {
+            v.readahead.next = lo + installed;
+            v.readahead.window = window;
+        }
+        Ok((page, 1, matches!(res, Install::Done)))
     }
 
     /// A fault on `page` cannot be served (its image is unreadable or
@@ -138,14 +227,64 @@ impl Registry {
         }
     }
 
+    /// Install only `page` through `uffd` (after a run met a present page).
+    fn install_missing_one(
+        &mut self,
+        vm: VmId,
+        page: u64,
+        uffd: &AsyncFd<Uffd>,
+    ) -> Result<(u64, u64, bool), ResolveError> {
+        let v = self.vms.get_mut(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        // A one-page run: no fault-around, no readahead.
+        let saved = std::mem::replace(&mut v.fault_around_pages, 1);
+        let max = std::mem::replace(&mut v.readahead.max_pages, 0);
+        let r = self.install_missing(vm, page, uffd);
+        if let Some(v) = self.vms.get_mut(&vm) {
+            v.fault_around_pages = saved;
+            v.readahead.max_pages = max;
+        }
+        r
+    }
+
     /// Install `page` (and, for image sources, the surrounding fault-around
     /// block or readahead window) into `vm`'s memfd. Returns the page range
     /// installed.
+    ///
+    /// The bytes are written through the server's mapping of the memfd:
+    /// only for a VM whose VMM is not running (prefetch before start).
     pub fn materialize(&mut self, vm: VmId, page: u64) -> Result<(u64, u64), ResolveError> {
+        let Some((source, lo, hi, window)) = self.plan(vm, page)? else {
+            return Ok((page, 1)); // Already present: a concurrent fault.
+        };
+        {
+            let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+            let dst = v.memory.slice(lo, hi - lo)?;
+            let vms = &self.vms;
+            read_pages(&source, lo, &dst, &|id| {
+                vms.get(&id).map(|o| Rc::clone(&o.memory))
+            })?;
+        }
+        self.mark_present(vm, lo, hi - lo);
+        if let (Some(window), Some(v)) = (window, self.vms.get_mut(&vm)) {
+            v.readahead.next = hi;
+            v.readahead.window = window;
+        }
+        Ok((lo, hi - lo))
+    }
+
+    /// What to install for a MISSING fault on `page`: its source and the
+    /// run `[lo, hi)` (with the readahead window it used, for an image),
+    /// or `None` when the page is present already.
+    #[allow(clippy::type_complexity)]
+    fn plan(
+        &self,
+        vm: VmId,
+        page: u64,
+    ) -> Result<Option<(Rc<PageSource>, u64, u64, Option<u64>)>, ResolveError> {
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
         let src_id = v.table.get(page);
         if src_id == v.self_src {
-            return Ok((page, 1)); // Already present: a concurrent fault.
+            return Ok(None);
         }
         let source = self
             .arena
@@ -162,19 +301,7 @@ impl Registry {
             plan_run(&v.table, src_id, &fault, &v.readahead)
         });
         let (lo, hi) = run.map_or((page, page + 1), |r| (r.lo, r.hi));
-        {
-            let dst = v.memory.slice(lo, hi - lo)?;
-            let vms = &self.vms;
-            read_pages(&source, lo, &dst, &|id| {
-                vms.get(&id).map(|o| Rc::clone(&o.memory))
-            })?;
-        }
-        self.mark_present(vm, lo, hi - lo);
-        if let (Some(run), Some(v)) = (run, self.vms.get_mut(&vm)) {
-            v.readahead.next = hi;
-            v.readahead.window = run.window;
-        }
-        Ok((lo, hi - lo))
+        Ok(Some((source, lo, hi, run.map(|r| r.window))))
     }
 
     fn mark_present(&mut self, vm: VmId, page: u64, pages: u64) {
@@ -261,6 +388,12 @@ impl Registry {
         }
         Handled::Ok
     }
+}
+
+thread_local! {
+    /// Where a fault's pages are read before UFFDIO_COPY; grows to the
+    /// largest run installed (the readahead limit).
+    static STAGING: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Why the pre-write copy of a page could not be given to a dependent.

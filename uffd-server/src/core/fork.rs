@@ -156,8 +156,16 @@ impl Core {
         let core = self.clone();
         tokio::task::spawn_local(async move {
             let late = core.settings.exec_timeout;
-            if let Err(e) = core.await_reply(vm, rx, late).await {
-                warn!("{vm}: resume after a failed fork: {}", e.message());
+            match core.await_reply(vm, rx, late).await {
+                // The guest runs again, whatever a late pause said before.
+                Ok(_) => {
+                    if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+                        if v.state == RunState::Paused {
+                            v.state = RunState::Running;
+                        }
+                    }
+                }
+                Err(e) => warn!("{vm}: resume after a failed fork: {}", e.message()),
             }
         });
     }

@@ -41,6 +41,12 @@ pub enum ResolveError {
         #[source]
         source: crate::images::Changed,
     },
+    #[error("UFFDIO_COPY of pages from {first} failed")]
+    Install {
+        first: u64,
+        #[source]
+        errno: uffd_abi::Errno,
+    },
     #[error("the destination of pages from {first} is not a whole number of pages")]
     PartialPage { first: u64 },
     #[error("cannot access guest memory")]

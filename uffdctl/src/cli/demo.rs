@@ -1,6 +1,7 @@
 //! `uffdctl demo`: start a server in a temporary state directory and walk
 //! through the main job: create a VM, write its memory, fork it, show that
-//! parent and child diverge, show where pages come from, and snapshot a
+//! parent and child diverge, show where pages come from, snapshot the
+//! parent's memory and start a VM from it, and snapshot a
 //! disk volume.
 
 use std::path::{Path, PathBuf};
@@ -295,7 +296,61 @@ pub fn run(args: DemoArgs) -> Result<()> {
         println!("    {id}: {by}");
     }
 
-    step(6, "snapshot a disk volume (one FICLONE)");
+    step(
+        6,
+        "snapshot the parent's memory and start a VM from it (pages fetched lazily)",
+    );
+    let pages_all = args.memory_mib * 256;
+    let digest = |id: &str| {
+        exec(
+            &c,
+            id,
+            api::ExecRequest::Digest {
+                start_page: Some(0),
+                pages: Some(pages_all),
+            },
+        )
+    };
+    let snap = call(
+        &c,
+        "POST",
+        &format!("/v1/vms/{parent}/snapshots"),
+        Some(&body(&api::CreateSnapshot {
+            name: "demo-mem".into(),
+            mode: api::SnapshotMode::Full,
+        })),
+    )?;
+    println!(
+        "    snapshot demo-mem of {parent}: {} pages written, guest paused {} µs",
+        snap["pages_written"], snap["pause_us"]
+    );
+    let t = Instant::now();
+    let restored = call(
+        &c,
+        "POST",
+        "/v1/vms",
+        Some(&body(&api::CreateVm {
+            memory_mib: args.memory_mib,
+            from_snapshot: Some("demo-mem".into()),
+            vcpus: 1,
+            memory_source: None,
+            volume: None,
+            fault_around_kib: None,
+            readahead_kib: None,
+            prefetch: false,
+        })),
+    )?;
+    let restored = restored["id"].as_str().unwrap_or_default().to_owned();
+    println!(
+        "    {restored} started from demo-mem in {:.1} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    let same = digest(&parent)? == digest(&restored)?;
+    println!("    {restored}'s memory equals {parent}'s, every byte: {same}");
+    call(&c, "DELETE", &format!("/v1/vms/{restored}"), None)?;
+    call(&c, "DELETE", "/v1/snapshots/demo-mem", None)?;
+
+    step(7, "snapshot a disk volume (one FICLONE)");
     let vol = call(
         &c,
         "POST",
@@ -325,7 +380,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         Err(e) => println!("    skipped: {e}"),
     }
 
-    step(7, "clean up");
+    step(8, "clean up");
     for id in children.iter().chain(std::iter::once(&parent)) {
         call(&c, "DELETE", &format!("/v1/vms/{id}"), None)?;
     }

@@ -1,0 +1,602 @@
+//! Nothing a client or a VMM does may stall the server (issue 18, items 3,
+//! 4, 8, 9 and 13; DESIGN §10): idle or half-sent API connections are
+//! closed and capped, a stopped VMM gets a deadline and a bounded queue
+//! while health and every other VM keep being served, and the state the
+//! API shows is what the guest does, also when a pause meets a fork.
+//!
+//! "What the guest does" is observed with a long `fill` in flight: while
+//! it runs the guest takes page faults (`faults.missing` grows); while its
+//! vCPUs are paused the count stands still.
+//!
+//! Deadlines here are liveness checks with wide margins, not speed checks.
+
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use pagefork_tests::{
+    fault_counter, pages_of, request_within, require_kvm_uffd, signal, TestServer,
+};
+use serde_json::{json, Value};
+
+/// `GET /v1/health` must answer 200 within 10 s.
+fn assert_health_answers(s: &TestServer, when: &str) {
+    match request_within(
+        &s.api_sock(),
+        "GET",
+        "/v1/health",
+        None,
+        Duration::from_secs(10),
+    ) {
+        Some((200, _)) => {}
+        other => panic!("{when}: health did not answer 200 within 10 s: {other:?}"),
+    }
+}
+
+/// Whether the server has closed `c`: a read returns EOF (after any
+/// answer it sent first). `false` if it is still open after `wait`.
+fn closed_by_server(c: &mut UnixStream, wait: Duration) -> bool {
+    c.set_read_timeout(Some(wait)).expect("set_read_timeout");
+    let mut buf = [0u8; 4096];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Sends SIGCONT to a stopped VMM when dropped, so a failing test does not
+/// leave it stopped.
+struct Stopped(u32);
+
+impl Stopped {
+    fn new(pid: u32) -> Self {
+        signal(pid, Signal::SIGSTOP);
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(self.0).unwrap_or(0)),
+            Signal::SIGCONT,
+        );
+    }
+}
+
+fn vmm_pid(s: &TestServer, id: &str) -> u32 {
+    let v = s.vm(id);
+    v["pid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .unwrap_or_else(|| panic!("no pid in {v}"))
+}
+
+fn missing_faults(s: &TestServer, id: &str) -> u64 {
+    fault_counter(&s.vm(id), "missing")
+}
+
+/// The state `GET` shows for `id` once it stops changing, and whether the
+/// guest made progress (took faults) over the 600 ms after that.
+fn state_and_progress(s: &TestServer, id: &str) -> (String, bool) {
+    let mut state = s.vm(id)["state"].as_str().unwrap_or_default().to_owned();
+    for _ in 0..20 {
+        thread::sleep(Duration::from_millis(100));
+        let now = s.vm(id)["state"].as_str().unwrap_or_default().to_owned();
+        if now == state {
+            break;
+        }
+        state = now;
+    }
+    let m1 = missing_faults(s, id);
+    thread::sleep(Duration::from_millis(600));
+    let v = s.vm(id);
+    assert_eq!(
+        v["state"],
+        state.as_str(),
+        "state changed while observed: {v}"
+    );
+    (state, fault_counter(&v, "missing") > m1)
+}
+
+/// Pages of `[start, start+pages)` that `verify(seed)` rejects, found by
+/// bisection (reads materialize pages: diagnosis only).
+fn bad_pages(s: &TestServer, id: &str, start: u64, pages: u64, seed: u64) -> Vec<u64> {
+    if pages == 0 || s.verify(id, start, pages, seed) == 0 {
+        return Vec::new();
+    }
+    if pages == 1 {
+        return vec![start];
+    }
+    let half = pages / 2;
+    let mut bad = bad_pages(s, id, start, half, seed);
+    bad.extend(bad_pages(s, id, start + half, pages - half, seed));
+    bad
+}
+
+// ---------------------------------------------------------------------------
+// Item 3: API connections
+
+/// A connection that has sent half a request: headers never finished.
+fn half_request(sock: &Path) -> UnixStream {
+    let mut c = UnixStream::connect(sock).expect("connect");
+    c.write_all(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n")
+        .expect("send half a request");
+    c
+}
+
+#[test]
+fn idle_and_half_sent_connections_cannot_lock_clients_out() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let cap = 64;
+    let s = TestServer::start_with_args(&[
+        "--api-max-connections",
+        &cap.to_string(),
+        "--api-header-timeout-ms",
+        "1000",
+        "--api-idle-timeout-ms",
+        "2000",
+    ]);
+    let sock = s.api_sock();
+    // 300 connections, half of them silent, half with half a request; the
+    // client keeps every one open for the whole test.
+    let opened = 300;
+    let t0 = Instant::now();
+    let mut conns: Vec<UnixStream> = (0..opened)
+        .map(|i| {
+            if i % 2 == 0 {
+                UnixStream::connect(&sock).expect("connect")
+            } else {
+                half_request(&sock)
+            }
+        })
+        .collect();
+    // Health answers again once the server has closed the ones it held,
+    // although the client still holds all 300.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut refused_meanwhile = 0;
+    let health_after = loop {
+        match request_within(&sock, "GET", "/v1/health", None, Duration::from_secs(5)) {
+            Some((200, _)) => break t0.elapsed(),
+            Some((503, _)) => refused_meanwhile += 1,
+            // No answer within 5 s (a busy machine): try again until the
+            // deadline below.
+            None => {}
+            other => panic!("health answered {other:?}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "health still refused 20 s after {opened} idle connections were opened"
+        );
+        thread::sleep(Duration::from_millis(100));
+    };
+    // Every one of the 300 is closed by the server: at once with a 503
+    // beyond the cap, after the header or idle timeout otherwise.
+    let mut still_open = 0;
+    for c in &mut conns {
+        if !closed_by_server(c, Duration::from_secs(10)) {
+            still_open += 1;
+        }
+    }
+    let all_closed = t0.elapsed();
+    eprintln!(
+        "{opened} idle/half-sent connections (cap {cap}, header timeout 1 s, idle timeout 2 s): \
+         health answered again after {health_after:?} ({refused_meanwhile} health requests got \
+         503 before), all closed by the server after {all_closed:?}, {still_open} still open"
+    );
+    assert_eq!(still_open, 0, "connections the server never closed");
+    // The server is healthy and not holding them: a VM still works.
+    let id = s.create_vm(json!({"memory_mib": 4}));
+    s.fill(&id, 0, 4, 1);
+}
+
+#[test]
+fn beyond_the_connection_cap_a_503_says_why_and_slots_come_back() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let cap = 16;
+    let s = TestServer::start_with_args(&[
+        "--api-max-connections",
+        &cap.to_string(),
+        "--api-header-timeout-ms",
+        "60000",
+        "--api-idle-timeout-ms",
+        "60000",
+    ]);
+    let sock = s.api_sock();
+    // Below the cap, health answers while connections sit idle.
+    let mut held: Vec<UnixStream> = (0..cap - 4)
+        .map(|_| UnixStream::connect(&sock).expect("connect"))
+        .collect();
+    assert_health_answers(&s, "with 12 of 16 connections idle");
+    held.extend((0..4).map(|_| UnixStream::connect(&sock).expect("connect")));
+    // The server accepts asynchronously: give it a moment to count them.
+    thread::sleep(Duration::from_millis(300));
+    let answer = request_within(&sock, "GET", "/v1/health", None, Duration::from_secs(10));
+    let Some((503, body)) = answer else {
+        panic!(
+            "connection {} of a cap of {cap}: expected a 503, got {answer:?}",
+            cap + 1
+        );
+    };
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let msg = v["error"].as_str().unwrap_or_default();
+    assert!(msg.contains("connections"), "503 without a reason: {body}");
+    eprintln!("connection {} of a cap of {cap}: 503 {body}", cap + 1);
+    // Closing some frees their slots.
+    held.truncate(cap - 4);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match request_within(&sock, "GET", "/v1/health", None, Duration::from_secs(10)) {
+            Some((200, _)) => break,
+            other => assert!(
+                Instant::now() < deadline,
+                "closed connections did not free their slots: {other:?}"
+            ),
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn connections_idle_longer_than_the_idle_timeout_are_closed() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    // A header timeout far beyond the idle timeout: only the idle timeout
+    // can close these.
+    let s = TestServer::start_with_args(&[
+        "--api-header-timeout-ms",
+        "60000",
+        "--api-idle-timeout-ms",
+        "1000",
+    ]);
+    let sock = s.api_sock();
+    let mut silent = UnixStream::connect(&sock).expect("connect");
+    // A keep-alive connection that made one request and then sits idle.
+    let mut kept = UnixStream::connect(&sock).expect("connect");
+    kept.write_all(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .expect("send");
+    let t = Instant::now();
+    assert!(
+        closed_by_server(&mut silent, Duration::from_secs(15)),
+        "a silent connection is still open after 15 s (idle timeout 1 s)"
+    );
+    assert!(
+        closed_by_server(&mut kept, Duration::from_secs(15)),
+        "an idle keep-alive connection is still open after 15 s (idle timeout 1 s)"
+    );
+    eprintln!(
+        "idle connections closed after {:?} (idle timeout 1 s)",
+        t.elapsed()
+    );
+    assert_health_answers(&s, "after closing idle connections");
+}
+
+// ---------------------------------------------------------------------------
+// Items 4 and 8: a stopped VMM
+
+/// Pause, then fork, a VM whose VMM is stopped: both answer 504 within a
+/// few seconds, and once the VMM runs again the state `GET` shows is what
+/// the guest does (a fill in flight progresses exactly when it says
+/// running), and no child appears from the fork that failed.
+#[test]
+fn requests_to_a_stopped_vmm_answer_504_and_the_state_stays_true() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start_with_args(&["--vmm-deadline-ms", "1500"]);
+    let mib = 512;
+    let pages = pages_of(mib);
+    let id = s.create_vm(json!({"memory_mib": mib}));
+    let pid = vmm_pid(&s, &id);
+    thread::scope(|sc| {
+        let filler = sc.spawn(|| s.fill(&id, 0, pages, 3));
+        thread::sleep(Duration::from_millis(300));
+        assert!(missing_faults(&s, &id) > 0, "the fill did not start");
+        let stopped = Stopped::new(pid);
+
+        let t = Instant::now();
+        let (status, v) = s.api("POST", &format!("/v1/vms/{id}/pause"), None);
+        let pause_took = t.elapsed();
+        assert_eq!(status, 504, "pause of a stopped VMM: {v}");
+        assert!(
+            pause_took < Duration::from_secs(10),
+            "pause answered after {pause_took:?} (deadline 1.5 s)"
+        );
+        let t = Instant::now();
+        let (status, v) = s.api(
+            "POST",
+            &format!("/v1/vms/{id}/fork"),
+            Some(json!({"count": 1})),
+        );
+        let fork_took = t.elapsed();
+        assert!(
+            status == 504 || status == 409,
+            "fork of a stopped VMM: {status} {v}"
+        );
+        assert!(
+            fork_took < Duration::from_secs(10),
+            "fork answered after {fork_took:?} (deadline 1.5 s)"
+        );
+        eprintln!(
+            "stopped VMM: pause answered 504 after {pause_took:?}, fork {status} after {fork_took:?}"
+        );
+        assert_health_answers(&s, "with a stopped VMM");
+
+        drop(stopped);
+        let (state, progress) = state_and_progress(&s, &id);
+        eprintln!("after SIGCONT: state {state}, guest progressing: {progress}");
+        match state.as_str() {
+            "running" => assert!(
+                progress || filler.is_finished(),
+                "GET says running but the guest's fill does not progress"
+            ),
+            "paused" => {
+                assert!(!progress, "GET says paused but the guest's fill progresses");
+                let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
+                assert_eq!(status, 200, "resume: {v}");
+            }
+            other => panic!("{id} is {other} after SIGCONT: {}", s.vm(&id)),
+        }
+        filler.join().expect("the fill failed");
+    });
+    assert_eq!(s.verify(&id, 0, pages, 3), 0, "the fill completed");
+    assert_eq!(
+        s.vm_ids(),
+        vec![id.clone()],
+        "a fork that answered an error left a child"
+    );
+}
+
+#[test]
+fn one_stopped_vmm_does_not_stop_health_or_other_vms() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let stuck = s.create_vm(json!({"memory_mib": 4}));
+    let other = s.create_vm(json!({"memory_mib": 64}));
+    let other_pages = pages_of(64);
+    let pid = vmm_pid(&s, &stuck);
+    let stopped = Stopped::new(pid);
+    let sock = s.api_sock();
+    let requests = 400;
+    let exec_path = format!("/v1/vms/{stuck}/exec");
+    let answers: Vec<Option<u16>> = thread::scope(|sc| {
+        let clients: Vec<_> = (0..requests)
+            .map(|_| {
+                let (sock, path) = (&sock, &exec_path);
+                sc.spawn(move || {
+                    request_within(
+                        sock,
+                        "POST",
+                        path,
+                        Some(&json!({"op": "identity"})),
+                        Duration::from_secs(3),
+                    )
+                    .map(|(status, _)| status)
+                })
+            })
+            .collect();
+        // Meanwhile: health answers, and another VM's faults are served.
+        for i in 0..3 {
+            assert_health_answers(&s, &format!("health {i} with {requests} requests queued"));
+        }
+        let fill = request_within(
+            &sock,
+            "POST",
+            &format!("/v1/vms/{other}/exec"),
+            Some(&json!({"op": "fill", "seed": 9})),
+            Duration::from_secs(60),
+        );
+        assert!(
+            matches!(fill, Some((200, _))),
+            "the other VM's fill (page faults) did not complete: {fill:?}"
+        );
+        assert_health_answers(&s, "after the other VM's fill");
+        clients
+            .into_iter()
+            .map(|c| c.join().expect("client thread"))
+            .collect()
+    });
+    let count = |want: Option<u16>| answers.iter().filter(|a| **a == want).count();
+    let (busy, no_answer) = (count(Some(503)), count(None));
+    eprintln!(
+        "{requests} exec requests to a stopped VMM: {busy} answered 503, {} 504, {no_answer} \
+         unanswered within the client's 3 s",
+        count(Some(504))
+    );
+    assert!(busy > 0, "no request was refused with 503: {answers:?}");
+    assert!(
+        answers
+            .iter()
+            .all(|a| matches!(a, None | Some(503) | Some(504))),
+        "unexpected answers: {answers:?}"
+    );
+    assert_eq!(
+        s.verify(&other, 0, other_pages, 9),
+        0,
+        "the other VM's memory"
+    );
+    drop(stopped);
+    // The stopped VM catches up and works again.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, v) = s.try_exec(&stuck, json!({"op": "identity"}));
+        if status == 200 {
+            break;
+        }
+        assert!(
+            status == 503 && Instant::now() < deadline,
+            "the VM does not work again after SIGCONT: {status} {v}"
+        );
+        thread::sleep(Duration::from_millis(200));
+    }
+    s.fill(&stuck, 0, 16, 4);
+    assert_eq!(s.verify(&stuck, 0, 16, 4), 0);
+}
+
+// ---------------------------------------------------------------------------
+// Items 9 and 13: pause and fork meeting other operations
+
+/// A pause that arrives while the VM is being forked is refused with 409
+/// (not answered success and then undone by the fork's resume); after
+/// every attempt the state `GET` shows is what the guest does.
+#[test]
+fn a_pause_during_a_fork_is_refused_and_the_state_stays_true() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let parent = s.create_vm(json!({"memory_mib": 4}));
+    s.fill(&parent, 0, 64, 1);
+    let count = 32;
+    let mut overlaps = 0;
+    let mut delay = Duration::from_millis(30);
+    let mut log = Vec::new();
+    for attempt in 0..20 {
+        let (fork, pause) = thread::scope(|sc| {
+            let forker = sc.spawn(|| {
+                let t = Instant::now();
+                let r = s.api(
+                    "POST",
+                    &format!("/v1/vms/{parent}/fork"),
+                    Some(json!({"count": count})),
+                );
+                (r, t.elapsed())
+            });
+            thread::sleep(delay);
+            let pause = s.api("POST", &format!("/v1/vms/{parent}/pause"), None);
+            (forker.join().expect("fork thread"), pause)
+        });
+        let (((fork_status, fork_body), fork_took), (pause_status, pause_body)) = (fork, pause);
+        log.push(format!(
+            "attempt {attempt}: delay {delay:?}: fork {fork_status} in {fork_took:?}, pause {pause_status}"
+        ));
+        let state = s.vm(&parent)["state"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        match pause_status {
+            409 => {
+                overlaps += 1;
+                assert_eq!(fork_status, 201, "fork: {fork_body}");
+                let msg = pause_body["error"].as_str().unwrap_or_default();
+                assert!(msg.contains("fork"), "409 without saying why: {pause_body}");
+                assert_eq!(state, "running", "a refused pause left {parent} {state}");
+            }
+            200 => {
+                // No overlap: the pause came before the fork began (which
+                // then found the VM paused) or after it ended.
+                assert_eq!(state, "paused", "pause answered 200: {pause_body}");
+                assert!(
+                    fork_status == 201 || fork_status == 409,
+                    "fork: {fork_status} {fork_body}"
+                );
+                // Paused means paused: the guest takes no command...
+                let (status, _) = s.try_exec(&parent, json!({"op": "identity"}));
+                assert_eq!(status, 409, "exec on a VM that GET shows paused");
+                let (status, v) = s.api("POST", &format!("/v1/vms/{parent}/resume"), None);
+                assert_eq!(status, 200, "resume: {v}");
+                delay = if fork_status == 409 {
+                    delay + Duration::from_millis(20)
+                } else {
+                    delay.mul_f32(0.6)
+                };
+            }
+            _ => panic!("pause during a fork: {pause_status} {pause_body}"),
+        }
+        // ...and running means running: a guest op completes.
+        s.fill(&parent, 64, 8, attempt);
+        assert_eq!(
+            s.verify(&parent, 0, 64, 1),
+            0,
+            "parent memory, attempt {attempt}"
+        );
+        if fork_status == 201 {
+            for child in fork_body["children"].as_array().into_iter().flatten() {
+                let child = child.as_str().expect("child id");
+                let (status, v) = s.api("DELETE", &format!("/v1/vms/{child}"), None);
+                assert_eq!(status, 200, "{v}");
+            }
+        }
+        if overlaps >= 3 {
+            break;
+        }
+    }
+    eprintln!("{}", log.join("\n"));
+    assert!(
+        overlaps >= 1,
+        "no pause landed during a fork in 20 attempts:\n{}",
+        log.join("\n")
+    );
+}
+
+/// A fork issued while a long exec (a 256 MiB fill) runs in the VM answers
+/// promptly with 201, and both VMs then work and hold the fill.
+#[test]
+fn a_fork_during_a_long_exec_answers_promptly() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let mib = 256;
+    let pages = pages_of(mib);
+    let parent = s.create_vm(json!({"memory_mib": mib}));
+    let (fork, fork_took, fill_running) = thread::scope(|sc| {
+        let filler = sc.spawn(|| s.fill(&parent, 0, pages, 5));
+        thread::sleep(Duration::from_millis(200));
+        let t = Instant::now();
+        let fork = s.api(
+            "POST",
+            &format!("/v1/vms/{parent}/fork"),
+            Some(json!({"count": 1})),
+        );
+        let took = t.elapsed();
+        let running = !filler.is_finished();
+        filler.join().expect("the fill failed");
+        (fork, took, running)
+    });
+    let (status, v) = fork;
+    eprintln!(
+        "fork during a fill: {status} after {fork_took:?}; fill still running: {fill_running}; {v}"
+    );
+    assert_eq!(status, 201, "fork during an exec: {v}");
+    assert!(
+        fork_took < Duration::from_secs(20),
+        "the fork waited {fork_took:?} behind the exec"
+    );
+    let child = v["children"][0].as_str().expect("child").to_owned();
+    let sources = s.api("GET", &format!("/v1/vms/{child}/sources"), None).1;
+    eprintln!("child's page sources: {}", sources["extents"]);
+    for (id, what) in [(&parent, "parent"), (&child, "child")] {
+        // The child resumed mid-fill and finished the fill itself.
+        let bad = s.verify(id, 0, pages, 5);
+        if bad != 0 {
+            panic!(
+                "the {what} {id} lost the fill on {bad} page(s): {:?}; child's sources at the \
+                 fork: {}",
+                bad_pages(&s, id, 0, pages, 5),
+                sources["extents"]
+            );
+        }
+    }
+    s.fill(&child, 0, 16, 6);
+    assert_eq!(
+        s.verify(&parent, 0, 16, 5),
+        0,
+        "parent unaffected by the child"
+    );
+    assert_eq!(s.verify(&child, 0, 16, 6), 0);
+}
