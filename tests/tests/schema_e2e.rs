@@ -107,6 +107,9 @@ fn run(st: &Path, config: &Path, url: &str, args: &[&str]) -> (bool, String) {
         // cannot state (e.g. exactly one of two fields); that check is off.
         .args(["--exclude-checks", "positive_data_acceptance"])
         .args(args)
+        // Its cache (found crashes) goes in the config's directory, not
+        // the source tree.
+        .current_dir(config.parent().unwrap_or(Path::new("/")))
         .env("NO_COLOR", "1")
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", st.display()));
