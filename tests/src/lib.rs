@@ -16,7 +16,6 @@
 //! `cargo build --workspace` first. They are found next to the test
 //! executable's `deps/` directory, or in `$PAGEFORK_BIN_DIR`.
 
-use std::fs::File;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -92,6 +91,36 @@ pub fn require_kvm_uffd() -> bool {
     false
 }
 
+/// The loop-mounted XFS (reflink=1) named by `PAGEFORK_XFS_DIR`, which
+/// `scripts/test.sh` sets up. Without it: panics if `CI=true` (CI must run
+/// these tests), else prints `skipping: ...` and returns None.
+pub fn xfs_dir() -> Option<PathBuf> {
+    match std::env::var_os("PAGEFORK_XFS_DIR") {
+        Some(d) => Some(PathBuf::from(d)),
+        None if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("CI=true but PAGEFORK_XFS_DIR is not set: run the tests through scripts/test.sh")
+        }
+        None => {
+            eprintln!("skipping: PAGEFORK_XFS_DIR is not set (scripts/test.sh sets up a loop-mounted XFS)");
+            None
+        }
+    }
+}
+
+/// A server whose state directory is on the XFS mount, started with
+/// `args`, or None (see [`xfs_dir`], [`require_kvm_uffd`]). The harness
+/// makes its temporary directories under TMPDIR, which this points at the
+/// mount for the rest of the test binary: images made there share the
+/// state directory's filesystem.
+pub fn server_on_xfs(args: &[&str]) -> Option<TestServer> {
+    let dir = xfs_dir()?;
+    if !require_kvm_uffd() {
+        return None;
+    }
+    std::env::set_var("TMPDIR", &dir);
+    Some(TestServer::start_with_args(args))
+}
+
 /// Whether process `pid` exists (`kill(pid, 0)` succeeds).
 pub fn process_exists(pid: u32) -> bool {
     let Ok(pid) = i32::try_from(pid) else {
@@ -133,40 +162,7 @@ impl TestServer {
 
     /// Start a server with extra command-line arguments.
     pub fn start_with_args(args: &[&str]) -> Self {
-        let server = bin("uffd-server");
-        let vmm = bin("vmm");
-        let dir = tempfile::Builder::new()
-            .prefix("pagefork-e2e-")
-            .tempdir()
-            .expect("cannot create a temp dir");
-        let state_dir = dir.path().join("state");
-        std::fs::create_dir_all(&state_dir).expect("cannot create the state dir");
-        let log = File::create(dir.path().join("server.log")).expect("cannot create server.log");
-        let child = Command::new(&server)
-            .arg("--state-dir")
-            .arg(&state_dir)
-            .arg("--vmm-bin")
-            .arg(&vmm)
-            .args(args)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", server.display()));
-        let client = Client::new(state_dir.join("api.sock"));
-        let mut s = TestServer {
-            child: Some(child),
-            dir: Some(dir),
-            state_dir,
-            client,
-            vmm_pids: Mutex::default(),
-        };
-        s.wait_healthy(Duration::from_secs(15));
-        s
+        Self::start_with_options(args, &ServerOptions::default())
     }
 
     fn wait_healthy(&mut self, within: Duration) {

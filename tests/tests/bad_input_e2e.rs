@@ -19,23 +19,9 @@ use std::time::{Duration, Instant};
 
 use pagefork_tests::{
     bin, expected_digest, open_fds, pages_of, request_within, require_kvm_uffd, require_root,
-    RandomImage, ScratchXfs, ServerOptions, TestServer,
+    xfs_dir, RandomImage, ScratchXfs, ServerOptions, TestServer,
 };
 use serde_json::{json, Value};
-
-/// The XFS mount, or None (skip) outside CI; in CI a missing mount fails.
-fn xfs_dir() -> Option<PathBuf> {
-    match std::env::var_os("PAGEFORK_XFS_DIR") {
-        Some(d) => Some(PathBuf::from(d)),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("CI=true but PAGEFORK_XFS_DIR is not set: run the tests through scripts/test.sh")
-        }
-        None => {
-            eprintln!("skipping: PAGEFORK_XFS_DIR is not set (scripts/test.sh sets up a loop-mounted XFS)");
-            None
-        }
-    }
-}
 
 /// A server whose state directory is on the XFS mount.
 fn server_on_xfs(args: &[&str]) -> Option<(TestServer, PathBuf)> {

@@ -3,37 +3,9 @@
 //! state directory lives on the loop-mounted XFS (reflink=1) named by
 //! PAGEFORK_XFS_DIR, which `scripts/test.sh` sets up.
 
-use std::path::PathBuf;
-
-use pagefork_tests::{require_kvm_uffd, TestServer};
+use pagefork_tests::{server_on_xfs, TestServer};
 use serde_json::json;
 use shared::pattern::{disk_checksum, disk_word, SECTOR_SIZE};
-
-/// The XFS mount, or None (skip) outside CI; in CI a missing mount fails.
-fn xfs_dir() -> Option<PathBuf> {
-    match std::env::var_os("PAGEFORK_XFS_DIR") {
-        Some(d) => Some(PathBuf::from(d)),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("CI=true but PAGEFORK_XFS_DIR is not set: run the tests through scripts/test.sh")
-        }
-        None => {
-            eprintln!("skipping: PAGEFORK_XFS_DIR is not set (scripts/test.sh sets up a loop-mounted XFS)");
-            None
-        }
-    }
-}
-
-/// A server whose state directory is on the XFS mount.
-fn server_on_xfs() -> Option<TestServer> {
-    let dir = xfs_dir()?;
-    if !require_kvm_uffd() {
-        return None;
-    }
-    // The harness makes its temporary directory under TMPDIR; every test in
-    // this file wants it on the XFS mount.
-    std::env::set_var("TMPDIR", &dir);
-    Some(TestServer::start())
-}
 
 /// What `disk_fill` leaves in sectors [s, s+n) of `disk`.
 fn apply_disk_fill(disk: &mut [u8], s: u64, n: u64, seed: u64) {
@@ -51,7 +23,7 @@ fn volume_file(server: &TestServer, name: &str) -> Vec<u8> {
 
 #[test]
 fn forked_vm_disks_are_isolated_and_match_the_volume_files() {
-    let Some(server) = server_on_xfs() else {
+    let Some(server) = server_on_xfs(&[]) else {
         return;
     };
     let (st, v) = server.api(
@@ -142,7 +114,7 @@ fn forked_vm_disks_are_isolated_and_match_the_volume_files() {
 
 #[test]
 fn volume_rolled_back_to_a_snapshot_reads_back_the_snapshot() {
-    let Some(server) = server_on_xfs() else {
+    let Some(server) = server_on_xfs(&[]) else {
         return;
     };
     let (st, v) = server.api(
@@ -201,7 +173,7 @@ fn volume_rolled_back_to_a_snapshot_reads_back_the_snapshot() {
 
 #[test]
 fn vm_with_unknown_volume_is_refused_with_a_clear_error() {
-    let Some(server) = server_on_xfs() else {
+    let Some(server) = server_on_xfs(&[]) else {
         return;
     };
     let (st, v) = server.api(
@@ -218,7 +190,7 @@ fn vm_with_unknown_volume_is_refused_with_a_clear_error() {
 
 #[test]
 fn a_volume_in_use_cannot_be_rolled_back_or_deleted_until_its_vm_is_gone() {
-    let Some(server) = server_on_xfs() else {
+    let Some(server) = server_on_xfs(&[]) else {
         return;
     };
     let (st, v) = server.api(

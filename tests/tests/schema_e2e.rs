@@ -17,7 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pagefork_tests::{require_kvm_uffd, TestServer};
+use pagefork_tests::{require_kvm_uffd, xfs_dir, TestServer};
 use serde_json::json;
 
 /// Examples per operation and phase: enough to reach every branch of the
@@ -48,13 +48,6 @@ fn schemathesis() -> Option<PathBuf> {
         }
     }
     skip_or_fail("schemathesis is not installed")
-}
-
-fn xfs_dir() -> Option<PathBuf> {
-    match std::env::var_os("PAGEFORK_XFS_DIR") {
-        Some(d) => Some(PathBuf::from(d)),
-        None => skip_or_fail("PAGEFORK_XFS_DIR is not set"),
-    }
 }
 
 /// Forward TCP connections on a loopback port to the API's Unix socket;

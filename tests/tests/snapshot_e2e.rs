@@ -4,32 +4,8 @@
 
 use std::path::PathBuf;
 
-use pagefork_tests::{pages_of, require_kvm_uffd, TestServer};
+use pagefork_tests::{pages_of, server_on_xfs, TestServer};
 use serde_json::{json, Value};
-
-/// The XFS mount, or None (skip) outside CI; in CI a missing mount fails.
-fn xfs_dir() -> Option<PathBuf> {
-    match std::env::var_os("PAGEFORK_XFS_DIR") {
-        Some(d) => Some(PathBuf::from(d)),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("CI=true but PAGEFORK_XFS_DIR is not set: run the tests through scripts/test.sh")
-        }
-        None => {
-            eprintln!("skipping: PAGEFORK_XFS_DIR is not set (scripts/test.sh sets up a loop-mounted XFS)");
-            None
-        }
-    }
-}
-
-/// A server whose state directory is on the XFS mount.
-fn server_on_xfs() -> Option<TestServer> {
-    let dir = xfs_dir()?;
-    if !require_kvm_uffd() {
-        return None;
-    }
-    std::env::set_var("TMPDIR", &dir);
-    Some(TestServer::start())
-}
 
 const MIB: u64 = 64;
 
@@ -64,7 +40,7 @@ fn num(id: &str) -> u64 {
 
 #[test]
 fn full_snapshot_restores_exact_memory_and_guest_state() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let vm = s.create_vm(json!({ "memory_mib": MIB }));
     // Part of memory written, part only read, the rest never touched.
     s.fill(&vm, 0, 3000, 1);
@@ -154,7 +130,7 @@ fn full_snapshot_restores_exact_memory_and_guest_state() {
 
 #[test]
 fn snapshot_names_are_checked_and_unique() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let vm = s.create_vm(json!({ "memory_mib": 16 }));
     snapshot(&s, &vm, "one", "full");
     for (body, want) in [
@@ -203,7 +179,7 @@ fn info(s: &TestServer, name: &str) -> Value {
 
 #[test]
 fn incremental_and_dirty_images_equal_full_images_of_the_same_moment() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let a = s.create_vm(json!({ "memory_mib": MIB }));
     s.fill(&a, 0, 4000, 1);
     snapshot(&s, &a, "base", "full");
@@ -260,7 +236,7 @@ fn incremental_and_dirty_images_equal_full_images_of_the_same_moment() {
 
 #[test]
 fn dirty_and_incremental_without_a_base_degrade_to_full_and_say_why() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let a = s.create_vm(json!({ "memory_mib": 16 }));
     s.fill(&a, 0, 10, 1);
     let d = snapshot(&s, &a, "first", "dirty");
@@ -296,7 +272,7 @@ fn dirty_and_incremental_without_a_base_degrade_to_full_and_say_why() {
 
 #[test]
 fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let mib = 256;
     let pages = pages_of(mib);
     let a = s.create_vm(json!({ "memory_mib": mib }));
@@ -356,7 +332,9 @@ const CRASH_MIB: u64 = 32;
 #[test]
 fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
     use rand::{Rng, SeedableRng};
-    let Some(mut s) = server_on_xfs() else { return };
+    let Some(mut s) = server_on_xfs(&[]) else {
+        return;
+    };
     let seed: u64 = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -448,7 +426,9 @@ fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
 #[test]
 fn a_snapshot_that_does_not_verify_is_quarantined_at_start() {
     use std::os::unix::fs::FileExt;
-    let Some(mut s) = server_on_xfs() else { return };
+    let Some(mut s) = server_on_xfs(&[]) else {
+        return;
+    };
     let vm = s.create_vm(json!({ "memory_mib": 16 }));
     s.fill(&vm, 0, 100, 1);
     snapshot(&s, &vm, "good", "full");
@@ -481,15 +461,6 @@ fn a_snapshot_that_does_not_verify_is_quarantined_at_start() {
     assert_eq!(s.verify(&x, 0, 100, 1), 0);
 }
 
-fn server_on_xfs_with(args: &[&str]) -> Option<TestServer> {
-    let dir = xfs_dir()?;
-    if !require_kvm_uffd() {
-        return None;
-    }
-    std::env::set_var("TMPDIR", &dir);
-    Some(TestServer::start_with_args(args))
-}
-
 fn disk_sum(s: &TestServer, vm: &str, count: u64) -> u64 {
     s.exec(
         vm,
@@ -499,7 +470,7 @@ fn disk_sum(s: &TestServer, vm: &str, count: u64) -> u64 {
 
 #[test]
 fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let (st, v) = s.api(
         "POST",
         "/v1/volumes",
@@ -597,7 +568,7 @@ fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
 
 #[test]
 fn clone_makes_n_running_copies() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let a = s.create_vm(json!({ "memory_mib": 16 }));
     s.fill(&a, 0, 1000, 5);
     let (st, c) = s.api(
@@ -636,7 +607,7 @@ fn memfds_of(pid: u32) -> usize {
 #[test]
 fn clone_failing_at_the_kth_create_leaves_nothing_behind() {
     // Room for the VM and three clones: the fourth create is refused.
-    let Some(s) = server_on_xfs_with(&["--memory-budget-mib", "64"]) else {
+    let Some(s) = server_on_xfs(&["--memory-budget-mib", "64"]) else {
         return;
     };
     let a = s.create_vm(json!({ "memory_mib": 16 }));
@@ -684,7 +655,7 @@ fn uffdctl_json(s: &TestServer, args: &[&str]) -> Value {
 
 #[test]
 fn uffdctl_snapshot_restore_rollback_and_clone() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let a = s.create_vm(json!({ "memory_mib": 16 }));
     s.fill(&a, 0, 50, 1);
     let c = uffdctl_json(&s, &["snapshot", "create", &a, "cli-1"]);
@@ -710,7 +681,7 @@ fn uffdctl_snapshot_restore_rollback_and_clone() {
 
 #[test]
 fn snapshots_of_forked_and_restored_vms_survive_their_parents() {
-    let Some(s) = server_on_xfs() else { return };
+    let Some(s) = server_on_xfs(&[]) else { return };
     let a = s.create_vm(json!({ "memory_mib": MIB }));
     s.fill(&a, 0, 4000, 1);
     snapshot(&s, &a, "origin", "full");
