@@ -11,19 +11,18 @@
 //! These tests need /dev/userfaultfd (no KVM): without it they skip with a
 //! printed reason, and fail under `CI=true`.
 
-use std::io::{BufRead, BufReader, IoSlice, Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use pagefork_tests::{
-    bin, fault_counter, pages_by, process_exists, signal, RandomImage, TestServer,
+    fault_counter, pages_by, process_exists, signal, FcClient, RandomImage, TestServer,
 };
 use serde_json::{json, Value};
 
@@ -287,116 +286,6 @@ fn wait_fds_released(s: &TestServer, baseline: usize, uffds: usize) {
 
 // ---------------------------------------------------------------------------
 // The client process
-
-/// A running `fc_client`, its stdin held open (for `hold`) and its JSON
-/// lines read by a thread.
-struct FcClient {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-    what: String,
-}
-
-impl FcClient {
-    fn spawn(socket: &Path, opts: &[&str], commands: &[&str]) -> Self {
-        let what = format!("fc_client {} {}", opts.join(" "), commands.join(" "));
-        let mut child = Command::new(bin("fc_client"))
-            .arg("--socket")
-            .arg(socket)
-            .args(opts)
-            .args(commands)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        FcClient {
-            child,
-            stdin,
-            lines,
-            what,
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The next JSON line; panics if the client stops printing.
-    fn next(&mut self) -> Value {
-        match self.lines.recv_timeout(TIMEOUT) {
-            Ok(l) => serde_json::from_str(&l)
-                .unwrap_or_else(|e| panic!("{}: not JSON ({e}): {l}", self.what)),
-            Err(e) => {
-                let status = self.child.try_wait().ok().flatten();
-                panic!(
-                    "{}: no further output ({e}); exit status {status:?}",
-                    self.what
-                )
-            }
-        }
-    }
-
-    /// Read lines up to the one of command `cmd`; returns it.
-    fn until(&mut self, cmd: &str) -> Value {
-        loop {
-            let v = self.next();
-            if v["cmd"] == cmd {
-                return v;
-            }
-        }
-    }
-
-    /// Close stdin: a `hold` returns.
-    fn release(&mut self) {
-        self.stdin.take();
-    }
-
-    /// Release, wait for a successful exit, and return the lines not read yet.
-    fn finish(mut self) -> Vec<Value> {
-        self.release();
-        let deadline = Instant::now() + TIMEOUT;
-        let status = loop {
-            if let Some(st) = self.child.try_wait().expect("try_wait on fc_client") {
-                break st;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not exit within {TIMEOUT:?}",
-                self.what
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        assert!(status.success(), "{} failed: {status}", self.what);
-        let mut rest = Vec::new();
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(10)) {
-            rest.push(
-                serde_json::from_str(&l)
-                    .unwrap_or_else(|e| panic!("{}: not JSON ({e}): {l}", self.what)),
-            );
-        }
-        rest
-    }
-}
-
-impl Drop for FcClient {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
 
 /// Run a client to completion; returns its JSON lines.
 fn run_client(socket: &Path, opts: &[&str], commands: &[&str]) -> Vec<Value> {

@@ -8,14 +8,10 @@
 //! Needs KVM and userfaultfd: without them it skips with a printed reason,
 //! and fails under `CI=true`.
 
-use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use pagefork_tests::{
-    bin, expected_digest, fault_counter, pages_of, require_kvm_uffd, RandomImage, TestServer,
+    expected_digest, fault_counter, pages_of, require_kvm_uffd, FcClient, RandomImage, TestServer,
 };
 use serde_json::{json, Value};
 
@@ -27,84 +23,6 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// installed pages running on into new ones, the end of memory, one lone
 /// page.
 const PATTERN: [(u64, u64); 5] = [(0, 600), (1005, 40), (590, 60), (4076, 20), (2051, 1)];
-
-/// A running `fc_client` that holds after its reads until released.
-struct FcClient {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl FcClient {
-    fn spawn(socket: &Path, mib: u64, commands: &[String]) -> FcClient {
-        let mut child = Command::new(bin("fc_client"))
-            .arg("--socket")
-            .arg(socket)
-            .args(["--mib", &mib.to_string()])
-            .args(commands)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start fc_client: {e}"));
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        FcClient {
-            child,
-            stdin,
-            lines,
-        }
-    }
-
-    /// The output line of command `cmd` (earlier lines are skipped).
-    fn until(&mut self, cmd: &str) -> Value {
-        loop {
-            let line = self.lines.recv_timeout(TIMEOUT).unwrap_or_else(|e| {
-                let status = self.child.try_wait().ok().flatten();
-                panic!("fc_client printed nothing more ({e}); exit status {status:?}")
-            });
-            let v: Value = serde_json::from_str(&line)
-                .unwrap_or_else(|e| panic!("fc_client: not JSON ({e}): {line}"));
-            if v["cmd"] == cmd {
-                return v;
-            }
-        }
-    }
-
-    /// Close stdin: `hold` returns and the commands after it run.
-    fn release(&mut self) {
-        self.stdin.take();
-    }
-
-    fn wait_success(mut self) {
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            if let Some(st) = self.child.try_wait().expect("try_wait on fc_client") {
-                assert!(st.success(), "fc_client failed: {st}");
-                return;
-            }
-            assert!(Instant::now() < deadline, "fc_client did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for FcClient {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
 
 /// Start a Firecracker listener serving `image`; returns its socket.
 fn add_listener(
@@ -206,12 +124,13 @@ fn pagefork_and_firecracker_vms_install_the_same_pages_for_the_same_reads() {
         for (start, n) in PATTERN {
             s.touch(&ours, start, n, false);
         }
-        let mut client = FcClient::spawn(&socket, mib, &commands);
+        let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
+        let mut client = FcClient::spawn(&socket, &["--mib", &mib.to_string()], &commands);
         client.until(&last_read);
 
         // Assert: the same faults and the same pages installed.
         let ours_vm = s.vm(&ours);
-        let fc = fc_vm(&s, client.child.id());
+        let fc = fc_vm(&s, client.pid());
         for counter in ["missing", "pages_installed"] {
             assert_eq!(
                 fault_counter(&ours_vm, counter),
@@ -241,7 +160,7 @@ fn pagefork_and_firecracker_vms_install_the_same_pages_for_the_same_reads() {
             checked["mismatched_pages"], 0,
             "{what}: firecracker: {checked}"
         );
-        client.wait_success();
+        client.finish();
         assert_eq!(
             s.digest(&ours, 0, pages),
             expected_digest(&image.bytes, 0, pages),
