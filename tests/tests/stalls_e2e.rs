@@ -364,7 +364,12 @@ fn one_stopped_vmm_does_not_stop_health_or_other_vms() {
     if !require_kvm_uffd() {
         return;
     }
-    let s = TestServer::start();
+    // Room for every client below: this test is about the stopped VMM's
+    // queue and deadline. With the default cap of 256 connections, 400
+    // clients connecting faster than the queue refuses them would fill the
+    // cap and health would rightly get the cap's 503 (that cap has its own
+    // test, `beyond_the_connection_cap_a_503_says_why_and_slots_come_back`).
+    let s = TestServer::start_with_args(&["--api-max-connections", "1024"]);
     let stuck = s.create_vm(json!({"memory_mib": 4}));
     let other = s.create_vm(json!({"memory_mib": 64}));
     let other_pages = pages_of(64);
