@@ -37,6 +37,12 @@ struct Args {
     /// it for later VMs of the same listener.
     #[arg(long)]
     working_set: bool,
+    /// Threads decoding frames of compressed (zstd) images.
+    #[arg(long, default_value_t = 2)]
+    zstd_workers: usize,
+    /// Decoded frames of compressed images kept in memory, in MiB.
+    #[arg(long, default_value_t = 256)]
+    zstd_cache_mib: u64,
     /// How long a VMM may take to pause, resume or capture its state before
     /// the request answers 504, in milliseconds.
     #[arg(long, default_value_t = 5000)]
@@ -269,6 +275,11 @@ fn run(args: Args) -> Result<(), StartError> {
     };
     let snapshots =
         uffd_server::snapshot::Catalog::open(&state_dir).map_err(StartError::Snapshots)?;
+    let frames = uffd_server::images::zst::FramePool::start(
+        args.zstd_workers.max(1),
+        args.zstd_cache_mib.max(1).saturating_mul(1 << 20),
+    )
+    .map_err(StartError::Thread)?;
     let settings = Settings {
         state_dir: state_dir.clone(),
         vmm_bin,
@@ -281,6 +292,7 @@ fn run(args: Args) -> Result<(), StartError> {
         keep_logs: args.keep_logs,
         memory_budget: memory_budget_mib.saturating_mul(1 << 20),
         max_vms: args.max_vms.max(1),
+        compress_threads: args.zstd_workers.max(1),
         image_dir: match &args.image_dir {
             Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
                 StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))
@@ -330,7 +342,14 @@ fn run(args: Args) -> Result<(), StartError> {
         .map_err(StartError::Runtime)?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
-        let core = Core::new(settings, pending, volumes.clone(), snapshots, core_events);
+        let core = Core::new(
+            settings,
+            pending,
+            volumes.clone(),
+            snapshots,
+            core_events,
+            frames,
+        );
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
             if std::fs::symlink_metadata(&sock)

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffdctl::cli::{demo, firecracker, inspect, snapshot, vm, volume};
+use uffdctl::cli::{demo, firecracker, image, inspect, snapshot, vm, volume};
 use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -35,6 +35,9 @@ enum Cmd {
     /// VM snapshots: create, list, show, delete, restore.
     #[command(subcommand)]
     Snapshot(snapshot::SnapshotCmd),
+    /// Compressed memory images (memory.zst): compress, inspect, verify.
+    #[command(subcommand)]
+    Image(image::ImageCmd),
     /// Manage disk volumes and their snapshots.
     #[command(subcommand)]
     Volume(volume::VolumeCmd),
@@ -80,6 +83,7 @@ fn main() -> ExitCode {
     let result = match args.cmd {
         Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
         Cmd::Demo(d) => demo::run(d),
+        Cmd::Image(cmd) => image::run(cmd, args.json),
         Cmd::Firecracker(cmd) => firecracker::run(cmd, &client, args.json),
         Cmd::Volume(cmd) => volume::run(cmd, &client, args.json),
         Cmd::Snapshot(cmd) => snapshot::run(cmd, &client, args.json),

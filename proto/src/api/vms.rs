@@ -53,6 +53,24 @@ fn default_vcpus() -> u8 {
 pub enum MemorySource {
     /// A raw image: guest page p is at byte p * 4096 of the file.
     File { path: String },
+    /// A compressed `memory.zst` image (`uffdctl image compress`), decoded
+    /// a frame at a time as the guest faults.
+    Zstd { path: String },
+    /// A pagefork snapshot's memory (its `memory.zst` if it has one):
+    /// Firecracker listeners only; a VM starts from a snapshot with
+    /// `from_snapshot`.
+    Snapshot { name: String },
+}
+
+impl MemorySource {
+    /// What the source names, for messages: a path or a snapshot.
+    pub fn describe(&self) -> String {
+        match self {
+            MemorySource::File { path } => path.clone(),
+            MemorySource::Zstd { path } => format!("zstd:{path}"),
+            MemorySource::Snapshot { name } => format!("snapshot:{name}"),
+        }
+    }
 }
 
 /// A VM's life-cycle state.

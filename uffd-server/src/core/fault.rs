@@ -23,10 +23,12 @@ use super::ratelimit::suppressed_note;
 use super::vm::RunState;
 use super::Registry;
 use crate::memory::{GuestMemory, MemoryError};
-use crate::pages::{plan_run, read_pages, Fault, PageSource, ResolveError, UNINITIALIZED};
+use crate::pages::{
+    fault_on, plan_run, read_pages, Fault, PageSource, ResolveError, UNINITIALIZED,
+};
 
 /// Outcome of handling one event.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Handled {
     Ok,
     /// The VMM's address space is gone (ESRCH): treat the VMM as exited.
@@ -34,6 +36,13 @@ pub enum Handled {
     /// The VM failed just now: a fault could not be served, for this
     /// reason. The page is poisoned (see [`Registry::unservable`]).
     Failed(String),
+    /// The fault on `page` waits for frames of a compressed image being
+    /// decoded off the core thread; retry it when every receiver fired.
+    /// The faulting thread stays asleep until then.
+    Wait {
+        page: u64,
+        ready: Vec<tokio::sync::oneshot::Receiver<()>>,
+    },
 }
 
 impl Registry {
@@ -94,7 +103,7 @@ impl Registry {
     /// that left its fault wait (a signal, such as the pause of a fork)
     /// and touched the page again would find it half written and its
     /// write could be overwritten by the rest of the install.
-    fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
+    pub(super) fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
         let result = match self.vms.get(&vm).and_then(|v| v.uffd.clone()) {
             Some(uffd) => self.install_missing(vm, page, &uffd),
             None => self
@@ -103,6 +112,13 @@ impl Registry {
         };
         let (first, count, woken) = match result {
             Ok(r) => r,
+            Err(ResolveError::NotDecoded { image, frames }) => {
+                let ready = crate::images::zst::FramePool::wait(&image, frames);
+                if let Some(v) = self.vms.get_mut(&vm) {
+                    v.stats.frame_waits += 1;
+                }
+                return Handled::Wait { page, ready };
+            }
             Err(e) => return self.unservable(vm, page, &e),
         };
         let Some(v) = self.vms.get_mut(&vm) else {
@@ -298,6 +314,7 @@ impl Registry {
                 block: v.fault_around_pages,
                 track: true,
             };
+            let fault = fault_on(&source, fault, &v.readahead);
             plan_run(&v.table, src_id, &fault, &v.readahead)
         });
         let (lo, hi) = run.map_or((page, page + 1), |r| (r.lo, r.hi));

@@ -65,6 +65,8 @@ pub struct Settings {
     pub max_vms: usize,
     /// Images are served only from under this directory (canonical).
     pub image_dir: Option<PathBuf>,
+    /// Threads compressing a snapshot's `memory.zst`.
+    pub compress_threads: usize,
 }
 
 impl Registry {
@@ -212,6 +214,8 @@ pub struct Core {
     pub events: mpsc::UnboundedSender<ConnEvent>,
     /// Time spent on each uffd event (both kinds of VM), for `/metrics`.
     pub fault_seconds: prometheus_client::metrics::histogram::Histogram,
+    /// The threads and cache that decode compressed images' frames.
+    pub frames: std::sync::Arc<crate::images::zst::FramePool>,
 }
 
 /// The answer to a request in flight.
@@ -307,6 +311,7 @@ impl Core {
         volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
         snapshots: crate::snapshot::Catalog,
         events: mpsc::UnboundedSender<ConnEvent>,
+        frames: std::sync::Arc<crate::images::zst::FramePool>,
     ) -> Rc<Self> {
         let first = first_free_id(&settings.state_dir);
         Rc::new(Core {
@@ -321,6 +326,7 @@ impl Core {
             snapshots: RefCell::new(snapshots),
             events,
             fault_seconds: crate::observe::metrics::fault_histogram(),
+            frames,
         })
     }
 
@@ -693,9 +699,18 @@ async fn serve_faults(
     closed: Rc<tokio::sync::Notify>,
 ) {
     let mut buf = EventBuffer::new(64);
+    // Faults parked on frames being decoded come back here when ready.
+    let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<u64>();
     loop {
         let ready = tokio::select! {
             r = uffd.readable() => r,
+            Some(page) = retry_rx.recv() => {
+                let outcome = core.reg.borrow_mut().resolve_missing(vm, page);
+                if !core.after_fault(vm, outcome, &retry_tx) {
+                    return;
+                }
+                continue;
+            }
             () = closed.notified() => return,
         };
         let mut guard = match ready {
@@ -727,30 +742,57 @@ async fn serve_faults(
             }
             continue;
         }
-        let mut vmm_gone = false;
-        let mut failed = None;
+        let mut outcomes = Vec::with_capacity(events.len());
         {
             let mut reg = core.reg.borrow_mut();
             for ev in events {
                 let t0 = std::time::Instant::now();
                 match ev {
-                    Ok(ev) => match reg.handle_event(vm, ev) {
-                        fault::Handled::Ok => {}
-                        fault::Handled::VmmGone => vmm_gone = true,
-                        fault::Handled::Failed(reason) => failed = Some(reason),
-                    },
+                    Ok(ev) => outcomes.push(reg.handle_event(vm, ev)),
                     Err(e) => warn!("{vm}: bad uffd event: {e}"),
                 }
                 core.fault_seconds.observe(t0.elapsed().as_secs_f64());
             }
             reg.collect_garbage();
         }
-        if let Some(reason) = failed {
-            core.log_failure(vm, &reason);
+        for outcome in outcomes {
+            if !core.after_fault(vm, outcome, &retry_tx) {
+                return;
+            }
         }
-        if vmm_gone {
-            core.mark_exited(vm, "vmm address space is gone (ESRCH)");
-            return;
+    }
+}
+
+impl Core {
+    /// Act on how a fault of `vm` was handled: log a failure, park a fault
+    /// that waits for decoded frames (it comes back through `retry`), or
+    /// mark the VMM gone. Returns whether to keep serving the uffd.
+    fn after_fault(
+        &self,
+        vm: VmId,
+        outcome: fault::Handled,
+        retry: &mpsc::UnboundedSender<u64>,
+    ) -> bool {
+        match outcome {
+            fault::Handled::Ok => true,
+            fault::Handled::Failed(reason) => {
+                self.log_failure(vm, &reason);
+                true
+            }
+            fault::Handled::Wait { page, ready } => {
+                let retry = retry.clone();
+                tokio::task::spawn_local(async move {
+                    for r in ready {
+                        let _ = r.await;
+                    }
+                    let _ = retry.send(page);
+                });
+                true
+            }
+            fault::Handled::VmmGone => {
+                self.mark_exited(vm, "vmm address space is gone (ESRCH)");
+                false
+            }
         }
     }
 }

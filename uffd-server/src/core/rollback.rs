@@ -282,6 +282,7 @@ impl Core {
                 CreateSnapshot {
                     name: name.clone(),
                     mode: SnapshotMode::Dirty,
+                    compress: false,
                 },
             )
             .await?;

@@ -29,6 +29,8 @@ pub struct FaultStats {
     pub removes: u64,
     /// Installs deferred by EAGAIN (a pending non-cooperative event).
     pub deferred: u64,
+    /// Faults that waited for frames of a compressed image to be decoded.
+    pub frame_waits: u64,
 }
 
 impl FaultStats {
@@ -39,6 +41,7 @@ impl FaultStats {
         self.pages_installed += other.pages_installed;
         self.removes += other.removes;
         self.deferred += other.deferred;
+        self.frame_waits += other.frame_waits;
     }
 }
 

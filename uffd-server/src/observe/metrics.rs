@@ -178,6 +178,7 @@ mod tests {
             pages_installed: 40,
             removes: 1,
             deferred: 0,
+            frame_waits: 0,
         };
         let h = fault_histogram();
         h.observe(3e-6);

@@ -3,6 +3,7 @@
 
 pub mod demo;
 pub mod firecracker;
+pub mod image;
 pub mod inspect;
 pub mod snapshot;
 pub mod table;

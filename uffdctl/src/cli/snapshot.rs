@@ -24,6 +24,9 @@ pub enum SnapshotCmd {
         /// dirty (pages written since its last snapshot).
         #[arg(long, default_value = "full")]
         mode: String,
+        /// Also write memory.zst (restores then serve the compressed image).
+        #[arg(long)]
+        compress: bool,
     },
     /// List the complete snapshots.
     List,
@@ -80,10 +83,16 @@ const HEADERS: [&str; 9] = [
 /// Run a snapshot command.
 pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
     let out = match cmd {
-        SnapshotCmd::Create { vm, name, mode: m } => {
+        SnapshotCmd::Create {
+            vm,
+            name,
+            mode: m,
+            compress,
+        } => {
             let req = api::CreateSnapshot {
                 name,
                 mode: mode(&m)?,
+                compress,
             };
             let v = call(
                 client,
@@ -105,6 +114,9 @@ pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
                         .map(|r| format!("\n  not {m}: {r}"))
                         .unwrap_or_default()
                 );
+                if let Some(z) = v["compressed_bytes"].as_u64() {
+                    println!("  memory.zst: {z} bytes");
+                }
                 return Ok(());
             }
             v
