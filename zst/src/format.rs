@@ -34,9 +34,15 @@ pub const MAGIC: [u8; 8] = *b"PFMEMZST";
 /// The version this code writes and reads.
 pub const VERSION: u32 = 1;
 /// Bytes of the header.
-pub const HEADER_LEN: u64 = 64;
+pub const HEADER_LEN: u64 = HEADER_BYTES as u64;
 /// Bytes of one frame-table entry.
-pub const ENTRY_LEN: u64 = 24;
+pub const ENTRY_LEN: u64 = ENTRY_BYTES as u64;
+/// [`HEADER_LEN`] as a buffer size.
+pub const HEADER_BYTES: usize = 64;
+/// [`ENTRY_LEN`] as a buffer size.
+pub const ENTRY_BYTES: usize = 24;
+/// [`PAGE_SIZE`] as the header stores it.
+const PAGE_SIZE_U32: u32 = 4096;
 /// The page size images are cut in.
 pub const PAGE_SIZE: u64 = 4096;
 /// Largest frame: 16 MiB of pages (a decoder allocates at most this).
@@ -167,11 +173,11 @@ impl Header {
     }
 
     /// The header's bytes.
-    pub fn encode(&self) -> [u8; HEADER_LEN as usize] {
-        let mut b = [0u8; HEADER_LEN as usize];
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
         b[0..8].copy_from_slice(&MAGIC);
         b[8..12].copy_from_slice(&VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&(PAGE_SIZE as u32).to_le_bytes());
+        b[12..16].copy_from_slice(&PAGE_SIZE_U32.to_le_bytes());
         b[16..24].copy_from_slice(&self.memory_bytes.to_le_bytes());
         b[24..28].copy_from_slice(&self.frame_pages.to_le_bytes());
         // 28..32: flags, none defined.
@@ -185,7 +191,7 @@ impl Header {
 
     /// Decode and check a header; `file_len` is the image file's size.
     pub fn decode(b: &[u8], file_len: u64) -> Result<Self, FormatError> {
-        if b.len() < HEADER_LEN as usize {
+        if b.len() < HEADER_BYTES {
             return Err(FormatError::Short(b.len() as u64));
         }
         if b[0..8] != MAGIC {
@@ -244,8 +250,8 @@ impl Header {
 
 impl Entry {
     /// The entry's bytes.
-    pub fn encode(&self) -> [u8; ENTRY_LEN as usize] {
-        let mut b = [0u8; ENTRY_LEN as usize];
+    pub fn encode(&self) -> [u8; ENTRY_BYTES] {
+        let mut b = [0u8; ENTRY_BYTES];
         b[0..8].copy_from_slice(&self.offset.to_le_bytes());
         b[8..12].copy_from_slice(&self.compressed_len.to_le_bytes());
         let flags = if self.zero { FRAME_ZERO } else { 0 };
@@ -253,6 +259,13 @@ impl Entry {
         b[16..24].copy_from_slice(&self.checksum.to_le_bytes());
         b
     }
+}
+
+/// The bytes of a frame table and their checksum (for the header).
+pub fn encode_table(entries: &[Entry]) -> (Vec<u8>, u64) {
+    let table: Vec<u8> = entries.iter().flat_map(Entry::encode).collect();
+    let sum = xxhash_rust::xxh3::xxh3_64(&table);
+    (table, sum)
 }
 
 /// Decode and check the frame table `b` (exactly `header.table_bytes()`
@@ -268,8 +281,8 @@ pub fn decode_table(header: &Header, b: &[u8], file_len: u64) -> Result<Vec<Entr
         return Err(FormatError::TableChecksum);
     }
     let data = header.data_offset();
-    let mut out = Vec::with_capacity(b.len() / ENTRY_LEN as usize);
-    for (frame, e) in (0u64..).zip(b.chunks_exact(ENTRY_LEN as usize)) {
+    let mut out = Vec::with_capacity(b.len() / ENTRY_BYTES);
+    for (frame, e) in (0u64..).zip(b.chunks_exact(ENTRY_BYTES)) {
         let flags = u32_at(e, 12);
         if flags & !FRAME_ZERO != 0 {
             return Err(FormatError::FrameFlags { frame, flags });
@@ -305,7 +318,7 @@ pub fn decode_all(bytes: &[u8]) -> Result<(Header, Vec<Entry>), FormatError> {
     let len = bytes.len() as u64;
     let h = Header::decode(bytes, len)?;
     let table = bytes
-        .get(HEADER_LEN as usize..h.data_offset() as usize)
+        .get(HEADER_BYTES..usize::try_from(h.data_offset()).unwrap_or(usize::MAX))
         .ok_or(FormatError::TableOutside {
             bytes: h.table_bytes(),
             file: len,
@@ -315,6 +328,8 @@ pub fn decode_all(bytes: &[u8]) -> Result<(Header, Vec<Entry>), FormatError> {
 }
 
 #[cfg(test)]
+// Test sizes are small: the casts cannot truncate.
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use proptest::prelude::*;
 

@@ -87,7 +87,7 @@ impl Image {
     /// Read the header and frame table of an open image: two reads.
     pub fn from_file(file: File) -> Result<Self, Error> {
         let file_len = file.metadata()?.len();
-        let mut hb = [0u8; format::HEADER_LEN as usize];
+        let mut hb = [0u8; format::HEADER_BYTES];
         if file_len < format::HEADER_LEN {
             return Err(FormatError::Short(file_len).into());
         }
@@ -228,14 +228,14 @@ impl Image {
 pub fn fuzz_decode(data: &[u8]) {
     let _ = format::decode_all(data);
     let mut b = data.to_vec();
-    if b.len() >= format::HEADER_LEN as usize {
+    if b.len() >= format::HEADER_BYTES {
         let frames = u64::from_le_bytes(b[32..40].try_into().unwrap_or_default());
         let table_end = frames
             .checked_mul(format::ENTRY_LEN)
             .and_then(|t| t.checked_add(format::HEADER_LEN));
         if let Some(table) = table_end
             .and_then(|end| usize::try_from(end).ok())
-            .and_then(|end| b.get(format::HEADER_LEN as usize..end))
+            .and_then(|end| b.get(format::HEADER_BYTES..end))
         {
             let sum = xxhash_rust::xxh3::xxh3_64(table);
             b[40..48].copy_from_slice(&sum.to_le_bytes());
@@ -247,6 +247,8 @@ pub fn fuzz_decode(data: &[u8]) {
 }
 
 #[cfg(test)]
+// Test sizes are small: the casts cannot truncate.
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use std::io::Write;
 
@@ -259,7 +261,7 @@ mod tests {
         let mut x = seed | 1;
         let mut m = vec![0u8; pages * PAGE_SIZE as usize];
         for (i, page) in m.chunks_mut(PAGE_SIZE as usize).enumerate() {
-            if (i as u64 + seed) % 3 == 0 {
+            if (i as u64 + seed).is_multiple_of(3) {
                 continue; // a zero page
             }
             for (j, b) in page.iter_mut().enumerate() {

@@ -233,8 +233,8 @@ pub fn compress(
                 memory_bytes,
             );
         }
-        let table: Vec<u8> = entries.iter().flat_map(Entry::encode).collect();
-        header.table_checksum = xxhash_rust::xxh3::xxh3_64(&table);
+        let (table, sum) = format::encode_table(&entries);
+        header.table_checksum = sum;
         file.write_all_at(&table, format::HEADER_LEN)
             .map_err(werr)?;
         file.write_all_at(&header.encode(), 0).map_err(werr)?;

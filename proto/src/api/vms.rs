@@ -162,6 +162,9 @@ pub struct FaultCounters {
     /// Installs deferred by EAGAIN until pending events were read.
     #[serde(default)]
     pub deferred: u64,
+    /// Faults that waited for a compressed image's frame to be decoded.
+    #[serde(default)]
+    pub frame_waits: u64,
     pub fault_around_kib: u64,
 }
 

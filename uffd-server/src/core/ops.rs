@@ -47,6 +47,7 @@ impl Core {
                     pages_installed: v.stats.pages_installed,
                     removes: v.stats.removes,
                     deferred: v.stats.deferred,
+                    frame_waits: v.stats.frame_waits,
                     fault_around_kib: super::fault_around_kib(v.fault_around_pages),
                 },
             });
@@ -75,6 +76,7 @@ impl Core {
                 pages_installed: v.stats.pages_installed,
                 removes: v.stats.removes,
                 deferred: v.stats.deferred,
+                frame_waits: v.stats.frame_waits,
                 fault_around_kib: super::fault_around_kib(v.fault_around_pages),
             },
         })

@@ -77,7 +77,7 @@ pub fn render(sample: &Sample) -> String {
     let mut reg = Registry::with_prefix("pagefork");
 
     // Per-VM and server-wide counters of the fault engine.
-    let kinds: [StatCounter; 5] = [
+    let kinds: [StatCounter; 6] = [
         ("faults_missing", "MISSING faults resolved", |s| s.missing),
         (
             "faults_write_protect",
@@ -93,6 +93,11 @@ pub fn render(sample: &Sample) -> String {
         ("installs_deferred", "installs deferred by EAGAIN", |s| {
             s.deferred
         }),
+        (
+            "frame_waits",
+            "faults that waited for a compressed frame to be decoded",
+            |s| s.frame_waits,
+        ),
     ];
     for (name, help, get) in kinds {
         let per_vm = Family::<Labels, Counter>::default();

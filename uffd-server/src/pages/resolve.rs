@@ -251,6 +251,10 @@ pub fn read_pages(
     }
 }
 
+/// A page of zeroes.
+static ZERO_PAGE: [u8; shared::geometry::usize_of(PAGE_SIZE)] =
+    [0; shared::geometry::usize_of(PAGE_SIZE)];
+
 /// Copy pages `first..first + pages` out of decoded frames (each with the
 /// pages it holds) into `dst`; pages past the image read as zero.
 fn copy_frames(
@@ -268,7 +272,7 @@ fn copy_frames(
                 let from = shared::geometry::usize_of((p - r.start) * PAGE_SIZE);
                 to.copy_from(&b[from..from + ps]);
             }
-            None => to.copy_from(&[0u8; PAGE_SIZE as usize][..]),
+            None => to.copy_from(&ZERO_PAGE[..]),
         }
     }
 }

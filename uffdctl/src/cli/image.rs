@@ -2,7 +2,7 @@
 //! These commands work on files and need no server: they use the format
 //! crate `zst`, which the server serves from.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Subcommand;
@@ -49,7 +49,7 @@ fn bar(total: u64, what: &str) -> ProgressBar {
     pb
 }
 
-fn open(file: &PathBuf) -> Result<zst::Image> {
+fn open(file: &Path) -> Result<zst::Image> {
     zst::Image::open(file)
         .map_err(|e| CliError::Usage(format!("{}: {}", file.display(), shared::error_chain(&e))))
 }

@@ -144,10 +144,7 @@ impl Core {
 
     /// The source a listener serves, the memory size it covers and the
     /// runs of its pages that hold data.
-    fn open_listener_source(
-        &self,
-        memory: &MemorySource,
-    ) -> Result<(PageSource, u64, Vec<(u64, u64)>)> {
+    fn open_listener_source(&self, memory: &MemorySource) -> Result<ListenerSource> {
         match memory {
             MemorySource::File { path } => {
                 let (file, len) = crate::images::open_regular(
@@ -400,6 +397,10 @@ impl Core {
         })
     }
 }
+
+/// What a listener serves: the source, the memory size it covers and the
+/// runs of its pages that hold data.
+type ListenerSource = (PageSource, u64, Vec<(u64, u64)>);
 
 /// `BTreeMap` of listeners and Firecracker VMs, kept in the registry.
 pub type FcListeners = BTreeMap<u32, FcListener>;
