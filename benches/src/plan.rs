@@ -117,18 +117,27 @@ impl Plan {
                 );
                 k
             }
+            "zstd_image" => {
+                let mut k: Vec<String> = [4, 64, 256, 2048]
+                    .iter()
+                    .map(|f| format!("zst.restore.{f}"))
+                    .collect();
+                k.extend(["zst.restore.prefetch", "zst.fc", "zst.others"].map(String::from));
+                k
+            }
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 5] = [
+pub const BENCHES: [&str; 6] = [
     "lazy_restore",
     "fork",
     "volume_snapshot",
     "vm_snapshot",
     "fc_restore",
+    "zstd_image",
 ];
 
 #[cfg(test)]

@@ -6,61 +6,17 @@
 //! the VM that reads them.
 
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use pagefork_tests::{
-    bin, expected_digest, fault_counter, pages_by, pages_of, require_kvm_uffd, server_on_xfs,
-    FcClient, RandomImage, TestServer,
+    bin, expected_digest, fault_counter, pages_by, pages_of, realistic_memory, require_kvm_uffd,
+    server_on_xfs, FcClient, RandomImage, TestServer,
 };
 use serde_json::{json, Value};
 
 const PAGE: usize = 4096;
-
-/// Guest memory that compresses like real memory does, not 1000:1: the
-/// bytes of the system's shared libraries and binaries, with runs of zero
-/// pages (about a third, some whole frames) and a zero tail.
-fn realistic_memory(mib: u64) -> Vec<u8> {
-    let len = usize::try_from(mib << 20).expect("fits");
-    let mut mem = Vec::with_capacity(len);
-    let mut dirs = vec![
-        PathBuf::from("/usr/lib/x86_64-linux-gnu"),
-        PathBuf::from("/usr/bin"),
-    ];
-    while mem.len() < len {
-        let Some(dir) = dirs.pop() else {
-            // Not enough files: pad with a seeded pattern.
-            let n = mem.len();
-            mem.extend((n..len).map(|i| u8::try_from(i * 7 % 251).unwrap_or(0)));
-            break;
-        };
-        let Ok(rd) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        let mut files: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        files.sort();
-        for f in files {
-            if mem.len() >= len {
-                break;
-            }
-            if f.is_file() {
-                if let Ok(b) = std::fs::read(&f) {
-                    mem.extend_from_slice(&b[..b.len().min(len - mem.len())]);
-                }
-            }
-        }
-    }
-    mem.truncate(len);
-    // Zero runs: 12 of every 32 pages, and the last 100 pages.
-    let pages = len / PAGE;
-    for p in 0..pages {
-        if p % 32 >= 20 || p >= pages - 100 {
-            mem[p * PAGE..(p + 1) * PAGE].fill(0);
-        }
-    }
-    mem
-}
 
 /// `uffdctl image compress` of `raw` into `out`.
 fn compress(raw: &Path, out: &Path, frame_kib: u64) {
