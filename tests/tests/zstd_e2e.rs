@@ -16,8 +16,6 @@ use pagefork_tests::{
 };
 use serde_json::{json, Value};
 
-const PAGE: usize = 4096;
-
 /// `uffdctl image compress` of `raw` into `out`.
 fn compress(raw: &Path, out: &Path, frame_kib: u64) {
     let o = Command::new(bin("uffdctl"))
