@@ -355,6 +355,18 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn the_checked_in_fuzz_seeds_decode_and_a_valid_one_is_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/zst_table");
+        let mut valid = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let b = std::fs::read(e.unwrap().path()).unwrap();
+            fuzz_decode(&b);
+            valid += usize::from(format::decode_all(&b).is_ok());
+        }
+        assert!(valid > 0, "no valid seed in {}", dir.display());
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]
