@@ -194,6 +194,57 @@ fn a_firecracker_client_is_served_from_a_compressed_image() {
     let checked = client.until(&check);
     assert_eq!(checked["mismatched_pages"], 0, "{checked}");
     client.finish();
+
+    // A recorded working set is prefetched from the compressed image too:
+    // the second client's check hardly faults, and reads the right bytes.
+    let ws_socket = s.state_dir().join("fc-ws.sock");
+    let (st, l) = s.api(
+        "POST",
+        "/v1/firecracker/listeners",
+        Some(json!({"socket": ws_socket, "working_set": true,
+                    "memory_source": {"kind": "zstd", "path": zst}})),
+    );
+    assert_eq!(st, 201, "{l}");
+    let lid = l["id"].as_str().expect("listener id").to_owned();
+    FcClient::spawn(&ws_socket, &["--mib", &mib.to_string()], &["touch-seq"]).finish();
+    let recorded = || {
+        let (_, v) = s.api("GET", "/v1/firecracker/listeners", None);
+        v["listeners"]
+            .as_array()
+            .and_then(|a| a.iter().find(|l| l["id"] == lid.as_str()).cloned())
+            .unwrap_or_default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while recorded()["recorded_pages"].as_u64().unwrap_or(0) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no working set was recorded: {}",
+            recorded()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut client = FcClient::spawn(
+        &ws_socket,
+        &["--mib", &mib.to_string()],
+        &["sleep:1000", &check, "hold"],
+    );
+    let checked = client.until(&check);
+    assert_eq!(checked["mismatched_pages"], 0, "{checked}");
+    let (_, vms) = s.api("GET", "/v1/vms", None);
+    let fc = vms["vms"]
+        .as_array()
+        .and_then(|a| {
+            a.iter()
+                .find(|v| v["pid"].as_u64() == Some(u64::from(client.pid())))
+                .cloned()
+        })
+        .expect("the client's VM is listed");
+    let v = s.vm(fc["id"].as_str().expect("id"));
+    assert!(
+        fault_counter(&v, "missing") < pages_of(mib) / 10,
+        "the working set was not prefetched from memory.zst: {v}"
+    );
+    client.finish();
     s.assert_healthy();
 }
 
