@@ -723,3 +723,48 @@ fn snapshots_of_forked_and_restored_vms_survive_their_parents() {
     let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
     assert_eq!(inv["ok"], true, "{inv}");
 }
+
+/// While a snapshot saves its pages (the guest running again), the VM
+/// shows how far it got: what `uffdctl snapshot create` draws its progress
+/// bar from.
+#[test]
+fn a_snapshot_saving_shows_its_progress_on_the_vm() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let mib = 256;
+    let vm = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&vm, 0, pages_of(mib), 5);
+    let seen = std::thread::scope(|sc| {
+        let post = sc.spawn(|| {
+            s.api(
+                "POST",
+                &format!("/v1/vms/{vm}/snapshots"),
+                Some(json!({"name": "progress"})),
+            )
+        });
+        let mut seen = Vec::new();
+        while !post.is_finished() {
+            if let Some(p) = s.vm(&vm).get("snapshot_saving").cloned() {
+                seen.push(p);
+            }
+        }
+        let (st, r) = post.join().expect("POST thread");
+        assert_eq!(st, 201, "{r}");
+        seen
+    });
+    eprintln!("{} progress samples while saving", seen.len());
+    let first = seen
+        .first()
+        .expect("no progress was shown while the snapshot saved");
+    assert_eq!(first["name"], "progress", "{first}");
+    assert_eq!(first["pages_total"], pages_of(mib), "{first}");
+    let saved: Vec<u64> = seen
+        .iter()
+        .map(|p| p["pages_saved"].as_u64().expect("pages_saved"))
+        .collect();
+    assert!(saved.windows(2).all(|w| w[0] <= w[1]), "{saved:?}");
+    assert!(saved.iter().all(|n| *n <= pages_of(mib)), "{saved:?}");
+    assert!(
+        s.vm(&vm).get("snapshot_saving").is_none(),
+        "progress stays after the snapshot committed"
+    );
+}

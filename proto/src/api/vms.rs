@@ -149,6 +149,20 @@ pub struct VmInfo {
     /// Fault engine counters.
     #[serde(default)]
     pub faults: FaultCounters,
+    /// A snapshot of this VM saving its pages now (the guest runs).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub snapshot_saving: Option<SnapshotSaving>,
+}
+
+/// Progress of a snapshot saving pages after its pause.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SnapshotSaving {
+    pub name: String,
+    /// Pages the snapshot writes.
+    pub pages_total: u64,
+    /// Pages handed to the image writer so far.
+    pub pages_saved: u64,
 }
 
 /// Fault engine counters of one VM.

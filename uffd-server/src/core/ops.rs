@@ -50,6 +50,7 @@ impl Core {
                     frame_waits: v.stats.frame_waits,
                     fault_around_kib: super::fault_around_kib(v.fault_around_pages),
                 },
+                snapshot_saving: None,
             });
         }
         let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
@@ -79,6 +80,14 @@ impl Core {
                 frame_waits: v.stats.frame_waits,
                 fault_around_kib: super::fault_around_kib(v.fault_around_pages),
             },
+            snapshot_saving: v.saving.as_ref().map(|s| {
+                let s = s.borrow();
+                proto::api::SnapshotSaving {
+                    name: s.name.clone(),
+                    pages_total: s.touched.len(),
+                    pages_saved: s.pages_written,
+                }
+            }),
         })
     }
 

@@ -65,6 +65,8 @@ pub struct DirtyLog {
 /// A snapshot saving pages while its VM runs again.
 #[derive(Debug)]
 pub struct Saving {
+    /// The snapshot's name.
+    pub name: String,
     /// Pages whose bytes at the pause are not in the image yet.
     pub pending: PageSet,
     /// Every page this snapshot writes (`pending` at the pause): chunks
@@ -575,6 +577,7 @@ impl Core {
             pages: PageSet::new(pages),
         });
         v.saving = Some(Rc::new(RefCell::new(Saving {
+            name: name.to_owned(),
             touched: pending.clone(),
             pending,
             writer: Some(writer),
