@@ -37,6 +37,11 @@ struct Args {
     /// it for later VMs of the same listener.
     #[arg(long)]
     working_set: bool,
+    /// Rewrite a snapshot image sequentially, in the background, when it
+    /// has more extents than this (a long chain of dirty snapshots on
+    /// reflinks fragments; FICLONE and reads cost per extent). 0 = never.
+    #[arg(long, default_value_t = 4096)]
+    snapshot_rewrite_extents: u64,
     /// Threads decoding frames of compressed (zstd) images.
     #[arg(long, default_value_t = 2)]
     zstd_workers: usize,
@@ -293,6 +298,7 @@ fn run(args: Args) -> Result<(), StartError> {
         memory_budget: memory_budget_mib.saturating_mul(1 << 20),
         max_vms: args.max_vms.max(1),
         compress_threads: args.zstd_workers.max(1),
+        rewrite_extents: args.snapshot_rewrite_extents,
         image_dir: match &args.image_dir {
             Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
                 StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))

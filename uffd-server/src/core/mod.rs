@@ -67,6 +67,9 @@ pub struct Settings {
     pub image_dir: Option<PathBuf>,
     /// Threads compressing a snapshot's `memory.zst`.
     pub compress_threads: usize,
+    /// A snapshot image with more extents than this is rewritten
+    /// sequentially in the background (0 = never).
+    pub rewrite_extents: u64,
 }
 
 impl Registry {

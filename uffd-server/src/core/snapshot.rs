@@ -383,6 +383,9 @@ impl Core {
         let compressed_bytes = state.files.get(crate::snapshot::ZSTD_FILE).map(|f| f.bytes);
         let mode_used = state.mode;
         self.snapshots.borrow_mut().insert(state);
+        if self.settings.rewrite_extents > 0 && extents > self.settings.rewrite_extents {
+            self.rewrite_in_background(&req.name, extents);
+        }
         let duration_us = us(t0);
         info!(
             "{vm}: snapshot {} ({mode_used}): {pages_written} pages, pause {pause_us} us, \
@@ -858,6 +861,23 @@ impl Core {
 }
 
 impl Core {
+    /// Rewrite snapshot `name`'s fragmented image sequentially on a
+    /// blocking thread (see [`image::rewrite_sequential`]); the snapshot
+    /// stays usable throughout.
+    fn rewrite_in_background(&self, name: &str, extents: u64) {
+        let path = self.snapshots.borrow().image_of(name);
+        let name = name.to_owned();
+        info!("snapshot {name}: image has {extents} extents; rewriting it sequentially");
+        tokio::task::spawn_blocking(move || match image::rewrite_sequential(&path) {
+            Ok((before, after)) => {
+                info!("snapshot {name}: image rewritten, {before} -> {after} extents");
+            }
+            // A snapshot deleted meanwhile is not an error.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => warn!("snapshot {name}: cannot rewrite its image: {e}"),
+        });
+    }
+
     /// The source a VM restored from snapshot `name` reads (its
     /// `memory.zst` if it has one, else `memory.img` at `path`) and the
     /// runs of pages that hold data in it (the rest reads as zero).

@@ -103,6 +103,26 @@ fn verify(dir: &Path, name: &str) -> Result<StateFile> {
     Ok(state)
 }
 
+/// Remove what a crash during a background rewrite left in snapshot
+/// directory `dir` (`.memory.img.rewrite`; the image itself is whole).
+fn remove_rewrite_leftovers(dir: &Path) {
+    let Ok(listing) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in listing.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.ends_with(super::image::REWRITE_SUFFIX) {
+            info!(
+                "removing an unfinished image rewrite {}",
+                e.path().display()
+            );
+            if let Err(err) = fs::remove_file(e.path()) {
+                warn!("cannot remove {}: {err}", e.path().display());
+            }
+        }
+    }
+}
+
 impl Catalog {
     /// Open (creating) `state_dir/snapshots`, clean up and verify.
     pub fn open(state_dir: &Path) -> Result<Self> {
@@ -135,6 +155,7 @@ impl Catalog {
             if name.starts_with('.') || !entry.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
+            remove_rewrite_leftovers(&path);
             match verify(&path, &name) {
                 Ok(state) => {
                     cat.entries.insert(name, state);
