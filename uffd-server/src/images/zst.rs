@@ -354,8 +354,31 @@ fn decode(image: &ZstdImage, frame: u64) -> Result<Arc<[u8]>, String> {
     Ok(Arc::from(out))
 }
 
+/// How much lower than the server's the decoder threads' CPU priority
+/// is: decoding is bulk work that must not take the CPU from vCPUs and the
+/// core thread, which serve every other VM (on a host with few cores the
+/// scheduler would otherwise share it evenly).
+const DECODER_NICE: i32 = 10;
+
 /// A decoder thread: take jobs until the pool is gone.
 fn worker(rx: &Mutex<Receiver<Job>>, pool: &std::sync::Weak<FramePool>) {
+    // SAFETY: gettid has no arguments and no memory effects.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority on this thread's own id; no memory effects.
+    // Linux applies PRIO_PROCESS with a thread id to that thread only.
+    let r = unsafe {
+        libc::setpriority(
+            libc::PRIO_PROCESS,
+            tid.unsigned_abs(),
+            libc::getpriority(libc::PRIO_PROCESS, 0) + DECODER_NICE,
+        )
+    };
+    if r != 0 {
+        warn!(
+            "zstd decoder: cannot lower its priority: {}",
+            std::io::Error::last_os_error()
+        );
+    }
     loop {
         let job = {
             let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
