@@ -820,3 +820,40 @@ fn a_fragmented_image_is_rewritten_in_the_background() {
     let again = restore(&s, "frag");
     assert_eq!(all_ram_digest(&s, &again), want);
 }
+
+/// A crash after a VM snapshot's volume snapshot (`<name>.disk`, taken in
+/// the pause) but before the snapshot committed leaves `.tmp-<name>/` and
+/// the volume snapshot: the restarted server removes both, and nothing
+/// else.
+#[test]
+fn an_unfinished_snapshots_volume_snapshot_is_removed_at_start() {
+    let Some(mut s) = server_on_xfs(&[]) else {
+        return;
+    };
+    let (st, v) = s.api(
+        "POST",
+        "/v1/volumes",
+        Some(json!({"name": "v1", "size_mib": 16})),
+    );
+    assert_eq!(st, 201, "{v}");
+    for name in ["orph.disk", "keep.disk", "keep"] {
+        let (st, v) = s.api(
+            "POST",
+            "/v1/volumes/v1/snapshots",
+            Some(json!({ "name": name })),
+        );
+        assert_eq!(st, 201, "{name}: {v}");
+    }
+    // What the crash leaves: the unfinished snapshot's directory.
+    let tmp = s.state_dir().join("snapshots/.tmp-orph");
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("memory.img"), b"partial").unwrap();
+    s.restart(&[]);
+    assert!(!tmp.exists(), "the unfinished directory stays");
+    let (st, v) = s.api("GET", "/v1/volume-snapshots/orph.disk", None);
+    assert_eq!(st, 404, "the orphan volume snapshot stays: {v}");
+    for name in ["keep.disk", "keep"] {
+        let (st, v) = s.api("GET", &format!("/v1/volume-snapshots/{name}"), None);
+        assert_eq!(st, 200, "{name} was removed: {v}");
+    }
+}

@@ -278,8 +278,20 @@ fn run(args: Args) -> Result<(), StartError> {
             None
         }
     };
-    let snapshots =
+    let mut snapshots =
         uffd_server::snapshot::Catalog::open(&state_dir).map_err(StartError::Snapshots)?;
+    // A crash between a VM snapshot's volume snapshot (`<name>.disk`,
+    // taken in the pause) and its commit leaves the volume snapshot
+    // behind: the snapshot it belongs to never came to be.
+    for name in snapshots.take_unfinished() {
+        let disk = format!("{name}.disk");
+        if let Some(engine) = volumes.as_ref().filter(|e| e.snapshot_info(&disk).is_ok()) {
+            match engine.delete_snapshot(&disk) {
+                Ok(()) => info!("removed volume snapshot {disk} of unfinished snapshot {name}"),
+                Err(e) => warn!("cannot remove volume snapshot {disk}: {}", e.chain()),
+            }
+        }
+    }
     let frames = uffd_server::images::zst::FramePool::start(
         args.zstd_workers.max(1),
         args.zstd_cache_mib.max(1).saturating_mul(1 << 20),

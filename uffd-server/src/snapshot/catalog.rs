@@ -31,6 +31,9 @@ pub struct Catalog {
     /// Names being written: taken, but not listed.
     reserved: BTreeSet<String>,
     quarantined: Vec<String>,
+    /// Snapshots found unfinished at start-up (their `.tmp-` directories
+    /// were removed): a volume snapshot taken for one is an orphan.
+    unfinished: Vec<String>,
 }
 
 fn now_secs() -> u64 {
@@ -133,6 +136,7 @@ impl Catalog {
             entries: BTreeMap::new(),
             reserved: BTreeSet::new(),
             quarantined: Vec::new(),
+            unfinished: Vec::new(),
         };
         let listing = fs::read_dir(&cat.root).map_err(SnapshotError::io("list", &cat.root))?;
         let mut removed = false;
@@ -148,6 +152,9 @@ impl Catalog {
                 );
                 if let Err(e) = fs::remove_dir_all(&path) {
                     warn!("cannot remove {}: {e}", path.display());
+                }
+                if let Some(n) = name.strip_prefix(TMP_PREFIX) {
+                    cat.unfinished.push(n.to_owned());
                 }
                 removed = true;
                 continue;
@@ -208,6 +215,11 @@ impl Catalog {
     /// Every complete snapshot, by name.
     pub fn iter(&self) -> impl Iterator<Item = &StateFile> {
         self.entries.values()
+    }
+
+    /// Names of the snapshots found unfinished at start-up (once).
+    pub fn take_unfinished(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.unfinished)
     }
 
     /// Directories set aside at start-up.
