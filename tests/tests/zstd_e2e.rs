@@ -303,6 +303,39 @@ fn corrupt_compressed_images_fail_only_the_vm_that_reads_them() {
     g.write_all_at(&[0xde, 0xad, 0xbe, 0xef], e2.offset)
         .unwrap();
 
+    // A Firecracker-protocol client touching the corrupt frame gets SIGBUS
+    // (the page is poisoned, never filled with wrong bytes); the server
+    // says why, and keeps serving.
+    let socket = s.state_dir().join("fc-bad.sock");
+    let (st, l) = s.api(
+        "POST",
+        "/v1/firecracker/listeners",
+        Some(json!({"socket": socket, "memory_source": {"kind": "zstd", "path": flipped}})),
+    );
+    assert_eq!(st, 201, "{l}");
+    let bad_page = bad as u64 * frame_pages + 1;
+    let out = Command::new(bin("fc_client"))
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--mib", &mib.to_string(), &format!("zero:{bad_page}:1")])
+        .output()
+        .expect("run fc_client");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&out.status),
+        Some(libc::SIGBUS),
+        "the client reading a corrupt frame: {:?} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let log = s.server_log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("failed") && l.contains(&format!("frame {bad}"))),
+        "the server log does not say which frame failed:\n{}",
+        s.server_log_tail(20)
+    );
+    assert_eq!(s.verify(&other, 0, pages_of(16), 4), 0);
+
     for (path, why) in [(&flipped, "checksum|decode"), (&garbled, "decode")] {
         let id = zstd_vm(&s, mib, path);
         // Pages of intact frames read right.
