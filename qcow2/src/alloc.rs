@@ -122,15 +122,19 @@ impl<'a, S: StorageMut> Meta<'a, S> {
 
     fn read_cluster(&self, what: &'static str, off: u64) -> Result<Vec<u8>> {
         let mut b = vec![0u8; usize::try_from(self.cs).unwrap_or(0)];
-        self.st
-            .read_at(&mut b, off)
-            .map_err(|source| Error::Read { what, offset: off, source })?;
+        self.st.read_at(&mut b, off).map_err(|source| Error::Read {
+            what,
+            offset: off,
+            source,
+        })?;
         Ok(b)
     }
 
     fn load_rb(&mut self, off: u64) -> Result<()> {
         if off % self.cs != 0 {
-            return Err(Error::Invalid(format!("a refcount block at {off:#x} is not cluster aligned")));
+            return Err(Error::Invalid(format!(
+                "a refcount block at {off:#x} is not cluster aligned"
+            )));
         }
         if !self.refblocks.contains_key(&off) {
             let b = self.read_cluster("refcount block", off)?;
@@ -151,7 +155,10 @@ impl<'a, S: StorageMut> Meta<'a, S> {
         }
         self.load_rb(off)?;
         let bi = idx & ((1 << self.rb_bits) - 1);
-        Ok(self.refblocks.get(&off).map_or(0, |b| refcount::get(b, self.order, bi)))
+        Ok(self
+            .refblocks
+            .get(&off)
+            .map_or(0, |b| refcount::get(b, self.order, bi)))
     }
 
     fn alloc_noref(&mut self, size: u64) -> R<u64> {
@@ -166,8 +173,12 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             }
             break;
         }
-        if self.free_cluster_index > 0 && self.free_cluster_index - 1 > (MAX_CLUSTER_OFFSET >> self.cb) {
-            return Err(Flow::Err(Error::Unsupported("the image is full (cluster offsets exhausted)".into())));
+        if self.free_cluster_index > 0
+            && self.free_cluster_index - 1 > (MAX_CLUSTER_OFFSET >> self.cb)
+        {
+            return Err(Flow::Err(Error::Unsupported(
+                "the image is full (cluster offsets exhausted)".into(),
+            )));
         }
         Ok((self.free_cluster_index - n) << self.cb)
     }
@@ -187,7 +198,9 @@ impl<'a, S: StorageMut> Meta<'a, S> {
 
     fn alloc_refcount_block(&mut self, idx: u64) -> R<u64> {
         let ti = idx >> self.rb_bits;
-        let slot = usize::try_from(ti).ok().filter(|&t| t < self.reftable.len());
+        let slot = usize::try_from(ti)
+            .ok()
+            .filter(|&t| t < self.reftable.len());
         if let Some(t) = slot {
             let off = self.reftable[t] & REFT_OFFSET_MASK;
             if off != 0 {
@@ -206,7 +219,8 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             self.refblocks.insert(new_block, b);
         } else {
             self.update_refcount(new_block, self.cs, 1, false, false)?;
-            self.refblocks.insert(new_block, vec![0u8; usize::try_from(self.cs).unwrap_or(0)]);
+            self.refblocks
+                .insert(new_block, vec![0u8; usize::try_from(self.cs).unwrap_or(0)]);
         }
         self.dirty_rb.insert(new_block);
         self.note_allocated(new_block);
@@ -229,7 +243,14 @@ impl<'a, S: StorageMut> Meta<'a, S> {
     /// Change the refcounts of the clusters covering `[offset, offset+len)`
     /// by `addend` (qemu's `update_refcount`). `discard` punches clusters
     /// whose refcount drops to zero.
-    pub(crate) fn update_refcount(&mut self, offset: u64, len: u64, addend: u64, decrease: bool, discard: bool) -> R<()> {
+    pub(crate) fn update_refcount(
+        &mut self,
+        offset: u64,
+        len: u64,
+        addend: u64,
+        decrease: bool,
+        discard: bool,
+    ) -> R<()> {
         if len == 0 {
             return Ok(());
         }
@@ -267,10 +288,14 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             let new = if decrease {
                 rc.checked_sub(addend)
             } else {
-                rc.checked_add(addend).filter(|&v| v <= refcount::max(order))
+                rc.checked_add(addend)
+                    .filter(|&v| v <= refcount::max(order))
             };
             let Some(new) = new else {
-                break bad(format!("the refcount of cluster {idx} ({rc}) cannot be {} by {addend}", if decrease { "lowered" } else { "raised" }));
+                break bad(format!(
+                    "the refcount of cluster {idx} ({rc}) cannot be {} by {addend}",
+                    if decrease { "lowered" } else { "raised" }
+                ));
             };
             refcount::set(b, order, bi, new);
             self.dirty_rb.insert(block);
@@ -304,7 +329,9 @@ impl<'a, S: StorageMut> Meta<'a, S> {
     fn l2_get(&mut self, off: u64, j: u64) -> Result<u64> {
         self.load_l2(off)?;
         let at = usize::try_from(j * self.l2_esize).unwrap_or(0);
-        Ok(self.l2.get(&off).map_or(0, |t| u64::from_be_bytes(t[at..at + 8].try_into().unwrap_or([0; 8]))))
+        Ok(self.l2.get(&off).map_or(0, |t| {
+            u64::from_be_bytes(t[at..at + 8].try_into().unwrap_or([0; 8]))
+        }))
     }
 
     fn l2_set(&mut self, off: u64, j: u64, v: u64) -> Result<()> {
@@ -331,7 +358,9 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             }
             let l2_off = l1e & l2::L1_OFFSET_MASK;
             if l2_off == 0 || l2_off % self.cs != 0 {
-                return Err(Error::Invalid(format!("L1 entry {i} ({l1e:#x}) has no valid L2 table offset")));
+                return Err(Error::Invalid(format!(
+                    "L1 entry {i} ({l1e:#x}) has no valid L2 table offset"
+                )));
             }
             for j in 0..self.l2_entries {
                 let old = self.l2_get(l2_off, j)?;
@@ -347,7 +376,9 @@ impl<'a, S: StorageMut> Meta<'a, S> {
                     Kind::Normal | Kind::ZeroAlloc => {
                         let off = e & l2::L2_OFFSET_MASK;
                         if off % self.cs != 0 {
-                            return Err(Error::Invalid(format!("a data cluster at {off:#x} is not cluster aligned")));
+                            return Err(Error::Invalid(format!(
+                                "a data cluster at {off:#x} is not cluster aligned"
+                            )));
                         }
                         if up || down {
                             done(self.update_refcount(off, 1, 1, down, true))?;
@@ -382,9 +413,11 @@ impl<'a, S: StorageMut> Meta<'a, S> {
     }
 
     fn put(&self, what: &'static str, offset: u64, b: &[u8]) -> Result<()> {
-        self.st
-            .write_at(b, offset)
-            .map_err(|source| Error::Write { what, offset, source })
+        self.st.write_at(b, offset).map_err(|source| Error::Write {
+            what,
+            offset,
+            source,
+        })
     }
 
     fn sync(&self) -> Result<()> {

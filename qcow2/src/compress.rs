@@ -24,7 +24,9 @@ pub fn decompress(kind: Compression, input: &[u8], out: &mut [u8]) -> Result<()>
 fn inflate(input: &[u8], out: &mut [u8]) -> Result<()> {
     let mut d = Decompress::new(false);
     match d.decompress(input, out, FlushDecompress::Finish) {
-        Ok(Status::Ok | Status::StreamEnd | Status::BufError) if d.total_out() == out.len() as u64 => {
+        Ok(Status::Ok | Status::StreamEnd | Status::BufError)
+            if d.total_out() == out.len() as u64 =>
+        {
             Ok(())
         }
         _ => invalid("a compressed cluster does not inflate to a whole cluster"),
@@ -33,7 +35,9 @@ fn inflate(input: &[u8], out: &mut [u8]) -> Result<()> {
 
 fn unzstd(input: &[u8], out: &mut [u8]) -> Result<()> {
     let bad = || invalid("a zstd-compressed cluster does not decode to a whole cluster");
-    let Ok(mut d) = Decoder::new() else { return bad() };
+    let Ok(mut d) = Decoder::new() else {
+        return bad();
+    };
     // Clusters are at most 2 MiB; qemu's frames never need a larger window.
     if d.set_parameter(DParameter::WindowLogMax(22)).is_err() {
         return bad();

@@ -15,7 +15,8 @@ const MAX_CLUSTERS: u64 = 64;
 /// Open `data` as an image, then read a few clusters of every view.
 pub fn image(data: &[u8]) {
     let Ok(img) = Image::open(data) else { return };
-    let views = std::iter::once(View::Active).chain((0..img.snapshots().len().min(8)).map(View::Snapshot));
+    let views =
+        std::iter::once(View::Active).chain((0..img.snapshots().len().min(8)).map(View::Snapshot));
     for view in views {
         let Ok(l1) = img.l1_table(view) else { continue };
         let cs = img.header().cluster_size();

@@ -116,8 +116,7 @@ impl Header {
         let refcount_table_clusters = be32(first, 56);
         let nb_snapshots = be32(first, 60);
         let snapshots_offset = be64(first, 64);
-        let (incompatible, compatible, autoclear, refcount_order, header_length) = if version == 2
-        {
+        let (incompatible, compatible, autoclear, refcount_order, header_length) = if version == 2 {
             (0, 0, 0, 4, 72)
         } else {
             if first.len() < 104 {
@@ -132,7 +131,9 @@ impl Header {
             )
         };
         if version == 3 && (header_length < 104 || header_length % 8 != 0) {
-            return invalid(format!("header_length {header_length} (must be >= 104 and a multiple of 8)"));
+            return invalid(format!(
+                "header_length {header_length} (must be >= 104 and a multiple of 8)"
+            ));
         }
         if u64::from(header_length) > cs || header_length as usize > first.len() {
             return invalid("the header is longer than its cluster");
@@ -141,17 +142,28 @@ impl Header {
             return invalid("the image is marked corrupt; repair it with `qemu-img check -r all`");
         }
         if incompatible & incompat::DIRTY != 0 {
-            return unsupported("the image is marked dirty (lazy refcounts); run `qemu-img check -r all` first");
+            return unsupported(
+                "the image is marked dirty (lazy refcounts); run `qemu-img check -r all` first",
+            );
         }
         if incompatible & incompat::DATA_FILE != 0 {
             return unsupported("the image keeps its data in an external data file");
         }
-        let known = incompat::DIRTY | incompat::CORRUPT | incompat::DATA_FILE | incompat::COMPRESSION | incompat::EXTL2;
+        let known = incompat::DIRTY
+            | incompat::CORRUPT
+            | incompat::DATA_FILE
+            | incompat::COMPRESSION
+            | incompat::EXTL2;
         if incompatible & !known != 0 {
-            return unsupported(format!("unknown incompatible features {:#x}", incompatible & !known));
+            return unsupported(format!(
+                "unknown incompatible features {:#x}",
+                incompatible & !known
+            ));
         }
         if backing_file_offset != 0 {
-            return unsupported("the image has a backing file; flatten it first (`qemu-img convert -O qcow2`)");
+            return unsupported(
+                "the image has a backing file; flatten it first (`qemu-img convert -O qcow2`)",
+            );
         }
         if crypt_method != 0 {
             return unsupported("the image is encrypted");
@@ -185,7 +197,14 @@ impl Header {
         for (what, off) in [
             ("L1 table", l1_table_offset),
             ("refcount table", refcount_table_offset),
-            ("snapshot table", if nb_snapshots > 0 { snapshots_offset } else { 0 }),
+            (
+                "snapshot table",
+                if nb_snapshots > 0 {
+                    snapshots_offset
+                } else {
+                    0
+                },
+            ),
         ] {
             if off % cs != 0 {
                 return invalid(format!("the {what} offset {off:#x} is not cluster aligned"));
@@ -204,7 +223,9 @@ impl Header {
             return invalid("the refcount table is too large");
         }
         if nb_snapshots > MAX_SNAPSHOTS {
-            return invalid(format!("{nb_snapshots} snapshots (at most {MAX_SNAPSHOTS})"));
+            return invalid(format!(
+                "{nb_snapshots} snapshots (at most {MAX_SNAPSHOTS})"
+            ));
         }
         // Extensions, after the header up to the end of the first cluster.
         let mut extensions = Vec::new();
@@ -324,7 +345,10 @@ mod tests {
     fn refuses_an_external_data_file() {
         let mut h = v3(16);
         h[72..80].copy_from_slice(&incompat::DATA_FILE.to_be_bytes());
-        assert!(Header::decode(&h).unwrap_err().to_string().contains("external data file"));
+        assert!(Header::decode(&h)
+            .unwrap_err()
+            .to_string()
+            .contains("external data file"));
     }
 
     proptest! {

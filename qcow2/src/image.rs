@@ -40,13 +40,20 @@ pub(crate) fn read_u64s<S: Storage + ?Sized>(
     n: u64,
     file_len: u64,
 ) -> Result<Vec<u64>> {
-    let bytes = n.checked_mul(8).ok_or_else(|| Error::Invalid(format!("the {what} is too large")))?;
+    let bytes = n
+        .checked_mul(8)
+        .ok_or_else(|| Error::Invalid(format!("the {what} is too large")))?;
     if offset.checked_add(bytes).is_none_or(|end| end > file_len) {
         return invalid(format!("the {what} lies past the end of the file"));
     }
-    let len = usize::try_from(bytes).map_err(|_| Error::Invalid(format!("the {what} is too large")))?;
+    let len =
+        usize::try_from(bytes).map_err(|_| Error::Invalid(format!("the {what} is too large")))?;
     let mut buf = vec![0u8; len];
-    st.read_at(&mut buf, offset).map_err(|source| Error::Read { what, offset, source })?;
+    st.read_at(&mut buf, offset).map_err(|source| Error::Read {
+        what,
+        offset,
+        source,
+    })?;
     Ok(buf
         .chunks_exact(8)
         .map(|c| u64::from_be_bytes(c.try_into().unwrap_or([0; 8])))
@@ -56,22 +63,50 @@ pub(crate) fn read_u64s<S: Storage + ?Sized>(
 impl<S: Storage> Image<S> {
     /// Open and validate an image.
     pub fn open(st: S) -> Result<Self> {
-        let file_len = st.len().map_err(|source| Error::Read { what: "file size", offset: 0, source })?;
+        let file_len = st.len().map_err(|source| Error::Read {
+            what: "file size",
+            offset: 0,
+            source,
+        })?;
         let mut prefix = [0u8; Header::PREFIX];
-        st.read_at(&mut prefix, 0).map_err(|source| Error::Read { what: "header", offset: 0, source })?;
+        st.read_at(&mut prefix, 0).map_err(|source| Error::Read {
+            what: "header",
+            offset: 0,
+            source,
+        })?;
         if file_len < 72 {
             return invalid("the file is shorter than a qcow2 header");
         }
         // Peek at cluster_bits to read the whole first cluster (extensions).
         let cb = u32::from_be_bytes(prefix[20..24].try_into().unwrap_or([0; 4]));
-        let first_len = if (9..=21).contains(&cb) { (1u64 << cb).min(file_len) } else { Header::PREFIX as u64 };
+        let first_len = if (9..=21).contains(&cb) {
+            (1u64 << cb).min(file_len)
+        } else {
+            Header::PREFIX as u64
+        };
         #[allow(clippy::cast_possible_truncation)] // at most 2 MiB
         let mut first = vec![0u8; (first_len as usize).max(Header::PREFIX)];
-        st.read_at(&mut first, 0).map_err(|source| Error::Read { what: "header", offset: 0, source })?;
+        st.read_at(&mut first, 0).map_err(|source| Error::Read {
+            what: "header",
+            offset: 0,
+            source,
+        })?;
         let header = Header::decode(&first)?;
-        let l1 = read_u64s(&st, "L1 table", header.l1_table_offset, u64::from(header.l1_size), file_len)?;
+        let l1 = read_u64s(
+            &st,
+            "L1 table",
+            header.l1_table_offset,
+            u64::from(header.l1_size),
+            file_len,
+        )?;
         let rt_entries = u64::from(header.refcount_table_clusters) * header.cluster_size() / 8;
-        let reftable = read_u64s(&st, "refcount table", header.refcount_table_offset, rt_entries, file_len)?;
+        let reftable = read_u64s(
+            &st,
+            "refcount table",
+            header.refcount_table_offset,
+            rt_entries,
+            file_len,
+        )?;
         let (snapshots, snapshots_size) = snapshot::read_table(
             &st,
             header.snapshots_offset,
@@ -79,7 +114,15 @@ impl<S: Storage> Image<S> {
             header.sector_size(),
             file_len,
         )?;
-        Ok(Image { st, header, l1, reftable, snapshots, snapshots_size, file_len })
+        Ok(Image {
+            st,
+            header,
+            l1,
+            reftable,
+            snapshots,
+            snapshots_size,
+            file_len,
+        })
     }
 
     /// The validated header.
@@ -111,7 +154,9 @@ impl<S: Storage> Image<S> {
     }
 
     fn snap(&self, i: usize) -> Result<&Snapshot> {
-        self.snapshots.get(i).ok_or_else(|| Error::NoSnapshot(format!("#{i}")))
+        self.snapshots
+            .get(i)
+            .ok_or_else(|| Error::NoSnapshot(format!("#{i}")))
     }
 
     /// The L1 table of a view.
@@ -126,7 +171,13 @@ impl<S: Storage> Image<S> {
                 if s.l1_table_offset % self.header.cluster_size() != 0 {
                     return invalid("a snapshot's L1 table is not cluster aligned");
                 }
-                read_u64s(&self.st, "snapshot L1 table", s.l1_table_offset, u64::from(s.l1_size), self.file_len)
+                read_u64s(
+                    &self.st,
+                    "snapshot L1 table",
+                    s.l1_table_offset,
+                    u64::from(s.l1_size),
+                    self.file_len,
+                )
             }
         }
     }
@@ -149,7 +200,13 @@ impl<S: Storage> Image<S> {
         let at = l2_off + idx * h.l2_entry_size();
         let mut e = [0u8; 16];
         let n = usize::try_from(h.l2_entry_size()).unwrap_or(8);
-        self.st.read_at(&mut e[..n], at).map_err(|source| Error::Read { what: "L2 table", offset: at, source })?;
+        self.st
+            .read_at(&mut e[..n], at)
+            .map_err(|source| Error::Read {
+                what: "L2 table",
+                offset: at,
+                source,
+            })?;
         let entry = u64::from_be_bytes(e[..8].try_into().unwrap_or([0; 8]));
         let bitmap = u64::from_be_bytes(e[8..].try_into().unwrap_or([0; 8]));
         l2::decode(entry, bitmap, h.cluster_bits, h.extended_l2())
@@ -162,11 +219,21 @@ impl<S: Storage> Image<S> {
         let cs = h.cluster_size();
         match m {
             Mapping::Zero => out.fill(0),
-            Mapping::Data { host } => self.st.read_at(out, host).map_err(|source| Error::Read { what: "data cluster", offset: host, source })?,
+            Mapping::Data { host } => self.st.read_at(out, host).map_err(|source| Error::Read {
+                what: "data cluster",
+                offset: host,
+                source,
+            })?,
             Mapping::Compressed { host, len } => {
                 let len = usize::try_from(len).unwrap_or(0);
                 let mut c = vec![0u8; len];
-                self.st.read_at(&mut c, host).map_err(|source| Error::Read { what: "compressed cluster", offset: host, source })?;
+                self.st
+                    .read_at(&mut c, host)
+                    .map_err(|source| Error::Read {
+                        what: "compressed cluster",
+                        offset: host,
+                        source,
+                    })?;
                 compress::decompress(h.compression, &c, out)?;
             }
             Mapping::Sub { host, alloc } => {
@@ -174,7 +241,11 @@ impl<S: Storage> Image<S> {
                 for (i, chunk) in out.chunks_mut(sub).enumerate() {
                     if alloc & (1 << i) != 0 {
                         let at = host + (i * sub) as u64;
-                        self.st.read_at(chunk, at).map_err(|source| Error::Read { what: "data cluster", offset: at, source })?;
+                        self.st.read_at(chunk, at).map_err(|source| Error::Read {
+                            what: "data cluster",
+                            offset: at,
+                            source,
+                        })?;
                     } else {
                         chunk.fill(0);
                     }

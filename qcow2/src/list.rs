@@ -23,7 +23,11 @@ pub fn size_to_str(v: u64) -> String {
     } else {
         format!("{f:.2}")
     };
-    let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s };
+    let s = if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    };
     format!("{s} {}", UNITS[i])
 }
 
@@ -47,7 +51,10 @@ fn local_date(sec: u32) -> String {
 }
 
 fn row(cols: [&str; 6]) -> String {
-    format!("{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}", cols[0], cols[1], cols[2], cols[3], cols[4], cols[5])
+    format!(
+        "{:<7} {:<16} {:>8} {:>19} {:>15} {:>10}",
+        cols[0], cols[1], cols[2], cols[3], cols[4], cols[5]
+    )
 }
 
 /// The listing as `qemu-img snapshot -l` prints it (nothing at all when
@@ -68,8 +75,19 @@ pub fn format(snaps: &[Snapshot]) -> String {
             secs % 60,
             (s.vm_clock_nsec / 1_000_000) % 1000
         );
-        let icount = if s.icount == u64::MAX { String::new() } else { (s.icount as i64).to_string() };
-        out += &row([&s.id_str(), &s.name_str(), &size_to_str(s.vm_state_size), &local_date(s.date_sec), &clock, &icount]);
+        let icount = if s.icount == u64::MAX {
+            String::new()
+        } else {
+            (s.icount as i64).to_string()
+        };
+        out += &row([
+            &s.id_str(),
+            &s.name_str(),
+            &size_to_str(s.vm_state_size),
+            &local_date(s.date_sec),
+            &clock,
+            &icount,
+        ]);
         out.push('\n');
     }
     out

@@ -27,6 +27,7 @@ use crate::alloc::{Meta, Order};
 use crate::error::{invalid, unsupported, Error, Result};
 use crate::header::{self, MAX_SNAPSHOTS, SNAPSHOT_FIELDS_OFFSET};
 use crate::image::{read_u64s, Image};
+use crate::l2;
 use crate::snapshot::{self, cstr, Snapshot, KNOWN_EXTRA};
 use crate::storage::StorageMut;
 
@@ -102,7 +103,10 @@ fn strtoul(s: &[u8]) -> u64 {
     let mut v: u64 = 0;
     let mut overflow = false;
     while i < s.len() && s[i].is_ascii_digit() {
-        match v.checked_mul(10).and_then(|x| x.checked_add(u64::from(s[i] - b'0'))) {
+        match v
+            .checked_mul(10)
+            .and_then(|x| x.checked_add(u64::from(s[i] - b'0')))
+        {
             Some(x) => v = x,
             None => overflow = true,
         }
@@ -119,10 +123,16 @@ fn strtoul(s: &[u8]) -> u64 {
 
 fn check_l1<S: StorageMut>(img: &Image<&S>, s: &Snapshot) -> Result<()> {
     if u64::from(s.l1_size) * 8 > header::MAX_L1_BYTES {
-        return invalid(format!("snapshot {:?} has an oversized L1 table", s.name_str()));
+        return invalid(format!(
+            "snapshot {:?} has an oversized L1 table",
+            s.name_str()
+        ));
     }
     if s.l1_table_offset % img.header().cluster_size() != 0 {
-        return invalid(format!("snapshot {:?} has a misaligned L1 table", s.name_str()));
+        return invalid(format!(
+            "snapshot {:?} has a misaligned L1 table",
+            s.name_str()
+        ));
     }
     Ok(())
 }
@@ -147,13 +157,18 @@ fn write_table<S: StorageMut>(
     }
     meta.flush(Order::RefcountsFirst)?;
     hook(Stage::TableWritten)?;
-    let nb = u32::try_from(snaps.len()).map_err(|_| Error::BadRequest("too many snapshots".into()))?;
+    let nb =
+        u32::try_from(snaps.len()).map_err(|_| Error::BadRequest("too many snapshots".into()))?;
     let mut commit = [0u8; 12];
     commit[..4].copy_from_slice(&nb.to_be_bytes());
     commit[4..].copy_from_slice(&off.to_be_bytes());
     img.st
         .write_at(&commit, SNAPSHOT_FIELDS_OFFSET)
-        .map_err(|source| Error::Write { what: "header", offset: SNAPSHOT_FIELDS_OFFSET, source })?;
+        .map_err(|source| Error::Write {
+            what: "header",
+            offset: SNAPSHOT_FIELDS_OFFSET,
+            source,
+        })?;
     img.st.sync().map_err(Error::Sync)?;
     hook(Stage::HeaderCommitted)?;
     let (old_off, old_size) = (img.header.snapshots_offset, img.snapshots_size);
@@ -171,25 +186,46 @@ pub fn list<S: crate::Storage>(st: &S) -> Result<Vec<Snapshot>> {
 }
 
 /// Create an internal snapshot of the active image named `name`.
-pub fn create<S: StorageMut>(st: &S, name: &str, time: SnapshotTime, hook: Hook<'_>) -> Result<Snapshot> {
+pub fn create<S: StorageMut>(
+    st: &S,
+    name: &str,
+    time: SnapshotTime,
+    hook: Hook<'_>,
+) -> Result<Snapshot> {
     if name.len() > 255 {
-        return Err(Error::BadRequest("a snapshot name has at most 255 bytes".into()));
+        return Err(Error::BadRequest(
+            "a snapshot name has at most 255 bytes".into(),
+        ));
     }
     if name.contains('\0') {
-        return Err(Error::BadRequest("a snapshot name cannot contain NUL".into()));
+        return Err(Error::BadRequest(
+            "a snapshot name cannot contain NUL".into(),
+        ));
     }
     let mut img = open_rw(st)?;
     if img.snapshots.len() >= MAX_SNAPSHOTS as usize {
-        return Err(Error::BadRequest(format!("the image already has {MAX_SNAPSHOTS} snapshots")));
+        return Err(Error::BadRequest(format!(
+            "the image already has {MAX_SNAPSHOTS} snapshots"
+        )));
     }
-    let id = img.snapshots.iter().map(|s| strtoul(&s.id)).max().unwrap_or(0).wrapping_add(1);
+    let id = img
+        .snapshots
+        .iter()
+        .map(|s| strtoul(&s.id))
+        .max()
+        .unwrap_or(0)
+        .wrapping_add(1);
     let mut meta = Meta::new(&img);
     let l1_len = img.l1.len() as u64 * 8;
     let l1_off = meta.alloc(l1_len)?;
     meta.write("snapshot L1 table", l1_off, l1_bytes(&img.l1));
     let mut active = img.l1.clone();
     if meta.snapshot_refcount_pass(&mut active, 1)? {
-        meta.write("active L1 table", img.header.l1_table_offset, l1_bytes(&active));
+        meta.write(
+            "active L1 table",
+            img.header.l1_table_offset,
+            l1_bytes(&active),
+        );
     }
     meta.flush(Order::RefcountsFirst)?;
     hook(Stage::CopiedL1)?;
@@ -230,12 +266,28 @@ pub fn delete<S: StorageMut>(st: &S, name: &str, hook: Hook<'_>) -> Result<Snaps
     snaps.remove(idx);
     let mut meta = Meta::new(&img);
     write_table(&mut img, &mut meta, snaps, hook)?;
-    let mut snl1 = read_u64s(st, "snapshot L1 table", sn.l1_table_offset, u64::from(sn.l1_size), img.file_len)?;
+    let mut snl1 = read_u64s(
+        st,
+        "snapshot L1 table",
+        sn.l1_table_offset,
+        u64::from(sn.l1_size),
+        img.file_len,
+    )?;
     meta.snapshot_refcount_pass(&mut snl1, -1)?;
-    crate::alloc::done(meta.update_refcount(sn.l1_table_offset, u64::from(sn.l1_size) * 8, 1, true, true))?;
+    crate::alloc::done(meta.update_refcount(
+        sn.l1_table_offset,
+        u64::from(sn.l1_size) * 8,
+        1,
+        true,
+        true,
+    ))?;
     let mut active = img.l1.clone();
     if meta.snapshot_refcount_pass(&mut active, 0)? {
-        meta.write("active L1 table", img.header.l1_table_offset, l1_bytes(&active));
+        meta.write(
+            "active L1 table",
+            img.header.l1_table_offset,
+            l1_bytes(&active),
+        );
     }
     meta.flush(Order::TablesFirst)?;
     hook(Stage::Released)?;
@@ -265,7 +317,13 @@ pub fn apply<S: StorageMut>(st: &S, id_or_name: &str, hook: Hook<'_>) -> Result<
     if sn.l1_size > img.header.l1_size {
         return unsupported("the snapshot's L1 table is larger than the active one");
     }
-    let snl1 = read_u64s(st, "snapshot L1 table", sn.l1_table_offset, u64::from(sn.l1_size), img.file_len)?;
+    let snl1 = read_u64s(
+        st,
+        "snapshot L1 table",
+        sn.l1_table_offset,
+        u64::from(sn.l1_size),
+        img.file_len,
+    )?;
     let mut new_active = snl1.clone();
     new_active.resize(img.l1.len(), 0);
     let mut meta = Meta::new(&img);
@@ -275,14 +333,28 @@ pub fn apply<S: StorageMut>(st: &S, id_or_name: &str, hook: Hook<'_>) -> Result<
     }
     meta.flush(Order::RefcountsFirst)?;
     hook(Stage::RefcountsRaised)?;
-    meta.write("active L1 table", img.header.l1_table_offset, l1_bytes(&new_active));
+    // The commit. The snapshot's L1 may carry COPIED flags from when it
+    // was taken; every table it reaches now has a second reference, so the
+    // committed copy goes without them (qemu writes them and fixes them in
+    // its last pass, leaving a window that `qemu-img check` calls corrupt).
+    let committed: Vec<u64> = new_active.iter().map(|e| e & !l2::COPIED).collect();
+    meta.write(
+        "active L1 table",
+        img.header.l1_table_offset,
+        l1_bytes(&committed),
+    );
     meta.flush(Order::TablesFirst)?;
     hook(Stage::ActiveL1Replaced)?;
     let mut old = std::mem::replace(&mut img.l1, new_active);
     meta.snapshot_refcount_pass(&mut old, -1)?;
     let mut active = img.l1.clone();
-    if meta.snapshot_refcount_pass(&mut active, 0)? {
-        meta.write("active L1 table", img.header.l1_table_offset, l1_bytes(&active));
+    meta.snapshot_refcount_pass(&mut active, 0)?;
+    if active != committed {
+        meta.write(
+            "active L1 table",
+            img.header.l1_table_offset,
+            l1_bytes(&active),
+        );
     }
     meta.flush(Order::TablesFirst)?;
     hook(Stage::OldActiveReleased)?;

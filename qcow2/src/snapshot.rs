@@ -86,7 +86,9 @@ pub fn read_table<S: Storage + ?Sized>(
             return invalid("the snapshot table is larger than 64 MiB");
         }
         if at.saturating_add(40) > file_len {
-            return invalid(format!("snapshot table entry {i} lies past the end of the file"));
+            return invalid(format!(
+                "snapshot table entry {i} lies past the end of the file"
+            ));
         }
         let mut h = [0u8; 40];
         rd(st, &mut h, at)?;
@@ -103,12 +105,18 @@ pub fn read_table<S: Storage + ?Sized>(
         let name_len = u64::from(u16at(14));
         let entry_len = 40 + u64::from(extra_data_size) + id_len + name_len;
         if at + entry_len > file_len {
-            return invalid(format!("snapshot table entry {i} lies past the end of the file"));
+            return invalid(format!(
+                "snapshot table entry {i} lies past the end of the file"
+            ));
         }
         if at + entry_len - offset > MAX_TABLE_BYTES {
             return invalid("the snapshot table is larger than 64 MiB");
         }
-        let mut rest = vec![0u8; usize::try_from(entry_len - 40).map_err(|_| Error::Invalid("entry too large".into()))?];
+        let mut rest = vec![
+            0u8;
+            usize::try_from(entry_len - 40)
+                .map_err(|_| Error::Invalid("entry too large".into()))?
+        ];
         rd(st, &mut rest, at + 40)?;
         let (extra, names) = rest.split_at(extra_data_size as usize);
         let (id, name) = names.split_at(usize::from(u16at(12)));
@@ -117,8 +125,16 @@ pub fn read_table<S: Storage + ?Sized>(
         if extra_data_size >= 8 {
             vm_state_size = ex(0);
         }
-        let disk_size = if extra_data_size >= 16 { ex(8) } else { disk_size };
-        let icount = if extra_data_size >= 24 { ex(16) } else { u64::MAX };
+        let disk_size = if extra_data_size >= 16 {
+            ex(8)
+        } else {
+            disk_size
+        };
+        let icount = if extra_data_size >= 24 {
+            ex(16)
+        } else {
+            u64::MAX
+        };
         let unknown_extra = if extra_data_size > KNOWN_EXTRA {
             extra[KNOWN_EXTRA as usize..].to_vec()
         } else {
@@ -261,7 +277,9 @@ mod tests {
         let mut bytes = flat(&encode_table(&[s], 0), 0);
         bytes[36..40].copy_from_slice(&1100u32.to_be_bytes());
         bytes.resize(2000, 0);
-        let e = read_table(bytes.as_slice(), 0, 1, 0, 2000).unwrap_err().to_string();
+        let e = read_table(bytes.as_slice(), 0, 1, 0, 2000)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("extra data"), "{e}");
     }
 
