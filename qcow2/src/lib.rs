@@ -20,6 +20,7 @@
 //! - [`ops`]: internal snapshot create / apply / delete with fsync-separated
 //!   write groups and the header's 12 bytes at offset 60 as the commit point.
 //! - [`list`]: `qemu-img snapshot -l`'s table.
+//! - [`writer`]: a new v3 image from states that share clusters (export).
 //!
 //! The supported subset and the crash-ordering rules are described in
 //! `docs/qcow2.md`.
@@ -36,6 +37,7 @@ pub mod ops;
 pub mod refcount;
 pub mod snapshot;
 pub mod storage;
+pub mod writer;
 
 pub use error::{Error, Result};
 pub use image::{Image, View};

@@ -76,7 +76,7 @@ pub fn format(snaps: &[Snapshot]) -> String {
             (s.vm_clock_nsec / 1_000_000) % 1000
         );
         let icount = if s.icount == u64::MAX {
-            String::new()
+            String::from("--")
         } else {
             (s.icount as i64).to_string()
         };
