@@ -2,7 +2,8 @@
 # Install what building and testing pagefork needs on a fresh Debian machine:
 # libclang (userfaultfd-sys runs bindgen at build time), xfsprogs (the
 # reflink volume tests use a loop-mounted XFS), prometheus (its promtool
-# checks /metrics), and schemathesis from PyPI
+# checks /metrics), qemu-utils (qemu-img and qemu-io: the oracle of the qcow2
+# tests), and schemathesis from PyPI
 # in a venv (the API-schema test; PAGEFORK_VENV, default
 # /var/tmp/pagefork-venv). Idempotent; root needed only when a Debian
 # package is missing.
@@ -13,6 +14,7 @@ dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
 command -v mkfs.xfs >/dev/null 2>&1 || missing+=(xfsprogs)
 command -v losetup >/dev/null 2>&1 || missing+=(mount)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus) # promtool checks /metrics
+command -v qemu-img >/dev/null 2>&1 && command -v qemu-io >/dev/null 2>&1 || missing+=(qemu-utils) # qcow2 differential tests
 
 if [ "${#missing[@]}" -gt 0 ]; then
 	echo "setup: installing ${missing[*]}" >&2

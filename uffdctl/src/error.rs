@@ -23,6 +23,9 @@ pub enum CliError {
         #[source]
         source: std::io::Error,
     },
+    /// A qcow2 file could not be read or changed.
+    #[error(transparent)]
+    Qcow2(#[from] qcow2::Error),
     /// The demo's server did not come up.
     #[error("the server did not come up at {0}")]
     NoServer(String),

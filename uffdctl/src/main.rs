@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffdctl::cli::{demo, firecracker, image, inspect, snapshot, vm, volume};
+use uffdctl::cli::{demo, firecracker, image, inspect, qcow2, snapshot, vm, volume};
 use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -41,6 +41,9 @@ enum Cmd {
     /// Manage disk volumes and their snapshots.
     #[command(subcommand)]
     Volume(volume::VolumeCmd),
+    /// Work on qcow2 files directly (offline, no server).
+    #[command(subcommand)]
+    Qcow2(qcow2::Qcow2Cmd),
     /// Where a VM's pages come from: per source, and as extents.
     Sources {
         id: String,
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
         Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
         Cmd::Demo(d) => demo::run(d),
         Cmd::Image(cmd) => image::run(cmd, args.json),
+        Cmd::Qcow2(cmd) => qcow2::run(cmd, args.json),
         Cmd::Firecracker(cmd) => firecracker::run(cmd, &client, args.json),
         Cmd::Volume(cmd) => volume::run(cmd, &client, args.json),
         Cmd::Snapshot(cmd) => snapshot::run(cmd, &client, args.json),

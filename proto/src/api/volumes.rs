@@ -105,3 +105,50 @@ pub struct Deleted {
     /// The name deleted.
     pub deleted: String,
 }
+
+/// `POST /v1/volumes/import`: make a volume from a qcow2 file the server
+/// can read, with one volume snapshot per internal snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ImportVolume {
+    /// Name of the new volume.
+    pub name: String,
+    /// Absolute path of the qcow2 file on the server's host.
+    pub path: String,
+    /// Prepended to each internal snapshot's name to name its volume
+    /// snapshot (names share one namespace).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub snapshot_prefix: String,
+}
+
+/// The answer to an import.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ImportedVolume {
+    pub volume: VolumeInfo,
+    /// The volume snapshots made, oldest first.
+    pub snapshots: Vec<String>,
+}
+
+/// `POST /v1/volumes/{name}/export`: write the volume and its snapshots
+/// as a new qcow2 file on the server's host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ExportVolume {
+    /// Absolute path of the new file (must not exist).
+    pub path: String,
+}
+
+/// The answer to an export.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ExportedVolume {
+    pub volume: String,
+    pub path: String,
+    /// The internal snapshots written, oldest first.
+    pub snapshots: Vec<String>,
+    /// The file's size.
+    pub size_bytes: u64,
+}

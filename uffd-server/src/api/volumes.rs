@@ -11,6 +11,8 @@
 //! GET    /v1/volumes/{name}/snapshots         its snapshots, oldest first
 //! POST   /v1/volumes/{name}/snapshots         {"name"}
 //! POST   /v1/volumes/{name}/rollback          {"snapshot", "delete_newer"}
+//! POST   /v1/volumes/import                   {"name", "path", "snapshot_prefix"}: from qcow2
+//! POST   /v1/volumes/{name}/export            {"path"}: to a new qcow2 file
 //! GET    /v1/volume-snapshots                 every volume snapshot
 //! GET    /v1/volume-snapshots/{name}          one volume snapshot
 //! DELETE /v1/volume-snapshots/{name}          delete a volume snapshot
@@ -30,8 +32,8 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use proto::api::{
-    CreateVolume, CreateVolumeSnapshot, Deleted, GrowVolume, RollbackVolume, VolumeInfo,
-    VolumeRollback, VolumeSnapshotInfo,
+    CreateVolume, CreateVolumeSnapshot, Deleted, ExportVolume, ExportedVolume, GrowVolume,
+    ImportVolume, ImportedVolume, RollbackVolume, VolumeInfo, VolumeRollback, VolumeSnapshotInfo,
 };
 use serde::Serialize;
 
@@ -52,6 +54,8 @@ pub fn router(engine: Arc<VolumeEngine>) -> Router {
             get(list_volume_snapshots).post(snapshot_volume),
         )
         .route("/v1/volumes/{name}/rollback", post(rollback_volume))
+        .route("/v1/volumes/import", post(import_volume))
+        .route("/v1/volumes/{name}/export", post(export_volume))
         .route("/v1/volume-snapshots", get(list_snapshots))
         .route(
             "/v1/volume-snapshots/{name}",
@@ -381,4 +385,56 @@ mod tests {
         let resp = axum::response::IntoResponse::into_response(res);
         assert_eq!(resp.status().as_u16(), want);
     }
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/volumes/import",
+    request_body = proto::api::ImportVolume,
+    responses(
+        (status = 201, description = "the new volume and its snapshots", body = proto::api::ImportedVolume),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+async fn import_volume(
+    State(engine): State<Arc<VolumeEngine>>,
+    body: Bytes,
+) -> ApiResult<ImportedVolume> {
+    let req: ImportVolume = parse(&body)?;
+    let path = std::path::PathBuf::from(&req.path);
+    if !path.is_absolute() {
+        return Err(Error::BadRequest(format!(
+            "path {:?} is not absolute; give the qcow2 file's absolute path on the server's host",
+            req.path
+        )));
+    }
+    blocking(engine, StatusCode::CREATED, move |e| {
+        e.import_qcow2(&path, &req.name, &req.snapshot_prefix)
+    })
+    .await
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/volumes/{name}/export",
+    params(("name" = String, description = "a volume name")),
+    request_body = proto::api::ExportVolume,
+    responses(
+        (status = 200, description = "the file written", body = proto::api::ExportedVolume),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+async fn export_volume(
+    State(engine): State<Arc<VolumeEngine>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> ApiResult<ExportedVolume> {
+    let req: ExportVolume = parse(&body)?;
+    let path = std::path::PathBuf::from(req.path);
+    blocking(engine, StatusCode::OK, move |e| {
+        e.export_qcow2(&name, &path)
+    })
+    .await
 }

@@ -62,6 +62,8 @@ impl VolumeEngine {
                 "volumes disabled: the state directory cannot reflink; use XFS with reflink=1 or btrfs"
             );
         }
+        // Imports that died before their rename leave only staging files.
+        let _ = fs::remove_dir_all(super::import::staging_dir(root));
         let (index, repairs) = index::scan(&volumes_dir).map_err(|source| VolumeError::Scan {
             path: volumes_dir.clone(),
             source,
@@ -437,19 +439,19 @@ impl VolumeEngine {
         self.index.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, Index> {
+    pub(super) fn write(&self) -> RwLockWriteGuard<'_, Index> {
         self.index.write().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-fn validate(name: &str) -> Result<()> {
+pub(super) fn validate(name: &str) -> Result<()> {
     name::validate(name).map_err(|reason| VolumeError::InvalidName {
         name: name.into(),
         reason,
     })
 }
 
-fn validate_size(size: u64) -> Result<()> {
+pub(super) fn validate_size(size: u64) -> Result<()> {
     if size == 0 {
         return Err(VolumeError::InvalidSize {
             size,
@@ -471,7 +473,7 @@ fn validate_size(size: u64) -> Result<()> {
     Ok(())
 }
 
-fn reserve(index: &Index, name: &str) -> Result<()> {
+pub(super) fn reserve(index: &Index, name: &str) -> Result<()> {
     match index.holder(name) {
         Some(holder) => Err(VolumeError::NameTaken {
             name: name.into(),
@@ -518,7 +520,7 @@ fn replace_with_clone(src: &Path, tmp: &Path, target: &Path) -> io::Result<()> {
     }
 }
 
-fn sync_dir(dir: &Path) -> io::Result<()> {
+pub(super) fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 

@@ -78,6 +78,34 @@ pub enum VolumeError {
     Inspect { name: String, source: io::Error },
     #[error("cannot open volume {name:?} for a VM")]
     OpenForVm { name: String, source: io::Error },
+    #[error("cannot open {} to import it; give a path the server can read", path.display())]
+    ImportOpen { path: PathBuf, source: io::Error },
+    #[error("cannot import {}", path.display())]
+    ImportFormat { path: PathBuf, source: qcow2::Error },
+    #[error("cannot import internal snapshot {snapshot:?} as a volume snapshot: {reason}; pass a snapshot_prefix or rename it with qemu-img")]
+    ImportSnapshotName { snapshot: String, reason: String },
+    #[error("cannot import {} as volume {name:?}", path.display())]
+    Import {
+        name: String,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("cannot export to {}: {reason}", path.display())]
+    ExportPath { path: PathBuf, reason: &'static str },
+    #[error("cannot export to {}: the file exists; remove it or pick another path", path.display())]
+    ExportExists { path: PathBuf },
+    #[error("cannot export volume {name:?} to {}", path.display())]
+    Export {
+        name: String,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("cannot export volume {name:?} to {}", path.display())]
+    ExportFormat {
+        name: String,
+        path: PathBuf,
+        source: qcow2::Error,
+    },
 }
 
 /// The class of an error, for callers that map errors to a protocol (HTTP
@@ -101,9 +129,20 @@ impl VolumeError {
     pub fn kind(&self) -> ErrorKind {
         use VolumeError::*;
         match self {
-            InvalidName { .. } | InvalidSize { .. } | NotSnapshotOf { .. } | Shrink { .. } => {
-                ErrorKind::BadRequest
-            }
+            InvalidName { .. }
+            | InvalidSize { .. }
+            | NotSnapshotOf { .. }
+            | Shrink { .. }
+            | ImportOpen { .. }
+            | ImportSnapshotName { .. }
+            | ExportPath { .. } => ErrorKind::BadRequest,
+            ImportFormat { source, .. } | ExportFormat { source, .. } => match source {
+                qcow2::Error::Read { .. } | qcow2::Error::Write { .. } | qcow2::Error::Sync(_) => {
+                    ErrorKind::Io
+                }
+                _ => ErrorKind::BadRequest,
+            },
+            ExportExists { .. } => ErrorKind::Conflict,
             VolumeNotFound(_) | SnapshotNotFound(_) | SourceNotFound(_) => ErrorKind::NotFound,
             NameTaken { .. } | InUse { .. } => ErrorKind::Conflict,
             ReflinkUnsupported { .. } => ErrorKind::Unavailable,
@@ -118,7 +157,9 @@ impl VolumeError {
             | DeleteSnapshot { .. }
             | Rollback { .. }
             | Inspect { .. }
-            | OpenForVm { .. } => ErrorKind::Io,
+            | OpenForVm { .. }
+            | Import { .. }
+            | Export { .. } => ErrorKind::Io,
         }
     }
 

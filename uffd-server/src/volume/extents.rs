@@ -40,6 +40,7 @@ mod tests {
     fn splits_shared_and_exclusive() {
         let ext = |length, flags| Extent {
             logical: 0,
+            physical: 0,
             length,
             flags,
         };

@@ -25,6 +25,11 @@ const FIEMAP_FLAG_SYNC: u32 = 0x1;
 const FIEMAP_EXTENT_LAST: u32 = 0x1;
 /// `FIEMAP_EXTENT_SHARED`: the extent's blocks are shared with another file.
 pub const FIEMAP_EXTENT_SHARED: u32 = 0x2000;
+/// `FIEMAP_EXTENT_UNWRITTEN`: allocated but reads as zeroes.
+pub const FIEMAP_EXTENT_UNWRITTEN: u32 = 0x800;
+/// Flags under which `fe_physical` does not identify the blocks: UNKNOWN,
+/// DELALLOC, ENCODED, NOT_ALIGNED, DATA_INLINE, DATA_TAIL.
+pub const FIEMAP_EXTENT_NO_IDENTITY: u32 = 0x2 | 0x4 | 0x8 | 0x100 | 0x200 | 0x400;
 
 /// `struct file_clone_range` of `<linux/fs.h>`.
 #[repr(C)]
@@ -79,6 +84,8 @@ struct FiemapBuf {
 pub struct Extent {
     /// Offset in the file.
     pub logical: u64,
+    /// Offset on the device: equal ranges are the same blocks (reflinks).
+    pub physical: u64,
     /// Length in bytes.
     pub length: u64,
     /// `FIEMAP_EXTENT_*` flags.
@@ -153,6 +160,7 @@ pub fn fiemap(file: &File) -> io::Result<Vec<Extent>> {
         for e in &buf.extents[..mapped] {
             out.push(Extent {
                 logical: e.fe_logical,
+                physical: e.fe_physical,
                 length: e.fe_length,
                 flags: e.fe_flags,
             });

@@ -12,11 +12,15 @@
 //!   engine's write lock.
 //! - Nothing ever copies data: if the filesystem cannot reflink (probed at
 //!   start-up), every operation is refused with the filesystem's name.
+//!   (qcow2 import and export copy what they must: [`import`] and
+//!   [`export`].)
 
 mod engine;
 mod error;
+mod export;
 pub mod extents;
 pub(crate) mod ffi;
+mod import;
 pub mod index;
 pub mod name;
 pub mod probe;

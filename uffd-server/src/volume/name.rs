@@ -23,6 +23,8 @@ pub enum NameError {
     DotDot,
     #[error("the name contains {0:?}; use letters, digits, '.', '_' and '-'")]
     BadChar(char),
+    #[error("the name is reserved: `/v1/volumes/import` is the import route")]
+    Reserved,
 }
 
 /// Check that `name` is a valid volume or snapshot name: 1 to
@@ -47,6 +49,9 @@ pub fn validate(name: &str) -> Result<(), NameError> {
     }
     if !first.is_ascii_alphanumeric() {
         return Err(NameError::BadStart);
+    }
+    if name == "import" {
+        return Err(NameError::Reserved);
     }
     Ok(())
 }
@@ -75,6 +80,7 @@ mod tests {
         assert_eq!(validate("a b"), Err(NameError::BadChar(' ')));
         assert_eq!(validate("a\0"), Err(NameError::BadChar('\0')));
         assert_eq!(validate("é"), Err(NameError::BadChar('é')));
+        assert_eq!(validate("import"), Err(NameError::Reserved));
         assert_eq!(
             validate(&"x".repeat(MAX_NAME_LEN + 1)),
             Err(NameError::TooLong)

@@ -5,6 +5,7 @@ pub mod demo;
 pub mod firecracker;
 pub mod image;
 pub mod inspect;
+pub mod qcow2;
 pub mod snapshot;
 pub mod table;
 pub mod vm;

@@ -61,6 +61,25 @@ pub enum VolumeCmd {
         #[arg(long)]
         delete_newer: bool,
     },
+    /// Import a qcow2 file as a new volume; its internal snapshots become
+    /// volume snapshots (the server reads the file).
+    Import {
+        /// The qcow2 file (a path on the server's host).
+        file: std::path::PathBuf,
+        /// Name of the new volume.
+        name: String,
+        /// Prefix for the volume snapshots' names (names are global).
+        #[arg(long, default_value = "")]
+        snapshot_prefix: String,
+    },
+    /// Export a volume and its snapshots to a new qcow2 file (written by
+    /// the server).
+    Export {
+        /// The volume.
+        name: String,
+        /// The new qcow2 file (a path on the server's host; must not exist).
+        file: std::path::PathBuf,
+    },
     /// Create a volume from a snapshot.
     Clone {
         /// Snapshot to clone.
@@ -161,6 +180,28 @@ pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<()> {
             })),
             print_rollback,
         ),
+        VolumeCmd::Import {
+            file,
+            name,
+            snapshot_prefix,
+        } => (
+            "POST",
+            "/v1/volumes/import".into(),
+            Some(body(&api::ImportVolume {
+                name,
+                path: absolute(&file)?,
+                snapshot_prefix,
+            })),
+            print_imported,
+        ),
+        VolumeCmd::Export { name, file } => (
+            "POST",
+            format!("/v1/volumes/{}/export", seg(&name)),
+            Some(body(&api::ExportVolume {
+                path: absolute(&file)?,
+            })),
+            print_exported,
+        ),
     };
     let resp = client.request(method, &path, body.as_ref())?;
     if !resp.ok() {
@@ -178,6 +219,60 @@ pub fn run(cmd: VolumeCmd, client: &Client, json: bool) -> Result<()> {
         show(&resp.body);
     }
     Ok(())
+}
+
+/// `path` made absolute against the current directory (the server has
+/// its own).
+fn absolute(path: &std::path::Path) -> Result<String> {
+    let p = std::path::absolute(path).map_err(|source| CliError::Local {
+        what: format!("resolve {}", path.display()),
+        source,
+    })?;
+    p.to_str()
+        .map(str::to_owned)
+        .ok_or_else(|| CliError::Usage(format!("{} is not UTF-8", p.display())))
+}
+
+fn print_imported(v: &Value) {
+    if let Some(vol) = v.get("volume") {
+        print_volume(vol);
+    }
+    let snaps: Vec<String> = v
+        .get("snapshots")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    println!(
+        "snapshots: {}",
+        if snaps.is_empty() {
+            "-".into()
+        } else {
+            snaps.join(", ")
+        }
+    );
+}
+
+fn print_exported(v: &Value) {
+    println!(
+        "{} -> {} ({}; snapshots: {})",
+        text(v, "volume"),
+        text(v, "path"),
+        bytes(v, "size_bytes"),
+        v.get("snapshots")
+            .and_then(Value::as_array)
+            .map(|a| a
+                .iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(", "))
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "-".into())
+    );
 }
 
 /// A name as a path segment. Valid names need no escaping; anything else
