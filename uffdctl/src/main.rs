@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffdctl::cli::{demo, firecracker, inspect, snapshot, vm, volume};
+use uffdctl::cli::{demo, firecracker, inspect, observe, snapshot, vm, volume};
 use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -46,7 +46,24 @@ enum Cmd {
         extents: usize,
     },
     /// One page's source and presence.
-    Page { id: String, page: u64 },
+    Page {
+        id: String,
+        page: u64,
+        /// The whole chain: the VM holding the bytes, the image or file
+        /// and offset (or zero), when and how the page was installed.
+        #[arg(long)]
+        explain: bool,
+    },
+    /// A VM's faults as they happen (NDJSON with --json).
+    Trace {
+        id: String,
+        /// Only this kind: missing, wp, remove, prefetch.
+        #[arg(long)]
+        kind: Option<proto::api::FaultKind>,
+        /// Stop after this many events.
+        #[arg(long)]
+        limit: Option<u64>,
+    },
     /// The fork tree and what each VM reads from its ancestors.
     Tree,
     /// Start a server in a temporary directory and show a VM, a fork, a snapshot.
@@ -84,7 +101,14 @@ fn main() -> ExitCode {
         Cmd::Volume(cmd) => volume::run(cmd, &client, args.json),
         Cmd::Snapshot(cmd) => snapshot::run(cmd, &client, args.json),
         Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
-        Cmd::Page { id, page } => inspect::page(&client, &id, page, args.json),
+        Cmd::Page { id, page, explain } => {
+            if explain {
+                observe::explain(&client, &id, page, args.json)
+            } else {
+                inspect::page(&client, &id, page, args.json)
+            }
+        }
+        Cmd::Trace { id, kind, limit } => observe::trace(&client, &id, kind, limit, args.json),
         Cmd::Tree => inspect::tree(&client, args.json),
         Cmd::Api { method, path, body } => {
             let body = match body.map(|b| serde_json::from_str(&b)) {

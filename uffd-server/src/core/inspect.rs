@@ -4,13 +4,16 @@
 
 use std::collections::BTreeMap;
 
-use proto::api::{Invariant, PageInfo, SourceExtent, Sources, Tree, TreeNode, Violation};
+use proto::api::{
+    AccessMap, AccessQuery, ExplainStep, Installed, Invariant, PageExplain, PageInfo, SourceExtent,
+    Sources, Tree, TreeNode, Violation,
+};
 use shared::VmId;
 
 use super::vm::RunState;
 use super::{Core, Error, Registry, Result};
 use crate::memory::GuestMemory;
-use crate::pages::{PageTable, SourceId};
+use crate::pages::{PageSource, PageTable, SourceId};
 
 /// What the debugging views need of any VM.
 pub(super) struct TableView<'a> {
@@ -42,6 +45,7 @@ impl Core {
                 resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
                 pages_by_source: by_kind(&v.table),
                 frozen: v.deleted,
+                trace_listeners: v.tap.listeners(),
             })
             .collect();
         vms.extend(reg.fc_vms.values().map(|v| VmSample {
@@ -52,6 +56,7 @@ impl Core {
             resident_pages: v.table.count_of(v.self_src),
             pages_by_source: by_kind(&v.table),
             frozen: false,
+            trace_listeners: 0,
         }));
         Sample {
             fault_seconds: self.fault_seconds.clone(),
@@ -82,6 +87,110 @@ impl Registry {
             self_src: v.self_src,
             memory: None,
         })
+    }
+}
+
+impl Registry {
+    /// Where `page` of `id` comes from, step by step: each VM on the way
+    /// (whether it holds the page, and how it got it), down to a snapshot
+    /// image or file (with the byte offset) or zero. A VM that holds the
+    /// page continues the chain with where it got it from; the walk stops
+    /// at a source that is not a VM, or at a VM already seen.
+    pub(super) fn explain(&self, id: VmId, page: u64) -> PageExplain {
+        let mut chain = Vec::new();
+        let mut seen = Vec::new();
+        let mut at = Some(id);
+        while let Some(vm) = at.take() {
+            if seen.contains(&vm) {
+                break;
+            }
+            seen.push(vm);
+            let Some(v) = self.table_view(vm) else {
+                chain.push(ExplainStep {
+                    at: vm.to_string(),
+                    kind: "vm".into(),
+                    present: None,
+                    installed: None,
+                    file: None,
+                    offset: None,
+                });
+                break;
+            };
+            let src = v.table.get(page);
+            let present = src == v.self_src;
+            let installed = if present {
+                self.vms.get(&vm).and_then(|v| v.log.installed(page))
+            } else {
+                None
+            };
+            chain.push(ExplainStep {
+                at: vm.to_string(),
+                kind: "vm".into(),
+                present: Some(present),
+                installed: installed.map(|i| Installed {
+                    time_ms: i.unix_ms,
+                    event: i.by.name().into(),
+                    from: self.describe(i.from),
+                }),
+                file: None,
+                offset: None,
+            });
+            // Where the bytes are (not present) or came from (present).
+            let next = match (present, installed) {
+                (false, _) => src,
+                (true, Some(i)) => i.from,
+                (true, None) => break,
+            };
+            match self.arena.get(next).map(|s| &**s) {
+                Some(PageSource::Vm(other)) => at = Some(*other),
+                Some(s) => chain.push(source_step(s, page)),
+                None => chain.push(self.retired_step(next, page)),
+            }
+        }
+        PageExplain { chain }
+    }
+
+    /// A source's name, also once released.
+    fn describe(&self, src: SourceId) -> String {
+        match (self.arena.get(src), self.arena.retired(src)) {
+            (Some(s), _) => s.describe(),
+            (None, Some(r)) => r.name.clone(),
+            (None, None) => format!("source-{src}"),
+        }
+    }
+
+    /// The last step of a chain whose source has been released since (an
+    /// image no table reads any more, a VM that is gone).
+    fn retired_step(&self, src: SourceId, page: u64) -> ExplainStep {
+        let r = self.arena.retired(src);
+        let path = r.and_then(|r| r.path.as_ref());
+        ExplainStep {
+            at: self.describe(src),
+            kind: r.map_or("released", |r| r.kind).into(),
+            present: None,
+            installed: None,
+            file: path.map(|p| p.display().to_string()),
+            offset: path.map(|_| page * shared::PAGE_SIZE),
+        }
+    }
+}
+
+/// The last step of a chain: zero, or an image or file and the offset of
+/// `page` in it.
+fn source_step(s: &PageSource, page: u64) -> ExplainStep {
+    let (at, kind) = match s {
+        PageSource::Uninitialized => ("zero".to_owned(), "zero"),
+        PageSource::Image(_) => (s.describe(), "image"),
+        PageSource::File(_) | PageSource::Vm(_) => (s.describe(), s.kind()),
+    };
+    let file = s.file();
+    ExplainStep {
+        at,
+        kind: kind.into(),
+        present: None,
+        installed: None,
+        file: file.map(|f| f.path.display().to_string()),
+        offset: file.map(|_| page * shared::PAGE_SIZE),
     }
 }
 
@@ -122,8 +231,8 @@ impl Core {
         })
     }
 
-    /// `GET /v1/vms/{id}/pages/{page}`.
-    pub(super) fn page(&self, id: VmId, page: u64) -> Result<PageInfo> {
+    /// `GET /v1/vms/{id}/pages/{page}[?explain=true]`.
+    pub(super) fn page(&self, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
         let reg = self.reg.borrow();
         let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
         if page >= v.table.pages() {
@@ -144,6 +253,21 @@ impl Core {
             // installed into its address space (the table's record).
             present: v.memory.map_or(src == v.self_src, |m| m.is_present(page)),
             table_says_present: src == v.self_src,
+            explain: explain.then(|| reg.explain(id, page)),
+        })
+    }
+
+    /// `GET /v1/vms/{id}/access`.
+    pub(super) fn access(&self, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+        let extents = v.log.extents(q.within_ms);
+        Ok(AccessMap {
+            id: id.to_string(),
+            pages: v.log.pages(),
+            since_ms: v.log.since_unix_ms(),
+            touched: extents.iter().map(|e| e.pages).sum(),
+            extents,
         })
     }
 

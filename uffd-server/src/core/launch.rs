@@ -238,7 +238,7 @@ impl Core {
         reg.vms.insert(id, vm);
         if req.prefetch {
             for p in 0..pages {
-                if let Err(e) = reg.materialize(id, p) {
+                if let Err(e) = reg.materialize(id, p, crate::observe::access::By::Prefetch) {
                     reg.forget(id);
                     return Err(Error::Prefetch {
                         vm: id,

@@ -103,6 +103,10 @@ pub struct Vm {
     pub closed: Rc<tokio::sync::Notify>,
     /// Limits the fault path's repeated warnings about this VM.
     pub warnings: super::ratelimit::RateLimit,
+    /// How each page got here and what the VM touched (explain, access).
+    pub log: crate::observe::access::PageLog,
+    /// The live fault trace's listeners.
+    pub tap: Rc<crate::observe::trace::Tap>,
 }
 
 /// What a new VM is made of; everything else starts empty.
@@ -121,6 +125,7 @@ pub struct VmParts {
 impl Vm {
     /// A VM in `Starting` state, waiting for its VMM.
     pub fn new(p: VmParts) -> Self {
+        let log = crate::observe::access::PageLog::new(p.memory.pages());
         Vm {
             id: p.id,
             state: RunState::Starting,
@@ -155,6 +160,8 @@ impl Vm {
             owns_volume: false,
             closed: Rc::new(tokio::sync::Notify::new()),
             warnings: super::ratelimit::RateLimit::default(),
+            log,
+            tap: Rc::default(),
         }
     }
 

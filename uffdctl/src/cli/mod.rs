@@ -4,6 +4,7 @@
 pub mod demo;
 pub mod firecracker;
 pub mod inspect;
+pub mod observe;
 pub mod snapshot;
 pub mod table;
 pub mod vm;

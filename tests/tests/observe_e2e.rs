@@ -1,0 +1,452 @@
+//! Seeing a VM's memory at work, against real guests: the live fault trace
+//! (`/faults?follow=true`, `uffdctl trace`) streams exactly the faults a
+//! known sequence of guest ops takes, tells a slow reader how many events
+//! it lost; `?explain=true` (`uffdctl page --explain`) gives a page's whole
+//! chain after a fork of a fork and after a restore from a snapshot; the
+//! access record lists what a VM touched.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use pagefork_tests::{bin, require_kvm_uffd, server_on_xfs, TestServer};
+use proto::api::{FaultEvent, FaultKind, PageInfo};
+use serde_json::{json, Value};
+use uffdctl::client::Client;
+
+/// A page beyond every page the tests' ops touch: sentinel touches.
+const SENTINEL: u64 = 1800;
+
+/// A trace listener on its own thread: every line it reads, in order.
+struct Listener {
+    lines: mpsc::Receiver<String>,
+    /// Set: the listener stops reading after its next line, until `go`.
+    pause: Arc<AtomicBool>,
+    go: Option<mpsc::Sender<()>>,
+}
+
+impl Listener {
+    /// Listen to `vm`'s trace.
+    fn start(s: &TestServer, vm: &str) -> Self {
+        let client = Client::new(s.api_sock());
+        let path = format!("/v1/vms/{vm}/faults?follow=true");
+        let (tx, lines) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let pause = Arc::new(AtomicBool::new(false));
+        let paused = pause.clone();
+        std::thread::spawn(move || {
+            let r = client.stream_lines(&path, |l| {
+                let sent = tx.send(l.to_owned()).is_ok();
+                if paused.swap(false, Ordering::SeqCst) {
+                    let _ = go_rx.recv();
+                }
+                sent
+            });
+            match r {
+                Ok(None) => {}
+                other => panic!("{path}: {other:?}"),
+            }
+        });
+        Listener {
+            lines,
+            pause,
+            go: Some(go_tx),
+        }
+    }
+
+    /// Stop reading after the next line.
+    fn pause(&self) {
+        self.pause.store(true, Ordering::SeqCst);
+    }
+
+    fn resume(&mut self) {
+        if let Some(go) = self.go.take() {
+            let _ = go.send(());
+        }
+    }
+
+    fn next(&self) -> String {
+        self.lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("no trace line within 30 s")
+    }
+
+    /// Touch sentinel pages of `vm` until the listener has seen one: from
+    /// then on it sees every fault. Returns the sentinel lines read.
+    fn sync(&self, s: &TestServer, vm: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for round in 0.. {
+            assert!(Instant::now() < deadline, "the listener never started");
+            let page = SENTINEL + round;
+            s.touch(vm, page, 1, false);
+            let wait = Instant::now() + Duration::from_millis(500);
+            while let Some(left) = wait.checked_duration_since(Instant::now()) {
+                match self.lines.recv_timeout(left) {
+                    Ok(l) => {
+                        let ev = event(&l);
+                        if ev.page == page {
+                            return;
+                        }
+                        // An earlier sentinel, seen late.
+                        assert!(ev.page >= SENTINEL && ev.page < page, "{l}");
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => break,
+                    Err(e) => panic!("listener gone: {e}"),
+                }
+            }
+        }
+    }
+}
+
+fn event(line: &str) -> FaultEvent {
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("not an event: {line}: {e}"))
+}
+
+fn now_ms() -> u64 {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("a clock after 1970");
+    d.as_secs() * 1000 + u64::from(d.subsec_millis())
+}
+
+fn fork(s: &TestServer, vm: &str) -> String {
+    let (st, v) = s.api("POST", &format!("/v1/vms/{vm}/fork"), None);
+    assert_eq!(st, 201, "{v}");
+    v["children"][0].as_str().expect("a child").to_owned()
+}
+
+#[test]
+fn fault_trace_streams_exactly_the_faults_of_known_guest_ops() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let a = s.create_vm(json!({"memory_mib": 8}));
+    // Without follow=true there is no trace to give: a 400 that says so.
+    let (st, body) = s.api("GET", &format!("/v1/vms/{a}/faults"), None);
+    assert_eq!(st, 400, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("follow=true"),
+        "{body}"
+    );
+
+    let listener = Listener::start(&s, &a);
+    listener.sync(&s, &a);
+
+    s.fill(&a, 10, 3, 1); // MISSING writes of never-touched pages
+    s.touch(&a, 20, 2, false); // MISSING reads
+    let b = fork(&s, &a);
+    s.fill(&a, 10, 1, 2); // WP: the pre-write page goes to the child
+    s.fill(&a, 30, 1, 3); // MISSING: nobody else reads page 30 from a
+
+    let mut got = Vec::new();
+    for _ in 0..7 {
+        let ev = event(&listener.next());
+        got.push((
+            ev.kind,
+            ev.page,
+            ev.write,
+            ev.source.clone().unwrap_or_default(),
+            ev.pages,
+        ));
+        assert_eq!(ev.vm, a);
+        assert!(ev.time_us > 0 && ev.service_us < 1_000_000, "{ev:?}");
+    }
+    let none = "uninitialized".to_owned();
+    use FaultKind::{Missing, Wp};
+    assert_eq!(
+        got,
+        vec![
+            (Missing, 10, true, none.clone(), 1),
+            (Missing, 11, true, none.clone(), 1),
+            (Missing, 12, true, none.clone(), 1),
+            (Missing, 20, false, none.clone(), 1),
+            (Missing, 21, false, none.clone(), 1),
+            (Wp, 10, true, a.clone(), 1),
+            (Missing, 30, true, none, 1),
+        ]
+    );
+    // Nothing else happened.
+    assert!(listener
+        .lines
+        .recv_timeout(Duration::from_millis(300))
+        .is_err());
+
+    // The CLI: only WP faults, and it stops after --limit of them.
+    let cli = std::thread::spawn({
+        let sock = s.api_sock();
+        let a = a.clone();
+        move || {
+            Command::new(bin("uffdctl"))
+                .arg("--socket")
+                .arg(sock)
+                .args(["trace", &a, "--kind", "wp", "--limit", "2"])
+                .output()
+                .expect("uffdctl runs")
+        }
+    });
+    // Its subscription is in place once a fault it would see has been
+    // traced for our listener too: keep writing fresh pages (MISSING, not
+    // shown by --kind wp) until the CLI's own listener exists, then two WP
+    // writes on pages present and protected since the fork.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !tap_count_at_least(&s, &a, 2) {
+        assert!(Instant::now() < deadline, "uffdctl trace never subscribed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    s.fill(&a, 11, 2, 4);
+    let out = cli.join().expect("cli thread");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    for (line, page) in lines.iter().zip([11, 12]) {
+        assert!(line.contains(&format!(" {a} wp ")), "{line}");
+        assert!(
+            line.contains(&format!("page {page:>8} write from {a}")),
+            "{line}"
+        );
+    }
+    drop(listener);
+    s.api("DELETE", &format!("/v1/vms/{b}"), None);
+}
+
+/// Whether `vm` has at least `n` trace listeners (read from `/metrics`).
+fn tap_count_at_least(s: &TestServer, vm: &str, n: u64) -> bool {
+    let (st, text) = s.api_raw("GET", "/metrics", b"");
+    assert_eq!(st, 200);
+    let name = format!("pagefork_vm_trace_listeners{{vm=\"{vm}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&name))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|v| v >= n)
+}
+
+#[test]
+fn a_slow_trace_reader_is_told_how_many_events_it_lost() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let a = s.create_vm(json!({"memory_mib": 128}));
+    let mut listener = Listener::start(&s, &a);
+    listener.sync(&s, &a);
+    listener.pause();
+    // The listener reads nothing while 24576 faults happen: far more than
+    // the trace buffers plus the socket can hold.
+    let pages = 24576;
+    let t = Instant::now();
+    s.touch(&a, 2048, pages, true);
+    eprintln!(
+        "{pages} faults with a stalled listener in {:?}",
+        t.elapsed()
+    );
+    listener.resume();
+    let (mut events, mut dropped) = (0u64, 0u64);
+    let mut last = 0;
+    while events + dropped < pages {
+        let line = listener.next();
+        let v: Value = serde_json::from_str(&line).expect("JSON");
+        if let Some(n) = v["dropped"].as_u64() {
+            dropped += n;
+            continue;
+        }
+        let ev = event(&line);
+        assert!(ev.page >= 2048 && ev.page < 2048 + pages, "{line}");
+        assert!(
+            ev.page > last,
+            "events out of order: {line} after page {last}"
+        );
+        last = ev.page;
+        events += 1;
+    }
+    assert_eq!(events + dropped, pages);
+    assert!(
+        dropped > 0,
+        "nothing was dropped: the test did not stall the reader"
+    );
+    assert!(events > 0);
+}
+
+fn explain(s: &TestServer, vm: &str, page: u64) -> Vec<Value> {
+    let (st, v) = s.api(
+        "GET",
+        &format!("/v1/vms/{vm}/pages/{page}?explain=true"),
+        None,
+    );
+    assert_eq!(st, 200, "{v}");
+    let info: PageInfo = serde_json::from_value(v.clone()).expect("a PageInfo");
+    assert!(info.explain.is_some(), "{v}");
+    v["explain"]["chain"].as_array().expect("a chain").clone()
+}
+
+/// A step as (at, present, installed event, installed from).
+fn step(v: &Value) -> (String, Option<bool>, Option<String>, Option<String>) {
+    (
+        v["at"].as_str().unwrap().to_owned(),
+        v["present"].as_bool(),
+        v["installed"]["event"].as_str().map(str::to_owned),
+        v["installed"]["from"].as_str().map(str::to_owned),
+    )
+}
+
+fn st(
+    at: &str,
+    present: Option<bool>,
+    ev: Option<&str>,
+    from: Option<&str>,
+) -> (String, Option<bool>, Option<String>, Option<String>) {
+    (
+        at.to_owned(),
+        present,
+        ev.map(str::to_owned),
+        from.map(str::to_owned),
+    )
+}
+
+#[test]
+fn explain_follows_a_page_through_a_fork_of_a_fork() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let t0 = now_ms();
+    let a = s.create_vm(json!({"memory_mib": 8}));
+    s.fill(&a, 10, 2, 1);
+    let b = fork(&s, &a);
+    let c = fork(&s, &b);
+    // Not in c, not in b: a holds it; a got it from a MISSING fault on a
+    // never-written page.
+    let chain = explain(&s, &c, 10);
+    let zero = st("zero", None, None, None);
+    assert_eq!(
+        chain.iter().map(step).collect::<Vec<_>>(),
+        vec![
+            st(&c, Some(false), None, None),
+            st(&a, Some(true), Some("missing"), Some("uninitialized")),
+            zero.clone(),
+        ]
+    );
+    let at = chain[1]["installed"]["time_ms"].as_u64().unwrap();
+    let now = now_ms();
+    assert!(at >= t0 && at <= now, "{at} not in {t0}..{now}");
+
+    // a writes page 10: the pre-write copy goes to b and c.
+    s.fill(&a, 10, 1, 2);
+    assert_eq!(
+        explain(&s, &c, 10).iter().map(step).collect::<Vec<_>>(),
+        vec![
+            st(&c, Some(true), Some("wp-copy"), Some(&a)),
+            st(&a, Some(true), Some("missing"), Some("uninitialized")),
+            zero.clone(),
+        ]
+    );
+    // A page nobody touched is zero, straight away.
+    assert_eq!(
+        explain(&s, &c, 40).iter().map(step).collect::<Vec<_>>(),
+        vec![st(&c, Some(false), None, None), zero.clone()]
+    );
+    // c's own write of page 11 (read from a until now).
+    s.fill(&c, 11, 1, 3);
+    assert_eq!(
+        explain(&s, &c, 11).iter().map(step).collect::<Vec<_>>(),
+        vec![
+            st(&c, Some(true), Some("missing"), Some(&a)),
+            st(&a, Some(true), Some("missing"), Some("uninitialized")),
+            zero,
+        ]
+    );
+    // The CLI prints the same chain.
+    let out = Command::new(bin("uffdctl"))
+        .arg("--socket")
+        .arg(s.api_sock())
+        .args(["page", &c, "10", "--explain"])
+        .output()
+        .expect("uffdctl runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], format!("{c} page 10:"), "{text}");
+    assert!(
+        lines[1].starts_with(&format!(
+            "  {c}: present, installed by wp-copy from {a} at "
+        )),
+        "{text}"
+    );
+    assert!(
+        lines[2].starts_with(&format!(
+            "  ← {a}: present, installed by missing from uninitialized at "
+        )),
+        "{text}"
+    );
+    assert_eq!(lines[3], "  ← zero", "{text}");
+    assert_eq!(lines.len(), 4, "{text}");
+}
+
+#[test]
+fn explain_names_the_snapshot_image_and_offset_after_a_restore() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let a = s.create_vm(json!({"memory_mib": 8}));
+    s.fill(&a, 10, 4, 7);
+    let (code, v) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/snapshots"),
+        Some(json!({"name": "ex1", "mode": "full"})),
+    );
+    assert_eq!(code, 201, "{v}");
+    let r = s.create_vm(json!({"from_snapshot": "ex1"}));
+    let image = s.state_dir().join("snapshots/ex1/memory.img");
+    let image = image.to_str().unwrap();
+    let chain = explain(&s, &r, 12);
+    assert_eq!(
+        chain.iter().map(step).collect::<Vec<_>>(),
+        vec![
+            st(&r, Some(false), None, None),
+            st("snapshot:ex1", None, None, None)
+        ]
+    );
+    assert_eq!(chain[1]["kind"], "image");
+    assert_eq!(chain[1]["file"].as_str(), Some(image), "{chain:?}");
+    assert_eq!(chain[1]["offset"], json!(12 * 4096));
+    // The guest reads page 12: installed from the image, its neighbours
+    // of the fault-around block with it.
+    assert_eq!(s.verify(&r, 12, 1, 7), 0);
+    let chain = explain(&s, &r, 12);
+    assert_eq!(
+        chain.iter().map(step).collect::<Vec<_>>(),
+        vec![
+            st(&r, Some(true), Some("missing"), Some("snapshot:ex1")),
+            st("snapshot:ex1", None, None, None),
+        ]
+    );
+    assert_eq!(chain[1]["file"].as_str(), Some(image));
+    assert_eq!(chain[1]["offset"], json!(12 * 4096));
+    let chain = explain(&s, &r, 13);
+    assert_eq!(
+        step(&chain[0]).2.as_deref(),
+        Some("fault-around"),
+        "{chain:?}"
+    );
+    assert_eq!(chain[1]["offset"], json!(13 * 4096));
+    // A page the snapshot holds as a hole is zero.
+    let chain = explain(&s, &r, 500);
+    assert_eq!(
+        chain.iter().map(step).collect::<Vec<_>>(),
+        vec![
+            st(&r, Some(false), None, None),
+            st("zero", None, None, None)
+        ]
+    );
+
+    // The access record: what r touched since its restore.
+    let (code, acc) = s.api("GET", &format!("/v1/vms/{r}/access"), None);
+    assert_eq!(code, 200, "{acc}");
+    assert_eq!(acc["touched"], json!(1), "{acc}");
+    assert_eq!(acc["extents"][0]["start_page"], json!(12));
+    assert_eq!(acc["extents"][0]["kind"], json!("missing"));
+}
