@@ -450,3 +450,324 @@ fn explain_names_the_snapshot_image_and_offset_after_a_restore() {
     assert_eq!(acc["extents"][0]["start_page"], json!(12));
     assert_eq!(acc["extents"][0]["kind"], json!("missing"));
 }
+
+/// A decoded PNG: width, RGB pixels and its layout chunk.
+struct Picture {
+    width: u32,
+    rgb: Vec<u8>,
+    layout: Value,
+}
+
+impl Picture {
+    fn decode(bytes: &[u8]) -> Self {
+        let mut dec = png::Decoder::new(bytes).read_info().expect("a PNG");
+        let mut rgb = vec![0; dec.output_buffer_size()];
+        let frame = dec.next_frame(&mut rgb).expect("a frame");
+        assert_eq!(frame.color_type, png::ColorType::Rgb);
+        rgb.truncate(frame.buffer_size());
+        let text = dec
+            .info()
+            .utf8_text
+            .iter()
+            .find(|t| t.keyword == "pagefork-layout")
+            .expect("the layout chunk")
+            .get_text()
+            .expect("layout text");
+        Picture {
+            width: frame.width,
+            rgb,
+            layout: serde_json::from_str(&text).expect("layout JSON"),
+        }
+    }
+
+    fn at(&self, x: u64, y: u64) -> [u8; 3] {
+        let i = usize::try_from((y * u64::from(self.width) + x) * 3).unwrap();
+        [self.rgb[i], self.rgb[i + 1], self.rgb[i + 2]]
+    }
+
+    /// The colour in the middle of cell `cell`.
+    fn cell(&self, cell: u64) -> [u8; 3] {
+        let l = &self.layout;
+        let n = |k: &str| l[k].as_u64().unwrap();
+        let (cols, pitch) = (n("cols"), n("pitch"));
+        self.at(
+            n("x0") + (cell % cols) * pitch + n("cell") / 2,
+            n("y0") + (cell / cols) * pitch + n("cell") / 2,
+        )
+    }
+}
+
+fn rgb(v: &Value) -> [u8; 3] {
+    let a = v.as_array().expect("rgb");
+    [0, 1, 2].map(|i| u8::try_from(a[i].as_u64().unwrap()).unwrap())
+}
+
+/// Each page's source, from `/sources`.
+fn page_sources(s: &TestServer, vm: &str) -> Vec<String> {
+    let (st, v) = s.api("GET", &format!("/v1/vms/{vm}/sources"), None);
+    assert_eq!(st, 200, "{v}");
+    let mut out = Vec::new();
+    for e in v["extents"].as_array().unwrap() {
+        for _ in 0..e["pages"].as_u64().unwrap() {
+            out.push(e["source"].as_str().unwrap().to_owned());
+        }
+    }
+    assert_eq!(out.len() as u64, v["pages"].as_u64().unwrap());
+    out
+}
+
+fn uffdctl(s: &TestServer, args: &[&str]) -> String {
+    let out = Command::new(bin("uffdctl"))
+        .arg("--socket")
+        .arg(s.api_sock())
+        .args(args)
+        .output()
+        .expect("uffdctl runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "uffdctl {args:?}: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[test]
+fn page_maps_show_each_page_in_its_sources_colour() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let a = s.create_vm(json!({"memory_mib": 8}));
+    s.fill(&a, 0, 300, 1);
+    let b = fork(&s, &a);
+    s.fill(&b, 100, 20, 2); // b's own copies of pages it read from a
+    s.touch(&b, 400, 10, false); // b's own zero pages
+    s.fill(&a, 0, 10, 3); // WP faults in a: pages 0..10 go to b first
+
+    let client = Client::new(s.api_sock());
+    for vm in [&a, &b] {
+        let sources = page_sources(&s, vm);
+        let (st, map) = s.api("GET", &format!("/v1/vms/{vm}/map"), None);
+        assert_eq!(st, 200, "{map}");
+        assert_eq!(map["group"], json!(1));
+        // The legend lists every source of the table, with its pages.
+        let (_, by) = s.api("GET", &format!("/v1/vms/{vm}/sources"), None);
+        let legend = map["legend"].as_array().unwrap();
+        let listed: std::collections::BTreeMap<String, u64> = legend
+            .iter()
+            .map(|l| {
+                (
+                    l["source"].as_str().unwrap().to_owned(),
+                    l["pages"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        let expected: std::collections::BTreeMap<String, u64> = by["by_source"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, n)| (k.clone(), n.as_u64().unwrap()))
+            .collect();
+        assert_eq!(listed, expected);
+        let colour = |src: &str, present: bool| {
+            let l = legend.iter().find(|l| l["source"] == src).expect(src);
+            rgb(&l[if present { "rgb" } else { "faded_rgb" }])
+        };
+
+        let (st, bytes) = client.get_bytes(&format!("/v1/vms/{vm}/map.png")).unwrap();
+        assert_eq!(st, 200);
+        if let Some(dir) = std::env::var_os("PAGEFORK_MAP_OUT") {
+            std::fs::write(std::path::Path::new(&dir).join(format!("{vm}.png")), &bytes).unwrap();
+        }
+        let pic = Picture::decode(&bytes);
+        assert_eq!(pic.layout["cells"], json!(2048));
+        // Every page's cell: its source's colour, bright where present (the
+        // VM's own memory), faded where not.
+        for (p, src) in sources.iter().enumerate() {
+            let present = src == vm;
+            assert_eq!(
+                pic.cell(p as u64),
+                colour(src, present),
+                "{vm} page {p} from {src}"
+            );
+        }
+        // The legend's swatches, one per source, in the same colours.
+        let swatches = pic.layout["legend"].as_array().unwrap();
+        assert_eq!(swatches.len(), listed.len());
+        for sw in swatches {
+            let src = sw["source"].as_str().unwrap();
+            let (x, y) = (sw["x"].as_u64().unwrap(), sw["y"].as_u64().unwrap());
+            let far = x + pic.layout["swatch"].as_u64().unwrap() + 4;
+            assert_eq!(pic.at(x + 2, y + 2), colour(src, true), "swatch of {src}");
+            assert_eq!(pic.at(far, y + 2), colour(src, false), "swatch of {src}");
+        }
+    }
+    // a's colour is the same in b's map as in its own.
+    let legend_rgb = |vm: &str, src: &str| {
+        let (_, m) = s.api("GET", &format!("/v1/vms/{vm}/map"), None);
+        let l = m["legend"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["source"] == src)
+            .cloned();
+        rgb(&l.expect(src)["rgb"])
+    };
+    assert_eq!(legend_rgb(&a, &a), legend_rgb(&b, &a));
+    assert_ne!(legend_rgb(&b, &a), legend_rgb(&b, &b));
+
+    // The terminal map (not a terminal here: letters), cell by cell.
+    let text = uffdctl(&s, &["map", &b]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], format!("{b}: 8 MiB, 2048 pages, 1 cell = 1 page"));
+    let grid = &lines[1..33];
+    let keys: std::collections::BTreeMap<char, String> = lines[33..]
+        .iter()
+        .filter_map(|l| {
+            let (key, rest) = l.split_once(' ')?;
+            let up = key.chars().next()?;
+            (key.len() == 3 && key.as_bytes()[1] == b'/')
+                .then(|| (up, rest.split(' ').next().unwrap().to_owned()))
+        })
+        .collect();
+    let sources = page_sources(&s, &b);
+    for (p, src) in sources.iter().enumerate() {
+        let c = grid[p / 64].as_bytes()[p % 64] as char;
+        assert_eq!(&keys[&c.to_ascii_uppercase()], src, "page {p}: {c}");
+        assert_eq!(c.is_ascii_uppercase(), src == &b, "page {p}: {c}");
+    }
+    assert!(!text.contains('\x1b'), "escape codes in plain output");
+
+    // -o saves the server's PNG.
+    let out = s.state_dir().join("..").join("b-map.png");
+    uffdctl(&s, &["map", &b, "-o", out.to_str().unwrap()]);
+    let saved = Picture::decode(&std::fs::read(&out).unwrap());
+    for p in [0u64, 105, 405, 1000] {
+        let src = &sources[usize::try_from(p).unwrap()];
+        let (_, m) = s.api("GET", &format!("/v1/vms/{b}/map"), None);
+        let l = m["legend"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| &l["source"] == src)
+            .cloned()
+            .unwrap();
+        let want = rgb(&l[if src == &b { "rgb" } else { "faded_rgb" }]);
+        assert_eq!(saved.cell(p), want, "page {p}");
+    }
+
+    // The tree: one strip of 64 cells (32 pages each) per VM, the child
+    // indented under its parent.
+    let text = uffdctl(&s, &["map", "--tree"]);
+    let lines: Vec<&str> = text.lines().collect();
+    let keys: std::collections::BTreeMap<String, char> = lines[2..]
+        .iter()
+        .filter_map(|l| {
+            let (key, src) = l.split_once(' ')?;
+            Some((src.to_owned(), key.chars().next()?))
+        })
+        .collect();
+    for (line, vm, indent) in [(lines[0], &a, ""), (lines[1], &b, "  ")] {
+        let name = format!("{indent}{vm}");
+        assert!(line.starts_with(&format!("{name} ")), "{line}");
+        let strip = line[name.len()..].trim_start().split(' ').next().unwrap();
+        assert_eq!(strip.len(), 64, "{line}");
+        let sources = page_sources(&s, vm);
+        for (cell, c) in strip.chars().enumerate() {
+            let mut count: std::collections::BTreeMap<&String, u64> = Default::default();
+            for src in &sources[cell * 32..cell * 32 + 32] {
+                *count.entry(src).or_default() += 1;
+            }
+            let most = count.values().max().copied().unwrap();
+            let winners: Vec<&&String> = count
+                .iter()
+                .filter(|(_, n)| **n == most)
+                .map(|(s, _)| s)
+                .collect();
+            assert_eq!(
+                winners.len(),
+                1,
+                "a tie in cell {cell} of {vm}: pick other pages"
+            );
+            assert_eq!(
+                c.to_ascii_uppercase(),
+                keys[winners[0].as_str()],
+                "{vm} cell {cell}"
+            );
+            assert_eq!(
+                c.is_ascii_uppercase(),
+                *winners[0] == vm,
+                "{vm} cell {cell}"
+            );
+        }
+    }
+}
+
+#[test]
+fn access_maps_count_the_faults_since_creation() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let a = s.create_vm(json!({"memory_mib": 8}));
+    s.touch(&a, 40, 30, false); // one MISSING fault each
+    let b = fork(&s, &a);
+    s.fill(&a, 40, 10, 1); // a WP fault each on 40..50: two faults there
+    s.fill(&a, 200, 4, 2); // MISSING writes
+
+    let (st, acc) = s.api("GET", &format!("/v1/vms/{a}/access"), None);
+    assert_eq!(st, 200, "{acc}");
+    assert_eq!(acc["touched"], json!(34));
+    let ext: Vec<(u64, u64, String, u64)> = acc["extents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["start_page"].as_u64().unwrap(),
+                e["pages"].as_u64().unwrap(),
+                e["kind"].as_str().unwrap().to_owned(),
+                e["faults"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ext,
+        vec![
+            (40, 30, "missing".to_owned(), 40),
+            (200, 4, "missing".to_owned(), 4)
+        ]
+    );
+    // b's record began at the fork: it touched nothing yet.
+    let (_, acc_b) = s.api("GET", &format!("/v1/vms/{b}/access"), None);
+    assert_eq!(acc_b["touched"], json!(0), "{acc_b}");
+
+    let client = Client::new(s.api_sock());
+    let (st, bytes) = client
+        .get_bytes(&format!("/v1/vms/{a}/access.png"))
+        .unwrap();
+    assert_eq!(st, 200);
+    if let Some(dir) = std::env::var_os("PAGEFORK_MAP_OUT") {
+        std::fs::write(
+            std::path::Path::new(&dir).join(format!("{a}-access.png")),
+            &bytes,
+        )
+        .unwrap();
+    }
+    let pic = Picture::decode(&bytes);
+    let legend = pic.layout["legend"].as_array().unwrap();
+    let level = |i: usize| rgb(&legend[i]["rgb"]);
+    for p in 0..2048u64 {
+        let want = match p {
+            40..=49 => level(2),
+            50..=69 | 200..=203 => level(1),
+            _ => level(0),
+        };
+        assert_eq!(pic.cell(p), want, "page {p}");
+    }
+    for (i, sw) in legend.iter().enumerate() {
+        let (x, y) = (sw["x"].as_u64().unwrap(), sw["y"].as_u64().unwrap());
+        assert_eq!(pic.at(x + 2, y + 2), level(i));
+    }
+}

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffdctl::cli::{demo, firecracker, inspect, observe, snapshot, vm, volume};
+use uffdctl::cli::{demo, firecracker, inspect, map, observe, snapshot, vm, volume};
 use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -66,6 +66,18 @@ enum Cmd {
     },
     /// The fork tree and what each VM reads from its ancestors.
     Tree,
+    /// Where a VM's pages come from, as a picture: in the terminal, as a
+    /// PNG (-o), or the whole fork tree as strips (--tree).
+    Map {
+        /// The VM (not with --tree).
+        id: Option<String>,
+        /// Save the server's PNG here instead.
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Every VM of the fork tree, one strip each.
+        #[arg(long)]
+        tree: bool,
+    },
     /// Start a server in a temporary directory and show a VM, a fork, a snapshot.
     Demo(demo::DemoArgs),
     /// Call any API route: uffdctl api GET /v1/vms ['{"json": 1}'].
@@ -110,6 +122,14 @@ fn main() -> ExitCode {
         }
         Cmd::Trace { id, kind, limit } => observe::trace(&client, &id, kind, limit, args.json),
         Cmd::Tree => inspect::tree(&client, args.json),
+        Cmd::Map { id, out, tree } => match (id, out, tree) {
+            (None, None, true) => map::tree(&client, args.json),
+            (Some(id), Some(out), false) => map::save_png(&client, &id, &out),
+            (Some(id), None, false) => map::show(&client, &id, args.json),
+            _ => Err(uffdctl::CliError::Usage(
+                "use: uffdctl map VM [-o FILE] | uffdctl map --tree".into(),
+            )),
+        },
         Cmd::Api { method, path, body } => {
             let body = match body.map(|b| serde_json::from_str(&b)) {
                 Some(Ok(v)) => Some(v),

@@ -194,3 +194,53 @@ pub struct AccessQuery {
     /// record's start.
     pub within_ms: Option<u64>,
 }
+
+/// `GET /v1/vms/{id}/map`: the VM's page-source table as a grid of cells
+/// (what `map.png` draws): one cell per `group` pages, coloured by the
+/// source most of its pages read from, present if most of them are in the
+/// VM's own memory (the kernel's view of its memfd).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PageMap {
+    pub id: String,
+    pub pages: u64,
+    pub memory_bytes: u64,
+    /// Pages per cell (a power of two).
+    pub group: u64,
+    /// When the map was read: milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// Every source the VM's table names, in drawing order.
+    pub legend: Vec<MapLegend>,
+    /// Per cell: the index of its source in `legend`.
+    pub cells: Vec<u16>,
+    /// Per cell: whether its pages are present.
+    pub present: Vec<bool>,
+}
+
+/// One source of a map.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct MapLegend {
+    /// `uninitialized`, `vm-N`, `snapshot:NAME`, `file:/path`.
+    pub source: String,
+    /// `uninitialized`, `vm`, `image`, `file`.
+    pub kind: String,
+    /// The VM's own memory (`vm-N` is the VM itself).
+    pub own: bool,
+    /// Pages of the VM that read from it.
+    pub pages: u64,
+    /// Its colour: the same source has the same colour in every VM's map.
+    pub rgb: [u8; 3],
+    /// Its colour where the pages are not present.
+    pub faded_rgb: [u8; 3],
+}
+
+/// Query of `GET /v1/vms/{id}/map` and `map.png`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::IntoParams))]
+#[cfg_attr(feature = "openapi", into_params(parameter_in = Query))]
+pub struct MapQuery {
+    /// Cells at most (default 16384, at least 1); pages are grouped by
+    /// the smallest power of two that fits.
+    pub cells: Option<u64>,
+}

@@ -3,6 +3,9 @@
 //! ```text
 //! GET /v1/vms/{id}/faults?follow=true[&kind=wp][&limit=N]   NDJSON, live
 //! GET /v1/vms/{id}/access[?within_ms=N]                      JSON extents
+//! GET /v1/vms/{id}/access.png[?cells=N]                      heat map
+//! GET /v1/vms/{id}/map[?cells=N]                             JSON cells
+//! GET /v1/vms/{id}/map.png[?cells=N]                         page-source map
 //! ```
 //!
 //! The trace is a stream (`application/x-ndjson`): one [`FaultEvent`]
@@ -20,7 +23,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use proto::api::{AccessQuery, FaultKind, TraceDropped, TraceQuery};
+use proto::api::{AccessQuery, FaultKind, MapQuery, TraceDropped, TraceQuery};
 use tokio::sync::broadcast::error::RecvError;
 
 use super::{call, vm_id, ApiResult};
@@ -35,6 +38,9 @@ pub fn routes() -> Router<CoreHandle> {
     Router::new()
         .route("/v1/vms/{id}/faults", get(faults))
         .route("/v1/vms/{id}/access", get(access))
+        .route("/v1/vms/{id}/access.png", get(access_png))
+        .route("/v1/vms/{id}/map", get(map))
+        .route("/v1/vms/{id}/map.png", get(map_png))
 }
 
 /// A query string, or a 400 that says what is wrong with it.
@@ -119,4 +125,76 @@ pub(super) async fn access(
     let id = vm_id(&id)?;
     let q = query(q)?;
     call(&core, CommandKind::Access(id, q), StatusCode::OK).await
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/map",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), MapQuery),
+    responses(
+        (status = 200, description = "the page-source table as cells, with its legend", body = proto::api::PageMap),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn map(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<MapQuery>, QueryRejection>,
+) -> ApiResult {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    call(&core, CommandKind::Map(id, q), StatusCode::OK).await
+}
+
+/// A PNG the core drew.
+async fn png(core: &CoreHandle, kind: CommandKind) -> Result<Response, Error> {
+    let Answer::Png(bytes) = core.call(kind).await? else {
+        return Err(Error::ShuttingDown);
+    };
+    Ok(([(header::CONTENT_TYPE, "image/png")], bytes).into_response())
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/map.png",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), MapQuery),
+    responses(
+        (status = 200, description = "the page-source map: one cell per page or group of pages, \
+         coloured by source, faded where not present, with a legend; its layout as JSON in the \
+         iTXt chunk pagefork-layout", body = Vec<u8>, content_type = "image/png"),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn map_png(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<MapQuery>, QueryRejection>,
+) -> Result<Response, Error> {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    png(&core, CommandKind::MapPng(id, q)).await
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/access.png",
+    params(("id" = String, description = "a VM id (vm-N)"), MapQuery),
+    responses(
+        (status = 200, description = "faults per page since the access record began, as a heat \
+         map; its layout as JSON in the iTXt chunk pagefork-layout", body = Vec<u8>,
+         content_type = "image/png"),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn access_png(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<MapQuery>, QueryRejection>,
+) -> Result<Response, Error> {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    png(&core, CommandKind::AccessPng(id, q)).await
 }

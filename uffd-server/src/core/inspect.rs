@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use proto::api::{
-    AccessMap, AccessQuery, ExplainStep, Installed, Invariant, PageExplain, PageInfo, SourceExtent,
-    Sources, Tree, TreeNode, Violation,
+    AccessMap, AccessQuery, ExplainStep, Installed, Invariant, MapLegend, MapQuery, PageExplain,
+    PageInfo, PageMap, SourceExtent, Sources, Tree, TreeNode, Violation,
 };
 use shared::VmId;
 
@@ -255,6 +255,90 @@ impl Core {
             table_says_present: src == v.self_src,
             explain: explain.then(|| reg.explain(id, page)),
         })
+    }
+
+    /// `GET /v1/vms/{id}/map`: the table as cells (see `observe/map.rs`).
+    pub(super) fn page_map(&self, id: VmId, q: &MapQuery) -> Result<PageMap> {
+        use crate::observe::map;
+        let reg = self.reg.borrow();
+        let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
+        let pages = v.table.pages();
+        // The legend: own memory first, then by source id (creation order).
+        let mut ids: Vec<SourceId> = v.table.counts().keys().copied().collect();
+        ids.sort_by_key(|s| (*s != v.self_src, *s));
+        let legend: Vec<MapLegend> = ids
+            .iter()
+            .map(|src| {
+                let (source, kind) = reg.arena.get(*src).map_or_else(
+                    || (format!("source-{src}"), "unknown"),
+                    |s| (s.describe(), s.kind()),
+                );
+                let rgb = map::colour(kind, &source);
+                MapLegend {
+                    rgb,
+                    faded_rgb: map::faded(rgb),
+                    source,
+                    kind: kind.to_owned(),
+                    own: *src == v.self_src,
+                    pages: v.table.count_of(*src),
+                }
+            })
+            .collect();
+        let mut present = vec![false; shared::geometry::usize_of(pages)];
+        let ranges = match v.memory {
+            Some(m) => m.present_ranges(),
+            None => v.table.ranges_of(v.self_src),
+        };
+        for (start, n) in ranges {
+            for p in start..(start + n).min(pages) {
+                present[shared::geometry::usize_of(p)] = true;
+            }
+        }
+        let index = |src: SourceId| {
+            ids.iter()
+                .position(|s| *s == src)
+                .and_then(|i| u16::try_from(i).ok())
+                .unwrap_or(u16::MAX)
+        };
+        let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
+        let per_page = (0..pages).map(|p| {
+            (
+                index(v.table.get(p)),
+                present[shared::geometry::usize_of(p)],
+            )
+        });
+        let (cells, present) = map::group(per_page, legend.len(), group);
+        Ok(PageMap {
+            id: id.to_string(),
+            pages,
+            memory_bytes: pages * shared::PAGE_SIZE,
+            group,
+            time_ms: crate::observe::trace::unix_us() / 1000,
+            legend,
+            cells,
+            present,
+        })
+    }
+
+    /// `GET /v1/vms/{id}/access.png`: the PNG of faults per cell.
+    pub(super) fn access_png(&self, id: VmId, q: &MapQuery) -> Result<Vec<u8>> {
+        use crate::observe::map;
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+        let pages = v.log.pages();
+        let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
+        let per_page: Vec<u64> = v.log.fault_counts().collect();
+        let counts: Vec<u64> = per_page
+            .chunks(shared::geometry::usize_of(group))
+            .map(|c| c.iter().sum())
+            .collect();
+        Ok(map::heat_png(
+            &id.to_string(),
+            pages,
+            v.log.since_unix_ms(),
+            &counts,
+            group,
+        ))
     }
 
     /// `GET /v1/vms/{id}/access`.

@@ -258,6 +258,10 @@ pub enum Answer {
     #[serde(skip)]
     Trace(Box<crate::observe::trace::Subscription>),
     Access(api::AccessMap),
+    Map(Box<api::PageMap>),
+    /// A picture (PNG bytes, sent as they are).
+    #[serde(skip)]
+    Png(Vec<u8>),
     /// The server is stopping.
     Stopped,
 }
@@ -278,6 +282,9 @@ pub enum CommandKind {
     Page(VmId, u64, bool),
     Faults(VmId),
     Access(VmId, api::AccessQuery),
+    Map(VmId, api::MapQuery),
+    MapPng(VmId, api::MapQuery),
+    AccessPng(VmId, api::MapQuery),
     Tree,
     CheckInvariant,
     Metrics,
@@ -387,6 +394,11 @@ impl Core {
             CommandKind::Page(id, page, explain) => Answer::Page(self.page(id, page, explain)?),
             CommandKind::Faults(id) => Answer::Trace(Box::new(self.subscribe_faults(id)?)),
             CommandKind::Access(id, q) => Answer::Access(self.access(id, &q)?),
+            CommandKind::Map(id, q) => Answer::Map(Box::new(self.page_map(id, &q)?)),
+            CommandKind::MapPng(id, q) => {
+                Answer::Png(crate::observe::map::source_png(&self.page_map(id, &q)?))
+            }
+            CommandKind::AccessPng(id, q) => Answer::Png(self.access_png(id, &q)?),
             CommandKind::Tree => Answer::Tree(self.tree()),
             CommandKind::CheckInvariant => Answer::Invariant(self.check_invariant()),
             CommandKind::AddFcListener(req) => Answer::Listener(self.add_fc_listener(req)?),

@@ -9,5 +9,6 @@
 //! state when a client asks.
 
 pub mod access;
+pub mod map;
 pub mod metrics;
 pub mod trace;

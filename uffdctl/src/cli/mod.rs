@@ -4,6 +4,7 @@
 pub mod demo;
 pub mod firecracker;
 pub mod inspect;
+pub mod map;
 pub mod observe;
 pub mod snapshot;
 pub mod table;
