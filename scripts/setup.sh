@@ -2,7 +2,8 @@
 # Install what building and testing pagefork needs on a fresh Debian machine:
 # libclang (userfaultfd-sys runs bindgen at build time), xfsprogs (the
 # reflink volume tests use a loop-mounted XFS), prometheus (its promtool
-# checks /metrics), and schemathesis from PyPI
+# checks /metrics), tmux (a real terminal for the `uffdctl top` test), and
+# schemathesis from PyPI
 # in a venv (the API-schema test; PAGEFORK_VENV, default
 # /var/tmp/pagefork-venv). Idempotent; root needed only when a Debian
 # package is missing.
@@ -13,6 +14,7 @@ dpkg -s libclang-dev >/dev/null 2>&1 || missing+=(libclang-dev)
 command -v mkfs.xfs >/dev/null 2>&1 || missing+=(xfsprogs)
 command -v losetup >/dev/null 2>&1 || missing+=(mount)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus) # promtool checks /metrics
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)             # the terminal of the `uffdctl top` test
 
 if [ "${#missing[@]}" -gt 0 ]; then
 	echo "setup: installing ${missing[*]}" >&2

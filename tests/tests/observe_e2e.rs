@@ -770,4 +770,193 @@ fn access_maps_count_the_faults_since_creation() {
         let (x, y) = (sw["x"].as_u64().unwrap(), sw["y"].as_u64().unwrap());
         assert_eq!(pic.at(x + 2, y + 2), level(i));
     }
+
+    // The CLI: the same extents; --reset begins the record again.
+    let text = uffdctl(&s, &["access", &a, "--reset"]);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with(&format!("{a}: 34 of 2048 pages faulted since ")),
+        "{text}"
+    );
+    let rows: Vec<Vec<&str>> = lines[2..4]
+        .iter()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows[0][..3], ["40..70", "30", "missing"], "{text}");
+    assert_eq!(rows[0][4], "40", "{text}");
+    assert_eq!(rows[1][..3], ["200..204", "4", "missing"], "{text}");
+    assert_eq!(lines[4], format!("{a}: access record begins again now"));
+    s.touch(&a, 300, 2, false);
+    let (_, acc) = s.api("GET", &format!("/v1/vms/{a}/access"), None);
+    assert_eq!(acc["touched"], json!(2), "{acc}");
+    assert_eq!(acc["extents"][0]["start_page"], json!(300));
+}
+
+/// A private tmux server (its own socket), killed when dropped.
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    /// None (skip) when tmux is missing, unless `CI=true`.
+    fn new() -> Option<Self> {
+        match Command::new("tmux").arg("-V").output() {
+            Ok(o) if o.status.success() => Some(Tmux {
+                socket: format!("pagefork-top-{}", std::process::id()),
+            }),
+            _ if std::env::var("CI").as_deref() == Ok("true") => {
+                panic!("CI=true but tmux is missing: run scripts/setup.sh")
+            }
+            _ => {
+                eprintln!("skipping: tmux is not installed (scripts/setup.sh installs it)");
+                None
+            }
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        Command::new("tmux")
+            .args(["-L", &self.socket])
+            .args(args)
+            .output()
+            .expect("tmux runs")
+    }
+
+    fn screen(&self) -> String {
+        String::from_utf8_lossy(&self.run(&["capture-pane", "-p", "-t", "top"]).stdout).into_owned()
+    }
+
+    fn alive(&self) -> bool {
+        self.run(&["has-session", "-t", "top"]).status.success()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+    }
+}
+
+/// The cells of `vm`'s row on a `top` screen.
+fn top_row(screen: &str, vm: &str) -> Option<Vec<String>> {
+    screen.lines().find_map(|l| {
+        let cells: Vec<String> = l
+            .replace('│', " ")
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        (cells.first().map(String::as_str) == Some(vm)).then_some(cells)
+    })
+}
+
+/// Wait until `ok` holds for the screen; returns that screen.
+fn screen_until(t: &Tmux, what: &str, ok: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let screen = t.screen();
+        if ok(&screen) {
+            return screen;
+        }
+        assert!(Instant::now() < deadline, "{what}; the screen:\n{screen}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn top_shows_each_vms_faults_live_in_a_real_terminal() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let Some(t) = Tmux::new() else { return };
+    let s = TestServer::start();
+    let idle = s.create_vm(json!({"memory_mib": 8}));
+    let busy = s.create_vm(json!({"memory_mib": 64}));
+    s.touch(&idle, 0, 5, false);
+    let cmd = format!(
+        "{} --socket {} top --interval 0.5",
+        bin("uffdctl").display(),
+        s.api_sock().display()
+    );
+    let out = t.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "150",
+        "-y",
+        "30",
+        &cmd,
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    // Column indexes of a row: VM STATE MISS/s WP/s REM/s INST/s COPY/s
+    // RESIDENT P50us P99us FAULTS.
+    let (miss_s, inst_s, resident, faults) = (2, 5, 7, 10);
+    let num = |row: &[String], i: usize| row[i].parse::<u64>().unwrap_or(u64::MAX);
+
+    // A known workload: the busy VM writes fresh pages, 256 per op, for
+    // as long as it takes top to show it; the idle one does nothing.
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let mut start = 0;
+            while !stop.load(Ordering::SeqCst) && start + 256 <= 16384 {
+                s.fill(&busy, start, 256, 1);
+                start += 256;
+            }
+        });
+        let screen = screen_until(&t, "the busy VM never showed faults/s", |sc| {
+            top_row(sc, &busy).is_some_and(|r| {
+                let (m, i) = (num(&r, miss_s), num(&r, inst_s));
+                m > 0 && m != u64::MAX && i >= m
+            })
+        });
+        stop.store(true, Ordering::SeqCst);
+        let idle_row = top_row(&screen, &idle).expect("the idle VM is listed");
+        assert_eq!(&idle_row[2..7], ["0", "0", "0", "0", "0"], "{screen}");
+        assert!(screen.contains("pagefork top"), "{screen}");
+        assert!(screen.contains("2 VMs"), "{screen}");
+    });
+    // Once the workload is over: no more faults/s, and every total equals
+    // the VM's own counters.
+    let counters = |id: &str| {
+        let v = s.vm(id);
+        let f = &v["faults"];
+        let n = |k: &str| f[k].as_u64().unwrap();
+        (
+            n("missing") + n("write_protect") + n("removes"),
+            v["resident_pages"].as_u64().unwrap(),
+        )
+    };
+    let (busy_faults, busy_resident) = counters(&busy);
+    let (idle_faults, idle_resident) = counters(&idle);
+    assert_eq!(idle_faults, 5);
+    let screen = screen_until(&t, "top never settled on the final counters", |sc| {
+        let (Some(b), Some(i)) = (top_row(sc, &busy), top_row(sc, &idle)) else {
+            return false;
+        };
+        num(&b, miss_s) == 0
+            && num(&b, faults) == busy_faults
+            && num(&b, resident) == busy_resident
+            && num(&i, faults) == idle_faults
+            && num(&i, resident) == idle_resident
+    });
+    // Sorted by faults/s with both idle: by id, the idle VM (created
+    // first) on top. `r` sorts by resident pages: the busy VM on top.
+    let busy_first = |sc: &str| {
+        let at = |id: &str| sc.lines().position(|l| top_row(l, id).is_some());
+        at(&busy) < at(&idle)
+    };
+    assert!(!busy_first(&screen), "{screen}");
+    assert!(busy_resident > idle_resident);
+    t.run(&["send-keys", "-t", "top", "r"]);
+    screen_until(&t, "r did not sort by resident", |sc| {
+        sc.contains("sorted by resident") && busy_first(sc)
+    });
+    t.run(&["send-keys", "-t", "top", "q"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while t.alive() {
+        assert!(Instant::now() < deadline, "q did not quit top");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

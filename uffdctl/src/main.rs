@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffdctl::cli::{demo, firecracker, inspect, map, observe, snapshot, vm, volume};
+use uffdctl::cli::{demo, firecracker, inspect, map, observe, snapshot, top, vm, volume};
 use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -53,6 +53,25 @@ enum Cmd {
         /// and offset (or zero), when and how the page was installed.
         #[arg(long)]
         explain: bool,
+    },
+    /// Which pages a VM faulted on since its creation, restore or reset.
+    Access {
+        id: String,
+        /// Only pages first faulted within this many ms of the start.
+        #[arg(long)]
+        within_ms: Option<u64>,
+        /// Save the heat map PNG here instead.
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Begin the record again (after showing it).
+        #[arg(long)]
+        reset: bool,
+    },
+    /// Every VM's fault rates, live, in a full-screen view (q quits).
+    Top {
+        /// Seconds between refreshes.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
     },
     /// A VM's faults as they happen (NDJSON with --json).
     Trace {
@@ -118,6 +137,32 @@ fn main() -> ExitCode {
                 observe::explain(&client, &id, page, args.json)
             } else {
                 inspect::page(&client, &id, page, args.json)
+            }
+        }
+        Cmd::Access {
+            id,
+            within_ms,
+            out,
+            reset,
+        } => {
+            let a = observe::AccessArgs {
+                within_ms,
+                out,
+                reset,
+            };
+            observe::access(&client, &id, &a, args.json)
+        }
+        Cmd::Top { interval } => {
+            if interval.is_finite() && interval >= 0.1 {
+                top::run(
+                    &client,
+                    std::time::Duration::from_secs_f64(interval),
+                    top::Sort::Faults,
+                )
+            } else {
+                Err(uffdctl::CliError::Usage(
+                    "--interval must be at least 0.1 seconds".into(),
+                ))
             }
         }
         Cmd::Trace { id, kind, limit } => observe::trace(&client, &id, kind, limit, args.json),

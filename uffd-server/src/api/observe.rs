@@ -3,6 +3,7 @@
 //! ```text
 //! GET /v1/vms/{id}/faults?follow=true[&kind=wp][&limit=N]   NDJSON, live
 //! GET /v1/vms/{id}/access[?within_ms=N]                      JSON extents
+//! DELETE /v1/vms/{id}/access                                 begin it again
 //! GET /v1/vms/{id}/access.png[?cells=N]                      heat map
 //! GET /v1/vms/{id}/map[?cells=N]                             JSON cells
 //! GET /v1/vms/{id}/map.png[?cells=N]                         page-source map
@@ -37,7 +38,7 @@ pub const NDJSON: &str = "application/x-ndjson";
 pub fn routes() -> Router<CoreHandle> {
     Router::new()
         .route("/v1/vms/{id}/faults", get(faults))
-        .route("/v1/vms/{id}/access", get(access))
+        .route("/v1/vms/{id}/access", get(access).delete(reset_access))
         .route("/v1/vms/{id}/access.png", get(access_png))
         .route("/v1/vms/{id}/map", get(map))
         .route("/v1/vms/{id}/map.png", get(map_png))
@@ -197,4 +198,22 @@ pub(super) async fn access_png(
     let id = vm_id(&id)?;
     let q = query(q)?;
     png(&core, CommandKind::AccessPng(id, q)).await
+}
+
+#[utoipa::path(
+    delete,
+    path = "/v1/vms/{id}/access",
+    params(("id" = String, description = "a VM id (vm-N)")),
+    responses(
+        (status = 200, description = "the access record begins again now (install records stay)", body = proto::api::AccessMap),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn reset_access(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+) -> ApiResult {
+    let id = vm_id(&id)?;
+    call(&core, CommandKind::ResetAccess(id), StatusCode::OK).await
 }

@@ -367,6 +367,9 @@ impl Registry {
             given += 1;
         }
         self.installed += given;
+        if let Some(v) = self.vms.get_mut(&vm) {
+            v.stats.wp_copies += given;
+        }
         given
     }
 

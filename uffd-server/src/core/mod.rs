@@ -282,6 +282,7 @@ pub enum CommandKind {
     Page(VmId, u64, bool),
     Faults(VmId),
     Access(VmId, api::AccessQuery),
+    ResetAccess(VmId),
     Map(VmId, api::MapQuery),
     MapPng(VmId, api::MapQuery),
     AccessPng(VmId, api::MapQuery),
@@ -394,6 +395,12 @@ impl Core {
             CommandKind::Page(id, page, explain) => Answer::Page(self.page(id, page, explain)?),
             CommandKind::Faults(id) => Answer::Trace(Box::new(self.subscribe_faults(id)?)),
             CommandKind::Access(id, q) => Answer::Access(self.access(id, &q)?),
+            CommandKind::ResetAccess(id) => {
+                if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+                    v.log.reset_access();
+                }
+                Answer::Access(self.access(id, &api::AccessQuery::default())?)
+            }
             CommandKind::Map(id, q) => Answer::Map(Box::new(self.page_map(id, &q)?)),
             CommandKind::MapPng(id, q) => {
                 Answer::Png(crate::observe::map::source_png(&self.page_map(id, &q)?))
@@ -762,6 +769,7 @@ async fn serve_faults(
         }
         let mut vmm_gone = false;
         let mut failed = None;
+        let mut service = [0u64; vm::SERVICE_BUCKETS];
         {
             let mut reg = core.reg.borrow_mut();
             for ev in events {
@@ -781,8 +789,14 @@ async fn serve_faults(
                 }
                 let took = t0.elapsed();
                 core.fault_seconds.observe(took.as_secs_f64());
+                service[vm::service_bucket(took)] += 1;
                 if let Some(b) = begun {
                     tap.send(reg.trace_end(b, took));
+                }
+            }
+            if let Some(v) = reg.vms.get_mut(&vm) {
+                for (a, b) in v.stats.service_us_log2.iter_mut().zip(service) {
+                    *a += b;
                 }
             }
             reg.collect_garbage();

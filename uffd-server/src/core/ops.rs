@@ -48,6 +48,8 @@ impl Core {
                     removes: v.stats.removes,
                     deferred: v.stats.deferred,
                     fault_around_kib: super::fault_around_kib(v.fault_around_pages),
+                    wp_copies: v.stats.wp_copies,
+                    service_us_log2: v.stats.service_us_log2.to_vec(),
                 },
             });
         }
@@ -76,6 +78,8 @@ impl Core {
                 removes: v.stats.removes,
                 deferred: v.stats.deferred,
                 fault_around_kib: super::fault_around_kib(v.fault_around_pages),
+                wp_copies: v.stats.wp_copies,
+                service_us_log2: v.stats.service_us_log2.to_vec(),
             },
         })
     }

@@ -79,7 +79,7 @@ pub fn render(sample: &Sample) -> String {
     let mut reg = Registry::with_prefix("pagefork");
 
     // Per-VM and server-wide counters of the fault engine.
-    let kinds: [StatCounter; 5] = [
+    let kinds: [StatCounter; 6] = [
         ("faults_missing", "MISSING faults resolved", |s| s.missing),
         (
             "faults_write_protect",
@@ -95,6 +95,11 @@ pub fn render(sample: &Sample) -> String {
         ("installs_deferred", "installs deferred by EAGAIN", |s| {
             s.deferred
         }),
+        (
+            "wp_copies",
+            "pre-write copies given to the VMs reading a page before its writer changed it",
+            |s| s.wp_copies,
+        ),
     ];
     for (name, help, get) in kinds {
         let per_vm = Family::<Labels, Counter>::default();
@@ -191,6 +196,7 @@ mod tests {
             pages_installed: 40,
             removes: 1,
             deferred: 0,
+            ..FaultStats::default()
         };
         let h = fault_histogram();
         h.observe(3e-6);

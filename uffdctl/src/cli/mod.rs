@@ -8,6 +8,7 @@ pub mod map;
 pub mod observe;
 pub mod snapshot;
 pub mod table;
+pub mod top;
 pub mod vm;
 pub mod volume;
 

@@ -122,3 +122,79 @@ fn clock_ms(ms: u64) -> String {
         ms % 1000
     )
 }
+
+/// What `uffdctl access` does.
+#[derive(Debug, Clone, Default)]
+pub struct AccessArgs {
+    /// Only pages first faulted within this many ms of the record's start.
+    pub within_ms: Option<u64>,
+    /// Save the heat map PNG here instead of printing.
+    pub out: Option<std::path::PathBuf>,
+    /// Begin the record again (after printing it).
+    pub reset: bool,
+}
+
+/// `uffdctl access VM [--within-ms N] [-o FILE] [--reset]`: what the VM
+/// touched since its record began.
+pub fn access(client: &Client, id: &str, args: &AccessArgs, as_json: bool) -> Result<()> {
+    if let Some(out) = &args.out {
+        let (status, bytes) = client.get_bytes(&format!("/v1/vms/{id}/access.png"))?;
+        if !(200..300).contains(&status) {
+            let message = serde_json::from_slice::<proto::api::ErrorBody>(&bytes)
+                .map(|e| e.error)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned());
+            return Err(CliError::Api { status, message });
+        }
+        std::fs::write(out, &bytes).map_err(|source| CliError::Local {
+            what: format!("write {}", out.display()),
+            source,
+        })?;
+        println!("{id}: access map written to {}", out.display());
+    } else {
+        let path = match args.within_ms {
+            Some(ms) => format!("/v1/vms/{id}/access?within_ms={ms}"),
+            None => format!("/v1/vms/{id}/access"),
+        };
+        let v = call(client, "GET", &path, None)?;
+        if as_json {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        } else {
+            let map: proto::api::AccessMap =
+                serde_json::from_value(v).map_err(|e| CliError::Answer(e.to_string()))?;
+            print_access(&map, args.within_ms);
+        }
+    }
+    if args.reset {
+        call(client, "DELETE", &format!("/v1/vms/{id}/access"), None)?;
+        println!("{id}: access record begins again now");
+    }
+    Ok(())
+}
+
+fn print_access(map: &proto::api::AccessMap, within_ms: Option<u64>) {
+    println!(
+        "{}: {} of {} pages faulted{} since {}",
+        map.id,
+        map.touched,
+        map.pages,
+        within_ms.map_or(String::new(), |ms| format!(" in the first {ms} ms")),
+        clock_ms(map.since_ms)
+    );
+    let rows: Vec<Vec<String>> = map
+        .extents
+        .iter()
+        .map(|e| {
+            vec![
+                format!("{}..{}", e.start_page, e.start_page + e.pages),
+                e.pages.to_string(),
+                e.kind.name().to_owned(),
+                format!("{}..{}", e.first_ms, e.last_ms),
+                e.faults.to_string(),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        super::table::render(&["PAGES", "COUNT", "FIRST FAULT", "AT MS", "FAULTS"], &rows)
+    );
+}
