@@ -78,6 +78,7 @@ impl Plan {
                     .collect();
                 k.push("lazy.touch.readahead".into());
                 k.push("lazy.touch.warm".into());
+                k.push("lazy.touch.observed".into());
                 k.push("lazy.wall.fa64".into());
                 k
             }

@@ -180,6 +180,14 @@ pub struct FaultCounters {
     #[serde(default)]
     pub frame_waits: u64,
     pub fault_around_kib: u64,
+    /// Pre-write copies this VM's writes gave to the VMs reading from it.
+    #[serde(default)]
+    pub wp_copies: u64,
+    /// uffd events by the time the server spent on them: entry i counts
+    /// those served in [2^i, 2^(i+1)) µs (entry 0 also under 1 µs, the
+    /// last everything longer).
+    #[serde(default)]
+    pub service_us_log2: Vec<u64>,
 }
 
 /// `POST /v1/vms/{id}/exec` body: one guest agent op, named by `op`.

@@ -112,7 +112,10 @@ impl Core {
             .map_or(0, |v| v.memory.pages());
         let mut p = 0;
         while p < pages {
-            let result = self.reg.borrow_mut().materialize(id, p);
+            let result =
+                self.reg
+                    .borrow_mut()
+                    .materialize(id, p, crate::observe::access::By::Prefetch);
             match result {
                 Ok((first, n)) => p = p.max(first + n),
                 Err(crate::pages::ResolveError::NotDecoded { image, frames }) => {

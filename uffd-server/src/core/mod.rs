@@ -16,6 +16,7 @@ mod ops;
 pub(crate) mod ratelimit;
 mod rollback;
 mod snapshot;
+mod trace;
 pub mod vm;
 
 use std::cell::RefCell;
@@ -202,6 +203,9 @@ pub struct Registry {
     next_listener: u32,
     /// Fault counters of VMs that are gone (for server-wide totals).
     pub retired: vm::FaultStats,
+    /// Pages the fault engine installed in any VM, ever (the trace reads
+    /// what one event installed from it).
+    pub installed: u64,
 }
 
 /// The core's state.
@@ -257,6 +261,14 @@ pub enum Answer {
     /// Counters for `/metrics` (rendered as text by the API, never JSON).
     #[serde(skip)]
     Metrics(Box<crate::observe::metrics::Sample>),
+    /// A listener of a VM's fault trace (streamed as NDJSON by the API).
+    #[serde(skip)]
+    Trace(Box<crate::observe::trace::Subscription>),
+    Access(api::AccessMap),
+    Map(Box<api::PageMap>),
+    /// A picture (PNG bytes, sent as they are).
+    #[serde(skip)]
+    Png(Vec<u8>),
     /// The server is stopping.
     Stopped,
 }
@@ -273,7 +285,14 @@ pub enum CommandKind {
     Exec(VmId, proto::api::ExecRequest),
     Fork(VmId, proto::api::ForkRequest),
     Sources(VmId),
-    Page(VmId, u64),
+    /// A page; with `true`, its whole chain.
+    Page(VmId, u64, bool),
+    Faults(VmId),
+    Access(VmId, api::AccessQuery),
+    ResetAccess(VmId),
+    Map(VmId, api::MapQuery),
+    MapPng(VmId, api::MapQuery),
+    AccessPng(VmId, api::MapQuery),
     Tree,
     CheckInvariant,
     Metrics,
@@ -382,7 +401,20 @@ impl Core {
             CommandKind::Exec(id, req) => Answer::Exec(self.exec(id, req).await?),
             CommandKind::Fork(id, req) => Answer::Fork(self.fork(id, req.count).await?),
             CommandKind::Sources(id) => Answer::Sources(self.sources(id)?),
-            CommandKind::Page(id, page) => Answer::Page(self.page(id, page)?),
+            CommandKind::Page(id, page, explain) => Answer::Page(self.page(id, page, explain)?),
+            CommandKind::Faults(id) => Answer::Trace(Box::new(self.subscribe_faults(id)?)),
+            CommandKind::Access(id, q) => Answer::Access(self.access(id, &q)?),
+            CommandKind::ResetAccess(id) => {
+                if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+                    v.log.reset_access();
+                }
+                Answer::Access(self.access(id, &api::AccessQuery::default())?)
+            }
+            CommandKind::Map(id, q) => Answer::Map(Box::new(self.page_map(id, &q)?)),
+            CommandKind::MapPng(id, q) => {
+                Answer::Png(crate::observe::map::source_png(&self.page_map(id, &q)?))
+            }
+            CommandKind::AccessPng(id, q) => Answer::Png(self.access_png(id, &q)?),
             CommandKind::Tree => Answer::Tree(self.tree()),
             CommandKind::CheckInvariant => Answer::Invariant(self.check_invariant()),
             CommandKind::AddFcListener(req) => Answer::Listener(self.add_fc_listener(req)?),
@@ -564,7 +596,13 @@ impl Core {
             }
             v.vmm_base = bases[0];
             v.uffd = Some(afd.clone());
-            tokio::task::spawn_local(serve_faults(self.clone(), vm, afd, v.closed.clone()));
+            tokio::task::spawn_local(serve_faults(
+                self.clone(),
+                vm,
+                afd,
+                v.closed.clone(),
+                v.tap.clone(),
+            ));
         }
     }
 
@@ -602,6 +640,7 @@ impl Core {
         }
         v.uffd = None;
         v.closed.notify_one();
+        v.tap.close();
         // A VM that failed tells its waiting requests why, not just that
         // its VMM went away.
         let why = v.failure.clone();
@@ -700,6 +739,7 @@ async fn serve_faults(
     vm: VmId,
     uffd: Rc<AsyncFd<Uffd>>,
     closed: Rc<tokio::sync::Notify>,
+    tap: Rc<crate::observe::trace::Tap>,
 ) {
     let mut buf = EventBuffer::new(64);
     // Faults parked on frames being decoded come back here when ready.
@@ -746,15 +786,31 @@ async fn serve_faults(
             continue;
         }
         let mut outcomes = Vec::with_capacity(events.len());
+        let mut service = [0u64; vm::SERVICE_BUCKETS];
         {
             let mut reg = core.reg.borrow_mut();
             for ev in events {
                 let t0 = std::time::Instant::now();
+                // The trace's one cost while nobody listens: `active()`.
+                let begun = match &ev {
+                    Ok(e) if tap.active() => reg.trace_begin(vm, e),
+                    _ => None,
+                };
                 match ev {
                     Ok(ev) => outcomes.push(reg.handle_event(vm, ev)),
                     Err(e) => warn!("{vm}: bad uffd event: {e}"),
                 }
-                core.fault_seconds.observe(t0.elapsed().as_secs_f64());
+                let took = t0.elapsed();
+                core.fault_seconds.observe(took.as_secs_f64());
+                service[vm::service_bucket(took)] += 1;
+                if let Some(b) = begun {
+                    tap.send(reg.trace_end(b, took));
+                }
+            }
+            if let Some(v) = reg.vms.get_mut(&vm) {
+                for (a, b) in v.stats.service_us_log2.iter_mut().zip(service) {
+                    *a += b;
+                }
             }
             reg.collect_garbage();
         }

@@ -49,6 +49,8 @@ impl Core {
                     deferred: v.stats.deferred,
                     frame_waits: v.stats.frame_waits,
                     fault_around_kib: super::fault_around_kib(v.fault_around_pages),
+                    wp_copies: v.stats.wp_copies,
+                    service_us_log2: v.stats.service_us_log2.to_vec(),
                 },
                 snapshot_saving: None,
             });
@@ -79,6 +81,8 @@ impl Core {
                 deferred: v.stats.deferred,
                 frame_waits: v.stats.frame_waits,
                 fault_around_kib: super::fault_around_kib(v.fault_around_pages),
+                wp_copies: v.stats.wp_copies,
+                service_us_log2: v.stats.service_us_log2.to_vec(),
             },
             snapshot_saving: v.saving.as_ref().map(|s| {
                 let s = s.borrow();

@@ -102,6 +102,16 @@ impl ZstdImage {
         r
     }
 
+    /// Where frame `frame`'s compressed data starts in the file (`None`
+    /// for a zero frame, which has none).
+    pub fn frame_offset(&self, frame: u64) -> Option<u64> {
+        usize::try_from(frame)
+            .ok()
+            .and_then(|i| self.image.entries().get(i))
+            .filter(|e| !e.zero)
+            .map(|e| e.offset)
+    }
+
     /// Size, ratio and frame counts.
     pub fn stats(&self) -> zst::Stats {
         self.image.stats()

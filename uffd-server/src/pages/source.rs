@@ -125,11 +125,27 @@ impl PageSource {
     }
 }
 
+/// What is remembered of a released source, for page histories (a page
+/// installed from an image keeps saying so after the image is closed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retired {
+    /// [`PageSource::describe`].
+    pub name: String,
+    /// [`PageSource::kind`].
+    pub kind: &'static str,
+    /// The image file's path, for `File`, `Image` and `Zstd`.
+    pub path: Option<PathBuf>,
+}
+
+/// Released sources remembered at most (the most recent ones).
+const RETIRED_KEPT: usize = 4096;
+
 /// All sources the server knows, by id.
 #[derive(Debug)]
 pub struct SourceArena {
     slots: Vec<Option<Rc<PageSource>>>,
     vm_ids: HashMap<VmId, SourceId>,
+    retired: std::collections::BTreeMap<SourceId, Retired>,
 }
 
 impl Default for SourceArena {
@@ -144,6 +160,7 @@ impl SourceArena {
         SourceArena {
             slots: vec![Some(Rc::new(PageSource::Uninitialized))],
             vm_ids: HashMap::new(),
+            retired: std::collections::BTreeMap::new(),
         }
     }
 
@@ -210,8 +227,27 @@ impl SourceArena {
                     PageSource::Zstd(z) => z.image.release_cache(),
                     _ => {}
                 }
+                self.retired.insert(
+                    id,
+                    Retired {
+                        name: src.describe(),
+                        kind: src.kind(),
+                        path: src
+                            .file()
+                            .map(|f| f.path.clone())
+                            .or_else(|| src.zstd().map(|z| z.path.clone())),
+                    },
+                );
+                if self.retired.len() > RETIRED_KEPT {
+                    self.retired.pop_first();
+                }
             }
         }
+    }
+
+    /// What is remembered of a released source.
+    pub fn retired(&self, id: SourceId) -> Option<&Retired> {
+        self.retired.get(&id)
     }
 }
 

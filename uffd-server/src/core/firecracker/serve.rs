@@ -49,7 +49,9 @@ fn handle_batch(
     for addr in again.into_iter().chain(faults) {
         let t0 = std::time::Instant::now();
         let resolved = v.resolve(&reg.arena, addr, record);
-        core.fault_seconds.observe(t0.elapsed().as_secs_f64());
+        let took = t0.elapsed();
+        core.fault_seconds.observe(took.as_secs_f64());
+        v.stats.service_us_log2[crate::core::vm::service_bucket(took)] += 1;
         match resolved {
             Resolved::Ok => {}
             Resolved::Again => {
