@@ -139,6 +139,27 @@ fn a_vm_restored_from_a_compressed_snapshot_reads_its_memory() {
     let restored = s.create_vm(json!({ "from_snapshot": "z1" }));
     let v = s.vm(&restored);
     assert!(pages_by(&v, "zstd") > 0, "served from memory.zst: {v}");
+    // Where an untouched page's bytes are: the compressed snapshot, which
+    // frame, and where that frame starts in memory.zst.
+    let page = 9100;
+    let (st, e) = s.api(
+        "GET",
+        &format!("/v1/vms/{restored}/pages/{page}?explain=true"),
+        None,
+    );
+    assert_eq!(st, 200, "{e}");
+    let chain = e["explain"]["chain"].as_array().expect("a chain");
+    let last = chain.last().expect("a step");
+    assert_eq!(last["kind"], "zstd", "{e}");
+    assert_eq!(last["at"], "snapshot:z1 (zstd)", "{e}");
+    assert_eq!(last["frame"], page / 64, "256 KiB frames: {e}");
+    assert_eq!(last["file"], zpath.display().to_string(), "{e}");
+    let img = zst::Image::open(&zpath).expect("memory.zst");
+    assert_eq!(
+        last["offset"].as_u64(),
+        Some(img.entries()[usize::try_from(page / 64).unwrap()].offset),
+        "{e}"
+    );
     let (_, src) = s.api("GET", &format!("/v1/vms/{restored}/sources"), None);
     assert!(
         src["by_source"].get("snapshot:z1 (zstd)").is_some(),
