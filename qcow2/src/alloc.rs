@@ -131,7 +131,7 @@ impl<'a, S: StorageMut> Meta<'a, S> {
     }
 
     fn load_rb(&mut self, off: u64) -> Result<()> {
-        if off % self.cs != 0 {
+        if !off.is_multiple_of(self.cs) {
             return Err(Error::Invalid(format!(
                 "a refcount block at {off:#x} is not cluster aligned"
             )));
@@ -351,13 +351,13 @@ impl<'a, S: StorageMut> Meta<'a, S> {
     pub fn snapshot_refcount_pass(&mut self, l1: &mut [u64], addend: i8) -> Result<bool> {
         let mut modified = false;
         let (up, down) = (addend > 0, addend < 0);
-        for i in 0..l1.len() {
-            let l1e = l1[i];
+        for (i, slot) in l1.iter_mut().enumerate() {
+            let l1e = *slot;
             if l1e == 0 {
                 continue;
             }
             let l2_off = l1e & l2::L1_OFFSET_MASK;
-            if l2_off == 0 || l2_off % self.cs != 0 {
+            if l2_off == 0 || !l2_off.is_multiple_of(self.cs) {
                 return Err(Error::Invalid(format!(
                     "L1 entry {i} ({l1e:#x}) has no valid L2 table offset"
                 )));
@@ -375,7 +375,7 @@ impl<'a, S: StorageMut> Meta<'a, S> {
                     }
                     Kind::Normal | Kind::ZeroAlloc => {
                         let off = e & l2::L2_OFFSET_MASK;
-                        if off % self.cs != 0 {
+                        if !off.is_multiple_of(self.cs) {
                             return Err(Error::Invalid(format!(
                                 "a data cluster at {off:#x} is not cluster aligned"
                             )));
@@ -400,7 +400,7 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             let rc = self.get_refcount(l2_off >> self.cb)?;
             let new = l2_off | if rc == 1 { l2::COPIED } else { 0 };
             if new != l1e {
-                l1[i] = new;
+                *slot = new;
                 modified = true;
             }
         }

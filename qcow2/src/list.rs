@@ -78,7 +78,7 @@ pub fn format(snaps: &[Snapshot]) -> String {
         let icount = if s.icount == u64::MAX {
             String::from("--")
         } else {
-            (s.icount as i64).to_string()
+            s.icount.cast_signed().to_string()
         };
         out += &row([
             &s.id_str(),

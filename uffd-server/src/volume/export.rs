@@ -205,7 +205,7 @@ fn write_export(
     let mut copy = |d: u32, host: u64| -> io::Result<()> {
         let (k, at, len) = sources[d as usize];
         let src = &files[k];
-        if len % 4096 == 0 && ffi::ficlonerange(out, host, src, at, len).is_ok() {
+        if len.is_multiple_of(4096) && ffi::ficlonerange(out, host, src, at, len).is_ok() {
             return Ok(());
         }
         #[allow(clippy::cast_possible_truncation)] // len <= CS

@@ -244,7 +244,7 @@ fn write_state(
                         out.punch(at, len)?;
                     }
                 }
-                Mapping::Data { host } if host % 4096 == 0 && len % 4096 == 0 => {
+                Mapping::Data { host } if host.is_multiple_of(4096) && len.is_multiple_of(4096) => {
                     if ffi::ficlonerange(out, at, src, host, len).is_err() {
                         copy(img, m, out, at, len, &mut buf)?;
                     }
