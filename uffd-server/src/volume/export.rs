@@ -79,6 +79,11 @@ impl VolumeEngine {
         let (Some(parent), Some(file_name)) = (path.parent(), path.file_name()) else {
             return Err(bad("the path names no file"));
         };
+        // A suffix guard: the server writes where a client says, so a
+        // stray or fuzzed path must not name an arbitrary file.
+        if path.extension().is_none_or(|e| e != "qcow2") {
+            return Err(bad("the file name must end in .qcow2"));
+        }
         if !parent.is_dir() {
             return Err(bad("its directory does not exist"));
         }
