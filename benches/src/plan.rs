@@ -117,17 +117,21 @@ impl Plan {
                 );
                 k
             }
+            "qcow2_interchange" => ["import", "export", "snapshot_create"]
+                .map(|m| format!("qcow2.{m}"))
+                .to_vec(),
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 5] = [
+pub const BENCHES: [&str; 6] = [
     "lazy_restore",
     "fork",
     "volume_snapshot",
     "vm_snapshot",
+    "qcow2_interchange",
     "fc_restore",
 ];
 
