@@ -513,3 +513,37 @@ fn reader_sees_what_qemu_sees_in_every_snapshot() {
         }
     }
 }
+
+#[test]
+fn snapshot_extra_data_over_1024_bytes_is_refused_as_qemu_refuses_it() {
+    if !have_qemu() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("extra.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", p(&path), "1M"]);
+    run("qemu-img", &["snapshot", "-c", "a", p(&path)]);
+    // Grow the entry's extra data to 1100 bytes (zeroes past the 24 known).
+    let mut b = std::fs::read(&path).expect("read");
+    let off = usize::try_from(u64::from_be_bytes(b[64..72].try_into().expect("8 bytes")))
+        .expect("offset");
+    let names = usize::from(u16::from_be_bytes([b[off + 12], b[off + 13]]))
+        + usize::from(u16::from_be_bytes([b[off + 14], b[off + 15]]));
+    let tail = b[off + 64..off + 64 + names].to_vec();
+    b.truncate(off + 64);
+    b[off + 36..off + 40].copy_from_slice(&1100u32.to_be_bytes());
+    b.resize(off + 40 + 1100, 0);
+    b.extend_from_slice(&tail);
+    std::fs::write(&path, &b).expect("write");
+    let qemu = Command::new("qemu-img")
+        .args(["snapshot", "-l", p(&path)])
+        .output()
+        .expect("qemu-img");
+    assert!(!qemu.status.success(), "qemu-img opened it");
+    assert!(String::from_utf8_lossy(&qemu.stderr).contains("Too much extra metadata"));
+    let e = ops::list(&File::open(&path).expect("open")).unwrap_err();
+    assert!(
+        matches!(&e, Error::Invalid(m) if m.contains("extra data")),
+        "{e}"
+    );
+}

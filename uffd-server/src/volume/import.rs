@@ -218,12 +218,16 @@ fn write_state(
     while vc < clusters {
         let l1i = usize::try_from(vc / per_l2).unwrap_or(usize::MAX);
         let range_end = ((vc / per_l2) + 1) * per_l2;
-        if let Some((pl1, psize)) = prev {
-            let same = |t: &[u64]| t.get(l1i).map(|e| e & L1_OFFSET_MASK);
-            if same(l1) == same(pl1) && range_end.min(clusters) * cs <= psize {
-                vc = range_end;
-                continue;
-            }
+        let l2_of = |t: &[u64]| t.get(l1i).map_or(0, |e| e & L1_OFFSET_MASK);
+        let skip = match prev {
+            // Same L2 table: same mappings, already in the clone.
+            Some((pl1, psize)) => l2_of(l1) == l2_of(pl1) && range_end.min(clusters) * cs <= psize,
+            // No L2 table in a fresh sparse file: zeroes already.
+            None => l2_of(l1) == 0,
+        };
+        if skip {
+            vc = range_end;
+            continue;
         }
         let end = range_end.min(clusters);
         while vc < end {
