@@ -547,3 +547,64 @@ fn snapshot_extra_data_over_1024_bytes_is_refused_as_qemu_refuses_it() {
         "{e}"
     );
 }
+
+fn reftable_offset(path: &Path) -> u64 {
+    let b = std::fs::read(path).expect("read");
+    u64::from_be_bytes(b[48..56].try_into().expect("8 bytes"))
+}
+
+#[test]
+fn matches_qemu_when_a_snapshot_create_grows_the_refcount_table() {
+    // 512-byte clusters with 64-bit refcounts: the first table cluster
+    // covers 4096 clusters (2 MiB). Fill the file to exactly 2 MiB with
+    // qemu-io, so the snapshot's first allocation needs a larger table.
+    if !have_qemu() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let qemu = dir.path().join("qemu.qcow2");
+    let ours = dir.path().join("ours.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=512,refcount_bits=64",
+            p(&qemu),
+            "4M",
+        ],
+    );
+    let edge = 2 * MIB;
+    let len = |f: &Path| std::fs::metadata(f).expect("stat").len();
+    let mut guest = 0u64;
+    while len(&qemu) < edge {
+        let step = ((edge - len(&qemu)) / 2 / 512).max(1) * 512;
+        qemu_io(&qemu, &[format!("write -P 7 {guest} {step}")]);
+        guest += step;
+    }
+    assert_eq!(
+        len(&qemu),
+        edge,
+        "qemu-io overshot the table's reach; adjust the fill"
+    );
+    let before = reftable_offset(&qemu);
+    std::fs::copy(&qemu, &ours).expect("copy");
+    run("qemu-img", &["snapshot", "-c", "grow", p(&qemu)]);
+    ops::create(&rw(&ours), "grow", last_date(&qemu), &mut ops::no_hook).expect("create");
+    assert_ne!(
+        reftable_offset(&ours),
+        before,
+        "the create did not grow the refcount table"
+    );
+    assert_same_file(&qemu, &ours, "create growing the refcount table");
+    // And the next operations on the grown image still match.
+    run("qemu-img", &["snapshot", "-c", "next", p(&qemu)]);
+    ops::create(&rw(&ours), "next", last_date(&qemu), &mut ops::no_hook).expect("create");
+    assert_same_file(&qemu, &ours, "create after the growth");
+    run("qemu-img", &["snapshot", "-d", "grow", p(&qemu)]);
+    ops::delete(&rw(&ours), "grow", &mut ops::no_hook).expect("delete");
+    assert_same_file(&qemu, &ours, "delete after the growth");
+}
