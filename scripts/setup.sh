@@ -3,7 +3,8 @@
 # libclang (userfaultfd-sys runs bindgen at build time), xfsprogs (the
 # reflink volume tests use a loop-mounted XFS), prometheus (its promtool
 # checks /metrics), qemu-utils (qemu-img and qemu-io: the oracle of the qcow2
-# tests), and schemathesis from PyPI
+# tests), tmux (a real terminal for the `uffdctl top` test), and
+# schemathesis from PyPI
 # in a venv (the API-schema test; PAGEFORK_VENV, default
 # /var/tmp/pagefork-venv). Idempotent; root needed only when a Debian
 # package is missing.
@@ -15,6 +16,7 @@ command -v mkfs.xfs >/dev/null 2>&1 || missing+=(xfsprogs)
 command -v losetup >/dev/null 2>&1 || missing+=(mount)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus) # promtool checks /metrics
 command -v qemu-img >/dev/null 2>&1 && command -v qemu-io >/dev/null 2>&1 || missing+=(qemu-utils) # qcow2 differential tests
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)             # the terminal of the `uffdctl top` test
 
 if [ "${#missing[@]}" -gt 0 ]; then
 	echo "setup: installing ${missing[*]}" >&2

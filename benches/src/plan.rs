@@ -78,6 +78,7 @@ impl Plan {
                     .collect();
                 k.push("lazy.touch.readahead".into());
                 k.push("lazy.touch.warm".into());
+                k.push("lazy.touch.observed".into());
                 k.push("lazy.wall.fa64".into());
                 k
             }
@@ -120,19 +121,28 @@ impl Plan {
             "qcow2_interchange" => ["import", "export", "snapshot_create"]
                 .map(|m| format!("qcow2.{m}"))
                 .to_vec(),
+            "zstd_image" => {
+                let mut k: Vec<String> = [4, 64, 256, 2048]
+                    .iter()
+                    .map(|f| format!("zst.restore.{f}"))
+                    .collect();
+                k.extend(["zst.restore.prefetch", "zst.fc", "zst.others"].map(String::from));
+                k
+            }
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 6] = [
+pub const BENCHES: [&str; 7] = [
     "lazy_restore",
     "fork",
     "volume_snapshot",
     "vm_snapshot",
     "qcow2_interchange",
     "fc_restore",
+    "zstd_image",
 ];
 
 #[cfg(test)]

@@ -511,6 +511,52 @@ impl RandomImage {
     }
 }
 
+/// Guest memory that compresses like real memory does, not 1000:1: the
+/// bytes of the system's shared libraries and binaries, with runs of zero
+/// pages (about a third, some whole frames) and a zero tail.
+pub fn realistic_memory(mib: u64) -> Vec<u8> {
+    let len = usize::try_from(mib << 20).expect("fits");
+    let mut mem = Vec::with_capacity(len);
+    let mut dirs = vec![
+        PathBuf::from("/usr/lib/x86_64-linux-gnu"),
+        PathBuf::from("/usr/bin"),
+    ];
+    while mem.len() < len {
+        let Some(dir) = dirs.pop() else {
+            // Not enough files: pad with a seeded pattern.
+            let n = mem.len();
+            mem.extend((n..len).map(|i| u8::try_from(i * 7 % 251).unwrap_or(0)));
+            break;
+        };
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        files.sort();
+        for f in files {
+            if mem.len() >= len {
+                break;
+            }
+            if f.is_file() {
+                if let Ok(b) = std::fs::read(&f) {
+                    mem.extend_from_slice(&b[..b.len().min(len - mem.len())]);
+                }
+            }
+        }
+    }
+    mem.truncate(len);
+    // Zero runs: 12 of every 32 pages, and the last 100 pages.
+    let pages = len / PAGE_BYTES;
+    for p in 0..pages {
+        if p % 32 >= 20 || p >= pages - 100 {
+            mem[p * PAGE_BYTES..(p + 1) * PAGE_BYTES].fill(0);
+        }
+    }
+    mem
+}
+
+const PAGE_BYTES: usize = 4096;
+
 /// Pages in `mib` MiB.
 pub fn pages_of(mib: u64) -> u64 {
     (mib << 20) / PAGE_SIZE

@@ -77,6 +77,7 @@ fn metrics_match_the_vm_counters_and_pass_promtool() {
             ("faults_write_protect", "write_protect"),
             ("pages_installed", "pages_installed"),
             ("remove_events", "removes"),
+            ("wp_copies", "wp_copies"),
         ] {
             let name = format!("pagefork_vm_{metric}_total{{vm=\"{id}\",kind=\"pagefork\"}}");
             assert_eq!(
@@ -98,6 +99,14 @@ fn metrics_match_the_vm_counters_and_pass_promtool() {
         .unwrap()
             >= 50,
         "the parent's writes were WP faults"
+    );
+    assert_eq!(
+        series(
+            &text,
+            &format!("pagefork_vm_wp_copies_total{{vm=\"{a}\",kind=\"pagefork\"}}")
+        ),
+        Some(100),
+        "each of the parent's 50 writes gave its page to both children"
     );
     // The deleted VM is gone from the per-VM series but not from the
     // totals. (Its own scrape-time counters were read before its delete;

@@ -159,10 +159,13 @@ fn the_live_api_matches_its_openapi_document() {
     let config = s.state_dir().join("..").join("schemathesis.toml");
     let mut f = std::fs::File::create(&config).expect("cannot write the config");
     // Path parameters aim at the objects made above; 507 is the documented
-    // answer of admission control (the server runs with --max-vms 12).
+    // answer of admission control (the server runs with --max-vms 12). The
+    // fault trace with follow=true streams until the client hangs up, so
+    // here it is asked without (its stream has its own tests).
     write!(
         f,
-        "[parameters]\n\"path.id\" = \"{vm}\"\n\"path.name\" = \"v1\"\n\"path.page\" = 3\n\n\
+        "[parameters]\n\"path.id\" = \"{vm}\"\n\"path.name\" = \"v1\"\n\"path.page\" = 3\n\
+         \"query.follow\" = false\n\n\
          [checks.not_a_server_error]\nexpected-statuses = [\"2XX\", \"4XX\", \"507\"]\n"
     )
     .expect("cannot write the config");

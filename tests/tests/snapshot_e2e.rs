@@ -723,3 +723,137 @@ fn snapshots_of_forked_and_restored_vms_survive_their_parents() {
     let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
     assert_eq!(inv["ok"], true, "{inv}");
 }
+
+/// While a snapshot saves its pages (the guest running again), the VM
+/// shows how far it got: what `uffdctl snapshot create` draws its progress
+/// bar from.
+#[test]
+fn a_snapshot_saving_shows_its_progress_on_the_vm() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let mib = 256;
+    let vm = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&vm, 0, pages_of(mib), 5);
+    let seen = std::thread::scope(|sc| {
+        let post = sc.spawn(|| {
+            s.api(
+                "POST",
+                &format!("/v1/vms/{vm}/snapshots"),
+                Some(json!({"name": "progress"})),
+            )
+        });
+        let mut seen = Vec::new();
+        while !post.is_finished() {
+            if let Some(p) = s.vm(&vm).get("snapshot_saving").cloned() {
+                seen.push(p);
+            }
+        }
+        let (st, r) = post.join().expect("POST thread");
+        assert_eq!(st, 201, "{r}");
+        seen
+    });
+    eprintln!("{} progress samples while saving", seen.len());
+    let first = seen
+        .first()
+        .expect("no progress was shown while the snapshot saved");
+    assert_eq!(first["name"], "progress", "{first}");
+    assert_eq!(first["pages_total"], pages_of(mib), "{first}");
+    let saved: Vec<u64> = seen
+        .iter()
+        .map(|p| p["pages_saved"].as_u64().expect("pages_saved"))
+        .collect();
+    assert!(saved.windows(2).all(|w| w[0] <= w[1]), "{saved:?}");
+    assert!(saved.iter().all(|n| *n <= pages_of(mib)), "{saved:?}");
+    assert!(
+        s.vm(&vm).get("snapshot_saving").is_none(),
+        "progress stays after the snapshot committed"
+    );
+}
+
+/// A dirty snapshot written in many small runs over its parent's reflinked
+/// image is fragmented; past `--snapshot-rewrite-extents` the server
+/// rewrites it sequentially in the background: far fewer extents, the same
+/// bytes, and the snapshot restores exactly throughout.
+#[test]
+fn a_fragmented_image_is_rewritten_in_the_background() {
+    let Some(s) = server_on_xfs(&["--snapshot-rewrite-extents", "64"]) else {
+        return;
+    };
+    let vm = s.create_vm(json!({ "memory_mib": MIB }));
+    s.fill(&vm, 0, 4000, 1);
+    snapshot(&s, &vm, "frag-base", "full");
+    for i in 0..200 {
+        s.fill(&vm, i * 20, 1, 2);
+    }
+    let want = all_ram_digest(&s, &vm);
+    let r = snapshot(&s, &vm, "frag", "dirty");
+    assert_eq!(r["mode_used"], "dirty", "{r}");
+    let written = r["image_extents"].as_u64().expect("image_extents");
+    assert!(written > 64, "the dirty image is not fragmented: {r}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let now = loop {
+        let (_, info) = s.api("GET", "/v1/snapshots/frag", None);
+        let n = info["image_extents"].as_u64().expect("image_extents");
+        if n < written / 4 {
+            break n;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still {n} extents (written with {written}): {info}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    eprintln!("dirty image: {written} extents written, {now} after the rewrite");
+    let restored = restore(&s, "frag");
+    assert_eq!(
+        all_ram_digest(&s, &restored),
+        want,
+        "rewritten image differs"
+    );
+    // The rewrite keeps the checksums: a restarted server verifies it.
+    let mut s = s;
+    s.restart(&["--snapshot-rewrite-extents", "64"]);
+    let (_, list) = s.api("GET", "/v1/snapshots", None);
+    assert!(
+        list["quarantined"].as_array().is_none_or(|q| q.is_empty()),
+        "{list}"
+    );
+    let again = restore(&s, "frag");
+    assert_eq!(all_ram_digest(&s, &again), want);
+}
+
+/// A crash after a VM snapshot's volume snapshot (`<name>.disk`, taken in
+/// the pause) but before the snapshot committed leaves `.tmp-<name>/` and
+/// the volume snapshot: the restarted server removes both, and nothing
+/// else.
+#[test]
+fn an_unfinished_snapshots_volume_snapshot_is_removed_at_start() {
+    let Some(mut s) = server_on_xfs(&[]) else {
+        return;
+    };
+    let (st, v) = s.api(
+        "POST",
+        "/v1/volumes",
+        Some(json!({"name": "v1", "size_mib": 16})),
+    );
+    assert_eq!(st, 201, "{v}");
+    for name in ["orph.disk", "keep.disk", "keep"] {
+        let (st, v) = s.api(
+            "POST",
+            "/v1/volumes/v1/snapshots",
+            Some(json!({ "name": name })),
+        );
+        assert_eq!(st, 201, "{name}: {v}");
+    }
+    // What the crash leaves: the unfinished snapshot's directory.
+    let tmp = s.state_dir().join("snapshots/.tmp-orph");
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::write(tmp.join("memory.img"), b"partial").unwrap();
+    s.restart(&[]);
+    assert!(!tmp.exists(), "the unfinished directory stays");
+    let (st, v) = s.api("GET", "/v1/volume-snapshots/orph.disk", None);
+    assert_eq!(st, 404, "the orphan volume snapshot stays: {v}");
+    for name in ["keep.disk", "keep"] {
+        let (st, v) = s.api("GET", &format!("/v1/volume-snapshots/{name}"), None);
+        assert_eq!(st, 200, "{name} was removed: {v}");
+    }
+}

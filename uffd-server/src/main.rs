@@ -37,6 +37,17 @@ struct Args {
     /// it for later VMs of the same listener.
     #[arg(long)]
     working_set: bool,
+    /// Rewrite a snapshot image sequentially, in the background, when it
+    /// has more extents than this (a long chain of dirty snapshots on
+    /// reflinks fragments; FICLONE and reads cost per extent). 0 = never.
+    #[arg(long, default_value_t = 4096)]
+    snapshot_rewrite_extents: u64,
+    /// Threads decoding frames of compressed (zstd) images.
+    #[arg(long, default_value_t = 2)]
+    zstd_workers: usize,
+    /// Decoded frames of compressed images kept in memory, in MiB.
+    #[arg(long, default_value_t = 256)]
+    zstd_cache_mib: u64,
     /// How long a VMM may take to pause, resume or capture its state before
     /// the request answers 504, in milliseconds.
     #[arg(long, default_value_t = 5000)]
@@ -267,8 +278,25 @@ fn run(args: Args) -> Result<(), StartError> {
             None
         }
     };
-    let snapshots =
+    let mut snapshots =
         uffd_server::snapshot::Catalog::open(&state_dir).map_err(StartError::Snapshots)?;
+    // A crash between a VM snapshot's volume snapshot (`<name>.disk`,
+    // taken in the pause) and its commit leaves the volume snapshot
+    // behind: the snapshot it belongs to never came to be.
+    for name in snapshots.take_unfinished() {
+        let disk = format!("{name}.disk");
+        if let Some(engine) = volumes.as_ref().filter(|e| e.snapshot_info(&disk).is_ok()) {
+            match engine.delete_snapshot(&disk) {
+                Ok(()) => info!("removed volume snapshot {disk} of unfinished snapshot {name}"),
+                Err(e) => warn!("cannot remove volume snapshot {disk}: {}", e.chain()),
+            }
+        }
+    }
+    let frames = uffd_server::images::zst::FramePool::start(
+        args.zstd_workers.max(1),
+        args.zstd_cache_mib.max(1).saturating_mul(1 << 20),
+    )
+    .map_err(StartError::Thread)?;
     let settings = Settings {
         state_dir: state_dir.clone(),
         vmm_bin,
@@ -281,6 +309,8 @@ fn run(args: Args) -> Result<(), StartError> {
         keep_logs: args.keep_logs,
         memory_budget: memory_budget_mib.saturating_mul(1 << 20),
         max_vms: args.max_vms.max(1),
+        compress_threads: args.zstd_workers.max(1),
+        rewrite_extents: args.snapshot_rewrite_extents,
         image_dir: match &args.image_dir {
             Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
                 StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))
@@ -330,7 +360,14 @@ fn run(args: Args) -> Result<(), StartError> {
         .map_err(StartError::Runtime)?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
-        let core = Core::new(settings, pending, volumes.clone(), snapshots, core_events);
+        let core = Core::new(
+            settings,
+            pending,
+            volumes.clone(),
+            snapshots,
+            core_events,
+            frames,
+        );
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
             if std::fs::symlink_metadata(&sock)

@@ -73,11 +73,88 @@ impl Client {
 
     /// Send `method path` with an optional JSON body.
     pub fn request(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Response> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(ClientError::Runtime)?;
-        rt.block_on(self.request_async(method, path, body))
+        runtime()?.block_on(self.request_async(method, path, body))
+    }
+
+    /// `GET path` and return the status and the raw body (a picture).
+    pub fn get_bytes(&self, path: &str) -> Result<(u16, Vec<u8>)> {
+        let rt = runtime()?;
+        rt.block_on(async {
+            let resp = self.send(hyper::Method::GET, path, None).await?;
+            let status = resp.status().as_u16();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(ClientError::Http)?
+                .to_bytes();
+            Ok((status, body.to_vec()))
+        })
+    }
+
+    /// `GET path`, a stream of lines (NDJSON): `line` gets each line as it
+    /// comes, until it returns `false` or the stream ends. A status other
+    /// than 2xx is returned with the (JSON) body read whole instead.
+    pub fn stream_lines(
+        &self,
+        path: &str,
+        mut line: impl FnMut(&str) -> bool,
+    ) -> Result<Option<Response>> {
+        let rt = runtime()?;
+        rt.block_on(async {
+            let resp = self.send(hyper::Method::GET, path, None).await?;
+            let status = resp.status().as_u16();
+            let mut body = resp.into_body();
+            if !(200..300).contains(&status) {
+                let bytes = body.collect().await.map_err(ClientError::Http)?.to_bytes();
+                let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                return Ok(Some(Response { status, body }));
+            }
+            let mut pending: Vec<u8> = Vec::new();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(ClientError::Http)?;
+                let Some(data) = frame.data_ref() else {
+                    continue;
+                };
+                pending.extend_from_slice(data);
+                while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
+                    let rest = pending.split_off(nl + 1);
+                    let text = String::from_utf8_lossy(&pending[..nl]).into_owned();
+                    pending = rest;
+                    if !line(&text) {
+                        return Ok(None);
+                    }
+                }
+            }
+            Ok(None)
+        })
+    }
+
+    async fn send(
+        &self,
+        method: hyper::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<hyper::Response<hyper::body::Incoming>> {
+        let stream = tokio::net::UnixStream::connect(&self.socket)
+            .await
+            .map_err(|source| ClientError::Connect {
+                path: self.socket.clone(),
+                source,
+            })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(ClientError::Http)?;
+        tokio::spawn(conn);
+        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("http://localhost{path}"))
+            .header("host", "localhost")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(bytes)))
+            .map_err(ClientError::Build)?;
+        sender.send_request(req).await.map_err(ClientError::Http)
     }
 
     async fn request_async(
@@ -121,4 +198,11 @@ impl Client {
         };
         Ok(Response { status, body })
     }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ClientError::Runtime)
 }

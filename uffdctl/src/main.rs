@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use uffdctl::cli::{demo, firecracker, inspect, qcow2, snapshot, vm, volume};
+use uffdctl::cli::{
+    demo, firecracker, image, inspect, map, observe, qcow2, snapshot, top, vm, volume,
+};
 use uffdctl::client::Client;
 
 /// Control a pagefork uffd-server over its REST API.
@@ -35,6 +37,9 @@ enum Cmd {
     /// VM snapshots: create, list, show, delete, restore.
     #[command(subcommand)]
     Snapshot(snapshot::SnapshotCmd),
+    /// Compressed memory images (memory.zst): compress, inspect, verify.
+    #[command(subcommand)]
+    Image(image::ImageCmd),
     /// Manage disk volumes and their snapshots.
     #[command(subcommand)]
     Volume(volume::VolumeCmd),
@@ -49,9 +54,57 @@ enum Cmd {
         extents: usize,
     },
     /// One page's source and presence.
-    Page { id: String, page: u64 },
+    Page {
+        id: String,
+        page: u64,
+        /// The whole chain: the VM holding the bytes, the image or file
+        /// and offset (or zero), when and how the page was installed.
+        #[arg(long)]
+        explain: bool,
+    },
+    /// Which pages a VM faulted on since its creation, restore or reset.
+    Access {
+        id: String,
+        /// Only pages first faulted within this many ms of the start.
+        #[arg(long)]
+        within_ms: Option<u64>,
+        /// Save the heat map PNG here instead.
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Begin the record again (after showing it).
+        #[arg(long)]
+        reset: bool,
+    },
+    /// Every VM's fault rates, live, in a full-screen view (q quits).
+    Top {
+        /// Seconds between refreshes.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+    },
+    /// A VM's faults as they happen (NDJSON with --json).
+    Trace {
+        id: String,
+        /// Only this kind: missing, wp, remove, prefetch.
+        #[arg(long)]
+        kind: Option<proto::api::FaultKind>,
+        /// Stop after this many events.
+        #[arg(long)]
+        limit: Option<u64>,
+    },
     /// The fork tree and what each VM reads from its ancestors.
     Tree,
+    /// Where a VM's pages come from, as a picture: in the terminal, as a
+    /// PNG (-o), or the whole fork tree as strips (--tree).
+    Map {
+        /// The VM (not with --tree).
+        id: Option<String>,
+        /// Save the server's PNG here instead.
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+        /// Every VM of the fork tree, one strip each.
+        #[arg(long)]
+        tree: bool,
+    },
     /// Start a server in a temporary directory and show a VM, a fork, a snapshot.
     Demo(demo::DemoArgs),
     /// Call any API route: uffdctl api GET /v1/vms ['{"json": 1}'].
@@ -83,13 +136,55 @@ fn main() -> ExitCode {
     let result = match args.cmd {
         Cmd::Vm(cmd) => vm::run(cmd, &client, args.json),
         Cmd::Demo(d) => demo::run(d),
+        Cmd::Image(cmd) => image::run(cmd, args.json),
         Cmd::Qcow2(cmd) => qcow2::run(cmd, args.json),
         Cmd::Firecracker(cmd) => firecracker::run(cmd, &client, args.json),
         Cmd::Volume(cmd) => volume::run(cmd, &client, args.json),
         Cmd::Snapshot(cmd) => snapshot::run(cmd, &client, args.json),
         Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
-        Cmd::Page { id, page } => inspect::page(&client, &id, page, args.json),
+        Cmd::Page { id, page, explain } => {
+            if explain {
+                observe::explain(&client, &id, page, args.json)
+            } else {
+                inspect::page(&client, &id, page, args.json)
+            }
+        }
+        Cmd::Access {
+            id,
+            within_ms,
+            out,
+            reset,
+        } => {
+            let a = observe::AccessArgs {
+                within_ms,
+                out,
+                reset,
+            };
+            observe::access(&client, &id, &a, args.json)
+        }
+        Cmd::Top { interval } => {
+            if interval.is_finite() && interval >= 0.1 {
+                top::run(
+                    &client,
+                    std::time::Duration::from_secs_f64(interval),
+                    top::Sort::Faults,
+                )
+            } else {
+                Err(uffdctl::CliError::Usage(
+                    "--interval must be at least 0.1 seconds".into(),
+                ))
+            }
+        }
+        Cmd::Trace { id, kind, limit } => observe::trace(&client, &id, kind, limit, args.json),
         Cmd::Tree => inspect::tree(&client, args.json),
+        Cmd::Map { id, out, tree } => match (id, out, tree) {
+            (None, None, true) => map::tree(&client, args.json),
+            (Some(id), Some(out), false) => map::save_png(&client, &id, &out),
+            (Some(id), None, false) => map::show(&client, &id, args.json),
+            _ => Err(uffdctl::CliError::Usage(
+                "use: uffdctl map VM [-o FILE] | uffdctl map --tree".into(),
+            )),
+        },
         Cmd::Api { method, path, body } => {
             let body = match body.map(|b| serde_json::from_str(&b)) {
                 Some(Ok(v)) => Some(v),

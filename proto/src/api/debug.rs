@@ -44,6 +44,9 @@ pub struct PageInfo {
     pub present: bool,
     /// Whether the table says the page is present (`Vm(self)`).
     pub table_says_present: bool,
+    /// With `?explain=true`: the whole chain of where the bytes come from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explain: Option<super::PageExplain>,
 }
 
 /// `GET /v1/tree`.

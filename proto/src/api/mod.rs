@@ -11,9 +11,11 @@
 //! - [`firecracker`]: listeners serving Firecracker's Uffd memory backend.
 //! - [`debug`]: memory-source debugging (sources, pages, tree, invariant).
 //! - [`snapshots`]: VM snapshots, restore, rollback in place, clone(n).
+//! - [`observe`]: the live fault trace, a page's chain, access maps.
 
 pub mod debug;
 pub mod firecracker;
+pub mod observe;
 pub mod snapshots;
 pub mod vms;
 pub mod volumes;
@@ -22,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 pub use debug::*;
 pub use firecracker::*;
+pub use observe::*;
 pub use snapshots::*;
 pub use vms::*;
 pub use volumes::*;

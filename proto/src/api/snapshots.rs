@@ -49,6 +49,12 @@ pub struct CreateSnapshot {
     /// correct mode when their base is missing; the answer says so.
     #[serde(default)]
     pub mode: SnapshotMode,
+    /// Also write `memory.zst`, the image compressed in independent frames
+    /// (after the guest resumed, on worker threads). Restores from the
+    /// snapshot then serve it; `memory.img` stays as the base of later
+    /// incremental and dirty snapshots.
+    #[serde(default)]
+    pub compress: bool,
 }
 
 /// `POST /v1/vms/{id}/snapshots` answer.
@@ -76,6 +82,9 @@ pub struct SnapshotCreated {
     /// them: their pre-write bytes were saved by the fault handler.
     #[serde(default)]
     pub pages_saved_ahead: u64,
+    /// `memory.zst`'s size, with `compress`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compressed_bytes: Option<u64>,
 }
 
 /// Pages of a snapshot's image by kind.
@@ -117,6 +126,9 @@ pub struct SnapshotInfo {
     /// VMs reading pages from this snapshot's image now.
     #[serde(default)]
     pub readers: Vec<String>,
+    /// Bytes of `memory.zst`, if the snapshot has one (restores serve it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compressed_bytes: Option<u64>,
 }
 
 /// `GET /v1/snapshots`.

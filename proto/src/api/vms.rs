@@ -53,6 +53,24 @@ fn default_vcpus() -> u8 {
 pub enum MemorySource {
     /// A raw image: guest page p is at byte p * 4096 of the file.
     File { path: String },
+    /// A compressed `memory.zst` image (`uffdctl image compress`), decoded
+    /// a frame at a time as the guest faults.
+    Zstd { path: String },
+    /// A pagefork snapshot's memory (its `memory.zst` if it has one):
+    /// Firecracker listeners only; a VM starts from a snapshot with
+    /// `from_snapshot`.
+    Snapshot { name: String },
+}
+
+impl MemorySource {
+    /// What the source names, for messages: a path or a snapshot.
+    pub fn describe(&self) -> String {
+        match self {
+            MemorySource::File { path } => path.clone(),
+            MemorySource::Zstd { path } => format!("zstd:{path}"),
+            MemorySource::Snapshot { name } => format!("snapshot:{name}"),
+        }
+    }
 }
 
 /// A VM's life-cycle state.
@@ -131,6 +149,20 @@ pub struct VmInfo {
     /// Fault engine counters.
     #[serde(default)]
     pub faults: FaultCounters,
+    /// A snapshot of this VM saving its pages now (the guest runs).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub snapshot_saving: Option<SnapshotSaving>,
+}
+
+/// Progress of a snapshot saving pages after its pause.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SnapshotSaving {
+    pub name: String,
+    /// Pages the snapshot writes.
+    pub pages_total: u64,
+    /// Pages handed to the image writer so far.
+    pub pages_saved: u64,
 }
 
 /// Fault engine counters of one VM.
@@ -144,7 +176,18 @@ pub struct FaultCounters {
     /// Installs deferred by EAGAIN until pending events were read.
     #[serde(default)]
     pub deferred: u64,
+    /// Faults that waited for a compressed image's frame to be decoded.
+    #[serde(default)]
+    pub frame_waits: u64,
     pub fault_around_kib: u64,
+    /// Pre-write copies this VM's writes gave to the VMs reading from it.
+    #[serde(default)]
+    pub wp_copies: u64,
+    /// uffd events by the time the server spent on them: entry i counts
+    /// those served in [2^i, 2^(i+1)) µs (entry 0 also under 1 µs, the
+    /// last everything longer).
+    #[serde(default)]
+    pub service_us_log2: Vec<u64>,
 }
 
 /// `POST /v1/vms/{id}/exec` body: one guest agent op, named by `op`.

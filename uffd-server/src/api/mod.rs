@@ -7,6 +7,7 @@
 //! them into JSON. Every error is [`ErrorBody`] with the status
 //! `Error::status` decides.
 
+pub mod observe;
 pub mod openapi;
 pub mod serve;
 pub mod snapshots;
@@ -211,9 +212,9 @@ async fn sources(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiR
 #[utoipa::path(
     get,
     path = "/v1/vms/{id}/pages/{page}",
-    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), ("page" = u64, description = "a page number")),
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), ("page" = u64, description = "a page number"), proto::api::PageQuery),
     responses(
-        (status = 200, description = "one page's source", body = proto::api::PageInfo),
+        (status = 200, description = "one page's source (with ?explain=true, its whole chain)", body = proto::api::PageInfo),
         (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
         (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
     )
@@ -221,11 +222,21 @@ async fn sources(State(core): State<CoreHandle>, Path(id): Path<String>) -> ApiR
 async fn page(
     State(core): State<CoreHandle>,
     Path((id, page)): Path<(String, String)>,
+    q: Result<
+        axum::extract::Query<proto::api::PageQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
 ) -> ApiResult {
     let page = page
         .parse()
         .map_err(|_| Error::BadRequest(format!("page '{page}' is not a page number")))?;
-    call(&core, CommandKind::Page(vm_id(&id)?, page), StatusCode::OK).await
+    let q = observe::query(q)?;
+    call(
+        &core,
+        CommandKind::Page(vm_id(&id)?, page, q.explain),
+        StatusCode::OK,
+    )
+    .await
 }
 
 #[utoipa::path(
@@ -360,6 +371,7 @@ pub fn router(
         .route("/v1/tree", get(tree))
         .route("/v1/debug/invariant", get(invariant))
         .merge(snapshots::routes())
+        .merge(observe::routes())
         .route("/metrics", get(metrics))
         .route(
             "/v1/firecracker/listeners",

@@ -23,10 +23,14 @@ use super::ratelimit::suppressed_note;
 use super::vm::RunState;
 use super::Registry;
 use crate::memory::{GuestMemory, MemoryError};
-use crate::pages::{plan_run, read_pages, Fault, PageSource, ResolveError, UNINITIALIZED};
+use crate::observe::access::By;
+use crate::pages::{
+    fault_on, plan_run, read_pages, Fault, PageSource, ResolveError, SourceId, UNINITIALIZED,
+};
+use proto::api::FaultKind as ApiKind;
 
 /// Outcome of handling one event.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Handled {
     Ok,
     /// The VMM's address space is gone (ESRCH): treat the VMM as exited.
@@ -34,6 +38,13 @@ pub enum Handled {
     /// The VM failed just now: a fault could not be served, for this
     /// reason. The page is poisoned (see [`Registry::unservable`]).
     Failed(String),
+    /// The fault on `page` waits for frames of a compressed image being
+    /// decoded off the core thread; retry it when every receiver fired.
+    /// The faulting thread stays asleep until then.
+    Wait {
+        page: u64,
+        ready: Vec<tokio::sync::oneshot::Receiver<()>>,
+    },
 }
 
 impl Registry {
@@ -52,7 +63,7 @@ impl Registry {
     }
 
     fn handle_fault(&mut self, vm: VmId, kind: FaultKind, write: bool, addr: u64) -> Handled {
-        let Some(v) = self.vms.get(&vm) else {
+        let Some(v) = self.vms.get_mut(&vm) else {
             return Handled::Ok;
         };
         let Some(page) = v.page_of(addr) else {
@@ -66,6 +77,13 @@ impl Registry {
             }
             return Handled::Ok;
         };
+        v.log.fault(
+            page,
+            match kind {
+                FaultKind::WriteProtected => ApiKind::Wp,
+                FaultKind::Missing | FaultKind::Minor => ApiKind::Missing,
+            },
+        );
         if write || kind == FaultKind::WriteProtected {
             // A write is coming: the dirty log and a snapshot still saving
             // this page see it first (see `snapshot.rs`).
@@ -94,15 +112,22 @@ impl Registry {
     /// that left its fault wait (a signal, such as the pause of a fork)
     /// and touched the page again would find it half written and its
     /// write could be overwritten by the rest of the install.
-    fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
+    pub(super) fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
         let result = match self.vms.get(&vm).and_then(|v| v.uffd.clone()) {
             Some(uffd) => self.install_missing(vm, page, &uffd),
             None => self
-                .materialize(vm, page)
+                .materialize(vm, page, By::Missing)
                 .map(|(first, count)| (first, count, true)),
         };
         let (first, count, woken) = match result {
             Ok(r) => r,
+            Err(ResolveError::NotDecoded { image, frames }) => {
+                let ready = crate::images::zst::FramePool::wait(&image, frames);
+                if let Some(v) = self.vms.get_mut(&vm) {
+                    v.stats.frame_waits += 1;
+                }
+                return Handled::Wait { page, ready };
+            }
             Err(e) => return self.unservable(vm, page, &e),
         };
         let Some(v) = self.vms.get_mut(&vm) else {
@@ -128,7 +153,7 @@ impl Registry {
         page: u64,
         uffd: &AsyncFd<Uffd>,
     ) -> Result<(u64, u64, bool), ResolveError> {
-        let Some((source, lo, hi, window)) = self.plan(vm, page)? else {
+        let Some((src_id, source, lo, hi, window)) = self.plan(vm, page)? else {
             return Ok((page, 1, false)); // Already present: a concurrent fault.
         };
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
@@ -163,13 +188,18 @@ impl Registry {
             Install::Gone => 0,
             Install::Failed(errno) => return Err(ResolveError::Install { first: lo, errno }),
         };
-        self.mark_present(vm, lo, installed);
+        let how = Installed {
+            fault: page,
+            by: By::Missing,
+            from: src_id,
+        };
+        self.mark_present(vm, lo, installed, how);
         if let Install::Exists { .. } = res {
             if lo + installed == page {
                 // The faulting page itself is in the memfd already (put
                 // there by another path): it is present; say so, so the
                 // next fault does not try to install it again.
-                self.mark_present(vm, page, 1);
+                self.mark_present(vm, page, 1, how);
             } else if page > lo + installed && hi - lo > 1 {
                 // A page before it was there: install just the faulting
                 // page.
@@ -252,8 +282,8 @@ impl Registry {
     ///
     /// The bytes are written through the server's mapping of the memfd:
     /// only for a VM whose VMM is not running (prefetch before start).
-    pub fn materialize(&mut self, vm: VmId, page: u64) -> Result<(u64, u64), ResolveError> {
-        let Some((source, lo, hi, window)) = self.plan(vm, page)? else {
+    pub fn materialize(&mut self, vm: VmId, page: u64, by: By) -> Result<(u64, u64), ResolveError> {
+        let Some((src_id, source, lo, hi, window)) = self.plan(vm, page)? else {
             return Ok((page, 1)); // Already present: a concurrent fault.
         };
         {
@@ -264,7 +294,12 @@ impl Registry {
                 vms.get(&id).map(|o| Rc::clone(&o.memory))
             })?;
         }
-        self.mark_present(vm, lo, hi - lo);
+        let how = Installed {
+            fault: page,
+            by,
+            from: src_id,
+        };
+        self.mark_present(vm, lo, hi - lo, how);
         if let (Some(window), Some(v)) = (window, self.vms.get_mut(&vm)) {
             v.readahead.next = hi;
             v.readahead.window = window;
@@ -272,15 +307,15 @@ impl Registry {
         Ok((lo, hi - lo))
     }
 
-    /// What to install for a MISSING fault on `page`: its source and the
-    /// run `[lo, hi)` (with the readahead window it used, for an image),
-    /// or `None` when the page is present already.
+    /// What to install for a MISSING fault on `page`: its source (id and
+    /// value) and the run `[lo, hi)` (with the readahead window it used,
+    /// for an image), or `None` when the page is present already.
     #[allow(clippy::type_complexity)]
     fn plan(
         &self,
         vm: VmId,
         page: u64,
-    ) -> Result<Option<(Rc<PageSource>, u64, u64, Option<u64>)>, ResolveError> {
+    ) -> Result<Option<(SourceId, Rc<PageSource>, u64, u64, Option<u64>)>, ResolveError> {
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
         let src_id = v.table.get(page);
         if src_id == v.self_src {
@@ -298,17 +333,26 @@ impl Registry {
                 block: v.fault_around_pages,
                 track: true,
             };
+            let fault = fault_on(&source, fault, &v.readahead);
             plan_run(&v.table, src_id, &fault, &v.readahead)
         });
         let (lo, hi) = run.map_or((page, page + 1), |r| (r.lo, r.hi));
-        Ok(Some((source, lo, hi, run.map(|r| r.window))))
+        Ok(Some((src_id, source, lo, hi, run.map(|r| r.window))))
     }
 
-    fn mark_present(&mut self, vm: VmId, page: u64, pages: u64) {
+    fn mark_present(&mut self, vm: VmId, page: u64, pages: u64, how: Installed) {
         if let Some(v) = self.vms.get_mut(&vm) {
             let me = v.self_src;
             v.table.set_range(page, pages, me);
             v.stats.pages_installed += pages;
+            v.log
+                .installed_run(page, pages, how.fault, how.by, how.from);
+            if how.by == By::Prefetch {
+                for p in page..page + pages {
+                    v.log.fault(p, ApiKind::Prefetch);
+                }
+            }
+            self.installed += pages;
         }
     }
 
@@ -334,7 +378,12 @@ impl Registry {
             let me = dep.self_src;
             dep.table.set(page, me);
             dep.stats.pages_installed += 1;
+            dep.log.installed_run(page, 1, page, By::WpCopy, src);
             given += 1;
+        }
+        self.installed += given;
+        if let Some(v) = self.vms.get_mut(&vm) {
+            v.stats.wp_copies += given;
         }
         given
     }
@@ -348,6 +397,10 @@ impl Registry {
         };
         let pages = last - first + 1;
         v.stats.removes += 1;
+        for p in first..first + pages {
+            v.log.fault(p, ApiKind::Remove);
+        }
+        v.log.dropped(first, pages);
         let me = v.self_src;
         let tracked = v.dirty.is_some();
         for p in first..first + pages {
@@ -388,6 +441,15 @@ impl Registry {
         }
         Handled::Ok
     }
+}
+
+/// How a run of pages was installed, for the VM's page log.
+#[derive(Debug, Clone, Copy)]
+struct Installed {
+    /// The faulting page (the rest of the run is fault-around).
+    fault: u64,
+    by: By,
+    from: SourceId,
 }
 
 thread_local! {

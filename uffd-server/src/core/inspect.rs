@@ -4,13 +4,16 @@
 
 use std::collections::BTreeMap;
 
-use proto::api::{Invariant, PageInfo, SourceExtent, Sources, Tree, TreeNode, Violation};
+use proto::api::{
+    AccessMap, AccessQuery, ExplainStep, Installed, Invariant, MapLegend, MapQuery, PageExplain,
+    PageInfo, PageMap, SourceExtent, Sources, Tree, TreeNode, Violation,
+};
 use shared::VmId;
 
 use super::vm::RunState;
 use super::{Core, Error, Registry, Result};
 use crate::memory::GuestMemory;
-use crate::pages::{PageTable, SourceId};
+use crate::pages::{PageSource, PageTable, SourceId};
 
 /// What the debugging views need of any VM.
 pub(super) struct TableView<'a> {
@@ -42,6 +45,7 @@ impl Core {
                 resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
                 pages_by_source: by_kind(&v.table),
                 frozen: v.deleted,
+                trace_listeners: v.tap.listeners(),
             })
             .collect();
         vms.extend(reg.fc_vms.values().map(|v| VmSample {
@@ -52,6 +56,7 @@ impl Core {
             resident_pages: v.table.count_of(v.self_src),
             pages_by_source: by_kind(&v.table),
             frozen: false,
+            trace_listeners: 0,
         }));
         Sample {
             fault_seconds: self.fault_seconds.clone(),
@@ -82,6 +87,126 @@ impl Registry {
             self_src: v.self_src,
             memory: None,
         })
+    }
+}
+
+impl Registry {
+    /// Where `page` of `id` comes from, step by step: each VM on the way
+    /// (whether it holds the page, and how it got it), down to a snapshot
+    /// image or file (with the byte offset) or zero. A VM that holds the
+    /// page continues the chain with where it got it from; the walk stops
+    /// at a source that is not a VM, or at a VM already seen.
+    pub(super) fn explain(&self, id: VmId, page: u64) -> PageExplain {
+        let mut chain = Vec::new();
+        let mut seen = Vec::new();
+        let mut at = Some(id);
+        while let Some(vm) = at.take() {
+            if seen.contains(&vm) {
+                break;
+            }
+            seen.push(vm);
+            let Some(v) = self.table_view(vm) else {
+                chain.push(ExplainStep {
+                    at: vm.to_string(),
+                    kind: "vm".into(),
+                    present: None,
+                    installed: None,
+                    file: None,
+                    offset: None,
+                    frame: None,
+                });
+                break;
+            };
+            let src = v.table.get(page);
+            let present = src == v.self_src;
+            let installed = if present {
+                self.vms.get(&vm).and_then(|v| v.log.installed(page))
+            } else {
+                None
+            };
+            chain.push(ExplainStep {
+                at: vm.to_string(),
+                kind: "vm".into(),
+                present: Some(present),
+                installed: installed.map(|i| Installed {
+                    time_ms: i.unix_ms,
+                    event: i.by.name().into(),
+                    from: self.describe(i.from),
+                }),
+                file: None,
+                offset: None,
+                frame: None,
+            });
+            // Where the bytes are (not present) or came from (present).
+            let next = match (present, installed) {
+                (false, _) => src,
+                (true, Some(i)) => i.from,
+                (true, None) => break,
+            };
+            match self.arena.get(next).map(|s| &**s) {
+                Some(PageSource::Vm(other)) => at = Some(*other),
+                Some(s) => chain.push(source_step(s, page)),
+                None => chain.push(self.retired_step(next, page)),
+            }
+        }
+        PageExplain { chain }
+    }
+
+    /// A source's name, also once released.
+    fn describe(&self, src: SourceId) -> String {
+        match (self.arena.get(src), self.arena.retired(src)) {
+            (Some(s), _) => s.describe(),
+            (None, Some(r)) => r.name.clone(),
+            (None, None) => format!("source-{src}"),
+        }
+    }
+
+    /// The last step of a chain whose source has been released since (an
+    /// image no table reads any more, a VM that is gone).
+    fn retired_step(&self, src: SourceId, page: u64) -> ExplainStep {
+        let r = self.arena.retired(src);
+        let path = r.and_then(|r| r.path.as_ref());
+        ExplainStep {
+            at: self.describe(src),
+            kind: r.map_or("released", |r| r.kind).into(),
+            present: None,
+            installed: None,
+            file: path.map(|p| p.display().to_string()),
+            offset: path.map(|_| page * shared::PAGE_SIZE),
+            frame: None,
+        }
+    }
+}
+
+/// The last step of a chain: zero, or an image or file and the offset of
+/// `page` in it.
+fn source_step(s: &PageSource, page: u64) -> ExplainStep {
+    let (at, kind) = match s {
+        PageSource::Uninitialized => ("zero".to_owned(), "zero"),
+        PageSource::Image(_) => (s.describe(), "image"),
+        PageSource::File(_) | PageSource::Vm(_) | PageSource::Zstd(_) => (s.describe(), s.kind()),
+    };
+    if let Some(z) = s.zstd() {
+        let frame = z.header().frame_of(page);
+        return ExplainStep {
+            at,
+            kind: kind.into(),
+            present: None,
+            installed: None,
+            file: Some(z.path.display().to_string()),
+            offset: z.frame_offset(frame),
+            frame: Some(frame),
+        };
+    }
+    let file = s.file();
+    ExplainStep {
+        at,
+        kind: kind.into(),
+        present: None,
+        installed: None,
+        file: file.map(|f| f.path.display().to_string()),
+        offset: file.map(|_| page * shared::PAGE_SIZE),
+        frame: None,
     }
 }
 
@@ -122,8 +247,8 @@ impl Core {
         })
     }
 
-    /// `GET /v1/vms/{id}/pages/{page}`.
-    pub(super) fn page(&self, id: VmId, page: u64) -> Result<PageInfo> {
+    /// `GET /v1/vms/{id}/pages/{page}[?explain=true]`.
+    pub(super) fn page(&self, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
         let reg = self.reg.borrow();
         let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
         if page >= v.table.pages() {
@@ -144,6 +269,105 @@ impl Core {
             // installed into its address space (the table's record).
             present: v.memory.map_or(src == v.self_src, |m| m.is_present(page)),
             table_says_present: src == v.self_src,
+            explain: explain.then(|| reg.explain(id, page)),
+        })
+    }
+
+    /// `GET /v1/vms/{id}/map`: the table as cells (see `observe/map.rs`).
+    pub(super) fn page_map(&self, id: VmId, q: &MapQuery) -> Result<PageMap> {
+        use crate::observe::map;
+        let reg = self.reg.borrow();
+        let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
+        let pages = v.table.pages();
+        // The legend: own memory first, then by source id (creation order).
+        let mut ids: Vec<SourceId> = v.table.counts().keys().copied().collect();
+        ids.sort_by_key(|s| (*s != v.self_src, *s));
+        let legend: Vec<MapLegend> = ids
+            .iter()
+            .map(|src| {
+                let (source, kind) = reg.arena.get(*src).map_or_else(
+                    || (format!("source-{src}"), "unknown"),
+                    |s| (s.describe(), s.kind()),
+                );
+                let rgb = map::colour(kind, &source);
+                MapLegend {
+                    rgb,
+                    faded_rgb: map::faded(rgb),
+                    source,
+                    kind: kind.to_owned(),
+                    own: *src == v.self_src,
+                    pages: v.table.count_of(*src),
+                }
+            })
+            .collect();
+        let mut present = vec![false; shared::geometry::usize_of(pages)];
+        let ranges = match v.memory {
+            Some(m) => m.present_ranges(),
+            None => v.table.ranges_of(v.self_src),
+        };
+        for (start, n) in ranges {
+            for p in start..(start + n).min(pages) {
+                present[shared::geometry::usize_of(p)] = true;
+            }
+        }
+        let index = |src: SourceId| {
+            ids.iter()
+                .position(|s| *s == src)
+                .and_then(|i| u16::try_from(i).ok())
+                .unwrap_or(u16::MAX)
+        };
+        let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
+        let per_page = (0..pages).map(|p| {
+            (
+                index(v.table.get(p)),
+                present[shared::geometry::usize_of(p)],
+            )
+        });
+        let (cells, present) = map::group(per_page, legend.len(), group);
+        Ok(PageMap {
+            id: id.to_string(),
+            pages,
+            memory_bytes: pages * shared::PAGE_SIZE,
+            group,
+            time_ms: crate::observe::trace::unix_us() / 1000,
+            legend,
+            cells,
+            present,
+        })
+    }
+
+    /// `GET /v1/vms/{id}/access.png`: the PNG of faults per cell.
+    pub(super) fn access_png(&self, id: VmId, q: &MapQuery) -> Result<Vec<u8>> {
+        use crate::observe::map;
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+        let pages = v.log.pages();
+        let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
+        let per_page: Vec<u64> = v.log.fault_counts().collect();
+        let counts: Vec<u64> = per_page
+            .chunks(shared::geometry::usize_of(group))
+            .map(|c| c.iter().sum())
+            .collect();
+        Ok(map::heat_png(
+            &id.to_string(),
+            pages,
+            v.log.since_unix_ms(),
+            &counts,
+            group,
+        ))
+    }
+
+    /// `GET /v1/vms/{id}/access`.
+    pub(super) fn access(&self, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+        let extents = v.log.extents(q.within_ms);
+        Ok(AccessMap {
+            id: id.to_string(),
+            pages: v.log.pages(),
+            since_ms: v.log.since_unix_ms(),
+            touched: extents.iter().map(|e| e.pages).sum(),
+            extents,
         })
     }
 

@@ -82,6 +82,12 @@ impl Core {
             Some(name) => self.prepare_restore(&req, name)?,
             None => self.prepare_vm(&req)?,
         };
+        if req.prefetch {
+            if let Err(e) = self.prefetch(id).await {
+                self.reg.borrow_mut().forget(id);
+                return Err(e);
+            }
+        }
         let started = match self.spawn_vmm(id).await {
             Ok(()) => self.wait_ready(id, ready_rx).await,
             Err(e) => Err(e),
@@ -92,6 +98,45 @@ impl Core {
         }
         info!("{id}: running");
         self.info(id)
+    }
+
+    /// Install every page of `id` before its VMM starts. Frames of a
+    /// compressed image are decoded by the frame pool while this waits;
+    /// other VMs' faults are served meanwhile.
+    async fn prefetch(&self, id: VmId) -> Result<()> {
+        let pages = self
+            .reg
+            .borrow()
+            .vms
+            .get(&id)
+            .map_or(0, |v| v.memory.pages());
+        let mut p = 0;
+        while p < pages {
+            let result =
+                self.reg
+                    .borrow_mut()
+                    .materialize(id, p, crate::observe::access::By::Prefetch);
+            match result {
+                Ok((first, n)) => p = p.max(first + n),
+                Err(crate::pages::ResolveError::NotDecoded { image, frames }) => {
+                    // Queue this frame and the next ones, then wait for it.
+                    let ahead = frames.end..frames.end + 8;
+                    let ready = crate::images::zst::FramePool::wait(&image, frames);
+                    crate::images::zst::FramePool::prefetch(&image, ahead);
+                    for r in ready {
+                        let _ = r.await;
+                    }
+                }
+                Err(e) => {
+                    return Err(Error::Prefetch {
+                        vm: id,
+                        page: p,
+                        reason: e.to_string(),
+                    })
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Wait until `id`'s guest agent runs; on failure stop its VMM and
@@ -202,9 +247,31 @@ impl Core {
                 })?;
         }
         let size = req.memory_mib << 20;
-        let file = match &req.memory_source {
+        let image = match &req.memory_source {
             None => None,
-            Some(MemorySource::File { path }) => Some(open_image(path, size, &self.settings)?),
+            Some(MemorySource::File { path }) => {
+                Some(PageSource::File(open_image(path, size, &self.settings)?))
+            }
+            Some(MemorySource::Zstd { path }) => {
+                let image = self.open_zstd(path, None)?;
+                if image.header().memory_bytes < size {
+                    return Err(Error::Image {
+                        path: path.clone(),
+                        reason: format!(
+                            "it holds {} bytes of memory, less than the {size} bytes asked for; \
+                             use a smaller memory_mib",
+                            image.header().memory_bytes
+                        ),
+                    });
+                }
+                Some(PageSource::Zstd(crate::pages::ZstdSource { image }))
+            }
+            Some(MemorySource::Snapshot { .. }) => {
+                return bad(
+                    "a VM starts from a snapshot with \"from_snapshot\", not a memory_source"
+                        .into(),
+                )
+            }
         };
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
@@ -212,11 +279,27 @@ impl Core {
         let memory =
             GuestMemory::create(&format!("pagefork-{id}"), size).map_err(Error::CreateMemory)?;
         let self_src = reg.arena.vm(id);
-        let initial = match file {
-            None => UNINITIALIZED,
-            Some(f) => reg.arena.insert(PageSource::File(f)),
-        };
         let pages = size / PAGE_SIZE;
+        // A compressed image's zero frames read as zero without it.
+        let data = image
+            .as_ref()
+            .and_then(PageSource::zstd)
+            .map(|z| z.data_pages());
+        let initial = match image {
+            None => UNINITIALIZED,
+            Some(source) => reg.arena.insert(source),
+        };
+        let mut table = PageTable::new(
+            pages,
+            if data.is_some() {
+                UNINITIALIZED
+            } else {
+                initial
+            },
+        );
+        for (first, n) in data.unwrap_or_default() {
+            table.set_range(first, n.min(pages.saturating_sub(first)), initial);
+        }
         let (ready_tx, ready_rx) = oneshot::channel();
         let fault_around_pages =
             fault_around.map_or(self.settings.fault_around_pages, |f| f.pages());
@@ -227,7 +310,7 @@ impl Core {
         let mut vm = Vm::new(VmParts {
             id,
             memory,
-            table: PageTable::new(pages, initial),
+            table,
             self_src,
             vcpus: req.vcpus,
             fault_around_pages,
@@ -236,18 +319,6 @@ impl Core {
         });
         vm.volume = req.volume.clone();
         reg.vms.insert(id, vm);
-        if req.prefetch {
-            for p in 0..pages {
-                if let Err(e) = reg.materialize(id, p) {
-                    reg.forget(id);
-                    return Err(Error::Prefetch {
-                        vm: id,
-                        page: p,
-                        reason: e.to_string(),
-                    });
-                }
-            }
-        }
         Ok((id, ready_rx))
     }
 
@@ -417,6 +488,44 @@ fn open_image(path: &str, size: u64, settings: &super::Settings) -> Result<FileS
         len,
         pin,
     })
+}
+
+impl Core {
+    /// Open a compressed image a client names (or a snapshot's
+    /// `memory.zst`, `snapshot` set, trusted: in our state directory) and
+    /// read its header and frame table.
+    pub(super) fn open_zstd(
+        &self,
+        path: &str,
+        snapshot: Option<&str>,
+    ) -> Result<std::sync::Arc<crate::images::zst::ZstdImage>> {
+        let p = std::path::Path::new(path);
+        let confine = match snapshot {
+            Some(_) => None,
+            None => self.settings.image_dir.as_deref(),
+        };
+        let (file, _) = crate::images::open_regular(p, confine)?;
+        let open_err = |source| {
+            Error::OpenImageFile(crate::images::ImageError::Open {
+                path: path.into(),
+                source,
+            })
+        };
+        let (file, pin) = match snapshot {
+            // Snapshot files never change once committed.
+            Some(_) => {
+                let stamp = crate::images::Stamp::of(&file).map_err(open_err)?;
+                (file, crate::images::Pin::Stamp(stamp))
+            }
+            None => crate::images::pin(file, &self.settings.state_dir).map_err(open_err)?,
+        };
+        self.frames
+            .open(file, p.to_owned(), pin, snapshot.map(str::to_owned))
+            .map_err(|e| Error::Image {
+                path: path.into(),
+                reason: format!("not a usable memory.zst image: {}", shared::error_chain(&e)),
+            })
+    }
 }
 
 /// Create `id`'s log: 0600, never through a symlink. A leftover file of

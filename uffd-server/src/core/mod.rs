@@ -16,6 +16,7 @@ mod ops;
 pub(crate) mod ratelimit;
 mod rollback;
 mod snapshot;
+mod trace;
 pub mod vm;
 
 use std::cell::RefCell;
@@ -65,6 +66,11 @@ pub struct Settings {
     pub max_vms: usize,
     /// Images are served only from under this directory (canonical).
     pub image_dir: Option<PathBuf>,
+    /// Threads compressing a snapshot's `memory.zst`.
+    pub compress_threads: usize,
+    /// A snapshot image with more extents than this is rewritten
+    /// sequentially in the background (0 = never).
+    pub rewrite_extents: u64,
 }
 
 impl Registry {
@@ -197,6 +203,9 @@ pub struct Registry {
     next_listener: u32,
     /// Fault counters of VMs that are gone (for server-wide totals).
     pub retired: vm::FaultStats,
+    /// Pages the fault engine installed in any VM, ever (the trace reads
+    /// what one event installed from it).
+    pub installed: u64,
 }
 
 /// The core's state.
@@ -212,6 +221,8 @@ pub struct Core {
     pub events: mpsc::UnboundedSender<ConnEvent>,
     /// Time spent on each uffd event (both kinds of VM), for `/metrics`.
     pub fault_seconds: prometheus_client::metrics::histogram::Histogram,
+    /// The threads and cache that decode compressed images' frames.
+    pub frames: std::sync::Arc<crate::images::zst::FramePool>,
 }
 
 /// The answer to a request in flight.
@@ -250,6 +261,14 @@ pub enum Answer {
     /// Counters for `/metrics` (rendered as text by the API, never JSON).
     #[serde(skip)]
     Metrics(Box<crate::observe::metrics::Sample>),
+    /// A listener of a VM's fault trace (streamed as NDJSON by the API).
+    #[serde(skip)]
+    Trace(Box<crate::observe::trace::Subscription>),
+    Access(api::AccessMap),
+    Map(Box<api::PageMap>),
+    /// A picture (PNG bytes, sent as they are).
+    #[serde(skip)]
+    Png(Vec<u8>),
     /// The server is stopping.
     Stopped,
 }
@@ -266,7 +285,14 @@ pub enum CommandKind {
     Exec(VmId, proto::api::ExecRequest),
     Fork(VmId, proto::api::ForkRequest),
     Sources(VmId),
-    Page(VmId, u64),
+    /// A page; with `true`, its whole chain.
+    Page(VmId, u64, bool),
+    Faults(VmId),
+    Access(VmId, api::AccessQuery),
+    ResetAccess(VmId),
+    Map(VmId, api::MapQuery),
+    MapPng(VmId, api::MapQuery),
+    AccessPng(VmId, api::MapQuery),
     Tree,
     CheckInvariant,
     Metrics,
@@ -307,6 +333,7 @@ impl Core {
         volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
         snapshots: crate::snapshot::Catalog,
         events: mpsc::UnboundedSender<ConnEvent>,
+        frames: std::sync::Arc<crate::images::zst::FramePool>,
     ) -> Rc<Self> {
         let first = first_free_id(&settings.state_dir);
         Rc::new(Core {
@@ -321,6 +348,7 @@ impl Core {
             snapshots: RefCell::new(snapshots),
             events,
             fault_seconds: crate::observe::metrics::fault_histogram(),
+            frames,
         })
     }
 
@@ -373,7 +401,20 @@ impl Core {
             CommandKind::Exec(id, req) => Answer::Exec(self.exec(id, req).await?),
             CommandKind::Fork(id, req) => Answer::Fork(self.fork(id, req.count).await?),
             CommandKind::Sources(id) => Answer::Sources(self.sources(id)?),
-            CommandKind::Page(id, page) => Answer::Page(self.page(id, page)?),
+            CommandKind::Page(id, page, explain) => Answer::Page(self.page(id, page, explain)?),
+            CommandKind::Faults(id) => Answer::Trace(Box::new(self.subscribe_faults(id)?)),
+            CommandKind::Access(id, q) => Answer::Access(self.access(id, &q)?),
+            CommandKind::ResetAccess(id) => {
+                if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+                    v.log.reset_access();
+                }
+                Answer::Access(self.access(id, &api::AccessQuery::default())?)
+            }
+            CommandKind::Map(id, q) => Answer::Map(Box::new(self.page_map(id, &q)?)),
+            CommandKind::MapPng(id, q) => {
+                Answer::Png(crate::observe::map::source_png(&self.page_map(id, &q)?))
+            }
+            CommandKind::AccessPng(id, q) => Answer::Png(self.access_png(id, &q)?),
             CommandKind::Tree => Answer::Tree(self.tree()),
             CommandKind::CheckInvariant => Answer::Invariant(self.check_invariant()),
             CommandKind::AddFcListener(req) => Answer::Listener(self.add_fc_listener(req)?),
@@ -555,7 +596,13 @@ impl Core {
             }
             v.vmm_base = bases[0];
             v.uffd = Some(afd.clone());
-            tokio::task::spawn_local(serve_faults(self.clone(), vm, afd, v.closed.clone()));
+            tokio::task::spawn_local(serve_faults(
+                self.clone(),
+                vm,
+                afd,
+                v.closed.clone(),
+                v.tap.clone(),
+            ));
         }
     }
 
@@ -593,6 +640,7 @@ impl Core {
         }
         v.uffd = None;
         v.closed.notify_one();
+        v.tap.close();
         // A VM that failed tells its waiting requests why, not just that
         // its VMM went away.
         let why = v.failure.clone();
@@ -691,11 +739,21 @@ async fn serve_faults(
     vm: VmId,
     uffd: Rc<AsyncFd<Uffd>>,
     closed: Rc<tokio::sync::Notify>,
+    tap: Rc<crate::observe::trace::Tap>,
 ) {
     let mut buf = EventBuffer::new(64);
+    // Faults parked on frames being decoded come back here when ready.
+    let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<u64>();
     loop {
         let ready = tokio::select! {
             r = uffd.readable() => r,
+            Some(page) = retry_rx.recv() => {
+                let outcome = core.reg.borrow_mut().resolve_missing(vm, page);
+                if !core.after_fault(vm, outcome, &retry_tx) {
+                    return;
+                }
+                continue;
+            }
             () = closed.notified() => return,
         };
         let mut guard = match ready {
@@ -727,30 +785,73 @@ async fn serve_faults(
             }
             continue;
         }
-        let mut vmm_gone = false;
-        let mut failed = None;
+        let mut outcomes = Vec::with_capacity(events.len());
+        let mut service = [0u64; vm::SERVICE_BUCKETS];
         {
             let mut reg = core.reg.borrow_mut();
             for ev in events {
                 let t0 = std::time::Instant::now();
+                // The trace's one cost while nobody listens: `active()`.
+                let begun = match &ev {
+                    Ok(e) if tap.active() => reg.trace_begin(vm, e),
+                    _ => None,
+                };
                 match ev {
-                    Ok(ev) => match reg.handle_event(vm, ev) {
-                        fault::Handled::Ok => {}
-                        fault::Handled::VmmGone => vmm_gone = true,
-                        fault::Handled::Failed(reason) => failed = Some(reason),
-                    },
+                    Ok(ev) => outcomes.push(reg.handle_event(vm, ev)),
                     Err(e) => warn!("{vm}: bad uffd event: {e}"),
                 }
-                core.fault_seconds.observe(t0.elapsed().as_secs_f64());
+                let took = t0.elapsed();
+                core.fault_seconds.observe(took.as_secs_f64());
+                service[vm::service_bucket(took)] += 1;
+                if let Some(b) = begun {
+                    tap.send(reg.trace_end(b, took));
+                }
+            }
+            if let Some(v) = reg.vms.get_mut(&vm) {
+                for (a, b) in v.stats.service_us_log2.iter_mut().zip(service) {
+                    *a += b;
+                }
             }
             reg.collect_garbage();
         }
-        if let Some(reason) = failed {
-            core.log_failure(vm, &reason);
+        for outcome in outcomes {
+            if !core.after_fault(vm, outcome, &retry_tx) {
+                return;
+            }
         }
-        if vmm_gone {
-            core.mark_exited(vm, "vmm address space is gone (ESRCH)");
-            return;
+    }
+}
+
+impl Core {
+    /// Act on how a fault of `vm` was handled: log a failure, park a fault
+    /// that waits for decoded frames (it comes back through `retry`), or
+    /// mark the VMM gone. Returns whether to keep serving the uffd.
+    fn after_fault(
+        &self,
+        vm: VmId,
+        outcome: fault::Handled,
+        retry: &mpsc::UnboundedSender<u64>,
+    ) -> bool {
+        match outcome {
+            fault::Handled::Ok => true,
+            fault::Handled::Failed(reason) => {
+                self.log_failure(vm, &reason);
+                true
+            }
+            fault::Handled::Wait { page, ready } => {
+                let retry = retry.clone();
+                tokio::task::spawn_local(async move {
+                    for r in ready {
+                        let _ = r.await;
+                    }
+                    let _ = retry.send(page);
+                });
+                true
+            }
+            fault::Handled::VmmGone => {
+                self.mark_exited(vm, "vmm address space is gone (ESRCH)");
+                false
+            }
         }
     }
 }

@@ -47,8 +47,12 @@ impl Core {
                     pages_installed: v.stats.pages_installed,
                     removes: v.stats.removes,
                     deferred: v.stats.deferred,
+                    frame_waits: v.stats.frame_waits,
                     fault_around_kib: super::fault_around_kib(v.fault_around_pages),
+                    wp_copies: v.stats.wp_copies,
+                    service_us_log2: v.stats.service_us_log2.to_vec(),
                 },
+                snapshot_saving: None,
             });
         }
         let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
@@ -75,8 +79,19 @@ impl Core {
                 pages_installed: v.stats.pages_installed,
                 removes: v.stats.removes,
                 deferred: v.stats.deferred,
+                frame_waits: v.stats.frame_waits,
                 fault_around_kib: super::fault_around_kib(v.fault_around_pages),
+                wp_copies: v.stats.wp_copies,
+                service_us_log2: v.stats.service_us_log2.to_vec(),
             },
+            snapshot_saving: v.saving.as_ref().map(|s| {
+                let s = s.borrow();
+                proto::api::SnapshotSaving {
+                    name: s.name.clone(),
+                    pages_total: s.touched.len(),
+                    pages_saved: s.pages_written,
+                }
+            }),
         })
     }
 

@@ -156,6 +156,11 @@ impl Core {
                 v.state = RunState::Failed;
                 Err(Error::RollbackFailed { vm, reason })
             } else {
+                // The page log starts again with the VM's new memory.
+                for (first, n) in &reset {
+                    v.log.dropped(*first, *n);
+                }
+                v.log.reset_access();
                 Ok(())
             }?;
             match since_target {
@@ -282,6 +287,7 @@ impl Core {
                 CreateSnapshot {
                     name: name.clone(),
                     mode: SnapshotMode::Dirty,
+                    compress: false,
                 },
             )
             .await?;

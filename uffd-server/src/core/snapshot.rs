@@ -44,7 +44,7 @@ use super::{Core, Error, Registry, Result};
 use crate::memory::GuestMemory;
 use crate::pages::UNINITIALIZED;
 use crate::pages::{
-    read_pages, FileSource, ImageSource, PageSource, PageTable, ResolveError, SourceId,
+    read_pages, FileSource, ImageSource, PageSource, PageTable, ResolveError, SourceId, ZstdSource,
 };
 use crate::snapshot::image::{self, ImageWriter};
 use crate::snapshot::writer::{self, WriteReport, WriterHandle};
@@ -65,6 +65,8 @@ pub struct DirtyLog {
 /// A snapshot saving pages while its VM runs again.
 #[derive(Debug)]
 pub struct Saving {
+    /// The snapshot's name.
+    pub name: String,
     /// Pages whose bytes at the pause are not in the image yet.
     pub pending: PageSet,
     /// Every page this snapshot writes (`pending` at the pause): chunks
@@ -186,10 +188,54 @@ impl Registry {
         let mut buf = vec![0u8; shared::geometry::usize_of(n * PAGE_SIZE)];
         let dst = VolatileSlice::from(&mut buf[..]);
         let vms = &self.vms;
-        read_pages(&source, first, &dst, &|id| {
-            vms.get(&id).map(|o| Rc::clone(&o.memory))
-        })?;
+        let read = || {
+            read_pages(&source, first, &dst, &|id| {
+                vms.get(&id).map(|o| Rc::clone(&o.memory))
+            })
+        };
+        match read() {
+            Err(ResolveError::NotDecoded { image, frames }) => {
+                // `save_pending` waits for a run's frames before it saves
+                // the run; only a guest write racing the writer to a page
+                // never read since the restore gets here: decode its frame
+                // now rather than lose the page.
+                for f in frames {
+                    image.decode_now(f).map_err(|reason| ResolveError::Frame {
+                        path: image.path.clone(),
+                        reason,
+                    })?;
+                }
+                read()?;
+            }
+            other => other?,
+        }
         Ok(buf)
+    }
+
+    /// Receivers that fire when the compressed frames pages `pages` of
+    /// `vm` read from are decoded (none if nothing needs decoding).
+    fn frames_to_decode(
+        &self,
+        vm: VmId,
+        pages: std::ops::Range<u64>,
+    ) -> Vec<tokio::sync::oneshot::Receiver<()>> {
+        let Some(v) = self.vms.get(&vm) else {
+            return Vec::new();
+        };
+        let mut waits = Vec::new();
+        let mut p = pages.start;
+        while p < pages.end {
+            let src = v.table.get(p);
+            let mut q = p + 1;
+            while q < pages.end && v.table.get(q) == src {
+                q += 1;
+            }
+            if let Some(z) = self.arena.get(src).and_then(|s| s.zstd()) {
+                waits.extend(crate::images::zst::FramePool::wait(z, z.frames_of(p..q)));
+            }
+            p = q;
+        }
+        waits
     }
 
     /// VMs whose tables read pages from snapshot `name`'s image.
@@ -315,6 +361,10 @@ impl Core {
             .and_then(|p| p.files.get(crate::snapshot::MEMORY_FILE).cloned())
             .map(|f| f.chunks);
         let touched = saving_touched;
+        let compress = req.compress.then(|| zst::CompressOptions {
+            threads: self.settings.compress_threads,
+            ..zst::CompressOptions::default()
+        });
         let (state, extents) = tokio::task::spawn_blocking(move || {
             let reuse = |c: u64| {
                 let pages = checksum::CHUNK_BYTES / PAGE_SIZE;
@@ -326,12 +376,16 @@ impl Core {
                     .filter(|_| untouched)
                     .and_then(|ch| ch.get(shared::geometry::usize_of(c)).cloned())
             };
-            finish_files(&root, &tmp, &file, &mut state, &reuse).map(|n| (state, n))
+            finish_files(&root, &tmp, &file, &mut state, &reuse, compress).map(|n| (state, n))
         })
         .await
         .map_err(|_| Error::ShuttingDown)??;
+        let compressed_bytes = state.files.get(crate::snapshot::ZSTD_FILE).map(|f| f.bytes);
         let mode_used = state.mode;
         self.snapshots.borrow_mut().insert(state);
+        if self.settings.rewrite_extents > 0 && extents > self.settings.rewrite_extents {
+            self.rewrite_in_background(&req.name, extents);
+        }
         let duration_us = us(t0);
         info!(
             "{vm}: snapshot {} ({mode_used}): {pages_written} pages, pause {pause_us} us, \
@@ -350,6 +404,7 @@ impl Core {
             duration_us,
             image_extents: extents,
             pages_saved_ahead: early,
+            compressed_bytes,
         })
     }
 
@@ -391,14 +446,16 @@ impl Core {
                 Ok(img) => {
                     if m == SnapshotMode::Incremental {
                         let (_, src) = v.base.clone().unwrap_or_default();
-                        let data = reg
-                            .arena
-                            .get(src)
-                            .and_then(|s| s.file())
-                            .map(|f| image::data_pages(&f.file, f.len))
-                            .transpose()
-                            .map_err(SnapshotError::io("read the base image of", &path))?
-                            .unwrap_or_default();
+                        let base_source = reg.arena.get(src);
+                        let data = match base_source.and_then(|s| s.zstd()) {
+                            Some(z) => z.data_pages(),
+                            None => base_source
+                                .and_then(|s| s.file())
+                                .map(|f| image::data_pages(&f.file, f.len))
+                                .transpose()
+                                .map_err(SnapshotError::io("read the base image of", &path))?
+                                .unwrap_or_default(),
+                        };
                         base = Some((src, data));
                     }
                     mode = m;
@@ -523,6 +580,7 @@ impl Core {
             pages: PageSet::new(pages),
         });
         v.saving = Some(Rc::new(RefCell::new(Saving {
+            name: name.to_owned(),
             touched: pending.clone(),
             pending,
             writer: Some(writer),
@@ -587,6 +645,12 @@ impl Core {
                 while hi - lo < SAVE_RUN_PAGES && s.pending.contains(hi) {
                     hi += 1;
                 }
+            }
+            // Frames of a compressed image the run reads are decoded by
+            // the frame pool first, not on this thread.
+            let waits = self.reg.borrow().frames_to_decode(vm, lo..hi);
+            for w in waits {
+                let _ = w.await;
             }
             {
                 let reg = self.reg.borrow();
@@ -670,12 +734,14 @@ impl Core {
                 zero_hole: total.saturating_sub(data),
             },
             bytes_on_disk: on_disk(path.clone())
-                + on_disk(cat.dir_of(name).join(crate::snapshot::STATE_FILE)),
+                + on_disk(cat.dir_of(name).join(crate::snapshot::STATE_FILE))
+                + on_disk(cat.dir_of(name).join(crate::snapshot::ZSTD_FILE)),
             exclusive_bytes: image::exclusive_bytes(&file),
             image_extents: image::extent_count(&file),
             volume_snapshot: s.volume_snapshot.clone(),
             created: s.created,
             readers: self.reg.borrow().readers_of(name),
+            compressed_bytes: s.files.get(crate::snapshot::ZSTD_FILE).map(|f| f.bytes),
         })
     }
 
@@ -741,15 +807,7 @@ impl Core {
             .map(crate::pages::FaultAround::from_kib)
             .transpose()
             .map_err(|e| Error::BadRequest(format!("fault_around_kib {e}")))?;
-        let file = image::open_read(&path)?;
-        let len = file
-            .metadata()
-            .map_err(SnapshotError::io("stat", &path))?
-            .len();
-        let data = image::data_pages(&file, len).map_err(SnapshotError::io("read", &path))?;
-        let pin = crate::images::Pin::Stamp(
-            crate::images::Stamp::of(&file).map_err(SnapshotError::io("stat", &path))?,
-        );
+        let (source, data) = self.open_snapshot_memory(name, &state, &path)?;
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
         let id = reg.alloc_id(&self.settings.state_dir);
@@ -772,15 +830,7 @@ impl Core {
             }
         };
         let self_src = reg.arena.vm(id);
-        let src = reg.arena.insert(PageSource::Image(ImageSource {
-            snapshot: name.to_owned(),
-            file: FileSource {
-                path: path.clone(),
-                file,
-                len,
-                pin,
-            },
-        }));
+        let src = reg.arena.insert(source);
         let pages = size / PAGE_SIZE;
         let mut table = PageTable::new(pages, UNINITIALIZED);
         for (first, n) in data {
@@ -810,6 +860,65 @@ impl Core {
     }
 }
 
+impl Core {
+    /// Rewrite snapshot `name`'s fragmented image sequentially on a
+    /// blocking thread (see [`image::rewrite_sequential`]); the snapshot
+    /// stays usable throughout.
+    fn rewrite_in_background(&self, name: &str, extents: u64) {
+        let path = self.snapshots.borrow().image_of(name);
+        let name = name.to_owned();
+        info!("snapshot {name}: image has {extents} extents; rewriting it sequentially");
+        tokio::task::spawn_blocking(move || match image::rewrite_sequential(&path) {
+            Ok((before, after)) => {
+                info!("snapshot {name}: image rewritten, {before} -> {after} extents");
+            }
+            // A snapshot deleted meanwhile is not an error.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => warn!("snapshot {name}: cannot rewrite its image: {e}"),
+        });
+    }
+
+    /// The source a VM restored from snapshot `name` reads (its
+    /// `memory.zst` if it has one, else `memory.img` at `path`) and the
+    /// runs of pages that hold data in it (the rest reads as zero).
+    pub(super) fn open_snapshot_memory(
+        &self,
+        name: &str,
+        state: &StateFile,
+        path: &Path,
+    ) -> Result<(PageSource, Vec<(u64, u64)>)> {
+        if state.files.contains_key(crate::snapshot::ZSTD_FILE) {
+            let zpath = self
+                .snapshots
+                .borrow()
+                .dir_of(name)
+                .join(crate::snapshot::ZSTD_FILE);
+            let image = self.open_zstd(&zpath.display().to_string(), Some(name))?;
+            let data = image.data_pages();
+            return Ok((PageSource::Zstd(ZstdSource { image }), data));
+        }
+        let file = image::open_read(path)?;
+        let len = file
+            .metadata()
+            .map_err(SnapshotError::io("stat", path))?
+            .len();
+        let data = image::data_pages(&file, len).map_err(SnapshotError::io("read", path))?;
+        let pin = crate::images::Pin::Stamp(
+            crate::images::Stamp::of(&file).map_err(SnapshotError::io("stat", path))?,
+        );
+        let source = PageSource::Image(ImageSource {
+            snapshot: name.to_owned(),
+            file: FileSource {
+                path: path.to_owned(),
+                file,
+                len,
+                pin,
+            },
+        });
+        Ok((source, data))
+    }
+}
+
 /// After the last page is saved: fsync the image, record its checksums in
 /// `state` (`reuse` gives those of chunks the parent's image already has),
 /// and commit the snapshot directory. Returns the image's extent
@@ -820,6 +929,7 @@ fn finish_files(
     image: &std::fs::File,
     state: &mut StateFile,
     reuse: &dyn Fn(u64) -> Option<String>,
+    compress: Option<zst::CompressOptions>,
 ) -> Result<u64> {
     let path = tmp.join(crate::snapshot::MEMORY_FILE);
     image.sync_all().map_err(SnapshotError::io("sync", &path))?;
@@ -828,6 +938,19 @@ fn finish_files(
     state
         .files
         .insert(crate::snapshot::MEMORY_FILE.to_owned(), sum);
+    if let Some(opts) = compress {
+        let zpath = tmp.join(crate::snapshot::ZSTD_FILE);
+        zst::compress(image, &zpath, &opts, &mut |_, _| {}).map_err(|e| {
+            SnapshotError::io("compress into", &zpath)(std::io::Error::other(shared::error_chain(
+                &e,
+            )))
+        })?;
+        let zfile = image::open_read(&zpath)?;
+        let zsum = checksum::sum_file(&zfile).map_err(SnapshotError::io("checksum", &zpath))?;
+        state
+            .files
+            .insert(crate::snapshot::ZSTD_FILE.to_owned(), zsum);
+    }
     let extents = image::extent_count(image);
     catalog::commit(root, tmp, state)?;
     Ok(extents)

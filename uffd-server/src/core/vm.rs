@@ -29,6 +29,23 @@ pub struct FaultStats {
     pub removes: u64,
     /// Installs deferred by EAGAIN (a pending non-cooperative event).
     pub deferred: u64,
+    /// Faults that waited for frames of a compressed image to be decoded.
+    pub frame_waits: u64,
+    /// Pre-write copies this VM's writes gave to the VMs reading from it.
+    pub wp_copies: u64,
+    /// Events by service time: bucket i counts those served in
+    /// [2^i, 2^(i+1)) µs (bucket 0 also under 1 µs, the last everything
+    /// longer).
+    pub service_us_log2: [u64; SERVICE_BUCKETS],
+}
+
+/// Buckets of [`FaultStats::service_us_log2`]: up to ~32 ms apart.
+pub const SERVICE_BUCKETS: usize = 16;
+
+/// The service-time bucket of an event that took `took`.
+pub fn service_bucket(took: std::time::Duration) -> usize {
+    let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX) | 1;
+    (63 - us.leading_zeros() as usize).min(SERVICE_BUCKETS - 1)
 }
 
 impl FaultStats {
@@ -39,6 +56,11 @@ impl FaultStats {
         self.pages_installed += other.pages_installed;
         self.removes += other.removes;
         self.deferred += other.deferred;
+        self.frame_waits += other.frame_waits;
+        self.wp_copies += other.wp_copies;
+        for (a, b) in self.service_us_log2.iter_mut().zip(other.service_us_log2) {
+            *a += b;
+        }
     }
 }
 
@@ -103,6 +125,10 @@ pub struct Vm {
     pub closed: Rc<tokio::sync::Notify>,
     /// Limits the fault path's repeated warnings about this VM.
     pub warnings: super::ratelimit::RateLimit,
+    /// How each page got here and what the VM touched (explain, access).
+    pub log: crate::observe::access::PageLog,
+    /// The live fault trace's listeners.
+    pub tap: Rc<crate::observe::trace::Tap>,
 }
 
 /// What a new VM is made of; everything else starts empty.
@@ -121,6 +147,7 @@ pub struct VmParts {
 impl Vm {
     /// A VM in `Starting` state, waiting for its VMM.
     pub fn new(p: VmParts) -> Self {
+        let log = crate::observe::access::PageLog::new(p.memory.pages());
         Vm {
             id: p.id,
             state: RunState::Starting,
@@ -155,6 +182,8 @@ impl Vm {
             owns_volume: false,
             closed: Rc::new(tokio::sync::Notify::new()),
             warnings: super::ratelimit::RateLimit::default(),
+            log,
+            tap: Rc::default(),
         }
     }
 

@@ -15,6 +15,8 @@
 //! image's size and modification time, which the resolver checks before
 //! each read: a change fails the VM instead of serving other bytes.
 
+pub mod zst;
+
 use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;

@@ -45,6 +45,8 @@ pub struct VmSample {
     pub pages_by_source: Vec<(String, u64)>,
     /// Deleted but kept while other VMs read pages from it.
     pub frozen: bool,
+    /// Listeners of its live fault trace.
+    pub trace_listeners: u64,
 }
 
 /// Everything a scrape reports, taken from the core at once.
@@ -77,7 +79,7 @@ pub fn render(sample: &Sample) -> String {
     let mut reg = Registry::with_prefix("pagefork");
 
     // Per-VM and server-wide counters of the fault engine.
-    let kinds: [StatCounter; 5] = [
+    let kinds: [StatCounter; 7] = [
         ("faults_missing", "MISSING faults resolved", |s| s.missing),
         (
             "faults_write_protect",
@@ -93,6 +95,16 @@ pub fn render(sample: &Sample) -> String {
         ("installs_deferred", "installs deferred by EAGAIN", |s| {
             s.deferred
         }),
+        (
+            "frame_waits",
+            "faults that waited for a compressed frame to be decoded",
+            |s| s.frame_waits,
+        ),
+        (
+            "wp_copies",
+            "pre-write copies given to the VMs reading a page before its writer changed it",
+            |s| s.wp_copies,
+        ),
     ];
     for (name, help, get) in kinds {
         let per_vm = Family::<Labels, Counter>::default();
@@ -115,8 +127,14 @@ pub fn render(sample: &Sample) -> String {
     let vms = Family::<Labels, Gauge>::default();
     let resident = Family::<Labels, Gauge>::default();
     let pages = Family::<Labels, Gauge>::default();
+    let listeners = Family::<Labels, Gauge>::default();
     let mut frozen = 0i64;
     for vm in &sample.vms {
+        if vm.kind == "pagefork" {
+            listeners
+                .get_or_create(&labels(&[("vm", &vm.id)]))
+                .set(i64::try_from(vm.trace_listeners).unwrap_or(i64::MAX));
+        }
         vms.get_or_create(&labels(&[("kind", vm.kind), ("state", &vm.state)]))
             .inc();
         resident
@@ -134,6 +152,11 @@ pub fn render(sample: &Sample) -> String {
         "vm_resident_pages",
         "pages present in each VM's own memory",
         resident,
+    );
+    reg.register(
+        "vm_trace_listeners",
+        "clients following each VM's live fault trace",
+        listeners,
     );
     reg.register(
         "vm_pages",
@@ -178,6 +201,7 @@ mod tests {
             pages_installed: 40,
             removes: 1,
             deferred: 0,
+            ..FaultStats::default()
         };
         let h = fault_histogram();
         h.observe(3e-6);
@@ -191,6 +215,7 @@ mod tests {
                 resident_pages: 40,
                 pages_by_source: vec![("vm".into(), 40), ("uninitialized".into(), 984)],
                 frozen: false,
+                trace_listeners: 1,
             }],
             retired: FaultStats {
                 missing: 7,

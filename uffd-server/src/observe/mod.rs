@@ -1,7 +1,14 @@
-//! Seeing what the server does: Prometheus metrics ([`metrics`]).
+//! Seeing what the server does: Prometheus metrics ([`metrics`]), the live
+//! fault trace ([`trace`]), each VM's page log ([`access`]: how every page
+//! got there, what the VM touched) and pictures of page maps ([`map`]).
 //!
-//! Nothing here touches the fault path except the fault-service-time
-//! histogram (two clock reads and a few atomic adds per event); everything
-//! else is read from the core's own counters when a scraper asks.
+//! The fault path pays for: the fault-service-time histogram (two clock
+//! reads and a few atomic adds per event), the page log (a clock read and a
+//! few stores per event), and one relaxed atomic load per event for the
+//! trace while nobody listens. Everything else is read from the core's own
+//! state when a client asks.
 
+pub mod access;
+pub mod map;
 pub mod metrics;
+pub mod trace;

@@ -9,6 +9,8 @@ pub mod source;
 pub mod table;
 
 pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
-pub use resolve::{plan_run, read_pages, Fault, ResolveError, Run};
-pub use source::{FileSource, ImageSource, PageSource, SourceArena, SourceId, UNINITIALIZED};
+pub use resolve::{fault_on, plan_run, read_pages, Fault, ResolveError, Run};
+pub use source::{
+    FileSource, ImageSource, PageSource, SourceArena, SourceId, ZstdSource, UNINITIALIZED,
+};
 pub use table::{Extent, PageTable, CHUNK_PAGES};

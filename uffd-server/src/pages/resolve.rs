@@ -51,6 +51,16 @@ pub enum ResolveError {
     PartialPage { first: u64 },
     #[error("cannot access guest memory")]
     Memory(#[from] MemoryError),
+    /// Not an error of the page: frames of a compressed image are being
+    /// decoded off this thread. The fault waits for them and is retried
+    /// (see [`crate::images::zst`]).
+    #[error("frames {frames:?} of {} are not decoded yet", image.path.display())]
+    NotDecoded {
+        image: std::sync::Arc<crate::images::zst::ZstdImage>,
+        frames: Range<u64>,
+    },
+    #[error("cannot decode compressed image {}: {reason}", path.display())]
+    Frame { path: PathBuf, reason: String },
 }
 
 /// Result alias of this module.
@@ -103,6 +113,29 @@ pub fn plan_run(table: &PageTable, src: SourceId, fault: &Fault, ra: &Readahead)
         hi += 1;
     }
     Run { lo, hi, window }
+}
+
+/// The fault to plan on `source`: a compressed image's run stays inside
+/// the frame of the faulting page (the frame is what one decode yields, so
+/// fault-around comes with it), and a sequential reader gets the next
+/// frames decoded ahead.
+pub fn fault_on(source: &PageSource, fault: Fault, ra: &Readahead) -> Fault {
+    let Some(z) = source.zstd() else {
+        return fault;
+    };
+    let h = z.header();
+    let frame = h.frame_of(fault.page);
+    let r = h.frame_range(frame);
+    if fault.track && ra.max_pages > 0 && ra.next == fault.page {
+        let per = u64::from(h.frame_pages);
+        let ahead = (ra.max_pages / per).clamp(1, 8);
+        crate::images::zst::FramePool::prefetch(z, frame + 1..frame + 1 + ahead);
+    }
+    Fault {
+        bounds: r.start.max(fault.bounds.start)..r.end.min(fault.bounds.end),
+        block: r.end - r.start,
+        ..fault
+    }
 }
 
 /// Where the memory of a VM named by a `Vm(id)` source is.
@@ -189,6 +222,57 @@ pub fn read_pages(
                 }
             }
             Ok(())
+        }
+        PageSource::Zstd(super::ZstdSource { image: z }) => {
+            let pages = len as u64 / PAGE_SIZE;
+            let frames = z.frames_of(first..first + pages);
+            let h = z.header();
+            let mut bytes = Vec::new();
+            for f in frames.clone() {
+                match z.cached(f) {
+                    Ok(Some(b)) => bytes.push((h.frame_range(f), b)),
+                    Ok(None) => {
+                        return Err(ResolveError::NotDecoded {
+                            image: std::sync::Arc::clone(z),
+                            frames,
+                        })
+                    }
+                    Err(reason) => {
+                        return Err(ResolveError::Frame {
+                            path: z.path.clone(),
+                            reason,
+                        })
+                    }
+                }
+            }
+            copy_frames(&bytes, first, pages, dst);
+            Ok(())
+        }
+    }
+}
+
+/// A page of zeroes.
+static ZERO_PAGE: [u8; shared::geometry::usize_of(PAGE_SIZE)] =
+    [0; shared::geometry::usize_of(PAGE_SIZE)];
+
+/// Copy pages `first..first + pages` out of decoded frames (each with the
+/// pages it holds) into `dst`; pages past the image read as zero.
+fn copy_frames(
+    frames: &[(Range<u64>, std::sync::Arc<[u8]>)],
+    first: u64,
+    pages: u64,
+    dst: &VolatileSlice<'_>,
+) {
+    let ps = shared::geometry::usize_of(PAGE_SIZE);
+    for p in first..first + pages {
+        let at = shared::geometry::usize_of((p - first) * PAGE_SIZE);
+        let Ok(to) = dst.subslice(at, ps) else { return };
+        match frames.iter().find(|(r, _)| r.contains(&p)) {
+            Some((r, b)) => {
+                let from = shared::geometry::usize_of((p - r.start) * PAGE_SIZE);
+                to.copy_from(&b[from..from + ps]);
+            }
+            None => to.copy_from(&ZERO_PAGE[..]),
         }
     }
 }

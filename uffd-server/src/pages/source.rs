@@ -40,6 +40,14 @@ pub struct ImageSource {
     pub file: FileSource,
 }
 
+/// A `memory.zst` image: pages are decoded a frame at a time by the
+/// frame pool's threads (see [`crate::images::zst`]); its zero frames are
+/// `Uninitialized` in the tables that read it.
+#[derive(Debug)]
+pub struct ZstdSource {
+    pub image: std::sync::Arc<crate::images::zst::ZstdImage>,
+}
+
 /// Where a page's bytes come from.
 #[derive(Debug)]
 pub enum PageSource {
@@ -52,6 +60,8 @@ pub enum PageSource {
     /// A snapshot's image: served like `File`; its holes are
     /// `Uninitialized` in the tables that read it.
     Image(ImageSource),
+    /// A compressed image (a file, or a snapshot's `memory.zst`).
+    Zstd(ZstdSource),
 }
 
 impl PageSource {
@@ -62,20 +72,32 @@ impl PageSource {
             PageSource::Vm(_) => "vm",
             PageSource::File(_) => "file",
             PageSource::Image(_) => "image",
+            PageSource::Zstd(_) => "zstd",
         }
     }
 
     /// Whether a fault on this source installs a run of pages around it
     /// (fault-around and readahead) rather than the one page.
     pub fn fault_around(&self) -> bool {
-        matches!(self, PageSource::File(_) | PageSource::Image(_))
+        matches!(
+            self,
+            PageSource::File(_) | PageSource::Image(_) | PageSource::Zstd(_)
+        )
     }
 
     /// The image file behind this source, if it is one.
     pub fn file(&self) -> Option<&FileSource> {
         match self {
             PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => Some(f),
-            PageSource::Uninitialized | PageSource::Vm(_) => None,
+            PageSource::Uninitialized | PageSource::Vm(_) | PageSource::Zstd(_) => None,
+        }
+    }
+
+    /// The compressed image behind this source, if it is one.
+    pub fn zstd(&self) -> Option<&std::sync::Arc<crate::images::zst::ZstdImage>> {
+        match self {
+            PageSource::Zstd(z) => Some(&z.image),
+            _ => None,
         }
     }
 
@@ -83,6 +105,7 @@ impl PageSource {
     pub fn snapshot(&self) -> Option<&str> {
         match self {
             PageSource::Image(i) => Some(&i.snapshot),
+            PageSource::Zstd(z) => z.image.snapshot.as_deref(),
             _ => None,
         }
     }
@@ -94,15 +117,35 @@ impl PageSource {
             PageSource::Vm(id) => id.to_string(),
             PageSource::File(f) => format!("file:{}", f.path.display()),
             PageSource::Image(i) => format!("snapshot:{}", i.snapshot),
+            PageSource::Zstd(z) => match &z.image.snapshot {
+                Some(name) => format!("snapshot:{name} (zstd)"),
+                None => format!("zstd:{}", z.image.path.display()),
+            },
         }
     }
 }
+
+/// What is remembered of a released source, for page histories (a page
+/// installed from an image keeps saying so after the image is closed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retired {
+    /// [`PageSource::describe`].
+    pub name: String,
+    /// [`PageSource::kind`].
+    pub kind: &'static str,
+    /// The image file's path, for `File`, `Image` and `Zstd`.
+    pub path: Option<PathBuf>,
+}
+
+/// Released sources remembered at most (the most recent ones).
+const RETIRED_KEPT: usize = 4096;
 
 /// All sources the server knows, by id.
 #[derive(Debug)]
 pub struct SourceArena {
     slots: Vec<Option<Rc<PageSource>>>,
     vm_ids: HashMap<VmId, SourceId>,
+    retired: std::collections::BTreeMap<SourceId, Retired>,
 }
 
 impl Default for SourceArena {
@@ -117,6 +160,7 @@ impl SourceArena {
         SourceArena {
             slots: vec![Some(Rc::new(PageSource::Uninitialized))],
             vm_ids: HashMap::new(),
+            retired: std::collections::BTreeMap::new(),
         }
     }
 
@@ -157,12 +201,12 @@ impl SourceArena {
         counts
     }
 
-    /// Ids of the image sources (`File`, `Image`) still held.
+    /// Ids of the image sources (`File`, `Image`, `Zstd`) still held.
     pub fn image_ids(&self) -> impl Iterator<Item = SourceId> + '_ {
         self.slots.iter().enumerate().filter_map(|(i, s)| {
             matches!(
                 s.as_deref(),
-                Some(PageSource::File(_) | PageSource::Image(_))
+                Some(PageSource::File(_) | PageSource::Image(_) | PageSource::Zstd(_))
             )
             .then(|| SourceId::try_from(i).ok())
             .flatten()
@@ -176,11 +220,34 @@ impl SourceArena {
         }
         if let Some(slot) = self.slots.get_mut(id as usize) {
             if let Some(src) = slot.take() {
-                if let PageSource::Vm(vm) = *src {
-                    self.vm_ids.remove(&vm);
+                match &*src {
+                    PageSource::Vm(vm) => {
+                        self.vm_ids.remove(vm);
+                    }
+                    PageSource::Zstd(z) => z.image.release_cache(),
+                    _ => {}
+                }
+                self.retired.insert(
+                    id,
+                    Retired {
+                        name: src.describe(),
+                        kind: src.kind(),
+                        path: src
+                            .file()
+                            .map(|f| f.path.clone())
+                            .or_else(|| src.zstd().map(|z| z.path.clone())),
+                    },
+                );
+                if self.retired.len() > RETIRED_KEPT {
+                    self.retired.pop_first();
                 }
             }
         }
+    }
+
+    /// What is remembered of a released source.
+    pub fn retired(&self, id: SourceId) -> Option<&Retired> {
+        self.retired.get(&id)
     }
 }
 

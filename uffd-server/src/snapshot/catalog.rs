@@ -31,6 +31,9 @@ pub struct Catalog {
     /// Names being written: taken, but not listed.
     reserved: BTreeSet<String>,
     quarantined: Vec<String>,
+    /// Snapshots found unfinished at start-up (their `.tmp-` directories
+    /// were removed): a volume snapshot taken for one is an orphan.
+    unfinished: Vec<String>,
 }
 
 fn now_secs() -> u64 {
@@ -103,6 +106,26 @@ fn verify(dir: &Path, name: &str) -> Result<StateFile> {
     Ok(state)
 }
 
+/// Remove what a crash during a background rewrite left in snapshot
+/// directory `dir` (`.memory.img.rewrite`; the image itself is whole).
+fn remove_rewrite_leftovers(dir: &Path) {
+    let Ok(listing) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in listing.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with('.') && name.ends_with(super::image::REWRITE_SUFFIX) {
+            info!(
+                "removing an unfinished image rewrite {}",
+                e.path().display()
+            );
+            if let Err(err) = fs::remove_file(e.path()) {
+                warn!("cannot remove {}: {err}", e.path().display());
+            }
+        }
+    }
+}
+
 impl Catalog {
     /// Open (creating) `state_dir/snapshots`, clean up and verify.
     pub fn open(state_dir: &Path) -> Result<Self> {
@@ -113,6 +136,7 @@ impl Catalog {
             entries: BTreeMap::new(),
             reserved: BTreeSet::new(),
             quarantined: Vec::new(),
+            unfinished: Vec::new(),
         };
         let listing = fs::read_dir(&cat.root).map_err(SnapshotError::io("list", &cat.root))?;
         let mut removed = false;
@@ -129,12 +153,16 @@ impl Catalog {
                 if let Err(e) = fs::remove_dir_all(&path) {
                     warn!("cannot remove {}: {e}", path.display());
                 }
+                if let Some(n) = name.strip_prefix(TMP_PREFIX) {
+                    cat.unfinished.push(n.to_owned());
+                }
                 removed = true;
                 continue;
             }
             if name.starts_with('.') || !entry.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
+            remove_rewrite_leftovers(&path);
             match verify(&path, &name) {
                 Ok(state) => {
                     cat.entries.insert(name, state);
@@ -187,6 +215,11 @@ impl Catalog {
     /// Every complete snapshot, by name.
     pub fn iter(&self) -> impl Iterator<Item = &StateFile> {
         self.entries.values()
+    }
+
+    /// Names of the snapshots found unfinished at start-up (once).
+    pub fn take_unfinished(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.unfinished)
     }
 
     /// Directories set aside at start-up.

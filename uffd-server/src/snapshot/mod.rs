@@ -9,6 +9,9 @@
 //!   <name>/                  one complete snapshot
 //!     memory.img             guest RAM in guest-physical layout: page p at
 //!                            byte p * page_size; holes read as zero
+//!     memory.zst             optional (`"compress": true`): the same memory
+//!                            in independently compressed frames (crate
+//!                            `zst`); restores serve it instead of memory.img
 //!     state.json             [`format::StateFile`]: format version, vCPU and
 //!                            device state, memory size, page size, mode,
 //!                            parent, volume snapshot, and memory.img's size,
@@ -51,5 +54,7 @@ pub use pageset::PageSet;
 
 /// The image file in a snapshot directory.
 pub const MEMORY_FILE: &str = "memory.img";
+/// The compressed image in a snapshot directory (with `compress`).
+pub const ZSTD_FILE: &str = "memory.zst";
 /// The description file in a snapshot directory.
 pub const STATE_FILE: &str = "state.json";

@@ -318,6 +318,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         Some(&body(&api::CreateSnapshot {
             name: "demo-mem".into(),
             mode: api::SnapshotMode::Full,
+            compress: false,
         })),
     )?;
     println!(

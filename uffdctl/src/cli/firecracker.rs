@@ -17,8 +17,15 @@ pub enum FirecrackerCmd {
         /// Socket path to create for Firecracker's `mem_backend.backend_path`.
         #[arg(value_name = "SOCKET")]
         listen_on: String,
-        /// Memory file to serve.
+        /// Memory file to serve (or, with --snapshot, a snapshot's name).
         image: String,
+        /// The memory file is a compressed memory.zst image.
+        #[arg(long, conflicts_with = "snapshot")]
+        zstd: bool,
+        /// Serve the memory of the pagefork snapshot named IMAGE (its
+        /// memory.zst if it has one).
+        #[arg(long)]
+        snapshot: bool,
         /// Fault-around block in KiB (0 = one page per fault).
         #[arg(long)]
         fault_around_kib: Option<u64>,
@@ -49,13 +56,21 @@ pub fn run(cmd: FirecrackerCmd, client: &Client, as_json: bool) -> Result<()> {
         FirecrackerCmd::Listen {
             listen_on,
             image,
+            zstd,
+            snapshot,
             fault_around_kib,
             readahead_kib,
             working_set,
         } => {
             let req = proto::api::CreateListener {
                 socket: listen_on,
-                memory_source: proto::api::MemorySource::File { path: image },
+                memory_source: if snapshot {
+                    proto::api::MemorySource::Snapshot { name: image }
+                } else if zstd {
+                    proto::api::MemorySource::Zstd { path: image }
+                } else {
+                    proto::api::MemorySource::File { path: image }
+                },
                 fault_around_kib,
                 readahead_kib,
                 working_set,

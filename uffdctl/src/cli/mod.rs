@@ -3,10 +3,14 @@
 
 pub mod demo;
 pub mod firecracker;
+pub mod image;
 pub mod inspect;
+pub mod map;
+pub mod observe;
 pub mod qcow2;
 pub mod snapshot;
 pub mod table;
+pub mod top;
 pub mod vm;
 pub mod volume;
 

@@ -24,6 +24,9 @@ pub enum SnapshotCmd {
         /// dirty (pages written since its last snapshot).
         #[arg(long, default_value = "full")]
         mode: String,
+        /// Also write memory.zst (restores then serve the compressed image).
+        #[arg(long)]
+        compress: bool,
     },
     /// List the complete snapshots.
     List,
@@ -77,20 +80,77 @@ const HEADERS: [&str; 9] = [
     "VOLUME",
 ];
 
+/// `POST /v1/vms/{vm}/snapshots`, drawing a progress bar on a terminal
+/// while it runs: the pages saved so far, from the VM's
+/// `snapshot_saving`, polled beside the request.
+fn create_with_progress(client: &Client, vm: &str, req: &Value) -> Result<Value> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return call(
+            client,
+            "POST",
+            &format!("/v1/vms/{vm}/snapshots"),
+            Some(req),
+        );
+    }
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let poller = s.spawn(|| {
+            let pb = indicatif::ProgressBar::new(0);
+            pb.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{msg} [{bar:40}] {pos}/{len} pages {per_sec} eta {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+            );
+            pb.set_message("pausing");
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(v) = call(client, "GET", &format!("/v1/vms/{vm}"), None) {
+                    match v.get("snapshot_saving") {
+                        Some(p) => {
+                            pb.set_message("saving");
+                            pb.set_length(p["pages_total"].as_u64().unwrap_or(0));
+                            pb.set_position(p["pages_saved"].as_u64().unwrap_or(0));
+                        }
+                        None if pb.length().unwrap_or(0) > 0 => {
+                            pb.set_message("committing");
+                            pb.set_position(pb.length().unwrap_or(0));
+                        }
+                        None => {}
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            pb.finish_and_clear();
+        });
+        let r = call(
+            client,
+            "POST",
+            &format!("/v1/vms/{vm}/snapshots"),
+            Some(req),
+        );
+        done.store(true, Ordering::Relaxed);
+        let _ = poller.join();
+        r
+    })
+}
+
 /// Run a snapshot command.
 pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
     let out = match cmd {
-        SnapshotCmd::Create { vm, name, mode: m } => {
+        SnapshotCmd::Create {
+            vm,
+            name,
+            mode: m,
+            compress,
+        } => {
             let req = api::CreateSnapshot {
                 name,
                 mode: mode(&m)?,
+                compress,
             };
-            let v = call(
-                client,
-                "POST",
-                &format!("/v1/vms/{vm}/snapshots"),
-                Some(&body(&req)),
-            )?;
+            let v = create_with_progress(client, &vm, &body(&req))?;
             if !as_json {
                 println!(
                     "snapshot {} of {vm}: {} ({} pages, {} bytes written; paused {} us, {} us in all){}",
@@ -105,6 +165,9 @@ pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
                         .map(|r| format!("\n  not {m}: {r}"))
                         .unwrap_or_default()
                 );
+                if let Some(z) = v["compressed_bytes"].as_u64() {
+                    println!("  memory.zst: {z} bytes");
+                }
                 return Ok(());
             }
             v

@@ -20,8 +20,11 @@ pub enum VmCmd {
         #[arg(long, default_value_t = 1)]
         vcpus: u8,
         /// Raw memory image to serve the guest's RAM from (lazily).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "zstd_image")]
         image: Option<String>,
+        /// Compressed memory image (memory.zst) to serve it from (lazily).
+        #[arg(long)]
+        zstd_image: Option<String>,
         /// Disk volume to attach.
         #[arg(long)]
         volume: Option<String>,
@@ -138,6 +141,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
             memory_mib,
             vcpus,
             image,
+            zstd_image,
             volume,
             fault_around_kib,
             prefetch,
@@ -146,7 +150,11 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                 memory_mib,
                 vcpus,
                 from_snapshot: None,
-                memory_source: image.map(|path| api::MemorySource::File { path }),
+                memory_source: match (image, zstd_image) {
+                    (Some(path), _) => Some(api::MemorySource::File { path }),
+                    (None, Some(path)) => Some(api::MemorySource::Zstd { path }),
+                    (None, None) => None,
+                },
                 volume,
                 fault_around_kib,
                 readahead_kib: None,

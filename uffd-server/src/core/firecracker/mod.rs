@@ -40,7 +40,7 @@ use super::vm::{FaultStats, RunState};
 use super::{Core, Error, Result};
 use crate::conn::firecracker::ListenerStats;
 use crate::conn::FcHandshake;
-use crate::pages::{PageTable, SourceId, UNINITIALIZED};
+use crate::pages::{FileSource, PageSource, PageTable, SourceId, ZstdSource, UNINITIALIZED};
 use serve::{prefetch_working_set, serve_fc};
 
 /// A Firecracker listener.
@@ -48,8 +48,12 @@ use serve::{prefetch_working_set, serve_fc};
 pub struct FcListener {
     pub id: u32,
     pub socket: PathBuf,
-    pub source_path: PathBuf,
+    /// What the listener serves, as asked.
+    pub memory_source: MemorySource,
     pub source: SourceId,
+    /// Runs of source pages holding data (the rest, a compressed image's
+    /// zero frames or a snapshot image's holes, read as zero).
+    pub data: Rc<Vec<(u64, u64)>>,
     pub fault_around_pages: u64,
     /// Largest readahead window in pages.
     pub readahead_pages: u64,
@@ -64,17 +68,8 @@ pub struct FcListener {
 impl Core {
     /// Start a Firecracker listener.
     pub fn add_fc_listener(self: &Rc<Self>, req: CreateListener) -> Result<ListenerInfo> {
-        let MemorySource::File { path } = &req.memory_source;
-        let (file, len) = crate::images::open_regular(
-            std::path::Path::new(path),
-            self.settings.image_dir.as_deref(),
-        )?;
-        if len == 0 || len % PAGE_SIZE != 0 {
-            return Err(Error::Image {
-                path: path.clone(),
-                reason: "a memory snapshot must be a non-empty multiple of 4096 bytes".into(),
-            });
-        }
+        let path = req.memory_source.describe();
+        let (source, len, data) = self.open_listener_source(&req.memory_source)?;
         let socket = PathBuf::from(&req.socket);
         let fault_around = req
             .fault_around_kib
@@ -93,12 +88,6 @@ impl Core {
             }
             None => self.settings.readahead_pages,
         };
-        let (file, pin) = crate::images::pin(file, &self.settings.state_dir).map_err(|source| {
-            Error::OpenImageFile(crate::images::ImageError::Open {
-                path: path.clone(),
-                source,
-            })
-        })?;
         if socket.symlink_metadata().is_ok() {
             return Err(Error::SocketExists { path: socket });
         }
@@ -114,14 +103,7 @@ impl Core {
         let mut reg = self.reg.borrow_mut();
         reg.next_listener += 1;
         let id = reg.next_listener;
-        let source = reg
-            .arena
-            .insert(crate::pages::PageSource::File(crate::pages::FileSource {
-                path: PathBuf::from(path),
-                file,
-                len,
-                pin,
-            }));
+        let source = reg.arena.insert(source);
         let ctx = crate::conn::firecracker::ListenerCtx {
             id,
             socket: socket.clone(),
@@ -141,8 +123,9 @@ impl Core {
             FcListener {
                 id,
                 socket: socket.clone(),
-                source_path: PathBuf::from(path),
+                memory_source: req.memory_source.clone(),
                 source,
+                data: Rc::new(data),
                 fault_around_pages,
                 readahead_pages,
                 working_set: req.working_set,
@@ -157,6 +140,54 @@ impl Core {
         );
         drop(reg);
         self.fc_listener_info(id)
+    }
+
+    /// The source a listener serves, the memory size it covers and the
+    /// runs of its pages that hold data.
+    fn open_listener_source(&self, memory: &MemorySource) -> Result<ListenerSource> {
+        match memory {
+            MemorySource::File { path } => {
+                let (file, len) = crate::images::open_regular(
+                    std::path::Path::new(path),
+                    self.settings.image_dir.as_deref(),
+                )?;
+                if len == 0 || len % PAGE_SIZE != 0 {
+                    return Err(Error::Image {
+                        path: path.clone(),
+                        reason: "a memory snapshot must be a non-empty multiple of 4096 bytes"
+                            .into(),
+                    });
+                }
+                let (file, pin) =
+                    crate::images::pin(file, &self.settings.state_dir).map_err(|source| {
+                        Error::OpenImageFile(crate::images::ImageError::Open {
+                            path: path.clone(),
+                            source,
+                        })
+                    })?;
+                let source = PageSource::File(FileSource {
+                    path: PathBuf::from(path),
+                    file,
+                    len,
+                    pin,
+                });
+                Ok((source, len, vec![(0, len / PAGE_SIZE)]))
+            }
+            MemorySource::Zstd { path } => {
+                let image = self.open_zstd(path, None)?;
+                let len = image.header().memory_bytes;
+                let data = image.data_pages();
+                Ok((PageSource::Zstd(ZstdSource { image }), len, data))
+            }
+            MemorySource::Snapshot { name } => {
+                let (state, path) = {
+                    let cat = self.snapshots.borrow();
+                    (cat.get(name)?.clone(), cat.image_of(name))
+                };
+                let (source, data) = self.open_snapshot_memory(name, &state, &path)?;
+                Ok((source, state.memory_bytes, data))
+            }
+        }
     }
 
     /// `GET /v1/firecracker/listeners/{id}` body.
@@ -181,9 +212,7 @@ impl Core {
         Ok(ListenerInfo {
             id: format!("fc-{id}"),
             socket: l.socket.display().to_string(),
-            memory_source: MemorySource::File {
-                path: l.source_path.display().to_string(),
-            },
+            memory_source: l.memory_source.clone(),
             fault_around_kib: super::fault_around_kib(l.fault_around_pages),
             readahead_kib: l.readahead_pages * PAGE_SIZE / 1024,
             working_set: l.working_set,
@@ -260,6 +289,7 @@ impl Core {
             return;
         };
         let readahead_pages = l.readahead_pages;
+        let data = Rc::clone(&l.data);
         let (file_src, fault_around, recorded) = (
             l.source,
             l.fault_around_pages,
@@ -276,7 +306,13 @@ impl Core {
             .unwrap_or(0);
         let mut table = PageTable::new(pages, UNINITIALIZED);
         for r in &regions {
-            table.set_range(r.offset / PAGE_SIZE, r.size / PAGE_SIZE, file_src);
+            let (lo, hi) = (r.offset / PAGE_SIZE, (r.offset + r.size) / PAGE_SIZE);
+            for &(first, n) in data.iter() {
+                let (a, b) = (first.max(lo), (first + n).min(hi));
+                if a < b {
+                    table.set_range(a, b - a, file_src);
+                }
+            }
         }
         let id = reg.alloc_id(&self.settings.state_dir);
         let self_src = reg.arena.vm(id);
@@ -361,6 +397,10 @@ impl Core {
         })
     }
 }
+
+/// What a listener serves: the source, the memory size it covers and the
+/// runs of its pages that hold data.
+type ListenerSource = (PageSource, u64, Vec<(u64, u64)>);
 
 /// `BTreeMap` of listeners and Firecracker VMs, kept in the registry.
 pub type FcListeners = BTreeMap<u32, FcListener>;

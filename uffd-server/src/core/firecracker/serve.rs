@@ -6,14 +6,23 @@ use std::time::Duration;
 
 use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
+use tokio::sync::{mpsc, oneshot};
 use tracing::info;
 use userfaultfd::{Event, EventBuffer, FaultKind, Uffd};
 
 use super::vm::Resolved;
 use crate::core::Core;
 
-/// Handle a batch of events for a Firecracker VM; returns faults to retry.
-fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u64>) -> bool {
+/// Handle a batch of events for a Firecracker VM; faults to retry go to
+/// `deferred` (EAGAIN: after the next events) or come back through
+/// `retry` (waiting for decoded frames). Returns whether to keep serving.
+fn handle_batch(
+    core: &Core,
+    id: VmId,
+    events: Vec<Event>,
+    deferred: &mut Vec<u64>,
+    retry: &mpsc::UnboundedSender<u64>,
+) -> bool {
     let mut reg = core.reg.borrow_mut();
     let reg = &mut *reg;
     let Some(v) = reg.fc_vms.get_mut(&id) else {
@@ -36,21 +45,35 @@ fn handle_batch(core: &Core, id: VmId, events: Vec<Event>, deferred: &mut Vec<u6
         }
     }
     v.stats.missing += faults.len() as u64;
-    let retry: Vec<u64> = std::mem::take(deferred);
-    for addr in retry.into_iter().chain(faults) {
+    let again: Vec<u64> = std::mem::take(deferred);
+    for addr in again.into_iter().chain(faults) {
         let t0 = std::time::Instant::now();
         let resolved = v.resolve(&reg.arena, addr, record);
-        core.fault_seconds.observe(t0.elapsed().as_secs_f64());
+        let took = t0.elapsed();
+        core.fault_seconds.observe(took.as_secs_f64());
+        v.stats.service_us_log2[crate::core::vm::service_bucket(took)] += 1;
         match resolved {
             Resolved::Ok => {}
             Resolved::Again => {
                 v.stats.deferred += 1;
                 deferred.push(addr);
             }
+            Resolved::Wait(ready) => park(addr, ready, retry),
             Resolved::Gone => return false,
         }
     }
     true
+}
+
+/// Send `addr` back through `retry` once every receiver of `ready` fired.
+fn park(addr: u64, ready: Vec<oneshot::Receiver<()>>, retry: &mpsc::UnboundedSender<u64>) {
+    let retry = retry.clone();
+    tokio::task::spawn_local(async move {
+        for r in ready {
+            let _ = r.await;
+        }
+        let _ = retry.send(addr);
+    });
 }
 
 pub(super) async fn serve_fc(
@@ -61,6 +84,7 @@ pub(super) async fn serve_fc(
 ) {
     let mut buf = EventBuffer::new(64);
     let mut deferred: Vec<u64> = Vec::new();
+    let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<u64>();
     loop {
         let events: Vec<Event> = if deferred.is_empty() {
             let mut guard = tokio::select! {
@@ -68,6 +92,14 @@ pub(super) async fn serve_fc(
                     Ok(g) => g,
                     Err(_) => return,
                 },
+                Some(addr) = retry_rx.recv() => {
+                    // A fault whose frames are decoded now.
+                    deferred.push(addr);
+                    if !handle_batch(&core, id, Vec::new(), &mut deferred, &retry_tx) {
+                        return;
+                    }
+                    continue;
+                }
                 () = closed.notified() => return,
             };
             match guard.get_inner().read_events(&mut buf) {
@@ -99,7 +131,7 @@ pub(super) async fn serve_fc(
             }
             evs
         };
-        if !handle_batch(&core, id, events, &mut deferred) {
+        if !handle_batch(&core, id, events, &mut deferred, &retry_tx) {
             return;
         }
     }
@@ -110,14 +142,20 @@ pub(super) async fn serve_fc(
 pub(super) async fn prefetch_working_set(core: Rc<Core>, id: VmId, pages: Rc<Vec<u64>>) {
     let t = std::time::Instant::now();
     let mut installed = 0u64;
-    for chunk in pages.chunks(256) {
+    let mut chunks: std::collections::VecDeque<Vec<u64>> =
+        pages.chunks(256).map(<[u64]>::to_vec).collect();
+    while let Some(chunk) = chunks.pop_front() {
+        // Pages whose compressed frames are being decoded: installed once
+        // they are (the decoding runs on the frame pool's threads).
+        let mut waiting = Vec::new();
+        let mut ready = Vec::new();
         {
             let mut reg = core.reg.borrow_mut();
             let reg = &mut *reg;
             let Some(v) = reg.fc_vms.get_mut(&id) else {
                 return;
             };
-            for &p in chunk {
+            for &p in &chunk {
                 let Some(r) = v
                     .regions
                     .iter()
@@ -131,11 +169,22 @@ pub(super) async fn prefetch_working_set(core: Rc<Core>, id: VmId, pages: Rc<Vec
                 }
                 let addr = r.base + (p * PAGE_SIZE - r.offset);
                 let before = v.stats.pages_installed;
-                if let Resolved::Gone = v.resolve(&reg.arena, addr, false) {
-                    return;
+                match v.resolve(&reg.arena, addr, false) {
+                    Resolved::Gone => return,
+                    Resolved::Wait(r) => {
+                        waiting.push(p);
+                        ready.extend(r);
+                    }
+                    Resolved::Ok | Resolved::Again => {}
                 }
                 installed += v.stats.pages_installed - before;
             }
+        }
+        for r in ready {
+            let _ = r.await;
+        }
+        if !waiting.is_empty() {
+            chunks.push_front(waiting);
         }
         tokio::task::yield_now().await;
     }

@@ -19,7 +19,8 @@ use vm_memory::VolatileSlice;
 use crate::core::ratelimit::{suppressed_note, RateLimit};
 use crate::core::vm::{FaultStats, Readahead, RunState};
 use crate::pages::{
-    plan_run, read_pages, Fault, PageTable, ResolveError, SourceArena, SourceId, UNINITIALIZED,
+    fault_on, plan_run, read_pages, Fault, PageTable, ResolveError, SourceArena, SourceId,
+    UNINITIALIZED,
 };
 
 /// Largest run installed by one UFFDIO_COPY: the staging buffer's size.
@@ -61,6 +62,9 @@ pub(super) enum Resolved {
     Ok,
     /// Retry after the pending events.
     Again,
+    /// Retry when these fire: frames of a compressed image are being
+    /// decoded off the core thread (the faulting thread stays asleep).
+    Wait(Vec<tokio::sync::oneshot::Receiver<()>>),
     Gone,
 }
 
@@ -117,6 +121,12 @@ impl FcVm {
             });
             let res = match res {
                 Ok(res) => res,
+                Err(ResolveError::NotDecoded { image, frames }) => {
+                    self.mark(lo, at - lo);
+                    self.stats.frame_waits += 1;
+                    let ready = crate::images::zst::FramePool::wait(&image, frames);
+                    return Err(Outcome::Resolved(Resolved::Wait(ready)));
+                }
                 Err(e) => {
                     self.mark(lo, at - lo);
                     return Err(Outcome::Unservable(format!(
@@ -241,6 +251,10 @@ impl FcVm {
                 bounds: r_lo..r_lo + r.size / PAGE_SIZE,
                 block: self.fault_around_pages,
                 track: record,
+            };
+            let fault = match arena.get(self.file_src) {
+                Some(source) => fault_on(source, fault, &self.readahead),
+                None => fault,
             };
             let run = plan_run(&self.table, self.file_src, &fault, &self.readahead);
             self.readahead.window = run.window;

@@ -1,0 +1,219 @@
+//! REST handlers for seeing a VM's memory at work.
+//!
+//! ```text
+//! GET /v1/vms/{id}/faults?follow=true[&kind=wp][&limit=N]   NDJSON, live
+//! GET /v1/vms/{id}/access[?within_ms=N]                      JSON extents
+//! DELETE /v1/vms/{id}/access                                 begin it again
+//! GET /v1/vms/{id}/access.png[?cells=N]                      heat map
+//! GET /v1/vms/{id}/map[?cells=N]                             JSON cells
+//! GET /v1/vms/{id}/map.png[?cells=N]                         page-source map
+//! ```
+//!
+//! The trace is a stream (`application/x-ndjson`): one [`FaultEvent`]
+//! per line, or a [`TraceDropped`] line where a slow reader lost events.
+//! It ends after `limit` events, when the VM's VMM goes, or when the client
+//! hangs up.
+//!
+//! [`FaultEvent`]: proto::api::FaultEvent
+//! [`TraceDropped`]: proto::api::TraceDropped
+
+use axum::body::Body;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use proto::api::{AccessQuery, FaultKind, MapQuery, TraceDropped, TraceQuery};
+use tokio::sync::broadcast::error::RecvError;
+
+use super::{call, vm_id, ApiResult};
+use crate::core::{Answer, CommandKind, CoreHandle, Error};
+use crate::observe::trace::Subscription;
+
+/// Content type of the fault trace.
+pub const NDJSON: &str = "application/x-ndjson";
+
+/// The observation routes, to merge into the VM router.
+pub fn routes() -> Router<CoreHandle> {
+    Router::new()
+        .route("/v1/vms/{id}/faults", get(faults))
+        .route("/v1/vms/{id}/access", get(access).delete(reset_access))
+        .route("/v1/vms/{id}/access.png", get(access_png))
+        .route("/v1/vms/{id}/map", get(map))
+        .route("/v1/vms/{id}/map.png", get(map_png))
+}
+
+/// A query string, or a 400 that says what is wrong with it.
+pub(super) fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Error> {
+    q.map(|Query(q)| q)
+        .map_err(|e| Error::BadRequest(format!("invalid query: {}", e.body_text())))
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/faults",
+    params(("id" = String, description = "a VM id (vm-N)"), TraceQuery),
+    responses(
+        (status = 200, description = "the VM's faults as they happen: one JSON object per line, \
+         a FaultEvent or a TraceDropped", body = proto::api::FaultEvent,
+         content_type = "application/x-ndjson"),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server is stopping", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn faults(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<TraceQuery>, QueryRejection>,
+) -> Result<Response, Error> {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    if !q.follow {
+        return Err(Error::BadRequest(format!(
+            "the fault trace is live: add ?follow=true (what {id} touched so far: \
+             GET /v1/vms/{id}/access)"
+        )));
+    }
+    let Answer::Trace(sub) = core.call(CommandKind::Faults(id)).await? else {
+        return Err(Error::ShuttingDown);
+    };
+    let state = (*sub, q.kind, q.limit);
+    let stream = futures_util::stream::unfold(state, next_line);
+    Ok(([(header::CONTENT_TYPE, NDJSON)], Body::from_stream(stream)).into_response())
+}
+
+/// The next line of a trace stream, or its end.
+async fn next_line(
+    (mut sub, kind, limit): (Subscription, Option<FaultKind>, Option<u64>),
+) -> Option<(
+    Result<String, std::convert::Infallible>,
+    (Subscription, Option<FaultKind>, Option<u64>),
+)> {
+    if limit == Some(0) {
+        return None;
+    }
+    loop {
+        let line = match sub.rx.recv().await {
+            Ok(ev) if kind.is_some_and(|k| k != ev.kind) => continue,
+            Ok(ev) => serde_json::to_string(&ev),
+            Err(RecvError::Lagged(dropped)) => serde_json::to_string(&TraceDropped { dropped }),
+            Err(RecvError::Closed) => return None,
+        };
+        let counted = !line.as_deref().is_ok_and(|l| l.starts_with("{\"dropped\""));
+        let limit = limit.map(|n| if counted { n - 1 } else { n });
+        let mut line = line.unwrap_or_default();
+        line.push('\n');
+        return Some((Ok(line), (sub, kind, limit)));
+    }
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/access",
+    params(("id" = String, description = "a VM id (vm-N)"), AccessQuery),
+    responses(
+        (status = 200, description = "the pages the VM faulted on since its record began", body = proto::api::AccessMap),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn access(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<AccessQuery>, QueryRejection>,
+) -> ApiResult {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    call(&core, CommandKind::Access(id, q), StatusCode::OK).await
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/map",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), MapQuery),
+    responses(
+        (status = 200, description = "the page-source table as cells, with its legend", body = proto::api::PageMap),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn map(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<MapQuery>, QueryRejection>,
+) -> ApiResult {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    call(&core, CommandKind::Map(id, q), StatusCode::OK).await
+}
+
+/// A PNG the core drew.
+async fn png(core: &CoreHandle, kind: CommandKind) -> Result<Response, Error> {
+    let Answer::Png(bytes) = core.call(kind).await? else {
+        return Err(Error::ShuttingDown);
+    };
+    Ok(([(header::CONTENT_TYPE, "image/png")], bytes).into_response())
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/map.png",
+    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), MapQuery),
+    responses(
+        (status = 200, description = "the page-source map: one cell per page or group of pages, \
+         coloured by source, faded where not present, with a legend; its layout as JSON in the \
+         iTXt chunk pagefork-layout", body = Vec<u8>, content_type = "image/png"),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn map_png(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<MapQuery>, QueryRejection>,
+) -> Result<Response, Error> {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    png(&core, CommandKind::MapPng(id, q)).await
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/vms/{id}/access.png",
+    params(("id" = String, description = "a VM id (vm-N)"), MapQuery),
+    responses(
+        (status = 200, description = "faults per page since the access record began, as a heat \
+         map; its layout as JSON in the iTXt chunk pagefork-layout", body = Vec<u8>,
+         content_type = "image/png"),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn access_png(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+    q: Result<Query<MapQuery>, QueryRejection>,
+) -> Result<Response, Error> {
+    let id = vm_id(&id)?;
+    let q = query(q)?;
+    png(&core, CommandKind::AccessPng(id, q)).await
+}
+
+#[utoipa::path(
+    delete,
+    path = "/v1/vms/{id}/access",
+    params(("id" = String, description = "a VM id (vm-N)")),
+    responses(
+        (status = 200, description = "the access record begins again now (install records stay)", body = proto::api::AccessMap),
+        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
+        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
+    )
+)]
+pub(super) async fn reset_access(
+    State(core): State<CoreHandle>,
+    Path(id): Path<String>,
+) -> ApiResult {
+    let id = vm_id(&id)?;
+    call(&core, CommandKind::ResetAccess(id), StatusCode::OK).await
+}

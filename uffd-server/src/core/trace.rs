@@ -1,0 +1,95 @@
+//! The live fault trace, core side: what one uffd event of a VM was (read
+//! before it is handled), what it did (after), and subscribing to a VM's
+//! trace. Only called while someone listens (see `observe/trace.rs`).
+
+use std::time::Duration;
+
+use proto::api::{FaultEvent, FaultKind};
+use shared::{VmId, PAGE_SIZE};
+use userfaultfd::{Event, FaultKind as UffdKind, ReadWrite};
+
+use super::{Core, Error, Registry, Result};
+use crate::observe::trace::{unix_us, Subscription};
+
+/// An event read but not yet handled: its description, and the
+/// installed-pages count before it.
+#[derive(Debug)]
+pub struct Begun {
+    event: FaultEvent,
+    installed_before: u64,
+}
+
+impl Registry {
+    /// Describe `event` of `vm` before it is handled (the page's source is
+    /// the one the fault will read).
+    pub fn trace_begin(&self, vm: VmId, event: &Event) -> Option<Begun> {
+        let v = self.vms.get(&vm)?;
+        let describe = |src| {
+            self.arena
+                .get(src)
+                .map_or_else(|| format!("source-{src}"), |s| s.describe())
+        };
+        let (kind, page, write, source, pages) = match event {
+            Event::Pagefault { kind, rw, addr, .. } => {
+                let page = v.page_of(*addr as u64)?;
+                let (kind, source) = match kind {
+                    UffdKind::WriteProtected => (FaultKind::Wp, describe(v.self_src)),
+                    UffdKind::Missing | UffdKind::Minor => {
+                        (FaultKind::Missing, describe(v.table.get(page)))
+                    }
+                };
+                (kind, page, *rw == ReadWrite::Write, Some(source), 0)
+            }
+            Event::Remove { start, end } => {
+                let page = v.page_of(*start as u64)?;
+                let pages = (*end as u64).saturating_sub(*start as u64) / PAGE_SIZE;
+                (FaultKind::Remove, page, true, None, pages)
+            }
+            _ => return None,
+        };
+        Some(Begun {
+            event: FaultEvent {
+                time_us: unix_us(),
+                vm: vm.to_string(),
+                kind,
+                page,
+                write,
+                source,
+                pages,
+                service_us: 0,
+            },
+            installed_before: self.installed,
+        })
+    }
+
+    /// The event `begun` was handled in `took`.
+    pub fn trace_end(&self, begun: Begun, took: Duration) -> FaultEvent {
+        let mut ev = begun.event;
+        if ev.kind != FaultKind::Remove {
+            ev.pages = self.installed.saturating_sub(begun.installed_before);
+        }
+        ev.service_us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        ev
+    }
+}
+
+impl Core {
+    /// Listen to `id`'s faults from now on.
+    pub(super) fn subscribe_faults(&self, id: VmId) -> Result<Subscription> {
+        let reg = self.reg.borrow();
+        let Some(v) = reg.vms.get(&id) else {
+            if reg.fc_vms.contains_key(&id) {
+                return Err(Error::BadRequest(format!(
+                    "{id} is a Firecracker VM; the fault trace covers pagefork VMs"
+                )));
+            }
+            return Err(Error::NoSuchVm(id));
+        };
+        v.tap.subscribe().ok_or_else(|| {
+            Error::BadRequest(format!(
+                "{id} has no VMM any more (state {}): it takes no faults to trace",
+                v.state
+            ))
+        })
+    }
+}

@@ -1,0 +1,301 @@
+//! One VM's page log: for every guest page, how it got into the VM's
+//! memory (when, by which event, from which source) and which faults the
+//! VM took on it since the access record began (creation, fork, restore,
+//! rollback or a reset).
+//!
+//! Bounded by construction: 16 bytes per 4 KiB guest page (0.4% of guest
+//! memory), allocated with the VM, never growing. Times are milliseconds
+//! after the log's origin (u32: 49 days), counts saturate. Written on the
+//! fault path by the core thread only: an `Instant::now()` and a few stores
+//! per event.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use proto::api::{AccessExtent, FaultKind};
+
+use crate::pages::SourceId;
+
+/// How a page got into a VM's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum By {
+    /// The faulting page of a MISSING fault.
+    Missing = 1,
+    /// A page of the run installed around a MISSING fault.
+    FaultAround = 2,
+    /// The pre-write copy from the VM it read from, before that VM wrote.
+    WpCopy = 3,
+    /// Installed before the VM ran.
+    Prefetch = 4,
+}
+
+impl By {
+    fn from_u8(b: u8) -> Option<By> {
+        match b {
+            1 => Some(By::Missing),
+            2 => Some(By::FaultAround),
+            3 => Some(By::WpCopy),
+            4 => Some(By::Prefetch),
+            _ => None,
+        }
+    }
+
+    /// The name as the API shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            By::Missing => "missing",
+            By::FaultAround => "fault-around",
+            By::WpCopy => "wp-copy",
+            By::Prefetch => "prefetch",
+        }
+    }
+}
+
+fn kind_code(k: FaultKind) -> u8 {
+    match k {
+        FaultKind::Missing => 1,
+        FaultKind::Wp => 2,
+        FaultKind::Remove => 3,
+        FaultKind::Prefetch => 4,
+    }
+}
+
+fn kind_of(code: u8) -> Option<FaultKind> {
+    match code {
+        1 => Some(FaultKind::Missing),
+        2 => Some(FaultKind::Wp),
+        3 => Some(FaultKind::Remove),
+        4 => Some(FaultKind::Prefetch),
+        _ => None,
+    }
+}
+
+/// One page's record (16 bytes).
+#[derive(Debug, Clone, Copy, Default)]
+struct PageRec {
+    /// Installed at this many ms after the origin.
+    installed_ms: u32,
+    /// The source it was read from.
+    from: SourceId,
+    /// First fault since the access record began, ms after `since`.
+    first_ms: u32,
+    /// Faults since the access record began (saturating).
+    faults: u16,
+    /// [`By`] as a byte; 0: not installed by the server (or removed since).
+    by: u8,
+    /// The first fault's kind; 0: no fault since the record began.
+    first_kind: u8,
+}
+
+const _: () = assert!(std::mem::size_of::<PageRec>() == 16);
+
+/// How a page was installed, as [`PageLog::installed`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Install {
+    pub unix_ms: u64,
+    pub by: By,
+    pub from: SourceId,
+}
+
+/// A page's access record, as [`PageLog::access`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Access {
+    pub first_kind: FaultKind,
+    pub first_ms: u64,
+    pub faults: u64,
+}
+
+/// One VM's page log.
+#[derive(Debug)]
+pub struct PageLog {
+    origin: Instant,
+    origin_unix_ms: u64,
+    since: Instant,
+    since_unix_ms: u64,
+    recs: Vec<PageRec>,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn ms(d: Duration) -> u32 {
+    u32::try_from(d.as_millis()).unwrap_or(u32::MAX)
+}
+
+impl PageLog {
+    /// An empty log of `pages` pages; the access record begins now.
+    pub fn new(pages: u64) -> Self {
+        let now = Instant::now();
+        let unix = unix_ms();
+        PageLog {
+            origin: now,
+            origin_unix_ms: unix,
+            since: now,
+            since_unix_ms: unix,
+            recs: vec![PageRec::default(); shared::geometry::usize_of(pages)],
+        }
+    }
+
+    /// Pages logged.
+    pub fn pages(&self) -> u64 {
+        self.recs.len() as u64
+    }
+
+    /// When the access record began, in ms since the Unix epoch.
+    pub fn since_unix_ms(&self) -> u64 {
+        self.since_unix_ms
+    }
+
+    /// Pages `[first, first + n)` were installed `by` from `from`; with
+    /// `By::Missing`, only `fault` itself is the faulting page, the rest
+    /// of the run is fault-around.
+    pub fn installed_run(&mut self, first: u64, n: u64, fault: u64, by: By, from: SourceId) {
+        let at = ms(self.origin.elapsed());
+        for p in first..first.saturating_add(n) {
+            let by = if by == By::Missing && p != fault {
+                By::FaultAround
+            } else {
+                by
+            };
+            if let Some(r) = self.recs.get_mut(shared::geometry::usize_of(p)) {
+                r.installed_ms = at;
+                r.from = from;
+                r.by = by as u8;
+            }
+        }
+    }
+
+    /// A fault of `kind` on `page`.
+    pub fn fault(&mut self, page: u64, kind: FaultKind) {
+        let at = ms(self.since.elapsed());
+        if let Some(r) = self.recs.get_mut(shared::geometry::usize_of(page)) {
+            if r.first_kind == 0 {
+                r.first_kind = kind_code(kind);
+                r.first_ms = at;
+            }
+            r.faults = r.faults.saturating_add(1);
+        }
+    }
+
+    /// Pages `[first, first + n)` were dropped (REMOVE, rollback): they
+    /// hold nothing the server installed any more.
+    pub fn dropped(&mut self, first: u64, n: u64) {
+        let lo = shared::geometry::usize_of(first).min(self.recs.len());
+        let hi = shared::geometry::usize_of(first.saturating_add(n)).min(self.recs.len());
+        for r in &mut self.recs[lo..hi] {
+            r.by = 0;
+            r.from = 0;
+            r.installed_ms = 0;
+        }
+    }
+
+    /// Begin the access record again (install records stay).
+    pub fn reset_access(&mut self) {
+        self.since = Instant::now();
+        self.since_unix_ms = unix_ms();
+        for r in &mut self.recs {
+            r.first_kind = 0;
+            r.first_ms = 0;
+            r.faults = 0;
+        }
+    }
+
+    /// How `page` got into the VM's memory, if the server installed it.
+    pub fn installed(&self, page: u64) -> Option<Install> {
+        let r = self.recs.get(shared::geometry::usize_of(page))?;
+        Some(Install {
+            unix_ms: self.origin_unix_ms + u64::from(r.installed_ms),
+            by: By::from_u8(r.by)?,
+            from: r.from,
+        })
+    }
+
+    /// `page`'s faults since the access record began, if any.
+    pub fn access(&self, page: u64) -> Option<Access> {
+        let r = self.recs.get(shared::geometry::usize_of(page))?;
+        Some(Access {
+            first_kind: kind_of(r.first_kind)?,
+            first_ms: u64::from(r.first_ms),
+            faults: u64::from(r.faults),
+        })
+    }
+
+    /// Faults on each page since the access record began.
+    pub fn fault_counts(&self) -> impl Iterator<Item = u64> + '_ {
+        self.recs.iter().map(|r| u64::from(r.faults))
+    }
+
+    /// Runs of touched pages with the same first fault kind; with
+    /// `within_ms`, only pages first faulted within that time.
+    pub fn extents(&self, within_ms: Option<u64>) -> Vec<AccessExtent> {
+        let mut out: Vec<AccessExtent> = Vec::new();
+        for (p, r) in self.recs.iter().enumerate() {
+            let Some(kind) = kind_of(r.first_kind) else {
+                continue;
+            };
+            let first = u64::from(r.first_ms);
+            if within_ms.is_some_and(|w| first > w) {
+                continue;
+            }
+            let p = p as u64;
+            let faults = u64::from(r.faults);
+            match out.last_mut() {
+                Some(e) if e.kind == kind && e.start_page + e.pages == p => {
+                    e.pages += 1;
+                    e.first_ms = e.first_ms.min(first);
+                    e.last_ms = e.last_ms.max(first);
+                    e.faults += faults;
+                }
+                _ => out.push(AccessExtent {
+                    start_page: p,
+                    pages: 1,
+                    kind,
+                    first_ms: first,
+                    last_ms: first,
+                    faults,
+                }),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fault_run_records_the_faulting_page_and_its_neighbours() {
+        let mut log = PageLog::new(16);
+        log.installed_run(4, 4, 5, By::Missing, 9);
+        assert_eq!(
+            log.installed(5).map(|i| (i.by, i.from)),
+            Some((By::Missing, 9))
+        );
+        assert_eq!(log.installed(4).map(|i| i.by), Some(By::FaultAround));
+        assert_eq!(log.installed(8), None);
+        log.dropped(4, 2);
+        assert_eq!(log.installed(5), None);
+        assert_eq!(log.installed(6).map(|i| i.by), Some(By::FaultAround));
+    }
+
+    #[test]
+    fn extents_join_runs_of_one_first_kind_and_count_every_fault() {
+        let mut log = PageLog::new(16);
+        for p in [2, 3, 4] {
+            log.fault(p, FaultKind::Missing);
+        }
+        log.fault(3, FaultKind::Wp);
+        log.fault(5, FaultKind::Wp);
+        let e = log.extents(None);
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert_eq!((e[0].start_page, e[0].pages, e[0].faults), (2, 3, 4));
+        assert_eq!((e[1].start_page, e[1].kind), (5, FaultKind::Wp));
+        log.reset_access();
+        assert!(log.extents(None).is_empty());
+        assert_eq!(log.access(3), None);
+    }
+}
