@@ -608,3 +608,50 @@ fn matches_qemu_when_a_snapshot_create_grows_the_refcount_table() {
     ops::delete(&rw(&ours), "grow", &mut ops::no_hook).expect("delete");
     assert_same_file(&qemu, &ours, "delete after the growth");
 }
+
+#[test]
+fn image_locks_keep_offline_changes_and_a_running_qemu_apart() {
+    if !have_qemu() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("busy.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", p(&path), "1M"]);
+    // A qemu holding the image open read-write (it waits for commands).
+    let mut qemu = Command::new("qemu-io")
+        .args(["-f", "qcow2", p(&path)])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let refused = loop {
+        let f = rw(&path);
+        match qcow2::lock::acquire(&f, true) {
+            Err(e) => break e.to_string(),
+            Ok(()) if std::time::Instant::now() < deadline => {
+                drop(f);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Ok(()) => panic!("a running qemu-io did not hold its locks within 10 s"),
+        }
+    };
+    assert!(refused.contains("in use"), "{refused}");
+    drop(qemu.stdin.take());
+    qemu.wait().expect("qemu-io exits when its input closes");
+    // Free now; and while we hold the locks, qemu-img refuses the image.
+    let f = rw(&path);
+    qcow2::lock::acquire(&f, true).expect("the image is free");
+    let out = Command::new("qemu-img")
+        .args(["snapshot", "-c", "x", p(&path)])
+        .output()
+        .expect("qemu-img");
+    assert!(!out.status.success(), "qemu-img changed an image we hold");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("lock"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(f);
+    run("qemu-img", &["snapshot", "-c", "x", p(&path)]);
+}

@@ -51,6 +51,7 @@ impl VolumeEngine {
             path: path.to_owned(),
             source,
         };
+        qcow2::lock::acquire(&file, false).map_err(fmt)?;
         let img = Image::open(&file).map_err(fmt)?;
         let mut names: Vec<String> = Vec::new();
         for s in img.snapshots() {
