@@ -118,6 +118,9 @@ impl Plan {
                 );
                 k
             }
+            "qcow2_interchange" => ["import", "export", "snapshot_create"]
+                .map(|m| format!("qcow2.{m}"))
+                .to_vec(),
             "zstd_image" => {
                 let mut k: Vec<String> = [4, 64, 256, 2048]
                     .iter()
@@ -132,11 +135,12 @@ impl Plan {
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 6] = [
+pub const BENCHES: [&str; 7] = [
     "lazy_restore",
     "fork",
     "volume_snapshot",
     "vm_snapshot",
+    "qcow2_interchange",
     "fc_restore",
     "zstd_image",
 ];

@@ -6,10 +6,9 @@
 //! `free_cluster_index` hint starting at 0 for each opened image, first-fit
 //! search for a run of free clusters from the hint, a new refcount block
 //! placed where it can describe itself (then the search restarts), the hint
-//! lowered whenever a refcount drops to zero, and freed clusters punched out
-//! of the file (qemu discards them for snapshot operations). Growing the
-//! refcount table is not implemented: it is reported as unsupported before
-//! anything is written in that group.
+//! lowered whenever a refcount drops to zero, freed clusters punched out
+//! of the file (qemu discards them for snapshot operations), and a full
+//! refcount table replaced by a larger one placed past everything in use.
 //!
 //! Nothing reaches the file until [`Meta::flush`]; a group's writes are
 //! ordered (refcounts before tables when references are added, tables
@@ -91,6 +90,8 @@ pub struct Meta<'a, S> {
     freed: BTreeSet<u64>,
     punch_first: BTreeSet<u64>,
     free_cluster_index: u64,
+    /// A grown refcount table not yet on disk: (offset, bytes, clusters).
+    new_reftable: Option<(u64, Vec<u8>, u32)>,
 }
 
 impl<'a, S: StorageMut> Meta<'a, S> {
@@ -117,6 +118,7 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             freed: BTreeSet::new(),
             punch_first: BTreeSet::new(),
             free_cluster_index: 0,
+            new_reftable: None,
         }
     }
 
@@ -131,7 +133,7 @@ impl<'a, S: StorageMut> Meta<'a, S> {
     }
 
     fn load_rb(&mut self, off: u64) -> Result<()> {
-        if off % self.cs != 0 {
+        if !off.is_multiple_of(self.cs) {
             return Err(Error::Invalid(format!(
                 "a refcount block at {off:#x} is not cluster aligned"
             )));
@@ -229,9 +231,117 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             self.dirty_rt.insert(t);
             return Err(Flow::Again);
         }
-        Err(Flow::Err(Error::Unsupported(
-            "the refcount table would have to grow; use `qemu-img snapshot` for this image".into(),
-        )))
+        // The refcount table is full: build a larger one (and the blocks
+        // it needs) past everything in use, as qemu does.
+        let rb_size = 1u64 << self.rb_bits;
+        let blocks_used = (idx + 1).max(nb_idx + 1).div_ceil(rb_size);
+        self.refcount_area(blocks_used * rb_size * self.cs, ti, new_block)?;
+        Err(Flow::Again)
+    }
+
+    /// qemu's `qcow2_refcount_metadata_size` (generous): refcount blocks
+    /// needed to describe `clusters` clusters plus themselves and a table
+    /// grown by half.
+    fn refblocks_needed(&self, mut clusters: u64) -> u64 {
+        let per_table_cluster = self.cs / 8;
+        let per_block = 1u64 << self.rb_bits;
+        let (mut table, mut blocks, mut n) = (0u64, 0u64, 0u64);
+        let mut generous = true;
+        loop {
+            let last = n;
+            blocks = (clusters + table + blocks).div_ceil(per_block);
+            table = blocks.div_ceil(per_table_cluster);
+            n = clusters + blocks + table;
+            if n == last && generous {
+                clusters += table.div_ceil(2);
+                n = 0;
+                generous = false;
+                continue;
+            }
+            if n == last {
+                return blocks;
+            }
+        }
+    }
+
+    /// qemu's `qcow2_refcount_area`: a new refcount table at the end of
+    /// `start` + new blocks, covering everything, with `new_block` hooked
+    /// at `new_index`; the header is switched to it and the old table freed.
+    fn refcount_area(&mut self, start: u64, new_index: u64, new_block: u64) -> R<()> {
+        let cs = self.cs;
+        let rb_size = 1u64 << self.rb_bits;
+        let total = self.refblocks_needed(start / cs);
+        if total > crate::header::MAX_REFTABLE_BYTES {
+            return bad("the refcount table would exceed qemu's limit");
+        }
+        let area_index = (start / cs) / rb_size;
+        let per_cluster = cs / 8;
+        let table_size = (total + total.div_ceil(2)).div_ceil(per_cluster) * per_cluster;
+        if table_size * 8 > crate::header::MAX_REFTABLE_BYTES {
+            return bad("the refcount table would exceed qemu's limit");
+        }
+        let table_clusters = table_size * 8 / cs;
+        let mut table = vec![0u64; usize::try_from(table_size).unwrap_or(0)];
+        let n = self.reftable.len().min(table.len());
+        table[..n].copy_from_slice(&self.reftable[..n]);
+        let slot = |i: u64| usize::try_from(i).unwrap_or(usize::MAX);
+        if new_block != 0 {
+            if new_index >= total {
+                return bad("a new refcount block falls outside the grown table");
+            }
+            table[slot(new_index)] = new_block;
+        }
+        let additional = (area_index..total)
+            .filter(|&i| table[slot(i)] & REFT_OFFSET_MASK == 0)
+            .count() as u64;
+        let table_offset = start + additional * cs;
+        let end = table_offset + table_clusters * cs;
+        let mut block_offset = start;
+        for i in area_index..total {
+            let b = if table[slot(i)] & REFT_OFFSET_MASK != 0 {
+                let b = table[slot(i)] & REFT_OFFSET_MASK;
+                self.load_rb(b)?;
+                b
+            } else {
+                let b = block_offset;
+                self.refblocks
+                    .insert(b, vec![0u8; usize::try_from(cs).unwrap_or(0)]);
+                self.dirty_rb.insert(b);
+                table[slot(i)] = b;
+                block_offset += cs;
+                b
+            };
+            let first = i * rb_size * cs;
+            if first < end {
+                let j0 = if first < start {
+                    (start - first) / cs
+                } else {
+                    0
+                };
+                let j1 = ((end - first) / cs).min(rb_size);
+                let order = self.order;
+                if let Some(block) = self.refblocks.get_mut(&b) {
+                    for j in j0..j1 {
+                        if refcount::get(block, order, j) != 0 {
+                            return bad("the refcount area overlaps clusters in use");
+                        }
+                        refcount::set(block, order, j, 1);
+                    }
+                }
+                self.dirty_rb.insert(b);
+            }
+        }
+        let old = (self.reftable_offset, self.reftable.len() as u64 * 8);
+        let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        self.new_reftable = Some((
+            table_offset,
+            bytes,
+            u32::try_from(table_clusters).unwrap_or(0),
+        ));
+        self.reftable = table;
+        self.reftable_offset = table_offset;
+        self.dirty_rt.clear();
+        self.update_refcount(old.0, old.1, 1, true, false)
     }
 
     fn note_allocated(&mut self, c: u64) {
@@ -351,13 +461,13 @@ impl<'a, S: StorageMut> Meta<'a, S> {
     pub fn snapshot_refcount_pass(&mut self, l1: &mut [u64], addend: i8) -> Result<bool> {
         let mut modified = false;
         let (up, down) = (addend > 0, addend < 0);
-        for i in 0..l1.len() {
-            let l1e = l1[i];
+        for (i, slot) in l1.iter_mut().enumerate() {
+            let l1e = *slot;
             if l1e == 0 {
                 continue;
             }
             let l2_off = l1e & l2::L1_OFFSET_MASK;
-            if l2_off == 0 || l2_off % self.cs != 0 {
+            if l2_off == 0 || !l2_off.is_multiple_of(self.cs) {
                 return Err(Error::Invalid(format!(
                     "L1 entry {i} ({l1e:#x}) has no valid L2 table offset"
                 )));
@@ -375,7 +485,7 @@ impl<'a, S: StorageMut> Meta<'a, S> {
                     }
                     Kind::Normal | Kind::ZeroAlloc => {
                         let off = e & l2::L2_OFFSET_MASK;
-                        if off % self.cs != 0 {
+                        if !off.is_multiple_of(self.cs) {
                             return Err(Error::Invalid(format!(
                                 "a data cluster at {off:#x} is not cluster aligned"
                             )));
@@ -400,7 +510,7 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             let rc = self.get_refcount(l2_off >> self.cb)?;
             let new = l2_off | if rc == 1 { l2::COPIED } else { 0 };
             if new != l1e {
-                l1[i] = new;
+                *slot = new;
                 modified = true;
             }
         }
@@ -429,6 +539,16 @@ impl<'a, S: StorageMut> Meta<'a, S> {
             if let Some(b) = self.refblocks.get(&off) {
                 self.put("refcount block", off, b)?;
             }
+        }
+        if let Some((off, bytes, clusters)) = self.new_reftable.take() {
+            // New blocks, then the new table, then the header's switch.
+            self.sync()?;
+            self.put("refcount table", off, &bytes)?;
+            self.sync()?;
+            let mut h = [0u8; 12];
+            h[..8].copy_from_slice(&off.to_be_bytes());
+            h[8..].copy_from_slice(&clusters.to_be_bytes());
+            self.put("header", 48, &h)?;
         }
         let rt = std::mem::take(&mut self.dirty_rt);
         if !rt.is_empty() {

@@ -193,7 +193,7 @@ impl<S: Storage> Image<S> {
         if l2_off == 0 {
             return Ok(Mapping::Zero);
         }
-        if l2_off % h.cluster_size() != 0 {
+        if !l2_off.is_multiple_of(h.cluster_size()) {
             return invalid(format!("an L2 table at {l2_off:#x} is not cluster aligned"));
         }
         let idx = vc & ((1u64 << h.l2_bits()) - 1);

@@ -91,7 +91,7 @@ pub fn decode(entry: u64, bitmap: u64, cluster_bits: u32, extended: bool) -> Res
         }
         Kind::Normal => {
             let host = entry & L2_OFFSET_MASK;
-            if host % cs != 0 {
+            if !host.is_multiple_of(cs) {
                 return invalid(format!(
                     "a data cluster at {host:#x} is not cluster aligned"
                 ));

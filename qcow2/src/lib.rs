@@ -20,6 +20,7 @@
 //! - [`ops`]: internal snapshot create / apply / delete with fsync-separated
 //!   write groups and the header's 12 bytes at offset 60 as the commit point.
 //! - [`list`]: `qemu-img snapshot -l`'s table.
+//! - [`lock`]: qemu's OFD image locks, taken by the offline commands.
 //! - [`writer`]: a new v3 image from states that share clusters (export).
 //!
 //! The supported subset and the crash-ordering rules are described in
@@ -33,6 +34,7 @@ pub mod header;
 pub mod image;
 pub mod l2;
 pub mod list;
+pub mod lock;
 pub mod ops;
 pub mod refcount;
 pub mod snapshot;

@@ -78,7 +78,7 @@ pub fn format(snaps: &[Snapshot]) -> String {
         let icount = if s.icount == u64::MAX {
             String::from("--")
         } else {
-            (s.icount as i64).to_string()
+            s.icount.cast_signed().to_string()
         };
         out += &row([
             &s.id_str(),
@@ -91,4 +91,38 @@ pub fn format(snaps: &[Snapshot]) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_read_like_qemus() {
+        assert_eq!(size_to_str(0), "0 B");
+        assert_eq!(size_to_str(512), "512 B");
+        assert_eq!(size_to_str(1024), "1 KiB");
+        assert_eq!(size_to_str(1536 * 1024), "1.5 MiB");
+    }
+
+    #[test]
+    fn an_unrecorded_icount_prints_as_dashes() {
+        let s = Snapshot {
+            l1_table_offset: 0,
+            l1_size: 0,
+            id: b"1".to_vec(),
+            name: b"a".to_vec(),
+            date_sec: 0,
+            date_nsec: 0,
+            vm_clock_nsec: 3_723_004_000_000,
+            vm_state_size: 0,
+            disk_size: 0,
+            icount: u64::MAX,
+            extra_data_size: 24,
+            unknown_extra: Vec::new(),
+        };
+        let out = format(&[s]);
+        let row = out.lines().nth(2).expect("a row");
+        assert!(row.ends_with("0001:02:03.004         --"), "{row:?}");
+    }
 }

@@ -128,7 +128,10 @@ fn check_l1<S: StorageMut>(img: &Image<&S>, s: &Snapshot) -> Result<()> {
             s.name_str()
         ));
     }
-    if s.l1_table_offset % img.header().cluster_size() != 0 {
+    if !s
+        .l1_table_offset
+        .is_multiple_of(img.header().cluster_size())
+    {
         return invalid(format!(
             "snapshot {:?} has a misaligned L1 table",
             s.name_str()

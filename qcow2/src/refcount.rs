@@ -3,6 +3,11 @@
 //! Widths below 8 bits pack entries from the least significant bit of each
 //! byte up; 8 bits and wider are big-endian, as qemu stores them.
 
+/// A byte with the low `bits` (1, 2 or 4) bits set.
+fn low_bits(bits: usize) -> u8 {
+    0xffu8 >> (8 - bits)
+}
+
 /// Entry `i` of a refcount block with entries of `1 << order` bits.
 /// `block` must hold entry `i` (callers index within one cluster).
 pub fn get(block: &[u8], order: u32, i: u64) -> u64 {
@@ -13,7 +18,7 @@ pub fn get(block: &[u8], order: u32, i: u64) -> u64 {
             let bits = 1usize << order;
             let per = 8 / bits;
             let byte = block[i / per];
-            u64::from((byte >> ((i % per) * bits)) & ((1u16 << bits) - 1) as u8)
+            u64::from((byte >> ((i % per) * bits)) & low_bits(bits))
         }
         _ => {
             let bytes = 1usize << (order - 3);
@@ -35,7 +40,7 @@ pub fn set(block: &mut [u8], order: u32, i: u64, value: u64) {
             let bits = 1usize << order;
             let per = 8 / bits;
             let shift = (i % per) * bits;
-            let mask = (((1u16 << bits) - 1) as u8) << shift;
+            let mask = low_bits(bits) << shift;
             #[allow(clippy::cast_possible_truncation)] // value < 2^bits
             let v = ((value as u8) << shift) & mask;
             block[i / per] = (block[i / per] & !mask) | v;

@@ -10,6 +10,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 /// Read access to an image's bytes.
+#[allow(clippy::len_without_is_empty)] // a length that can fail, not a collection
 pub trait Storage {
     /// Fill `buf` from `offset`; bytes past the end read as zeroes.
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;

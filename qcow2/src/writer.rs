@@ -164,7 +164,7 @@ pub fn write<S: StorageMut>(
     let table_at = next;
     next += table_size.div_ceil(cs);
     // Refcount blocks and table at the end, sized by fixed point.
-    let per_block = cs * 8 >> ORDER;
+    let per_block = (cs * 8) >> ORDER;
     let (mut blocks, mut rt_clusters) = (0u64, 1u64);
     loop {
         let total = next + blocks + rt_clusters;
@@ -229,8 +229,9 @@ pub fn write<S: StorageMut>(
     for (t, r) in table_rc.iter().enumerate() {
         rc[usize::try_from(l2_0).unwrap_or(0) + t] = *r;
     }
-    for c in usize::try_from(l2_0).unwrap_or(0) + tables.len()..rc.len() {
-        rc[c] = 1;
+    let meta_from = usize::try_from(l2_0).unwrap_or(0) + tables.len();
+    for r in rc.iter_mut().skip(meta_from) {
+        *r = 1;
     }
     let mut reftable = Vec::new();
     for b in 0..blocks {
@@ -316,7 +317,7 @@ mod tests {
                 clusters: vec![Some(3), Some(2), Some(1), None],
             },
         ];
-        let mut copy = |d: u32, at: u64| st.write_at(&vec![d as u8 + 1; 512], at);
+        let mut copy = |d: u32, at: u64| st.write_at(&[u8::try_from(d + 1).unwrap(); 512], at);
         let written = write(&st, 9, &states, 4, &mut copy).unwrap();
         assert_eq!(written.data_clusters, 4);
         let img = Image::open(&st).unwrap();

@@ -513,3 +513,145 @@ fn reader_sees_what_qemu_sees_in_every_snapshot() {
         }
     }
 }
+
+#[test]
+fn snapshot_extra_data_over_1024_bytes_is_refused_as_qemu_refuses_it() {
+    if !have_qemu() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("extra.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", p(&path), "1M"]);
+    run("qemu-img", &["snapshot", "-c", "a", p(&path)]);
+    // Grow the entry's extra data to 1100 bytes (zeroes past the 24 known).
+    let mut b = std::fs::read(&path).expect("read");
+    let off = usize::try_from(u64::from_be_bytes(b[64..72].try_into().expect("8 bytes")))
+        .expect("offset");
+    let names = usize::from(u16::from_be_bytes([b[off + 12], b[off + 13]]))
+        + usize::from(u16::from_be_bytes([b[off + 14], b[off + 15]]));
+    let tail = b[off + 64..off + 64 + names].to_vec();
+    b.truncate(off + 64);
+    b[off + 36..off + 40].copy_from_slice(&1100u32.to_be_bytes());
+    b.resize(off + 40 + 1100, 0);
+    b.extend_from_slice(&tail);
+    std::fs::write(&path, &b).expect("write");
+    let qemu = Command::new("qemu-img")
+        .args(["snapshot", "-l", p(&path)])
+        .output()
+        .expect("qemu-img");
+    assert!(!qemu.status.success(), "qemu-img opened it");
+    assert!(String::from_utf8_lossy(&qemu.stderr).contains("Too much extra metadata"));
+    let e = ops::list(&File::open(&path).expect("open")).unwrap_err();
+    assert!(
+        matches!(&e, Error::Invalid(m) if m.contains("extra data")),
+        "{e}"
+    );
+}
+
+fn reftable_offset(path: &Path) -> u64 {
+    let b = std::fs::read(path).expect("read");
+    u64::from_be_bytes(b[48..56].try_into().expect("8 bytes"))
+}
+
+#[test]
+fn matches_qemu_when_a_snapshot_create_grows_the_refcount_table() {
+    // 512-byte clusters with 64-bit refcounts: the first table cluster
+    // covers 4096 clusters (2 MiB). Fill the file to exactly 2 MiB with
+    // qemu-io, so the snapshot's first allocation needs a larger table.
+    if !have_qemu() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let qemu = dir.path().join("qemu.qcow2");
+    let ours = dir.path().join("ours.qcow2");
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "cluster_size=512,refcount_bits=64",
+            p(&qemu),
+            "4M",
+        ],
+    );
+    let edge = 2 * MIB;
+    let len = |f: &Path| std::fs::metadata(f).expect("stat").len();
+    let mut guest = 0u64;
+    while len(&qemu) < edge {
+        let step = ((edge - len(&qemu)) / 2 / 512).max(1) * 512;
+        qemu_io(&qemu, &[format!("write -P 7 {guest} {step}")]);
+        guest += step;
+    }
+    assert_eq!(
+        len(&qemu),
+        edge,
+        "qemu-io overshot the table's reach; adjust the fill"
+    );
+    let before = reftable_offset(&qemu);
+    std::fs::copy(&qemu, &ours).expect("copy");
+    run("qemu-img", &["snapshot", "-c", "grow", p(&qemu)]);
+    ops::create(&rw(&ours), "grow", last_date(&qemu), &mut ops::no_hook).expect("create");
+    assert_ne!(
+        reftable_offset(&ours),
+        before,
+        "the create did not grow the refcount table"
+    );
+    assert_same_file(&qemu, &ours, "create growing the refcount table");
+    // And the next operations on the grown image still match.
+    run("qemu-img", &["snapshot", "-c", "next", p(&qemu)]);
+    ops::create(&rw(&ours), "next", last_date(&qemu), &mut ops::no_hook).expect("create");
+    assert_same_file(&qemu, &ours, "create after the growth");
+    run("qemu-img", &["snapshot", "-d", "grow", p(&qemu)]);
+    ops::delete(&rw(&ours), "grow", &mut ops::no_hook).expect("delete");
+    assert_same_file(&qemu, &ours, "delete after the growth");
+}
+
+#[test]
+fn image_locks_keep_offline_changes_and_a_running_qemu_apart() {
+    if !have_qemu() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("busy.qcow2");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", p(&path), "1M"]);
+    // A qemu holding the image open read-write (it waits for commands).
+    let mut qemu = Command::new("qemu-io")
+        .args(["-f", "qcow2", p(&path)])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("qemu-io");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let refused = loop {
+        let f = rw(&path);
+        match qcow2::lock::acquire(&f, true) {
+            Err(e) => break e.to_string(),
+            Ok(()) if std::time::Instant::now() < deadline => {
+                drop(f);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Ok(()) => panic!("a running qemu-io did not hold its locks within 10 s"),
+        }
+    };
+    assert!(refused.contains("in use"), "{refused}");
+    drop(qemu.stdin.take());
+    qemu.wait().expect("qemu-io exits when its input closes");
+    // Free now; and while we hold the locks, qemu-img refuses the image.
+    let f = rw(&path);
+    qcow2::lock::acquire(&f, true).expect("the image is free");
+    let out = Command::new("qemu-img")
+        .args(["snapshot", "-c", "x", p(&path)])
+        .output()
+        .expect("qemu-img");
+    assert!(!out.status.success(), "qemu-img changed an image we hold");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("lock"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(f);
+    run("qemu-img", &["snapshot", "-c", "x", p(&path)]);
+}

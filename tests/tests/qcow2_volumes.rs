@@ -299,6 +299,13 @@ fn api_and_cli_import_and_export_and_answer_bad_files_with_400() {
         Some(json!({"path": p(&exported)})),
     );
     assert_eq!(st, 409, "{body}");
+    let (st, body) = server.api(
+        "POST",
+        "/v1/volumes/apivol/export",
+        Some(json!({"path": "/etc/not-an-image"})),
+    );
+    assert_eq!(st, 400, "{body}");
+    assert!(!Path::new("/etc/not-an-image").exists());
     // The offline snapshot commands list what qemu-img lists.
     assert_eq!(
         cli(&["qcow2", "snapshot", "-l", p(&exported)]),

@@ -137,7 +137,8 @@ pub struct ImportedVolume {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExportVolume {
-    /// Absolute path of the new file (must not exist).
+    /// Absolute path of the new file: it must not exist, and its name
+    /// ends in `.qcow2`.
     pub path: String,
 }
 

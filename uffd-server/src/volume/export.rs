@@ -79,6 +79,11 @@ impl VolumeEngine {
         let (Some(parent), Some(file_name)) = (path.parent(), path.file_name()) else {
             return Err(bad("the path names no file"));
         };
+        // A suffix guard: the server writes where a client says, so a
+        // stray or fuzzed path must not name an arbitrary file.
+        if path.extension().is_none_or(|e| e != "qcow2") {
+            return Err(bad("the file name must end in .qcow2"));
+        }
         if !parent.is_dir() {
             return Err(bad("its directory does not exist"));
         }
@@ -205,7 +210,7 @@ fn write_export(
     let mut copy = |d: u32, host: u64| -> io::Result<()> {
         let (k, at, len) = sources[d as usize];
         let src = &files[k];
-        if len % 4096 == 0 && ffi::ficlonerange(out, host, src, at, len).is_ok() {
+        if len.is_multiple_of(4096) && ffi::ficlonerange(out, host, src, at, len).is_ok() {
             return Ok(());
         }
         #[allow(clippy::cast_possible_truncation)] // len <= CS

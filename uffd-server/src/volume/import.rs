@@ -51,6 +51,7 @@ impl VolumeEngine {
             path: path.to_owned(),
             source,
         };
+        qcow2::lock::acquire(&file, false).map_err(fmt)?;
         let img = Image::open(&file).map_err(fmt)?;
         let mut names: Vec<String> = Vec::new();
         for s in img.snapshots() {
@@ -218,12 +219,16 @@ fn write_state(
     while vc < clusters {
         let l1i = usize::try_from(vc / per_l2).unwrap_or(usize::MAX);
         let range_end = ((vc / per_l2) + 1) * per_l2;
-        if let Some((pl1, psize)) = prev {
-            let same = |t: &[u64]| t.get(l1i).map(|e| e & L1_OFFSET_MASK);
-            if same(l1) == same(pl1) && range_end.min(clusters) * cs <= psize {
-                vc = range_end;
-                continue;
-            }
+        let l2_of = |t: &[u64]| t.get(l1i).map_or(0, |e| e & L1_OFFSET_MASK);
+        let skip = match prev {
+            // Same L2 table: same mappings, already in the clone.
+            Some((pl1, psize)) => l2_of(l1) == l2_of(pl1) && range_end.min(clusters) * cs <= psize,
+            // No L2 table in a fresh sparse file: zeroes already.
+            None => l2_of(l1) == 0,
+        };
+        if skip {
+            vc = range_end;
+            continue;
         }
         let end = range_end.min(clusters);
         while vc < end {
@@ -244,7 +249,7 @@ fn write_state(
                         out.punch(at, len)?;
                     }
                 }
-                Mapping::Data { host } if host % 4096 == 0 && len % 4096 == 0 => {
+                Mapping::Data { host } if host.is_multiple_of(4096) && len.is_multiple_of(4096) => {
                     if ffi::ficlonerange(out, at, src, host, len).is_err() {
                         copy(img, m, out, at, len, &mut buf)?;
                     }

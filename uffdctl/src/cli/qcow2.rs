@@ -39,15 +39,19 @@ pub struct SnapshotArgs {
     file: PathBuf,
 }
 
+/// Open the image and take qemu's locks for reading or changing it: a
+/// running qemu that uses the image makes this fail instead.
 fn open(path: &PathBuf, write: bool) -> Result<File> {
-    OpenOptions::new()
+    let f = OpenOptions::new()
         .read(true)
         .write(write)
         .open(path)
         .map_err(|source| CliError::Local {
             what: format!("open {}", path.display()),
             source,
-        })
+        })?;
+    qcow2::lock::acquire(&f, write)?;
+    Ok(f)
 }
 
 /// Run a qcow2 command.
