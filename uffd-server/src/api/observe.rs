@@ -12,7 +12,8 @@
 //! The trace is a stream (`application/x-ndjson`): one [`FaultEvent`]
 //! per line, or a [`TraceDropped`] line where a slow reader lost events.
 //! It ends after `limit` events, when the VM's VMM goes, or when the client
-//! hangs up.
+//! hangs up. Lines are written in batches: the events that arrive within
+//! 2 ms of one another go out in one write.
 //!
 //! [`FaultEvent`]: proto::api::FaultEvent
 //! [`TraceDropped`]: proto::api::TraceDropped
@@ -24,8 +25,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use proto::api::{AccessQuery, FaultKind, MapQuery, TraceDropped, TraceQuery};
-use tokio::sync::broadcast::error::RecvError;
+use proto::api::{AccessQuery, FaultEvent, FaultKind, MapQuery, TraceDropped, TraceQuery};
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use super::{call, vm_id, ApiResult};
 use crate::core::{Answer, CommandKind, CoreHandle, Error};
@@ -79,33 +80,57 @@ pub(super) async fn faults(
         return Err(Error::ShuttingDown);
     };
     let state = (*sub, q.kind, q.limit);
-    let stream = futures_util::stream::unfold(state, next_line);
+    let stream = futures_util::stream::unfold(state, next_lines);
     Ok(([(header::CONTENT_TYPE, NDJSON)], Body::from_stream(stream)).into_response())
 }
 
-/// The next line of a trace stream, or its end.
-async fn next_line(
-    (mut sub, kind, limit): (Subscription, Option<FaultKind>, Option<u64>),
-) -> Option<(
-    Result<String, std::convert::Infallible>,
-    (Subscription, Option<FaultKind>, Option<u64>),
-)> {
-    if limit == Some(0) {
-        return None;
-    }
-    loop {
-        let line = match sub.rx.recv().await {
-            Ok(ev) if kind.is_some_and(|k| k != ev.kind) => continue,
-            Ok(ev) => serde_json::to_string(&ev),
-            Err(RecvError::Lagged(dropped)) => serde_json::to_string(&TraceDropped { dropped }),
-            Err(RecvError::Closed) => return None,
+/// How long a trace stream lets events gather after the first one before
+/// it writes them: one write (and one wake-up of the stream on the core
+/// thread) per batch rather than per event, for at most this much delay.
+const BATCH_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// A trace stream's state: its subscription, kind filter and events left.
+type TraceState = (Subscription, Option<FaultKind>, Option<u64>);
+
+/// The next lines of a trace stream (the events that arrived within
+/// [`BATCH_WAIT`] of the first), or its end.
+async fn next_lines(
+    (mut sub, kind, mut limit): TraceState,
+) -> Option<(Result<String, std::convert::Infallible>, TraceState)> {
+    let mut out = String::new();
+    let push = |out: &mut String, item: Result<FaultEvent, u64>, limit: &mut Option<u64>| {
+        let line = match item {
+            Ok(ev) if kind.is_some_and(|k| k != ev.kind) => return,
+            Ok(ev) => {
+                *limit = limit.map(|n| n.saturating_sub(1));
+                serde_json::to_string(&ev)
+            }
+            Err(dropped) => serde_json::to_string(&TraceDropped { dropped }),
         };
-        let counted = !line.as_deref().is_ok_and(|l| l.starts_with("{\"dropped\""));
-        let limit = limit.map(|n| if counted { n - 1 } else { n });
-        let mut line = line.unwrap_or_default();
-        line.push('\n');
-        return Some((Ok(line), (sub, kind, limit)));
+        if let Ok(line) = line {
+            out.push_str(&line);
+            out.push('\n');
+        }
+    };
+    while out.is_empty() {
+        if limit == Some(0) {
+            return None;
+        }
+        match sub.rx.recv().await {
+            Ok(ev) => push(&mut out, Ok(ev), &mut limit),
+            Err(RecvError::Lagged(n)) => push(&mut out, Err(n), &mut limit),
+            Err(RecvError::Closed) => return None,
+        }
     }
+    tokio::time::sleep(BATCH_WAIT).await;
+    while limit != Some(0) {
+        match sub.rx.try_recv() {
+            Ok(ev) => push(&mut out, Ok(ev), &mut limit),
+            Err(TryRecvError::Lagged(n)) => push(&mut out, Err(n), &mut limit),
+            Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+        }
+    }
+    Some((Ok(out), (sub, kind, limit)))
 }
 
 #[utoipa::path(
