@@ -25,12 +25,12 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use proto::api::{AccessQuery, FaultEvent, FaultKind, MapQuery, TraceDropped, TraceQuery};
+use proto::api::{AccessQuery, FaultKind, MapQuery, TraceDropped, TraceQuery};
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use super::{call, vm_id, ApiResult};
 use crate::core::{Answer, CommandKind, CoreHandle, Error};
-use crate::observe::trace::Subscription;
+use crate::observe::trace::{RawEvent, Subscription};
 
 /// Content type of the fault trace.
 pub const NDJSON: &str = "application/x-ndjson";
@@ -98,12 +98,15 @@ async fn next_lines(
     (mut sub, kind, mut limit): TraceState,
 ) -> Option<(Result<String, std::convert::Infallible>, TraceState)> {
     let mut out = String::new();
-    let push = |out: &mut String, item: Result<FaultEvent, u64>, limit: &mut Option<u64>| {
+    let push = |sub: &Subscription,
+                out: &mut String,
+                item: Result<RawEvent, u64>,
+                limit: &mut Option<u64>| {
         let line = match item {
             Ok(ev) if kind.is_some_and(|k| k != ev.kind) => return,
             Ok(ev) => {
                 *limit = limit.map(|n| n.saturating_sub(1));
-                serde_json::to_string(&ev)
+                serde_json::to_string(&sub.event(&ev))
             }
             Err(dropped) => serde_json::to_string(&TraceDropped { dropped }),
         };
@@ -117,16 +120,16 @@ async fn next_lines(
             return None;
         }
         match sub.rx.recv().await {
-            Ok(ev) => push(&mut out, Ok(ev), &mut limit),
-            Err(RecvError::Lagged(n)) => push(&mut out, Err(n), &mut limit),
+            Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
+            Err(RecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
             Err(RecvError::Closed) => return None,
         }
     }
     tokio::time::sleep(BATCH_WAIT).await;
     while limit != Some(0) {
         match sub.rx.try_recv() {
-            Ok(ev) => push(&mut out, Ok(ev), &mut limit),
-            Err(TryRecvError::Lagged(n)) => push(&mut out, Err(n), &mut limit),
+            Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
+            Err(TryRecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
             Err(TryRecvError::Empty | TryRecvError::Closed) => break,
         }
     }
