@@ -766,9 +766,12 @@ fn access_maps_count_the_faults_since_creation() {
         };
         assert_eq!(pic.cell(p), want, "page {p}");
     }
+    let swatch = pic.layout["swatch"].as_u64().unwrap();
     for (i, sw) in legend.iter().enumerate() {
         let (x, y) = (sw["x"].as_u64().unwrap(), sw["y"].as_u64().unwrap());
         assert_eq!(pic.at(x + 2, y + 2), level(i));
+        // One swatch per level: no faded twin in a heat map.
+        assert_eq!(pic.at(x + swatch + 4, y + 2), [255, 255, 255]);
     }
 
     // The CLI: the same extents; --reset begins the record again.
