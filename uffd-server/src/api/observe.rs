@@ -12,8 +12,9 @@
 //! The trace is a stream (`application/x-ndjson`): one [`FaultEvent`]
 //! per line, or a [`TraceDropped`] line where a slow reader lost events.
 //! It ends after `limit` events, when the VM's VMM goes, or when the client
-//! hangs up. Lines are written in batches: the events that arrive within
-//! 2 ms of one another go out in one write.
+//! hangs up. Each listener has a thread that makes its JSON, in batches:
+//! the events that arrive within 2 ms of one another go out as one chunk,
+//! so the core thread only forwards chunks.
 //!
 //! [`FaultEvent`]: proto::api::FaultEvent
 //! [`TraceDropped`]: proto::api::TraceDropped
@@ -79,25 +80,42 @@ pub(super) async fn faults(
     let Answer::Trace(sub) = core.call(CommandKind::Faults(id)).await? else {
         return Err(Error::ShuttingDown);
     };
-    let state = (*sub, q.kind, q.limit);
-    let stream = futures_util::stream::unfold(state, next_lines);
+    // The JSON is made on a thread of the listener's own: the core thread
+    // (which also runs this stream) only forwards finished chunks.
+    let (tx, rx) = tokio::sync::mpsc::channel::<String>(CHUNKS);
+    let (kind, limit) = (q.kind, q.limit);
+    std::thread::Builder::new()
+        .name(format!("trace-{id}"))
+        .spawn(move || write_lines(*sub, kind, limit, &tx))
+        .map_err(|source| Error::SpawnThread {
+            what: "write a fault trace",
+            source,
+        })?;
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), rx))
+    });
     Ok(([(header::CONTENT_TYPE, NDJSON)], Body::from_stream(stream)).into_response())
 }
 
-/// How long a trace stream lets events gather after the first one before
-/// it writes them: one write (and one wake-up of the stream on the core
-/// thread) per batch rather than per event, for at most this much delay.
+/// How long a listener lets events gather after the first one before it
+/// hands them on: one chunk (one wake-up and one write on the core thread)
+/// per batch rather than per event, for at most this much delay.
 const BATCH_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
 
-/// A trace stream's state: its subscription, kind filter and events left.
-type TraceState = (Subscription, Option<FaultKind>, Option<u64>);
+/// Chunks written but not yet sent a listener may hold; beyond, its thread
+/// waits, its receiver falls behind and the events it loses are counted.
+const CHUNKS: usize = 16;
 
-/// The next lines of a trace stream (the events that arrived within
-/// [`BATCH_WAIT`] of the first), or its end.
-async fn next_lines(
-    (mut sub, kind, mut limit): TraceState,
-) -> Option<(Result<String, std::convert::Infallible>, TraceState)> {
-    let mut out = String::new();
+/// A listener's thread: turn its events into NDJSON chunks for `tx`
+/// until the stream ends (the VMM went, `limit` events, the client left).
+fn write_lines(
+    mut sub: Subscription,
+    kind: Option<FaultKind>,
+    mut limit: Option<u64>,
+    tx: &tokio::sync::mpsc::Sender<String>,
+) {
     let push = |sub: &Subscription,
                 out: &mut String,
                 item: Result<RawEvent, u64>,
@@ -115,25 +133,27 @@ async fn next_lines(
             out.push('\n');
         }
     };
-    while out.is_empty() {
-        if limit == Some(0) {
-            return None;
-        }
-        match sub.rx.recv().await {
-            Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
-            Err(RecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
-            Err(RecvError::Closed) => return None,
-        }
-    }
-    tokio::time::sleep(BATCH_WAIT).await;
     while limit != Some(0) {
-        match sub.rx.try_recv() {
-            Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
-            Err(TryRecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
-            Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+        let mut out = String::new();
+        while out.is_empty() {
+            match sub.rx.blocking_recv() {
+                Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
+                Err(RecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
+                Err(RecvError::Closed) => return,
+            }
+        }
+        std::thread::sleep(BATCH_WAIT);
+        while limit != Some(0) {
+            match sub.rx.try_recv() {
+                Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
+                Err(TryRecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
+                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+            }
+        }
+        if tx.blocking_send(out).is_err() {
+            return; // The client hung up.
         }
     }
-    Some((Ok(out), (sub, kind, limit)))
 }
 
 #[utoipa::path(
