@@ -963,3 +963,65 @@ fn top_shows_each_vms_faults_live_in_a_real_terminal() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn the_terminal_map_draws_half_blocks_in_the_sources_colours() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let Some(t) = Tmux::new() else { return };
+    let s = TestServer::start();
+    let a = s.create_vm(json!({"memory_mib": 8}));
+    s.fill(&a, 0, 64, 1); // the first row of cells: present, own memory
+    let b = fork(&s, &a);
+    s.fill(&b, 200, 10, 2); // b's own memory, further down
+    let (_, map) = s.api("GET", &format!("/v1/vms/{b}/map"), None);
+    let legend = map["legend"].as_array().unwrap();
+    let of = |src: &str, key: &str| {
+        let l = legend.iter().find(|l| l["source"] == src).expect(src);
+        rgb(&l[key])
+    };
+    let cmd = format!(
+        "{} --socket {} map {b}; sleep 30",
+        bin("uffdctl").display(),
+        s.api_sock().display()
+    );
+    let out = t.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "100",
+        "-y",
+        "40",
+        &cmd,
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let screen = screen_until(&t, "the map never appeared", |sc| {
+        sc.contains("(own memory)")
+    });
+    let colours =
+        String::from_utf8_lossy(&t.run(&["capture-pane", "-e", "-p", "-t", "top"]).stdout)
+            .into_owned();
+    // Row 1 of the grid: pages 0..64 (upper halves, read from a: faded)
+    // over pages 64..128 (lower halves, zero: faded grey).
+    let grid = colours.lines().nth(1).expect("a grid line");
+    assert_eq!(grid.matches('▀').count(), 64, "{screen}");
+    let [r, g, bl] = of(&a, "faded_rgb");
+    assert!(grid.contains(&format!("38;2;{r};{g};{bl}")), "{grid:?}");
+    let [r, g, bl] = of("uninitialized", "faded_rgb");
+    assert!(grid.contains(&format!("48;2;{r};{g};{bl}")), "{grid:?}");
+    // The legend's keys: both colours of each source.
+    let own = colours
+        .lines()
+        .find(|l| l.contains("(own memory)"))
+        .unwrap();
+    let [r, g, bl] = of(&b, "rgb");
+    assert!(own.contains(&format!("38;2;{r};{g};{bl}")), "{own:?}");
+    assert!(screen
+        .lines()
+        .next()
+        .unwrap()
+        .starts_with(&format!("{b}: 8 MiB, 2048 pages")));
+}
