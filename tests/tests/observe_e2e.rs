@@ -804,9 +804,14 @@ impl Tmux {
     /// None (skip) when tmux is missing, unless `CI=true`.
     fn new() -> Option<Self> {
         match Command::new("tmux").arg("-V").output() {
-            Ok(o) if o.status.success() => Some(Tmux {
-                socket: format!("pagefork-top-{}", std::process::id()),
-            }),
+            Ok(o) if o.status.success() => {
+                // One private server per test: tests run in parallel.
+                static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = NEXT.fetch_add(1, Ordering::SeqCst);
+                Some(Tmux {
+                    socket: format!("pagefork-test-{}-{n}", std::process::id()),
+                })
+            }
             _ if std::env::var("CI").as_deref() == Ok("true") => {
                 panic!("CI=true but tmux is missing: run scripts/setup.sh")
             }
