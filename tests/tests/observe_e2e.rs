@@ -766,9 +766,12 @@ fn access_maps_count_the_faults_since_creation() {
         };
         assert_eq!(pic.cell(p), want, "page {p}");
     }
+    let swatch = pic.layout["swatch"].as_u64().unwrap();
     for (i, sw) in legend.iter().enumerate() {
         let (x, y) = (sw["x"].as_u64().unwrap(), sw["y"].as_u64().unwrap());
         assert_eq!(pic.at(x + 2, y + 2), level(i));
+        // One swatch per level: no faded twin in a heat map.
+        assert_eq!(pic.at(x + swatch + 4, y + 2), [255, 255, 255]);
     }
 
     // The CLI: the same extents; --reset begins the record again.
@@ -801,9 +804,14 @@ impl Tmux {
     /// None (skip) when tmux is missing, unless `CI=true`.
     fn new() -> Option<Self> {
         match Command::new("tmux").arg("-V").output() {
-            Ok(o) if o.status.success() => Some(Tmux {
-                socket: format!("pagefork-top-{}", std::process::id()),
-            }),
+            Ok(o) if o.status.success() => {
+                // One private server per test: tests run in parallel.
+                static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = NEXT.fetch_add(1, Ordering::SeqCst);
+                Some(Tmux {
+                    socket: format!("pagefork-test-{}-{n}", std::process::id()),
+                })
+            }
             _ if std::env::var("CI").as_deref() == Ok("true") => {
                 panic!("CI=true but tmux is missing: run scripts/setup.sh")
             }
@@ -959,4 +967,66 @@ fn top_shows_each_vms_faults_live_in_a_real_terminal() {
         assert!(Instant::now() < deadline, "q did not quit top");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+#[test]
+fn the_terminal_map_draws_half_blocks_in_the_sources_colours() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let Some(t) = Tmux::new() else { return };
+    let s = TestServer::start();
+    let a = s.create_vm(json!({"memory_mib": 8}));
+    s.fill(&a, 0, 64, 1); // the first row of cells: present, own memory
+    let b = fork(&s, &a);
+    s.fill(&b, 200, 10, 2); // b's own memory, further down
+    let (_, map) = s.api("GET", &format!("/v1/vms/{b}/map"), None);
+    let legend = map["legend"].as_array().unwrap();
+    let of = |src: &str, key: &str| {
+        let l = legend.iter().find(|l| l["source"] == src).expect(src);
+        rgb(&l[key])
+    };
+    let cmd = format!(
+        "{} --socket {} map {b}; sleep 30",
+        bin("uffdctl").display(),
+        s.api_sock().display()
+    );
+    let out = t.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "100",
+        "-y",
+        "40",
+        &cmd,
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let screen = screen_until(&t, "the map never appeared", |sc| {
+        sc.contains("(own memory)")
+    });
+    let colours =
+        String::from_utf8_lossy(&t.run(&["capture-pane", "-e", "-p", "-t", "top"]).stdout)
+            .into_owned();
+    // Row 1 of the grid: pages 0..64 (upper halves, read from a: faded)
+    // over pages 64..128 (lower halves, zero: faded grey).
+    let grid = colours.lines().nth(1).expect("a grid line");
+    assert_eq!(grid.matches('▀').count(), 64, "{screen}");
+    let [r, g, bl] = of(&a, "faded_rgb");
+    assert!(grid.contains(&format!("38;2;{r};{g};{bl}")), "{grid:?}");
+    let [r, g, bl] = of("uninitialized", "faded_rgb");
+    assert!(grid.contains(&format!("48;2;{r};{g};{bl}")), "{grid:?}");
+    // The legend's keys: both colours of each source.
+    let own = colours
+        .lines()
+        .find(|l| l.contains("(own memory)"))
+        .unwrap();
+    let [r, g, bl] = of(&b, "rgb");
+    assert!(own.contains(&format!("38;2;{r};{g};{bl}")), "{own:?}");
+    assert!(screen
+        .lines()
+        .next()
+        .unwrap()
+        .starts_with(&format!("{b}: 8 MiB, 2048 pages")));
 }

@@ -117,14 +117,15 @@ impl Client {
                     continue;
                 };
                 pending.extend_from_slice(data);
-                while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
-                    let rest = pending.split_off(nl + 1);
-                    let text = String::from_utf8_lossy(&pending[..nl]).into_owned();
-                    pending = rest;
+                let mut start = 0;
+                while let Some(nl) = pending[start..].iter().position(|b| *b == b'\n') {
+                    let text = String::from_utf8_lossy(&pending[start..start + nl]);
+                    start += nl + 1;
                     if !line(&text) {
                         return Ok(None);
                     }
                 }
+                pending.drain(..start);
             }
             Ok(None)
         })

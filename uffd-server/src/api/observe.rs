@@ -12,7 +12,9 @@
 //! The trace is a stream (`application/x-ndjson`): one [`FaultEvent`]
 //! per line, or a [`TraceDropped`] line where a slow reader lost events.
 //! It ends after `limit` events, when the VM's VMM goes, or when the client
-//! hangs up.
+//! hangs up. Each listener has a thread that makes its JSON, in batches:
+//! the events that arrive within 2 ms of one another go out as one chunk,
+//! so the core thread only forwards chunks.
 //!
 //! [`FaultEvent`]: proto::api::FaultEvent
 //! [`TraceDropped`]: proto::api::TraceDropped
@@ -25,11 +27,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use proto::api::{AccessQuery, FaultKind, MapQuery, TraceDropped, TraceQuery};
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use super::{call, vm_id, ApiResult};
 use crate::core::{Answer, CommandKind, CoreHandle, Error};
-use crate::observe::trace::Subscription;
+use crate::observe::trace::{RawEvent, Subscription};
 
 /// Content type of the fault trace.
 pub const NDJSON: &str = "application/x-ndjson";
@@ -78,33 +80,79 @@ pub(super) async fn faults(
     let Answer::Trace(sub) = core.call(CommandKind::Faults(id)).await? else {
         return Err(Error::ShuttingDown);
     };
-    let state = (*sub, q.kind, q.limit);
-    let stream = futures_util::stream::unfold(state, next_line);
+    // The JSON is made on a thread of the listener's own: the core thread
+    // (which also runs this stream) only forwards finished chunks.
+    let (tx, rx) = tokio::sync::mpsc::channel::<String>(CHUNKS);
+    let (kind, limit) = (q.kind, q.limit);
+    std::thread::Builder::new()
+        .name(format!("trace-{id}"))
+        .spawn(move || write_lines(*sub, kind, limit, &tx))
+        .map_err(|source| Error::SpawnThread {
+            what: "write a fault trace",
+            source,
+        })?;
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), rx))
+    });
     Ok(([(header::CONTENT_TYPE, NDJSON)], Body::from_stream(stream)).into_response())
 }
 
-/// The next line of a trace stream, or its end.
-async fn next_line(
-    (mut sub, kind, limit): (Subscription, Option<FaultKind>, Option<u64>),
-) -> Option<(
-    Result<String, std::convert::Infallible>,
-    (Subscription, Option<FaultKind>, Option<u64>),
-)> {
-    if limit == Some(0) {
-        return None;
-    }
-    loop {
-        let line = match sub.rx.recv().await {
-            Ok(ev) if kind.is_some_and(|k| k != ev.kind) => continue,
-            Ok(ev) => serde_json::to_string(&ev),
-            Err(RecvError::Lagged(dropped)) => serde_json::to_string(&TraceDropped { dropped }),
-            Err(RecvError::Closed) => return None,
+/// How long a listener lets events gather after the first one before it
+/// hands them on: one chunk (one wake-up and one write on the core thread)
+/// per batch rather than per event, for at most this much delay.
+const BATCH_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// Chunks written but not yet sent a listener may hold; beyond, its thread
+/// waits, its receiver falls behind and the events it loses are counted.
+const CHUNKS: usize = 16;
+
+/// A listener's thread: turn its events into NDJSON chunks for `tx`
+/// until the stream ends (the VMM went, `limit` events, the client left).
+fn write_lines(
+    mut sub: Subscription,
+    kind: Option<FaultKind>,
+    mut limit: Option<u64>,
+    tx: &tokio::sync::mpsc::Sender<String>,
+) {
+    let push = |sub: &Subscription,
+                out: &mut String,
+                item: Result<RawEvent, u64>,
+                limit: &mut Option<u64>| {
+        let line = match item {
+            Ok(ev) if kind.is_some_and(|k| k != ev.kind) => return,
+            Ok(ev) => {
+                *limit = limit.map(|n| n.saturating_sub(1));
+                serde_json::to_string(&sub.event(&ev))
+            }
+            Err(dropped) => serde_json::to_string(&TraceDropped { dropped }),
         };
-        let counted = !line.as_deref().is_ok_and(|l| l.starts_with("{\"dropped\""));
-        let limit = limit.map(|n| if counted { n - 1 } else { n });
-        let mut line = line.unwrap_or_default();
-        line.push('\n');
-        return Some((Ok(line), (sub, kind, limit)));
+        if let Ok(line) = line {
+            out.push_str(&line);
+            out.push('\n');
+        }
+    };
+    while limit != Some(0) {
+        let mut out = String::new();
+        while out.is_empty() {
+            match sub.rx.blocking_recv() {
+                Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
+                Err(RecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
+                Err(RecvError::Closed) => return,
+            }
+        }
+        std::thread::sleep(BATCH_WAIT);
+        while limit != Some(0) {
+            match sub.rx.try_recv() {
+                Ok(ev) => push(&sub, &mut out, Ok(ev), &mut limit),
+                Err(TryRecvError::Lagged(n)) => push(&sub, &mut out, Err(n), &mut limit),
+                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+            }
+        }
+        if tx.blocking_send(out).is_err() {
+            return; // The client hung up.
+        }
     }
 }
 

@@ -12,6 +12,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use proto::api::FaultKind as ApiKind;
 use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, error, warn};
@@ -27,7 +28,6 @@ use crate::observe::access::By;
 use crate::pages::{
     fault_on, plan_run, read_pages, Fault, PageSource, ResolveError, SourceId, UNINITIALIZED,
 };
-use proto::api::FaultKind as ApiKind;
 
 /// Outcome of handling one event.
 #[derive(Debug)]

@@ -793,7 +793,7 @@ async fn serve_faults(
                 let t0 = std::time::Instant::now();
                 // The trace's one cost while nobody listens: `active()`.
                 let begun = match &ev {
-                    Ok(e) if tap.active() => reg.trace_begin(vm, e),
+                    Ok(e) if tap.active() => reg.trace_begin(vm, e, &tap),
                     _ => None,
                 };
                 match ev {

@@ -4,40 +4,38 @@
 
 use std::time::Duration;
 
-use proto::api::{FaultEvent, FaultKind};
+use proto::api::FaultKind;
 use shared::{VmId, PAGE_SIZE};
 use userfaultfd::{Event, FaultKind as UffdKind, ReadWrite};
 
 use super::{Core, Error, Registry, Result};
-use crate::observe::trace::{unix_us, Subscription};
+use crate::observe::trace::{unix_us, RawEvent, Subscription, Tap};
 
 /// An event read but not yet handled: its description, and the
 /// installed-pages count before it.
 #[derive(Debug)]
 pub struct Begun {
-    event: FaultEvent,
+    event: RawEvent,
     installed_before: u64,
 }
 
 impl Registry {
     /// Describe `event` of `vm` before it is handled (the page's source is
-    /// the one the fault will read).
-    pub fn trace_begin(&self, vm: VmId, event: &Event) -> Option<Begun> {
+    /// the one the fault will read), naming its source in `tap`.
+    pub fn trace_begin(&self, vm: VmId, event: &Event, tap: &Tap) -> Option<Begun> {
         let v = self.vms.get(&vm)?;
-        let describe = |src| {
-            self.arena
-                .get(src)
-                .map_or_else(|| format!("source-{src}"), |s| s.describe())
-        };
         let (kind, page, write, source, pages) = match event {
             Event::Pagefault { kind, rw, addr, .. } => {
                 let page = v.page_of(*addr as u64)?;
                 let (kind, source) = match kind {
-                    UffdKind::WriteProtected => (FaultKind::Wp, describe(v.self_src)),
-                    UffdKind::Missing | UffdKind::Minor => {
-                        (FaultKind::Missing, describe(v.table.get(page)))
-                    }
+                    UffdKind::WriteProtected => (FaultKind::Wp, v.self_src),
+                    UffdKind::Missing | UffdKind::Minor => (FaultKind::Missing, v.table.get(page)),
                 };
+                tap.name(source, || {
+                    self.arena
+                        .get(source)
+                        .map_or_else(|| format!("source-{source}"), |s| s.describe())
+                });
                 (kind, page, *rw == ReadWrite::Write, Some(source), 0)
             }
             Event::Remove { start, end } => {
@@ -48,9 +46,8 @@ impl Registry {
             _ => return None,
         };
         Some(Begun {
-            event: FaultEvent {
+            event: RawEvent {
                 time_us: unix_us(),
-                vm: vm.to_string(),
                 kind,
                 page,
                 write,
@@ -63,7 +60,7 @@ impl Registry {
     }
 
     /// The event `begun` was handled in `took`.
-    pub fn trace_end(&self, begun: Begun, took: Duration) -> FaultEvent {
+    pub fn trace_end(&self, begun: Begun, took: Duration) -> RawEvent {
         let mut ev = begun.event;
         if ev.kind != FaultKind::Remove {
             ev.pages = self.installed.saturating_sub(begun.installed_before);
@@ -85,7 +82,7 @@ impl Core {
             }
             return Err(Error::NoSuchVm(id));
         };
-        v.tap.subscribe().ok_or_else(|| {
+        v.tap.subscribe(id.to_string()).ok_or_else(|| {
             Error::BadRequest(format!(
                 "{id} has no VMM any more (state {}): it takes no faults to trace",
                 v.state

@@ -136,7 +136,8 @@ pub struct Layout {
     pub cells: u64,
     pub group: u64,
     /// Legend swatches are `swatch`×`swatch` squares: at (x, y) the
-    /// present colour, at (x + swatch + 2, y) the not-present one.
+    /// colour; in a page-source map, at (x + swatch + 2, y) its faded
+    /// (not present) form.
     pub swatch: u32,
     pub legend: Vec<LayoutLegend>,
 }
@@ -201,6 +202,9 @@ impl Canvas {
         let mut enc = png::Encoder::new(&mut out, self.w, self.h);
         enc.set_color(png::ColorType::Rgb);
         enc.set_depth(png::BitDepth::Eight);
+        // Flat cells and a repeating grid: the best level shrinks a large
+        // map several times over for a few ms more.
+        enc.set_compression(png::Compression::Best);
         let text = serde_json::to_string(layout).unwrap_or_default();
         // Writing into a Vec fails only on a bad header (impossible here).
         if enc.add_itxt_chunk(LAYOUT_KEY.into(), text).is_ok() {
@@ -220,8 +224,14 @@ fn text_width(s: &str) -> u32 {
 type Row = ([u8; 3], String, String);
 
 /// Draw a grid of `cells` (colours) under `title` lines, then `legend`
-/// rows; returns the PNG.
-fn draw(title: &[String], colours: &[[u8; 3]], legend: &[Row], group: u64) -> Vec<u8> {
+/// rows (with the faded swatch too when `faded_swatch`); returns the PNG.
+fn draw(
+    title: &[String],
+    colours: &[[u8; 3]],
+    legend: &[Row],
+    group: u64,
+    faded_swatch: bool,
+) -> Vec<u8> {
     let cells = colours.len() as u64;
     let rows = u32::try_from(cells.div_ceil(COLS)).unwrap_or(0);
     let cols = u32::try_from(cells.min(COLS)).unwrap_or(0);
@@ -252,7 +262,9 @@ fn draw(title: &[String], colours: &[[u8; 3]], legend: &[Row], group: u64) -> Ve
         let y = legend_y + LINE * u32::try_from(i).unwrap_or(0);
         let sy = y + (GLYPH - SWATCH) / 2;
         c.rect(MARGIN, sy, SWATCH, SWATCH, *rgb);
-        c.rect(MARGIN + SWATCH + 2, sy, SWATCH, SWATCH, faded(*rgb));
+        if faded_swatch {
+            c.rect(MARGIN + SWATCH + 2, sy, SWATCH, SWATCH, faded(*rgb));
+        }
         c.text(MARGIN + 2 * SWATCH + 10, y, label);
         entries.push(LayoutLegend {
             source: source.clone(),
@@ -317,7 +329,7 @@ pub fn source_png(map: &PageMap) -> Vec<u8> {
         ),
         "faded: not present in the VM's memory".to_owned(),
     ];
-    draw(&title, &colours, &legend, map.group)
+    draw(&title, &colours, &legend, map.group, true)
 }
 
 /// Heat-map colours: no fault, then 1, 2-3, 4-7, 8+ faults per page of
@@ -365,7 +377,7 @@ pub fn heat_png(id: &str, pages: u64, since_ms: u64, counts: &[u64], group: u64)
             if group == 1 { "" } else { "s" }
         ),
     ];
-    draw(&title, &colours, &legend, group)
+    draw(&title, &colours, &legend, group, false)
 }
 
 /// Milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC`.
