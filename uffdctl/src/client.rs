@@ -164,25 +164,9 @@ impl Client {
         path: &str,
         body: Option<&Value>,
     ) -> Result<Response> {
-        let stream = tokio::net::UnixStream::connect(&self.socket)
-            .await
-            .map_err(|source| ClientError::Connect {
-                path: self.socket.clone(),
-                source,
-            })?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(ClientError::Http)?;
-        tokio::spawn(conn);
-        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
-        let req = Request::builder()
-            .method(method)
-            .uri(format!("http://localhost{path}"))
-            .header("host", "localhost")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(bytes)))
-            .map_err(ClientError::Build)?;
-        let resp = sender.send_request(req).await.map_err(ClientError::Http)?;
+        let method = hyper::Method::from_bytes(method.as_bytes())
+            .map_err(|e| ClientError::Build(e.into()))?;
+        let resp = self.send(method, path, body).await?;
         let status = resp.status().as_u16();
         let collected = resp
             .into_body()
