@@ -280,8 +280,10 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
     let want = s.digest(&a, 0, pages);
     // The guest rewrites the last eighth of memory while the snapshot is
     // being saved (the writer goes up from page 0, so it reaches those
-    // pages after the guest has started writing them). Every try must be
-    // exact; at least one must overlap the save.
+    // pages after the guest has started writing them). The guest starts
+    // once the VM shows the snapshot saving, i.e. after the pause, so the
+    // snapshot's moment is before every one of these writes. Every try
+    // must be exact; at least one must overlap the save.
     let tail = pages / 8;
     let start = pages - tail;
     let mut overlapped = false;
@@ -289,12 +291,16 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
     for attempt in 0..3u64 {
         let name = format!("busy-{attempt}");
         let seed = 2 + attempt;
+        let done = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|sc| {
             let writer = sc.spawn(|| {
-                std::thread::sleep(std::time::Duration::from_millis(2));
+                while !done.load(std::sync::atomic::Ordering::Relaxed)
+                    && s.vm(&a).get("snapshot_saving").is_none()
+                {}
                 s.fill(&a, start, tail, seed);
             });
             let r = snapshot(&s, &a, &name, "full");
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
             eprintln!("snapshot while the guest writes: {r}");
             assert!(r["pause_us"].as_u64().unwrap() < 200_000, "{r}");
             overlapped |= r["pages_saved_ahead"].as_u64().unwrap() > 0;
