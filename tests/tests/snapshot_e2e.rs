@@ -296,7 +296,9 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
             let writer = sc.spawn(|| {
                 while !done.load(std::sync::atomic::Ordering::Relaxed)
                     && s.vm(&a).get("snapshot_saving").is_none()
-                {}
+                {
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
                 s.fill(&a, start, tail, seed);
             });
             let r = snapshot(&s, &a, &name, "full");
