@@ -12,7 +12,7 @@ use shared::{GuestRegion, VmState};
 
 use crate::cli::{Extra, StandaloneArgs, Step};
 use crate::devices::Disk;
-use crate::kvm::{Machine, MachineConfig, VcpuEvent};
+use crate::kvm::{Machine, MachineConfig, Prewarmed, VcpuEvent};
 use crate::memory::GuestRam;
 use crate::ops::{Dispatcher, Flow};
 use crate::{Error, Result};
@@ -64,7 +64,8 @@ impl Session {
             disk,
             start_state,
         };
-        let machine = Machine::start(mem, cfg, events)?;
+        let pre = Prewarmed::new(self.args_vcpus)?;
+        let machine = Machine::start(pre, mem, cfg, events)?;
         match ready_rx.recv_timeout(READY_TIMEOUT) {
             Ok(Ok(())) => {}
             Ok(Err(reason)) => return Err(Error::Guest(reason)),

@@ -113,12 +113,84 @@ fn install_kick_handler() -> Result<()> {
     res
 }
 
-impl Machine {
-    /// Build the VM over `mem` and start its vCPU threads.
-    pub fn start(mem: Arc<GuestRam>, cfg: MachineConfig, events: EventSink) -> Result<Self> {
+/// The part of a VM that does not depend on its guest RAM: the KVM VM, its
+/// first vCPUs with CPUID set, and the generated agent. A VMM builds it
+/// before it connects to the server, so a pooled VMM (see the server's
+/// `--vmm-pool`) has it ready when its guest RAM arrives and only maps
+/// memory, loads state and starts threads on the critical path.
+pub struct Prewarmed {
+    kvm: Kvm,
+    vm: VmFd,
+    cpuid: kvm_bindings::CpuId,
+    vcpus: Vec<kvm_ioctls::VcpuFd>,
+    agent: Agent,
+}
+
+impl std::fmt::Debug for Prewarmed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prewarmed")
+            .field("vcpus", &self.vcpus.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Prewarmed {
+    /// Create the KVM VM with `vcpus` vCPUs (more are added at start if
+    /// the VM needs them).
+    pub fn new(vcpus: usize) -> Result<Self> {
         install_kick_handler()?;
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let vm = kvm.create_vm().map_err(VmError::CreateVm)?;
+        let cpuid = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(VmError::OpenKvm)?;
+        let agent = agent::build()?;
+        let mut pre = Prewarmed {
+            kvm,
+            vm,
+            cpuid,
+            vcpus: Vec::with_capacity(vcpus),
+            agent,
+        };
+        pre.add_vcpus(vcpus)?;
+        Ok(pre)
+    }
+
+    /// Create vCPUs until there are `want`.
+    fn add_vcpus(&mut self, want: usize) -> Result<()> {
+        for index in self.vcpus.len()..want {
+            let fd = self
+                .vm
+                .create_vcpu(index as u64)
+                .map_err(|source| VmError::CreateVcpu { index, source })?;
+            fd.set_cpuid2(&self.cpuid)
+                .map_err(|source| VmError::SetCpuid { index, source })?;
+            self.vcpus.push(fd);
+        }
+        Ok(())
+    }
+}
+
+impl Machine {
+    /// Build the VM over `mem` on `pre` and start its vCPU threads.
+    pub fn start(
+        mut pre: Prewarmed,
+        mem: Arc<GuestRam>,
+        cfg: MachineConfig,
+        events: EventSink,
+    ) -> Result<Self> {
+        if pre.vcpus.len() > cfg.vcpus {
+            // KVM cannot remove a vCPU; a VM with fewer starts afresh.
+            pre = Prewarmed::new(cfg.vcpus)?;
+        }
+        pre.add_vcpus(cfg.vcpus)?;
+        let Prewarmed {
+            kvm: _kvm,
+            vm,
+            cpuid: _,
+            vcpus: vcpu_fds,
+            agent,
+        } = pre;
         for (slot, (guest_phys, size, host)) in (0u32..).zip(mem.slots()) {
             let region = kvm_userspace_memory_region {
                 slot,
@@ -138,7 +210,6 @@ impl Machine {
             })?;
         }
 
-        let agent = agent::build()?;
         let image = layout::private_image(mem.ram_end(), &agent.code)?;
         mem.write(PRIV_BASE, &image)?;
         if let Some(s) = &cfg.start_state {
@@ -151,19 +222,11 @@ impl Machine {
             devices::restore(&mem, &s.devices)?;
         }
 
-        let cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(VmError::OpenKvm)?;
         let ctl = Arc::new(Control::new(cfg.vcpus));
         let disk_sectors = cfg.disk.as_ref().map(Disk::sectors);
         let mut devices = Some(Devices::new(cfg.vm_id, cfg.disk));
         let mut vcpus = Vec::with_capacity(cfg.vcpus);
-        for index in 0..cfg.vcpus {
-            let fd = vm
-                .create_vcpu(index as u64)
-                .map_err(|source| VmError::CreateVcpu { index, source })?;
-            fd.set_cpuid2(&cpuid)
-                .map_err(|source| VmError::SetCpuid { index, source })?;
+        for (index, fd) in vcpu_fds.into_iter().enumerate() {
             match &cfg.start_state {
                 Some(s) => state::restore(&fd, &s.vcpus[index])?,
                 None => vcpu::setup_long_mode(&fd, entry_of(&agent, index))?,
