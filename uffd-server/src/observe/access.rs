@@ -3,8 +3,10 @@
 //! VM took on it since the access record began (creation, fork, restore,
 //! rollback or a reset).
 //!
-//! Bounded by construction: 16 bytes per 4 KiB guest page (0.4% of guest
-//! memory), allocated with the VM, never growing. Times are milliseconds
+//! Bounded by construction: at most 16 bytes per 4 KiB guest page (0.4% of
+//! guest memory), in chunks of [`CHUNK`] pages allocated when a page of
+//! theirs is first recorded, so a VM that touches little memory (a fork
+//! child of a large template) costs little. Times are milliseconds
 //! after the log's origin (u32: 49 days), counts saturate. Written on the
 //! fault path by the core thread only: an `Instant::now()` and a few stores
 //! per event.
@@ -105,6 +107,75 @@ pub struct Access {
     pub faults: u64,
 }
 
+/// Pages per chunk of records (8 KiB of records per 2 MiB of guest RAM).
+pub const CHUNK: usize = 512;
+
+/// The records of every page, a chunk allocated on its first write; a
+/// missing chunk reads as default records.
+#[derive(Debug)]
+struct Recs {
+    pages: usize,
+    chunks: Vec<Option<Box<[PageRec; CHUNK]>>>,
+}
+
+impl Recs {
+    fn new(pages: usize) -> Self {
+        Recs {
+            pages,
+            chunks: std::iter::repeat_with(|| None)
+                .take(pages.div_ceil(CHUNK))
+                .collect(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.pages
+    }
+
+    /// Page `p`'s record; `None` past the end.
+    fn get(&self, p: usize) -> Option<PageRec> {
+        if p >= self.pages {
+            return None;
+        }
+        Some(
+            self.chunks[p / CHUNK]
+                .as_ref()
+                .map_or_else(PageRec::default, |c| c[p % CHUNK]),
+        )
+    }
+
+    /// Page `p`'s record to write, allocating its chunk.
+    fn get_mut(&mut self, p: usize) -> Option<&mut PageRec> {
+        if p >= self.pages {
+            return None;
+        }
+        let chunk =
+            self.chunks[p / CHUNK].get_or_insert_with(|| Box::new([PageRec::default(); CHUNK]));
+        Some(&mut chunk[p % CHUNK])
+    }
+
+    /// Records of pages `[lo, hi)` that are allocated (the others hold
+    /// defaults).
+    fn allocated_mut(&mut self, lo: usize, hi: usize) -> impl Iterator<Item = &mut PageRec> {
+        let hi = hi.min(self.pages);
+        self.chunks
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_mut().map(|c| (i * CHUNK, c)))
+            .flat_map(move |(base, c)| {
+                c.iter_mut()
+                    .enumerate()
+                    .filter(move |(j, _)| (lo..hi).contains(&(base + j)))
+                    .map(|(_, r)| r)
+            })
+    }
+
+    /// Every page's record, in order.
+    fn iter(&self) -> impl Iterator<Item = PageRec> + '_ {
+        (0..self.pages).map(|p| self.get(p).unwrap_or_default())
+    }
+}
+
 /// One VM's page log.
 #[derive(Debug)]
 pub struct PageLog {
@@ -112,7 +183,7 @@ pub struct PageLog {
     origin_unix_ms: u64,
     since: Instant,
     since_unix_ms: u64,
-    recs: Vec<PageRec>,
+    recs: Recs,
 }
 
 fn unix_ms() -> u64 {
@@ -135,7 +206,7 @@ impl PageLog {
             origin_unix_ms: unix,
             since: now,
             since_unix_ms: unix,
-            recs: vec![PageRec::default(); shared::geometry::usize_of(pages)],
+            recs: Recs::new(shared::geometry::usize_of(pages)),
         }
     }
 
@@ -183,9 +254,9 @@ impl PageLog {
     /// Pages `[first, first + n)` were dropped (REMOVE, rollback): they
     /// hold nothing the server installed any more.
     pub fn dropped(&mut self, first: u64, n: u64) {
-        let lo = shared::geometry::usize_of(first).min(self.recs.len());
-        let hi = shared::geometry::usize_of(first.saturating_add(n)).min(self.recs.len());
-        for r in &mut self.recs[lo..hi] {
+        let lo = shared::geometry::usize_of(first);
+        let hi = shared::geometry::usize_of(first.saturating_add(n));
+        for r in self.recs.allocated_mut(lo, hi) {
             r.by = 0;
             r.from = 0;
             r.installed_ms = 0;
@@ -196,7 +267,7 @@ impl PageLog {
     pub fn reset_access(&mut self) {
         self.since = Instant::now();
         self.since_unix_ms = unix_ms();
-        for r in &mut self.recs {
+        for r in self.recs.allocated_mut(0, usize::MAX) {
             r.first_kind = 0;
             r.first_ms = 0;
             r.faults = 0;
@@ -280,6 +351,22 @@ mod tests {
         log.dropped(4, 2);
         assert_eq!(log.installed(5), None);
         assert_eq!(log.installed(6).map(|i| i.by), Some(By::FaultAround));
+    }
+
+    #[test]
+    fn records_are_allocated_only_for_chunks_written() {
+        let mut log = PageLog::new(4 * CHUNK as u64 + 3);
+        assert!(log.recs.chunks.iter().all(Option::is_none));
+        log.fault(CHUNK as u64 + 7, FaultKind::Missing);
+        log.dropped(0, 4 * CHUNK as u64);
+        log.reset_access();
+        let allocated = log.recs.chunks.iter().filter(|c| c.is_some()).count();
+        assert_eq!(allocated, 1);
+        assert_eq!(log.access(CHUNK as u64 + 7), None);
+        log.fault(4 * CHUNK as u64 + 2, FaultKind::Wp);
+        assert_eq!(log.access(4 * CHUNK as u64 + 2).map(|a| a.faults), Some(1));
+        assert_eq!(log.access(4 * CHUNK as u64 + 3), None);
+        assert_eq!(log.fault_counts().count(), 4 * CHUNK + 3);
     }
 
     #[test]
