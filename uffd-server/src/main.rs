@@ -79,6 +79,12 @@ struct Args {
     /// VMs at most.
     #[arg(long, default_value_t = 4096)]
     max_vms: usize,
+
+    /// Keep this many `vmm` processes started, connected and holding their
+    /// KVM VM, ready for the next create, fork, restore or clone (taken
+    /// VMMs are replaced in the background). 0 = start a VMM per VM.
+    #[arg(long, default_value_t = 0, env = "PAGEFORK_VMM_POOL")]
+    vmm_pool: usize,
     /// Also serve `GET /metrics` (Prometheus) over TCP at this address,
     /// e.g. 127.0.0.1:9464; it is always on the API socket.
     #[arg(long)]
@@ -311,6 +317,7 @@ fn run(args: Args) -> Result<(), StartError> {
         max_vms: args.max_vms.max(1),
         compress_threads: args.zstd_workers.max(1),
         rewrite_extents: args.snapshot_rewrite_extents,
+        vmm_pool: args.vmm_pool,
         image_dir: match &args.image_dir {
             Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
                 StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))
@@ -408,6 +415,7 @@ fn run(args: Args) -> Result<(), StartError> {
             api_path.display(),
             vmm_path.display()
         );
+        core.start_pool();
         core.run(commands, events_rx).await;
         let _ = std::fs::remove_file(&api_path);
         let _ = std::fs::remove_file(&vmm_path);

@@ -23,6 +23,7 @@ pub mod vmm;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 
@@ -54,12 +55,39 @@ pub enum ConnEvent {
     FcClosed { conn: u64 },
 }
 
-/// A launch the server is waiting for: the token's VM and the pid of the
-/// process it spawned.
-#[derive(Debug, Clone, Copy)]
+/// A launch the server is waiting for: which VM the token's VMM speaks
+/// for and the pid of the process it spawned.
+#[derive(Debug, Clone)]
 pub struct PendingLaunch {
-    pub vm: VmId,
+    pub vm: Binding,
     pub pid: u32,
+}
+
+/// Which VM a VMM connection speaks for. A VMM of the warm pool is
+/// launched (and connects) before its VM exists, under a pool id; the core
+/// binds it to the VM that takes it. Connection threads read the binding
+/// for every event they report, so every event after the bind carries the
+/// VM's id. The core binds only a VMM whose hello it has handled and which
+/// sends nothing until its Welcome, so no event of that connection is in
+/// flight across the bind.
+#[derive(Debug, Clone)]
+pub struct Binding(Arc<AtomicU32>);
+
+impl Binding {
+    /// A connection speaking for `vm`.
+    pub fn new(vm: VmId) -> Self {
+        Binding(Arc::new(AtomicU32::new(vm.0)))
+    }
+
+    /// The VM it speaks for now.
+    pub fn get(&self) -> VmId {
+        VmId(self.0.load(Ordering::Acquire))
+    }
+
+    /// From now on it speaks for `vm`.
+    pub fn bind(&self, vm: VmId) {
+        self.0.store(vm.0, Ordering::Release);
+    }
 }
 
 /// Launch tokens not yet used, shared between the core and the acceptor.

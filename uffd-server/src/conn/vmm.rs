@@ -146,7 +146,8 @@ fn serve_connection(
     };
     let _ = stream.set_read_timeout(None);
     drop(unauthenticated);
-    let vm = launch.vm;
+    let binding = launch.vm;
+    let vm = binding.get();
     let writer = match stream
         .try_clone()
         .and_then(|s| VmmWriter::start(vm, s, queue))
@@ -166,7 +167,11 @@ fn serve_connection(
         return;
     }
     loop {
-        match msg::recv::<VmmMsg>(&stream) {
+        let received = msg::recv::<VmmMsg>(&stream);
+        // A pooled VMM is bound to its VM between its hello and its next
+        // message (see [`super::Binding`]).
+        let vm = binding.get();
+        match received {
             Ok((m, fds)) => {
                 debug!("{vm}: <- {}", kind(&m));
                 if events.send(ConnEvent::Msg { vm, msg: m, fds }).is_err() {

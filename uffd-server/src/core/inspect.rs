@@ -68,6 +68,7 @@ impl Core {
                 .into_iter()
                 .map(|(k, n)| (k.to_owned(), n))
                 .collect(),
+            pool: self.pool.borrow().sample(),
         }
     }
 }

@@ -16,7 +16,7 @@ use tracing::{info, warn};
 
 use super::vm::{RunState, Vm, VmParts};
 use super::{Core, Error, Result};
-use crate::conn::PendingLaunch;
+use crate::conn::{Binding, PendingLaunch};
 use crate::memory::GuestMemory;
 use crate::pages::{FileSource, PageSource, PageTable, UNINITIALIZED};
 
@@ -322,16 +322,35 @@ impl Core {
         Ok((id, ready_rx))
     }
 
-    /// Start `id`'s vmm process and register its launch token.
+    /// Start a VMM for `id`: a ready one from the pool, else a new
+    /// process with its launch token.
     pub(super) async fn spawn_vmm(self: &Rc<Self>, id: VmId) -> Result<()> {
+        if self.launch_from_pool(id) {
+            return Ok(());
+        }
+        let pid = self.launch_process(id, Binding::new(id), &self.log_path(id))?;
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+            v.pid = Some(pid);
+        }
+        Ok(())
+    }
+
+    /// Start a vmm process speaking for `binding` (a VM, or a pool id)
+    /// and logging to `path`; register its launch token and watch for its
+    /// exit. Returns its pid.
+    pub(super) fn launch_process(
+        self: &Rc<Self>,
+        id: VmId,
+        binding: Binding,
+        path: &std::path::Path,
+    ) -> Result<u32> {
         let token = new_token();
-        let path = self.log_path(id);
         let log_err = |source| Error::CreateLog {
             vm: id,
-            path: path.clone(),
+            path: path.to_owned(),
             source,
         };
-        let log = create_log(&path).map_err(log_err)?;
+        let log = create_log(path).map_err(log_err)?;
         let log2 = log.try_clone().map_err(log_err)?;
         // Hold the pending-launch lock across the spawn so the token is
         // registered with the child's pid before the child can connect.
@@ -356,11 +375,14 @@ impl Core {
         if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "0") {
             warn!("{id}: cannot reset the vmm's oom_score_adj: {e}");
         }
-        pending.insert(token.clone(), PendingLaunch { vm: id, pid });
+        pending.insert(
+            token.clone(),
+            PendingLaunch {
+                vm: binding.clone(),
+                pid,
+            },
+        );
         drop(pending);
-        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
-            v.pid = Some(pid);
-        }
         let core = self.clone();
         tokio::task::spawn_local(async move {
             let mut child = child;
@@ -373,9 +395,16 @@ impl Core {
                 Ok(s) => format!("vmm process exited: {s}"),
                 Err(e) => format!("vmm process lost: {e}"),
             };
-            core.mark_exited(id, &reason);
+            // Whom it spoke for when it went: a pooled VMM may have been
+            // bound to a VM since its launch.
+            let now = binding.get();
+            if super::pool::is_pool_id(now) {
+                core.pool_gone(now, &reason);
+            } else {
+                core.mark_exited(now, &reason);
+            }
         });
-        Ok(())
+        Ok(pid)
     }
 
     /// Ask `id`'s VMM to stop; kill it if it does not within a few seconds.

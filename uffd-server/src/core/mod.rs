@@ -13,6 +13,7 @@ mod fork;
 mod inspect;
 mod launch;
 mod ops;
+pub mod pool;
 pub(crate) mod ratelimit;
 mod rollback;
 mod snapshot;
@@ -71,6 +72,8 @@ pub struct Settings {
     /// A snapshot image with more extents than this is rewritten
     /// sequentially in the background (0 = never).
     pub rewrite_extents: u64,
+    /// VMM processes kept started and connected, waiting for a VM.
+    pub vmm_pool: usize,
 }
 
 impl Registry {
@@ -223,6 +226,8 @@ pub struct Core {
     pub fault_seconds: prometheus_client::metrics::histogram::Histogram,
     /// The threads and cache that decode compressed images' frames.
     pub frames: std::sync::Arc<crate::images::zst::FramePool>,
+    /// VMMs started ahead of need (`--vmm-pool`).
+    pub pool: RefCell<pool::VmmPool>,
 }
 
 /// The answer to a request in flight.
@@ -336,6 +341,7 @@ impl Core {
         frames: std::sync::Arc<crate::images::zst::FramePool>,
     ) -> Rc<Self> {
         let first = first_free_id(&settings.state_dir);
+        let settings_pool = settings.vmm_pool;
         Rc::new(Core {
             reg: RefCell::new(Registry {
                 next_id: first,
@@ -349,6 +355,7 @@ impl Core {
             events,
             fault_seconds: crate::observe::metrics::fault_histogram(),
             frames,
+            pool: RefCell::new(pool::VmmPool::new(settings_pool)),
         })
     }
 
@@ -443,6 +450,7 @@ impl Core {
         match ev {
             ConnEvent::Hello { vm, writer, pid } => self.on_hello(vm, writer, pid),
             ConnEvent::Msg { vm, msg, fds } => self.on_vmm_msg(vm, msg, fds),
+            ConnEvent::Closed { vm, reason } if pool::is_pool_id(vm) => self.pool_gone(vm, &reason),
             ConnEvent::Closed { vm, reason } => self.mark_exited(vm, &reason),
             ConnEvent::FcHello(hs) => self.on_fc_hello(hs),
             ConnEvent::FcClosed { conn } => self.on_fc_closed(conn),
@@ -450,6 +458,12 @@ impl Core {
     }
 
     fn on_hello(self: &Rc<Self>, vm: VmId, writer: std::sync::Arc<VmmWriter>, pid: u32) {
+        if pool::is_pool_id(vm) {
+            if !self.pool_hello(vm, writer.clone(), pid) {
+                writer.shutdown();
+            }
+            return;
+        }
         let mut reg = self.reg.borrow_mut();
         let Some(v) = reg.vms.get_mut(&vm) else {
             writer.shutdown();

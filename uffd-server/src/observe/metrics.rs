@@ -59,6 +59,23 @@ pub struct Sample {
     pub retired: FaultStats,
     /// Page sources in the arena by kind.
     pub sources_by_kind: Vec<(String, u64)>,
+    /// The warm VMM pool.
+    pub pool: PoolSample,
+}
+
+/// The warm VMM pool's figures.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PoolSample {
+    /// VMMs it keeps ready (`--vmm-pool`).
+    pub target: u64,
+    /// VMMs connected and waiting for a VM.
+    pub ready: u64,
+    /// VMMs launched for it that have not said hello yet.
+    pub starting: u64,
+    /// VM launches served from it.
+    pub taken: u64,
+    /// VM launches that found it empty (while it has a target).
+    pub missed: u64,
 }
 
 fn counter(v: u64) -> Counter {
@@ -183,6 +200,29 @@ pub fn render(sample: &Sample) -> String {
         sample.fault_seconds.clone(),
     );
 
+    let pool = Family::<Labels, Gauge>::default();
+    for (state, n) in [
+        ("ready", sample.pool.ready),
+        ("starting", sample.pool.starting),
+    ] {
+        pool.get_or_create(&labels(&[("state", state)]))
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    reg.register("vmm_pool", "pooled VMMs by state", pool);
+    let target = Gauge::<i64>::default();
+    target.set(i64::try_from(sample.pool.target).unwrap_or(i64::MAX));
+    reg.register("vmm_pool_target", "VMMs the pool keeps ready", target);
+    reg.register(
+        "vmm_pool_taken",
+        "VM launches served from the VMM pool",
+        counter(sample.pool.taken),
+    );
+    reg.register(
+        "vmm_pool_missed",
+        "VM launches that found the VMM pool empty",
+        counter(sample.pool.missed),
+    );
+
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = encode(&mut out, &reg);
@@ -222,6 +262,13 @@ mod tests {
                 ..FaultStats::default()
             },
             sources_by_kind: vec![("vm".into(), 1)],
+            pool: PoolSample {
+                target: 4,
+                ready: 3,
+                starting: 1,
+                taken: 9,
+                missed: 2,
+            },
         };
         let text = render(&sample);
         assert!(text.contains("pagefork_faults_missing_total 12"), "{text}");
@@ -234,6 +281,12 @@ mod tests {
             text.contains("pagefork_fault_service_seconds_count 1"),
             "{text}"
         );
+        assert!(
+            text.contains(r#"pagefork_vmm_pool{state="ready"} 3"#),
+            "{text}"
+        );
+        assert!(text.contains("pagefork_vmm_pool_taken_total 9"), "{text}");
+        assert!(text.contains("pagefork_vmm_pool_target 4"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

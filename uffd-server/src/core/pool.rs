@@ -1,0 +1,263 @@
+//! The warm VMM pool (`--vmm-pool N`): `vmm` processes started ahead of
+//! need, each connected, authenticated and holding its KVM VM and first
+//! vCPU (see the VMM's `Prewarmed`), waiting for guest RAM.
+//!
+//! ```text
+//!  refill ──launch──▶ pooled vmm (pool id) ──hello──▶ idle, writer kept
+//!  create / fork / restore / clone: spawn_vmm(id)
+//!        └─ an idle VMM? bind it to id, send its Welcome now
+//!           (else launch one as before); refill later, off the critical path
+//! ```
+//!
+//! A pooled VMM is launched under a pool id (at or above [`POOL_BASE`],
+//! never a VM's id) with its own log, `logs/pool-N.log`. Taking it binds
+//! its connection to the VM (see [`crate::conn::Binding`]) and renames the
+//! log to the VM's. Only VMMs whose hello the core has handled are taken;
+//! one still starting stays in the pool. A pooled VMM that exits before it
+//! is used leaves the pool; after [`MAX_FAILURES`] in a row the pool stops
+//! refilling (and says so) until a VM launch asks for a VMM again, so a
+//! broken `vmm` binary cannot make the server spawn processes in a loop.
+
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use shared::VmId;
+use tracing::{info, warn};
+
+use super::Core;
+use crate::conn::{Binding, VmmWriter};
+
+/// Pool ids start here; VM ids stay far below.
+pub const POOL_BASE: u32 = 0x8000_0000;
+
+/// Pooled VMMs that may exit unused in a row before the pool stops
+/// refilling.
+pub const MAX_FAILURES: u32 = 3;
+
+/// How long a refill waits after a take, so the launch that took a VMM
+/// (and others right behind it, as in a fan-out) do not share the core
+/// thread with process spawning.
+const REFILL_DELAY: Duration = Duration::from_millis(20);
+
+/// Whether `id` is a pool id rather than a VM's.
+pub fn is_pool_id(id: VmId) -> bool {
+    id.0 >= POOL_BASE
+}
+
+/// One pooled VMM.
+#[derive(Debug)]
+pub struct Pooled {
+    /// Its pool id.
+    pub id: VmId,
+    pub pid: u32,
+    pub binding: Binding,
+    /// Set once its hello was handled: only then can it be taken.
+    pub writer: Option<Arc<VmmWriter>>,
+}
+
+/// The pool's state.
+#[derive(Debug, Default)]
+pub struct VmmPool {
+    /// VMMs to keep ready.
+    pub target: usize,
+    idle: VecDeque<Pooled>,
+    next: u32,
+    /// Pooled VMMs that exited unused, in a row.
+    failures: u32,
+    refilling: bool,
+    /// Launches served from the pool, and those that found it empty.
+    pub taken: u64,
+    pub missed: u64,
+}
+
+impl VmmPool {
+    /// A pool that keeps `target` VMMs ready.
+    pub fn new(target: usize) -> Self {
+        VmmPool {
+            target,
+            ..VmmPool::default()
+        }
+    }
+
+    /// VMMs in the pool (ready or still starting).
+    pub fn len(&self) -> usize {
+        self.idle.len()
+    }
+
+    /// VMMs ready to be taken.
+    pub fn ready(&self) -> usize {
+        self.idle.iter().filter(|p| p.writer.is_some()).count()
+    }
+
+    /// Its figures for `/metrics`.
+    pub fn sample(&self) -> crate::observe::metrics::PoolSample {
+        let ready = self.ready() as u64;
+        crate::observe::metrics::PoolSample {
+            target: self.target as u64,
+            ready,
+            starting: self.len() as u64 - ready,
+            taken: self.taken,
+            missed: self.missed,
+        }
+    }
+
+    /// Take a ready VMM, if any.
+    fn take(&mut self) -> Option<Pooled> {
+        let at = self.idle.iter().position(|p| p.writer.is_some());
+        match at.and_then(|i| self.idle.remove(i)) {
+            Some(p) => {
+                self.taken += 1;
+                Some(p)
+            }
+            None => {
+                if self.target > 0 {
+                    self.missed += 1;
+                }
+                None
+            }
+        }
+    }
+
+    /// The pooled VMM `id` said hello: it is ready.
+    fn hello(&mut self, id: VmId, writer: Arc<VmmWriter>, pid: u32) -> bool {
+        match self.idle.iter_mut().find(|p| p.id == id && p.pid == pid) {
+            Some(p) => {
+                p.writer = Some(writer);
+                self.failures = 0;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The pooled VMM `id` is gone before it was used.
+    fn gone(&mut self, id: VmId) -> Option<Pooled> {
+        let at = self.idle.iter().position(|p| p.id == id)?;
+        self.failures += 1;
+        self.idle.remove(at)
+    }
+}
+
+impl Core {
+    /// Launch a VMM for `id` from the pool, if it has a ready one: bind it
+    /// to `id` and send its Welcome. Returns whether it did.
+    pub(super) fn launch_from_pool(self: &Rc<Self>, id: VmId) -> bool {
+        let Some(p) = self.pool.borrow_mut().take() else {
+            self.schedule_refill();
+            return false;
+        };
+        let Some(writer) = p.writer else {
+            return false;
+        };
+        // The log follows the VMM: its open fd keeps writing to the file.
+        let log = self.log_path(id);
+        if let Err(e) = std::fs::rename(self.pool_log_path(p.id), &log) {
+            warn!("{id}: cannot rename the pooled vmm's log: {e}");
+        }
+        p.binding.bind(id);
+        info!("{id}: took pooled vmm pid {}", p.pid);
+        self.on_hello(id, writer, p.pid);
+        self.schedule_refill();
+        true
+    }
+
+    /// A VMM's hello for pool id `id`: keep its writer; false if `id` is
+    /// not (or no longer) in the pool.
+    pub(super) fn pool_hello(&self, id: VmId, writer: Arc<VmmWriter>, pid: u32) -> bool {
+        self.pool.borrow_mut().hello(id, writer, pid)
+    }
+
+    /// The pooled VMM `id` exited or hung up before it was used.
+    pub(super) fn pool_gone(self: &Rc<Self>, id: VmId, reason: &str) {
+        let gone = self.pool.borrow_mut().gone(id);
+        if let Some(p) = gone {
+            if let Some(w) = p.writer {
+                w.shutdown();
+            }
+            warn!(
+                "pooled vmm {} (pid {}) went away unused: {reason}",
+                p.id.0 - POOL_BASE,
+                p.pid
+            );
+            self.schedule_refill();
+        }
+    }
+
+    /// Where pooled VMM `id` logs until it is taken.
+    fn pool_log_path(&self, id: VmId) -> std::path::PathBuf {
+        self.settings
+            .state_dir
+            .join("logs")
+            .join(format!("pool-{}.log", id.0.saturating_sub(POOL_BASE)))
+    }
+
+    /// Fill the pool now (at start-up): remove logs of a previous run's
+    /// pool, then launch up to the target.
+    pub fn start_pool(self: &Rc<Self>) {
+        if let Ok(entries) = std::fs::read_dir(self.settings.state_dir.join("logs")) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with("pool-") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let core = self.clone();
+        tokio::task::spawn_local(async move { core.refill(Duration::ZERO).await });
+    }
+
+    /// Refill the pool soon, unless a refill is on its way.
+    fn schedule_refill(self: &Rc<Self>) {
+        {
+            let mut pool = self.pool.borrow_mut();
+            if pool.target == 0 || pool.refilling {
+                return;
+            }
+            pool.refilling = true;
+        }
+        let core = self.clone();
+        tokio::task::spawn_local(async move { core.refill(REFILL_DELAY).await });
+    }
+
+    /// Launch pooled VMMs until the pool holds its target, one per turn of
+    /// the core's loop, after `delay`.
+    async fn refill(self: Rc<Self>, delay: Duration) {
+        self.pool.borrow_mut().refilling = true;
+        tokio::time::sleep(delay).await;
+        loop {
+            let id = {
+                let mut pool = self.pool.borrow_mut();
+                if pool.idle.len() >= pool.target {
+                    break;
+                }
+                if pool.failures >= MAX_FAILURES {
+                    warn!(
+                        "the vmm pool stops refilling: {MAX_FAILURES} pooled vmms in a row went \
+                         away unused (see logs/pool-*.log); VMs still start without it"
+                    );
+                    pool.failures = 0;
+                    pool.refilling = false;
+                    return;
+                }
+                pool.next += 1;
+                VmId(POOL_BASE + pool.next)
+            };
+            let binding = Binding::new(id);
+            match self.launch_process(id, binding.clone(), &self.pool_log_path(id)) {
+                Ok(pid) => self.pool.borrow_mut().idle.push_back(Pooled {
+                    id,
+                    pid,
+                    binding,
+                    writer: None,
+                }),
+                Err(e) => {
+                    warn!("the vmm pool cannot launch a vmm: {}", e.message());
+                    break;
+                }
+            }
+            tokio::task::yield_now().await;
+        }
+        self.pool.borrow_mut().refilling = false;
+    }
+}
