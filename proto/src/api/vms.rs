@@ -375,8 +375,9 @@ pub struct VmDeleted {
     pub frozen: bool,
 }
 
-/// Most children one fork request may create.
-pub const MAX_FORK_COUNT: u32 = 64;
+/// Most children one fork request may create (admission control still
+/// bounds them by the memory budget and `--max-vms`).
+pub const MAX_FORK_COUNT: u32 = 1024;
 
 /// `POST /v1/vms/{id}/fork` body (an empty body forks one child).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -13,6 +13,11 @@
 //!
 //! A later WP fault on the parent copies the pre-write page into every VM
 //! whose table still reads it from the parent (see `fault.rs`).
+//!
+//! A paused parent forks as a template: steps 1 and 5 skip the pause and
+//! the resume, and step 2 runs only on the first fork after the template
+//! last ran or changed (`Vm::protected_paused`), so forking a template again
+//! and again costs the table fork and the children's start only.
 
 use std::rc::Rc;
 use std::time::Instant;
@@ -41,7 +46,17 @@ impl Core {
                 "count must be between 1 and {MAX_FORK_COUNT}"
             )));
         }
-        self.expect_state(parent, RunState::Running, "fork")?;
+        // A paused VM forks as a template: it stays paused, and its pages
+        // need protecting only once until it runs again.
+        let template = self
+            .reg
+            .borrow()
+            .vms
+            .get(&parent)
+            .is_some_and(|v| v.state == RunState::Paused && !v.deleted);
+        if !template {
+            self.expect_state(parent, RunState::Running, "fork")?;
+        }
         {
             let reg = self.reg.borrow();
             let size = reg.vms.get(&parent).map_or(0, |v| v.memory.size());
@@ -52,9 +67,16 @@ impl Core {
         // Pause and capture are sent back to back (the VMM answers in
         // order), so the parent's pause pays one round trip, not two.
         let t_pause = Instant::now();
-        let paused = self.send_request(parent, Request::Pause)?;
+        let paused = if template {
+            None
+        } else {
+            Some(self.send_request(parent, Request::Pause)?)
+        };
         let captured = self.send_request(parent, Request::CaptureState);
-        let paused = self.await_reply(parent, paused, timeout).await;
+        let paused = match paused {
+            Some(rx) => self.await_reply(parent, rx, timeout).await,
+            None => Ok(Reply::Done),
+        };
         let captured = match captured {
             Ok(rx) => self.await_reply(parent, rx, timeout).await,
             Err(e) => Err(e),
@@ -66,7 +88,9 @@ impl Core {
                 // The pause may still land later (a VMM that stopped
                 // answering): a resume queued behind it leaves the parent
                 // running, as it was before the fork.
-                self.resume_in_background(parent);
+                if !template {
+                    self.resume_in_background(parent);
+                }
                 return Err(match (p, c) {
                     (Err(e), _) | (_, Err(e)) => e,
                     (_, Ok(r)) => Error::UnexpectedReply {
@@ -78,7 +102,16 @@ impl Core {
             }
         };
         let t_wp = Instant::now();
-        let protected = self.write_protect_materialized(parent);
+        let protected = if template && self.protected_paused(parent) {
+            Ok(0)
+        } else {
+            self.write_protect_materialized(parent)
+        };
+        if template && protected.is_ok() {
+            if let Some(v) = self.reg.borrow_mut().vms.get_mut(&parent) {
+                v.protected_paused = true;
+            }
+        }
         let wp_us = us(t_wp);
         let t_fork = Instant::now();
         let created = self.create_children(parent, count, Rc::new(state));
@@ -91,7 +124,11 @@ impl Core {
         };
         let volume_us = us(t_vol);
         let t_resume = Instant::now();
-        let resumed = self.request(parent, Request::Resume, timeout).await;
+        let resumed = if template {
+            Ok(Reply::Done)
+        } else {
+            self.request(parent, Request::Resume, timeout).await
+        };
         let resume_us = us(t_resume);
         let pause_us = us(t_pause);
         let phases = ForkPhases {
@@ -146,6 +183,15 @@ impl Core {
             fork_us,
             phases,
         })
+    }
+
+    /// Whether `vm` is a paused template whose pages are all protected.
+    fn protected_paused(&self, vm: VmId) -> bool {
+        self.reg
+            .borrow()
+            .vms
+            .get(&vm)
+            .is_some_and(|v| v.protected_paused)
     }
 
     /// Queue a resume for `vm` and log its outcome, without waiting.

@@ -130,6 +130,9 @@ impl Core {
         self.refuse_while_busy(vm, action)?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
             v.busy = Some(running);
+            if action != "fork" {
+                v.protected_paused = false;
+            }
         }
         Ok(BusyGuard {
             core: self.clone(),
@@ -163,6 +166,9 @@ impl Core {
         } else {
             (Request::Resume, RunState::Running)
         };
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+            v.protected_paused = false;
+        }
         let rx = self.send_request(id, request)?;
         let deadline = self.settings.vmm_deadline;
         let (tx, on_time) = tokio::sync::oneshot::channel();

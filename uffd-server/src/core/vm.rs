@@ -106,6 +106,11 @@ pub struct Vm {
     /// Deleted by the user but kept as a frozen source while other tables
     /// still read pages from it.
     pub deleted: bool,
+    /// Every page this VM holds is write-protected and it has neither run
+    /// nor changed since: set by a fork of the paused VM, cleared by a
+    /// resume and by any other operation on it. A further fork skips the
+    /// write-protect pass (a template forked again and again).
+    pub protected_paused: bool,
     /// An operation that pauses, captures and resumes the VM itself (a
     /// fork, a snapshot, a rollback) is under way: pause, resume and
     /// another such operation wait their turn.
@@ -175,6 +180,7 @@ impl Vm {
             volume: None,
             start_state: None,
             deleted: false,
+            protected_paused: false,
             busy: None,
             dirty: None,
             saving: None,
