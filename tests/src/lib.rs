@@ -652,11 +652,11 @@ fn spawn_server(state_dir: &Path, log: &Path, args: &[&str], nofile: Option<(u64
         }
         None => Command::new(&server),
     };
-    cmd.arg("--state-dir")
-        .arg(state_dir)
-        .arg("--vmm-bin")
-        .arg(&vmm)
-        .args(args)
+    cmd.arg("--state-dir").arg(state_dir);
+    if !args.contains(&"--vmm-bin") {
+        cmd.arg("--vmm-bin").arg(&vmm);
+    }
+    cmd.args(args)
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),

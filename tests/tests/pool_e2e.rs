@@ -1,0 +1,282 @@
+//! The warm VMM pool (`--vmm-pool N`) through the real server, real `vmm`
+//! processes and KVM: pooled VMMs are the ones new VMs run on, the pool
+//! refills, a pooled VMM that dies is replaced, a broken `vmm` binary does
+//! not make the server spawn in a loop, and forks of a paused template
+//! (which skip the write-protect pass after the first) keep every child's
+//! memory exact once the template runs and writes again.
+
+use std::time::{Duration, Instant};
+
+use pagefork_tests::{child_pids, pages_of, process_exists, require_kvm_uffd, signal, TestServer};
+use serde_json::{json, Value};
+
+fn metrics(server: &TestServer) -> String {
+    let (status, text) = server.api_raw("GET", "/metrics", b"");
+    assert_eq!(status, 200, "GET /metrics: {text}");
+    text
+}
+
+fn metric(server: &TestServer, series: &str) -> u64 {
+    metrics(server)
+        .lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+fn ready(server: &TestServer) -> u64 {
+    metric(server, "pagefork_vmm_pool{state=\"ready\"}")
+}
+
+fn wait_ready(server: &TestServer, want: u64) {
+    let t = Instant::now();
+    while ready(server) < want {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the pool did not reach {want} ready VMMs: {}\n{}",
+            metrics(server),
+            server.server_log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `vmm` processes the server started.
+fn vmm_children(server: &TestServer) -> Vec<u32> {
+    child_pids(server.pid())
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "vmm")
+        })
+        .collect()
+}
+
+fn pid_of(vm: &Value) -> u32 {
+    vm["pid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .expect("a pid")
+}
+
+#[test]
+fn new_vms_run_on_pooled_vmms_and_the_pool_refills() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let server = TestServer::start_with_args(&["--vmm-pool", "2"]);
+    wait_ready(&server, 2);
+    let pooled = vmm_children(&server);
+    assert_eq!(pooled.len(), 2, "two pooled vmm processes: {pooled:?}");
+
+    let a = server.create_vm(json!({"memory_mib": 64}));
+    let b = server.create_vm(json!({"memory_mib": 64, "vcpus": 2}));
+    for id in [&a, &b] {
+        let pid = pid_of(&server.vm(id));
+        assert!(
+            pooled.contains(&pid),
+            "{id} runs on pid {pid}, not a pooled vmm {pooled:?}"
+        );
+        let n: u64 = id.trim_start_matches("vm-").parse().expect("numeric id");
+        assert_eq!(
+            server.exec(id, json!({"op": "identity"})),
+            n,
+            "{id} knows who it is"
+        );
+        let log = server.state_dir().join("logs").join(format!("{id}.log"));
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            text.contains("welcomed by the server"),
+            "{id}'s log follows its VMM: {text}"
+        );
+    }
+    // Memory is the VM's own: what it writes it reads back.
+    server.fill(&b, 0, pages_of(64), 5);
+    assert_eq!(server.verify(&b, 0, pages_of(64), 5), 0);
+    assert_eq!(metric(&server, "pagefork_vmm_pool_taken_total"), 2);
+
+    wait_ready(&server, 2);
+    let now = vmm_children(&server);
+    assert_eq!(now.len(), 4, "two VMs and two fresh pooled VMMs: {now:?}");
+    let logs: Vec<String> = std::fs::read_dir(server.state_dir().join("logs"))
+        .expect("logs dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        logs.iter().filter(|l| l.starts_with("pool-")).count(),
+        2,
+        "one log per waiting pooled VMM: {logs:?}"
+    );
+    server.assert_healthy();
+}
+
+#[test]
+fn a_pooled_vmm_that_dies_is_replaced() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let server = TestServer::start_with_args(&["--vmm-pool", "1"]);
+    wait_ready(&server, 1);
+    let victim = vmm_children(&server)[0];
+    signal(victim, nix::sys::signal::Signal::SIGKILL);
+    let t = Instant::now();
+    loop {
+        let now = vmm_children(&server);
+        if ready(&server) == 1 && !now.contains(&victim) && now.len() == 1 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "no replacement for the killed pooled vmm: {now:?}\n{}",
+            server.server_log_tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let id = server.create_vm(json!({"memory_mib": 32}));
+    assert!(server.exec(&id, json!({"op": "identity"})) > 0);
+    assert!(server.server_log_text().contains("went away unused"));
+}
+
+#[test]
+fn a_broken_vmm_binary_does_not_make_the_pool_spawn_in_a_loop() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let broken = dir.path().join("vmm");
+    std::fs::write(
+        &broken,
+        "#!/bin/sh\necho 'this vmm is broken' >&2\nexit 3\n",
+    )
+    .expect("script");
+    std::fs::set_permissions(&broken, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let broken = broken.to_string_lossy().into_owned();
+    let server = TestServer::start_with_args(&["--vmm-pool", "2", "--vmm-bin", &broken]);
+    let t = Instant::now();
+    while !server
+        .server_log_text()
+        .contains("the vmm pool stops refilling")
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the pool never gave up: {}",
+            server.server_log_tail(30)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Quiet now: no further launches while nothing asks for a VM.
+    let launched = |s: &TestServer| s.server_log_text().matches("went away unused").count();
+    let before = launched(&server);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(launched(&server), before, "the pool kept launching");
+    // A create still says clearly why it cannot start.
+    let (status, v) = server.api("POST", "/v1/vms", Some(json!({"memory_mib": 16})));
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        v.to_string().contains("broken"),
+        "the error quotes the vmm's log: {v}"
+    );
+    server.assert_healthy();
+}
+
+#[test]
+fn forks_of_a_paused_template_stay_exact_when_it_runs_again() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let server = TestServer::start_with_args(&["--vmm-pool", "2"]);
+    let mib = 64;
+    let pages = pages_of(mib);
+    let tpl = server.create_vm(json!({"memory_mib": mib}));
+    server.fill(&tpl, 0, pages / 2, 11);
+    let before = server.digest(&tpl, 0, pages);
+    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/pause"), None);
+    assert_eq!(status, 200, "{v}");
+
+    // Two forks of the paused template: the second finds its pages
+    // protected already and skips the write-protect pass.
+    let mut children = Vec::new();
+    for round in 0..2 {
+        let (status, v) = server.api(
+            "POST",
+            &format!("/v1/vms/{tpl}/fork"),
+            Some(json!({"count": 2})),
+        );
+        assert_eq!(status, 201, "fork {round} of the template: {v}");
+        let protected = v["phases"]["write_protected_pages"].as_u64();
+        if round == 0 {
+            assert!(
+                protected.is_some_and(|n| n >= pages / 2),
+                "the first fork protects: {v}"
+            );
+        } else {
+            assert_eq!(
+                protected,
+                Some(0),
+                "a fork of an unchanged template skips it: {v}"
+            );
+        }
+        for c in v["children"].as_array().expect("children") {
+            children.push(c.as_str().expect("id").to_owned());
+        }
+        assert_eq!(
+            server.vm(&tpl)["state"],
+            "paused",
+            "the template stays paused"
+        );
+    }
+    for c in &children {
+        assert_eq!(
+            server.digest(c, 0, pages),
+            before,
+            "{c} starts with the template's memory"
+        );
+    }
+    // The template runs and overwrites everything; children keep theirs.
+    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/resume"), None);
+    assert_eq!(status, 200, "{v}");
+    server.fill(&tpl, 0, pages, 12);
+    for c in &children {
+        assert_eq!(
+            server.digest(c, 0, pages),
+            before,
+            "{c} kept the template's old memory"
+        );
+        server.fill(c, 0, 8, 13);
+    }
+    assert_eq!(
+        server.verify(&tpl, 0, pages, 12),
+        0,
+        "the template kept its writes"
+    );
+
+    // Paused again after running: the next fork protects again.
+    let now = server.digest(&tpl, 0, pages);
+    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/pause"), None);
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/fork"), None);
+    assert_eq!(status, 201, "{v}");
+    assert!(
+        v["phases"]["write_protected_pages"]
+            .as_u64()
+            .is_some_and(|n| n > 0),
+        "a template that ran is protected again: {v}"
+    );
+    let late = v["children"][0].as_str().expect("id").to_owned();
+    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/resume"), None);
+    assert_eq!(status, 200, "{v}");
+    server.fill(&tpl, 0, pages, 14);
+    assert_eq!(
+        server.digest(&late, 0, pages),
+        now,
+        "{late} kept the memory of its fork"
+    );
+    let (status, v) = server.api("GET", "/v1/debug/invariant", None);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["ok"], true, "{v}");
+    for c in children.iter().chain([&late]) {
+        assert!(process_exists(pid_of(&server.vm(c))));
+    }
+}
