@@ -84,6 +84,7 @@ run() {
 
 run lazy_restore "${QUICK_ARG[@]}"
 run fork "${QUICK_ARG[@]}"
+run vmm_pool "${QUICK_ARG[@]}"
 
 if [ -z "$XFS_DIR" ]; then
 	if [ "$(id -u)" -eq 0 ]; then

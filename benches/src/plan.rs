@@ -129,15 +129,26 @@ impl Plan {
                 k.extend(["zst.restore.prefetch", "zst.fc", "zst.others"].map(String::from));
                 k
             }
+            "vmm_pool" => [
+                "template",
+                "restore",
+                "live",
+                "fanout_small",
+                "fanout_large",
+                "child_memory",
+            ]
+            .map(|m| format!("pool.{m}"))
+            .to_vec(),
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 7] = [
+pub const BENCHES: [&str; 8] = [
     "lazy_restore",
     "fork",
+    "vmm_pool",
     "volume_snapshot",
     "vm_snapshot",
     "qcow2_interchange",
