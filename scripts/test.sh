@@ -2,8 +2,9 @@
 # Set up and run every pagefork test: unit and property tests, end-to-end
 # tests with real uffd-server and vmm processes on real KVM and
 # userfaultfd, volume tests on a loop-mounted XFS with reflink=1, and a
-# bounded run of every fuzz target, and a smoke run of every benchmark (no
-# timing thresholds).
+# second pass of the fork, snapshot, Firecracker, core and stall tests with
+# a warm VMM pool (--vmm-pool 2), a bounded run of every fuzz target, and a
+# smoke run of every benchmark (no timing thresholds).
 #
 # With CI=true, tests whose prerequisites (/dev/kvm, /dev/userfaultfd, the
 # XFS mount) are missing fail instead of skipping.
@@ -33,6 +34,14 @@ mkdir -p target
 set +e
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee target/test.log
 status=${PIPESTATUS[0]}
+set -e
+
+echo "== fork, snapshot, Firecracker and core tests again, with a warm VMM pool" >&2
+set +e
+PAGEFORK_VMM_POOL=2 cargo test -p pagefork-tests --no-fail-fast \
+	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e --test stalls_e2e \
+	-- --test-threads=2 2>&1 | tee -a target/test.log
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e
 
 echo "== fuzzing (bounded)" >&2

@@ -45,7 +45,8 @@ pub enum VmCmd {
     Pause { id: String },
     /// Resume a VM's vCPUs.
     Resume { id: String },
-    /// Fork a running VM into COUNT children without copying its memory.
+    /// Fork a running VM, or a paused one (a template: it stays paused), into
+    /// COUNT children without copying its memory.
     Fork {
         id: String,
         #[arg(long, default_value_t = 1)]
