@@ -92,6 +92,34 @@ impl Mapping {
         })
     }
 
+    /// A hugetlb memfd (2 MiB pages) of `len` bytes (a multiple of 2 MiB)
+    /// mapped MAP_SHARED | MAP_NORESERVE read-write: pages come from the
+    /// host's hugepage pool when first touched.
+    pub fn shared_hugetlb_memfd(len: usize) -> Result<Mapping> {
+        let memfd = memfd::MemfdOptions::default()
+            .close_on_exec(true)
+            .hugetlb(Some(memfd::HugetlbSize::Huge2MB))
+            .create("pagefork-bench-huge")
+            .map_err(|e| MappingError::CreateMemfd {
+                len,
+                source: io::Error::other(e.to_string()),
+            })?;
+        let file = memfd.into_file();
+        file.set_len(len as u64)
+            .map_err(|source| MappingError::CreateMemfd { len, source })?;
+        let ptr = mmap(
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            file.as_raw_fd(),
+        )?;
+        Ok(Mapping {
+            ptr,
+            len,
+            _file: Some(file),
+        })
+    }
+
     /// Anonymous private read-write memory (nothing populated).
     pub fn anonymous(len: usize) -> Result<Mapping> {
         let ptr = mmap(

@@ -86,11 +86,16 @@ impl Plan {
                 .fork_mib
                 .iter()
                 .flat_map(|s| {
-                    let mut k: Vec<String> =
-                        ["table", "table_vs_memcpy", "server_fork_us", "pause"]
-                            .iter()
-                            .map(|m| format!("fork.{m}.{s}"))
-                            .collect();
+                    let mut k: Vec<String> = [
+                        "table",
+                        "table_vs_memcpy",
+                        "server_fork_us",
+                        "pause",
+                        "wp_huge",
+                    ]
+                    .iter()
+                    .map(|m| format!("fork.{m}.{s}"))
+                    .collect();
                     k.extend(FORK_COUNTS.iter().map(|n| format!("fork.e2e{n}.{s}")));
                     k.push(format!("fork.shmem_per_child.{s}"));
                     k.push(format!("fork.rss_per_child.{s}"));

@@ -45,7 +45,18 @@ pub struct WpFloor {
 impl WpFloor {
     /// A region of `len` bytes whose first `protect_len` bytes are populated.
     pub fn new(len: usize, protect_len: usize) -> Result<WpFloor> {
-        let map = Mapping::shared_memfd(len)?;
+        Self::over(Mapping::shared_memfd(len)?, protect_len)
+    }
+
+    /// The same over 2 MiB hugetlb pages (`len` and `protect_len` are
+    /// multiples of 2 MiB; the host's hugepage pool must hold the
+    /// populated part, see [`reserve_hugepages`]).
+    pub fn new_hugetlb(len: usize, protect_len: usize) -> Result<WpFloor> {
+        Self::over(Mapping::shared_hugetlb_memfd(len)?, protect_len)
+    }
+
+    fn over(map: Mapping, protect_len: usize) -> Result<WpFloor> {
+        let len = map.len();
         map.populate(protect_len);
         let uffd = UffdBuilder::new()
             .close_on_exec(true)
@@ -82,4 +93,34 @@ impl WpFloor {
             .map_err(WpError::WriteProtect)?;
         Ok(took)
     }
+}
+
+/// Make sure the host's pool holds at least `pages` free 2 MiB hugepages,
+/// growing `vm.nr_hugepages` if needed (root only). Returns whether it
+/// does.
+pub fn reserve_hugepages(pages: u64) -> bool {
+    let free = || {
+        std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| {
+                m.lines()
+                    .find(|l| l.starts_with("HugePages_Free:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<u64>().ok())
+            })
+            .unwrap_or(0)
+    };
+    let have = free();
+    if have >= pages {
+        return true;
+    }
+    let total: u64 = std::fs::read_to_string("/proc/sys/vm/nr_hugepages")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    let _ = std::fs::write(
+        "/proc/sys/vm/nr_hugepages",
+        (total + pages - have).to_string(),
+    );
+    free() >= pages
 }

@@ -58,6 +58,7 @@ struct InProcess {
     ptr_copy_us: Vec<f64>,
     memcpy_us: Vec<f64>,
     wp_us: Vec<f64>,
+    wp_huge_us: Vec<f64>,
 }
 
 fn in_process(plan: &Plan, mib: u64) -> InProcess {
@@ -116,11 +117,31 @@ fn in_process(plan: &Plan, mib: u64) -> InProcess {
                 * 1e6
         })
         .collect();
+    // The same write-protect on 2 MiB hugetlb pages: the floor of a fork's
+    // pause with hugepage guest RAM.
+    let huge_pages = (bytes as u64).div_ceil(2 << 20);
+    let wp_huge_us = if pagefork_benches::wp_floor::reserve_hugepages(huge_pages) {
+        let floor = WpFloor::new_hugetlb(len, bytes)
+            .unwrap_or_else(|e| panic!("hugetlb write-protect floor: {}", chain(&e)));
+        (0..plan.reps.max(5))
+            .map(|_| {
+                floor
+                    .measure()
+                    .unwrap_or_else(|e| panic!("hugetlb write-protect floor: {}", chain(&e)))
+                    .as_secs_f64()
+                    * 1e6
+            })
+            .collect()
+    } else {
+        eprintln!("{BENCH}: cannot reserve {huge_pages} hugepages; no hugetlb row");
+        Vec::new()
+    };
     InProcess {
         table_fork_us,
         ptr_copy_us,
         memcpy_us,
         wp_us,
+        wp_huge_us,
     }
 }
 
@@ -365,6 +386,19 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
         median(&one.server_wp_us),
         median(&one.pause_us) / median(&one.server_wp_us)
     ))
+    .emit();
+    Row::new(
+        BENCH,
+        &format!("fork.wp_huge.{mib}"),
+        T_PAUSE,
+        &format!("{sz} VM: bare UFFDIO_WRITEPROTECT of {mat} populated as 2 MiB hugetlb pages"),
+        "µs",
+        &ip.wp_huge_us,
+        &format!("the same on 4 KiB shmem pages (today's guest RAM)"),
+        &ip.wp_us,
+    )
+    .goal("≤ 1 ms at 4 GiB with 1 GiB written (what hugepage guest RAM would give a fork's pause)")
+    .note("kernel floor only, in-process: guest RAM on hugetlb memfds is not served yet")
     .emit();
     for (count, f) in &forks {
         Row::new(
