@@ -394,7 +394,7 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
         &format!("{sz} VM: bare UFFDIO_WRITEPROTECT of {mat} populated as 2 MiB hugetlb pages"),
         "µs",
         &ip.wp_huge_us,
-        &format!("the same on 4 KiB shmem pages (today's guest RAM)"),
+        "the same on 4 KiB shmem pages (today's guest RAM)",
         &ip.wp_us,
     )
     .goal("≤ 1 ms at 4 GiB with 1 GiB written (what hugepage guest RAM would give a fork's pause)")

@@ -20,7 +20,7 @@
 //!
 //! Usage: `vmm_pool [--quick]`. Prints JSON rows.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -37,14 +37,14 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One API call on a fresh connection; panics on no answer or a status
 /// other than `want`.
-fn call(sock: &PathBuf, method: &str, path: &str, body: Option<Value>, want: u16) -> Value {
+fn call(sock: &Path, method: &str, path: &str, body: Option<Value>, want: u16) -> Value {
     let (status, text) = request_within(sock, method, path, body.as_ref(), TIMEOUT)
         .unwrap_or_else(|| panic!("{method} {path}: no answer within {TIMEOUT:?}"));
     assert_eq!(status, want, "{method} {path} answered {status}: {text}");
     serde_json::from_str(&text).unwrap_or(Value::Null)
 }
 
-fn identity(sock: &PathBuf, id: &str) {
+fn identity(sock: &Path, id: &str) {
     call(
         sock,
         "POST",
@@ -54,7 +54,7 @@ fn identity(sock: &PathBuf, id: &str) {
     );
 }
 
-fn delete(sock: &PathBuf, id: &str) {
+fn delete(sock: &Path, id: &str) {
     call(sock, "DELETE", &format!("/v1/vms/{id}"), None, 200);
 }
 
@@ -69,7 +69,7 @@ fn ids(v: &Value, key: &str) -> Vec<String> {
 
 /// A metric's value from `GET /metrics` (first series whose line starts
 /// with `name`).
-fn metric(sock: &PathBuf, name: &str) -> f64 {
+fn metric(sock: &Path, name: &str) -> f64 {
     let (_, text) = request_within(sock, "GET", "/metrics", None, TIMEOUT)
         .unwrap_or_else(|| panic!("GET /metrics: no answer"));
     text.lines()
@@ -80,7 +80,7 @@ fn metric(sock: &PathBuf, name: &str) -> f64 {
 }
 
 /// Wait until the pool of the server at `sock` holds `want` ready VMMs.
-fn wait_pool(sock: &PathBuf, want: usize) {
+fn wait_pool(sock: &Path, want: usize) {
     if want == 0 {
         return;
     }
@@ -95,7 +95,7 @@ fn wait_pool(sock: &PathBuf, want: usize) {
 }
 
 /// Every VM in `ids` answers identity, from `threads` client threads.
-fn all_answer(sock: &PathBuf, ids: &[String], threads: usize) {
+fn all_answer(sock: &Path, ids: &[String], threads: usize) {
     let chunk = ids.len().div_ceil(threads.max(1)).max(1);
     std::thread::scope(|s| {
         for part in ids.chunks(chunk) {
@@ -137,7 +137,7 @@ fn server(pool: usize) -> TestServer {
 
 /// A paused 256 MiB template with a quarter written (and, with `snap`, a
 /// full snapshot of it under that name); returns its id.
-fn template(sock: &PathBuf, snap: Option<&str>) -> String {
+fn template(sock: &Path, snap: Option<&str>) -> String {
     let v = call(
         sock,
         "POST",
@@ -175,7 +175,7 @@ struct Starts {
     live_pause_ms: Vec<f64>,
 }
 
-fn starts(sock: &PathBuf, pool: usize, n: usize) -> Starts {
+fn starts(sock: &Path, pool: usize, n: usize) -> Starts {
     let mut s = Starts::default();
     let snap = format!("pool-bench-{pool}");
     let tpl = template(sock, Some(&snap));

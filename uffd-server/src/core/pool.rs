@@ -82,7 +82,7 @@ impl VmmPool {
     }
 
     /// VMMs in the pool (ready or still starting).
-    pub fn len(&self) -> usize {
+    pub fn held(&self) -> usize {
         self.idle.len()
     }
 
@@ -97,7 +97,7 @@ impl VmmPool {
         crate::observe::metrics::PoolSample {
             target: self.target as u64,
             ready,
-            starting: self.len() as u64 - ready,
+            starting: self.held() as u64 - ready,
             taken: self.taken,
             missed: self.missed,
         }
