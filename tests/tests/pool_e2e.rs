@@ -21,8 +21,8 @@ fn metric(server: &TestServer, series: &str) -> u64 {
         .lines()
         .find(|l| l.starts_with(series))
         .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
 }
 
 fn ready(server: &TestServer) -> u64 {
