@@ -66,6 +66,9 @@ pub struct VmmPool {
     next: u32,
     /// Pooled VMMs that exited unused, in a row.
     failures: u32,
+    /// Refilling gave up after [`MAX_FAILURES`]; the next VM launch that
+    /// finds the pool empty tries again.
+    stopped: bool,
     refilling: bool,
     /// Launches served from the pool, and those that found it empty.
     pub taken: u64,
@@ -145,6 +148,8 @@ impl Core {
     /// to `id` and send its Welcome. Returns whether it did.
     pub(super) fn launch_from_pool(self: &Rc<Self>, id: VmId) -> bool {
         let Some(p) = self.pool.borrow_mut().take() else {
+            // A launch asks for a VMM: worth trying again after a give-up.
+            self.pool.borrow_mut().stopped = false;
             self.schedule_refill();
             return false;
         };
@@ -211,7 +216,7 @@ impl Core {
     fn schedule_refill(self: &Rc<Self>) {
         {
             let mut pool = self.pool.borrow_mut();
-            if pool.target == 0 || pool.refilling {
+            if pool.target == 0 || pool.refilling || pool.stopped {
                 return;
             }
             pool.refilling = true;
@@ -237,6 +242,7 @@ impl Core {
                          away unused (see logs/pool-*.log); VMs still start without it"
                     );
                     pool.failures = 0;
+                    pool.stopped = true;
                     pool.refilling = false;
                     return;
                 }
