@@ -121,6 +121,10 @@ impl Plan {
             "qcow2_interchange" => ["import", "export", "snapshot_create"]
                 .map(|m| format!("qcow2.{m}"))
                 .to_vec(),
+            "disk_throughput" => ["write", "read"]
+                .iter()
+                .flat_map(|d| ["multi", "one"].map(|m| format!("disk.{d}.{m}")))
+                .collect(),
             "zstd_image" => {
                 let mut k: Vec<String> = [4, 64, 256, 2048]
                     .iter()
@@ -135,12 +139,13 @@ impl Plan {
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 7] = [
+pub const BENCHES: [&str; 8] = [
     "lazy_restore",
     "fork",
     "volume_snapshot",
     "vm_snapshot",
     "qcow2_interchange",
+    "disk_throughput",
     "fc_restore",
     "zstd_image",
 ];
