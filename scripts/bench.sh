@@ -12,7 +12,7 @@
 # status is non-zero if a bench failed or a row is missing, never because of
 # a timing.
 #
-# The volume, VM-snapshot and qcow2 benches need an XFS (reflink=1) directory: $PAGEFORK_XFS_DIR if
+# The volume, VM-snapshot, qcow2 and disk-throughput benches need an XFS (reflink=1) directory: $PAGEFORK_XFS_DIR if
 # set, else one is set up with scripts/xfs-loop.sh (needs root) and torn down
 # afterwards.
 set -uo pipefail
@@ -104,9 +104,11 @@ if [ -n "$XFS_DIR" ]; then
 	run volume_snapshot "$XFS_DIR" --json "$WORK/volume_snapshot.json"
 	run vm_snapshot "$XFS_DIR" "${QUICK_ARG[@]}"
 	run qcow2_interchange "$XFS_DIR" "${QUICK_ARG[@]}"
+	run disk_throughput "$XFS_DIR" "${QUICK_ARG[@]}"
 else
 	cp "$WORK/volume_snapshot.status" "$WORK/vm_snapshot.status"
 	cp "$WORK/volume_snapshot.status" "$WORK/qcow2_interchange.status"
+	cp "$WORK/volume_snapshot.status" "$WORK/disk_throughput.status"
 fi
 
 run fc_restore "${QUICK_ARG[@]}"

@@ -126,6 +126,10 @@ impl Plan {
             "qcow2_interchange" => ["import", "export", "snapshot_create"]
                 .map(|m| format!("qcow2.{m}"))
                 .to_vec(),
+            "disk_throughput" => ["write", "read"]
+                .iter()
+                .flat_map(|d| ["multi", "one"].map(|m| format!("disk.{d}.{m}")))
+                .collect(),
             "zstd_image" => {
                 let mut k: Vec<String> = [4, 64, 256, 2048]
                     .iter()
@@ -157,6 +161,7 @@ pub const BENCHES: [&str; 8] = [
     "volume_snapshot",
     "vm_snapshot",
     "qcow2_interchange",
+    "disk_throughput",
     "fc_restore",
     "zstd_image",
 ];

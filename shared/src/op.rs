@@ -38,9 +38,23 @@ pub enum GuestOp {
     /// The guest reads its VM's id from the identity port.
     Identity,
     /// Write [`crate::pattern::disk_word`] into every 512-byte sector.
-    DiskFill { sector: u64, count: u64, seed: u64 },
+    DiskFill {
+        sector: u64,
+        count: u64,
+        seed: u64,
+        /// Sectors per block device request, 1 to
+        /// [`crate::pattern::MAX_SECTORS_PER_IO`] (`None`: the most).
+        #[serde(default)]
+        sectors_per_io: Option<u32>,
+    },
     /// Fold the first word of every sector.
-    DiskChecksum { sector: u64, count: u64 },
+    DiskChecksum {
+        sector: u64,
+        count: u64,
+        /// As in [`GuestOp::DiskFill`].
+        #[serde(default)]
+        sectors_per_io: Option<u32>,
+    },
 }
 
 impl GuestOp {
@@ -55,6 +69,18 @@ impl GuestOp {
             GuestOp::Identity => "identity",
             GuestOp::DiskFill { .. } => "disk_fill",
             GuestOp::DiskChecksum { .. } => "disk_checksum",
+        }
+    }
+
+    /// Sectors per block device request of a disk op: its
+    /// `sectors_per_io`, or the most the device takes.
+    pub fn sectors_per_io(&self) -> Option<u64> {
+        match *self {
+            GuestOp::DiskFill { sectors_per_io, .. }
+            | GuestOp::DiskChecksum { sectors_per_io, .. } => {
+                Some(sectors_per_io.map_or(crate::pattern::MAX_SECTORS_PER_IO, u64::from))
+            }
+            _ => None,
         }
     }
 

@@ -17,6 +17,8 @@ pub const PATTERN_MUL_PAGE: u64 = 0xbf58_476d_1ce4_e5b9;
 pub const DISK_SALT: u64 = 0xd15c_d15c_d15c_d15c;
 /// Bytes per disk sector of the guest block device.
 pub const SECTOR_SIZE: u64 = 512;
+/// Most sectors one guest block device request moves (1 MiB).
+pub const MAX_SECTORS_PER_IO: u64 = 2048;
 
 /// Byte offset, inside page `page`, of the word that `checksum` samples and
 /// `fill` writes besides word 0.

@@ -3,6 +3,9 @@
 //! state directory lives on the loop-mounted XFS (reflink=1) named by
 //! PAGEFORK_XFS_DIR, which `scripts/test.sh` sets up.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
 use pagefork_tests::{server_on_xfs, TestServer};
 use serde_json::json;
 use shared::pattern::{disk_checksum, disk_word, SECTOR_SIZE};
@@ -225,4 +228,142 @@ fn a_volume_in_use_cannot_be_rolled_back_or_deleted_until_its_vm_is_gone() {
     assert_eq!(st, 200, "{v}");
     let (st, v) = server.api("DELETE", "/v1/volumes/busy", None);
     assert!(st < 300, "{v}");
+}
+
+#[test]
+fn multi_sector_requests_fill_and_fold_exactly_what_the_volume_file_holds() {
+    let Some(server) = server_on_xfs(&[]) else {
+        return;
+    };
+    let (st, v) = server.api(
+        "POST",
+        "/v1/volumes",
+        Some(json!({"name": "m1", "size_mib": 8})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let sectors = 8 * 2048;
+    let vm = server.create_vm(json!({"memory_mib": 64, "volume": "m1"}));
+    let mut want = vec![0u8; 8 << 20];
+    // Requests of the default 2048 sectors, starting off a boundary and
+    // ending in a short one; an even size that is no multiple of the
+    // agent's unrolling; an odd size; one sector per request.
+    for (sector, count, seed, per_io) in [
+        (1000u64, 5000u64, 7u64, None),
+        (6100, 1234, 8, Some(100u32)),
+        (9000, 333, 9, Some(7)),
+        (12000, 10, 10, Some(1)),
+        (16383, 1, 11, None),
+    ] {
+        let mut op = json!({"op": "disk_fill", "sector": sector, "count": count, "seed": seed});
+        if let Some(n) = per_io {
+            op["sectors_per_io"] = json!(n);
+        }
+        server.exec(&vm, op);
+        apply_disk_fill(&mut want, sector, count, seed);
+    }
+    assert_eq!(volume_file(&server, "m1"), want, "volume file");
+    for (sector, count, per_io) in [
+        (0u64, sectors, None),
+        (0, sectors, Some(1u32)),
+        (999, 5003, Some(2048)),
+        (5, 16000, Some(17)),
+        (6099, 1300, Some(64)),
+    ] {
+        let mut op = json!({"op": "disk_checksum", "sector": sector, "count": count});
+        if let Some(n) = per_io {
+            op["sectors_per_io"] = json!(n);
+        }
+        assert_eq!(
+            server.exec(&vm, op.clone()),
+            disk_checksum(&want, sector, count),
+            "{op}"
+        );
+    }
+    for bad in [0, 2049] {
+        let (st, v) = server.try_exec(
+            &vm,
+            json!({"op": "disk_fill", "count": 1, "seed": 1, "sectors_per_io": bad}),
+        );
+        assert_eq!(st, 400, "sectors_per_io {bad}: {v}");
+    }
+}
+
+/// Fork while the parent's guest is in the middle of a long `disk_fill`.
+/// The child (a new VMM whose buffers start zeroed) resumes after the last
+/// request its parent completed, with the words of the request in progress
+/// from the device state, and finishes the fill on its own volume.
+#[test]
+fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
+    let Some(server) = server_on_xfs(&[]) else {
+        return;
+    };
+    let mib = 64u64;
+    let (st, v) = server.api(
+        "POST",
+        "/v1/volumes",
+        Some(json!({"name": "f1", "size_mib": mib})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let sectors = mib * 2048;
+    let parent = server.create_vm(json!({"memory_mib": 64, "volume": "f1"}));
+    server.exec(
+        &parent,
+        json!({"op": "disk_fill", "sector": 0, "count": sectors, "seed": 1}),
+    );
+    let mut delay = Duration::from_millis(40);
+    for attempt in 0..8u64 {
+        let seed = 20 + attempt;
+        let done = AtomicBool::new(false);
+        let (fork, fill_done_first) = std::thread::scope(|sc| {
+            let filler = sc.spawn(|| {
+                server.exec(
+                    &parent,
+                    json!({"op": "disk_fill", "sector": 0, "count": sectors, "seed": seed}),
+                );
+                done.store(true, Ordering::SeqCst);
+            });
+            std::thread::sleep(delay);
+            let (st, f) = server.api(
+                "POST",
+                &format!("/v1/vms/{parent}/fork"),
+                Some(json!({"count": 1})),
+            );
+            assert_eq!(st, 201, "{f}");
+            let first = done.load(Ordering::SeqCst);
+            filler.join().expect("fill thread panicked");
+            (f, first)
+        });
+        let child = fork["children"][0].as_str().unwrap().to_owned();
+        let child_vol = server.vm(&child)["volume"].as_str().unwrap().to_owned();
+        // An op on the child runs after the fill it inherited, if any.
+        let sum = server.exec(
+            &child,
+            json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
+        );
+        let mut want = vec![0u8; usize::try_from(mib << 20).unwrap()];
+        apply_disk_fill(&mut want, 0, sectors, seed);
+        let child_disk = volume_file(&server, &child_vol);
+        let before_start = child_disk[..8] == disk_word(seed - 1, 0).to_le_bytes()
+            || child_disk[..8] == disk_word(1, 0).to_le_bytes();
+        eprintln!(
+            "attempt {attempt}: delay {delay:?}, fill done before the fork returned: \
+             {fill_done_first}, child disk starts with the old seed: {before_start}"
+        );
+        assert_eq!(volume_file(&server, "f1"), want, "parent volume");
+        let (st, _) = server.api("DELETE", &format!("/v1/vms/{child}"), None);
+        assert_eq!(st, 200);
+        if fill_done_first {
+            delay /= 2;
+            continue;
+        }
+        if before_start {
+            delay += Duration::from_millis(60);
+            continue;
+        }
+        // The fork fell inside the fill: the child finished it.
+        assert_eq!(sum, disk_checksum(&want, 0, sectors), "child checksum");
+        assert!(child_disk == want, "child volume after a mid-fill fork");
+        return;
+    }
+    panic!("no fork landed in the middle of the disk fill in 8 attempts");
 }

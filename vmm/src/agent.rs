@@ -20,7 +20,7 @@
 use iced_x86::code_asm::*;
 use shared::pattern::{DISK_SALT, FOLD_MUL, PATTERN_MUL_PAGE, PATTERN_MUL_SEED};
 
-use crate::layout::{CODE, MAILBOX, SECTOR_BUF, STACK_TOP};
+use crate::layout::{CODE, DISK_READ_BUF, DISK_WRITE_BUF, MAILBOX, STACK_TOP};
 
 /// IN: the agent waits here for its next command (op code in eax).
 pub const CMD_PORT: u16 = 0x510;
@@ -28,12 +28,13 @@ pub const CMD_PORT: u16 = 0x510;
 pub const DONE_PORT: u16 = 0x511;
 /// IN: the VM's id (u32).
 pub const IDENTITY_PORT: u16 = 0x512;
-/// OUT: block device command (al = [`DISK_WRITE`] or [`DISK_READ`]); the
-/// sector and buffer address are in the mailbox.
+/// OUT: block device request (al = [`DISK_WRITE`] or [`DISK_READ`]); the
+/// sector, count and buffer address are in the mailbox (see
+/// [`crate::block`]).
 pub const DISK_PORT: u16 = 0x513;
-/// Block device command: write the sector buffer to the disk.
+/// Block device command: write the buffer to the disk.
 pub const DISK_WRITE: u8 = 1;
-/// Block device command: read a sector into the buffer.
+/// Block device command: read sectors into the buffer.
 pub const DISK_READ: u8 = 2;
 
 /// Mailbox byte offsets (u64 words).
@@ -44,12 +45,19 @@ pub mod mailbox {
     pub const ARG1: u64 = 16;
     /// Third argument: seed, or the write flag of touch.
     pub const ARG2: u64 = 24;
+    /// Fourth argument: sectors per block device request of a disk op.
+    pub const ARG3: u64 = 32;
     /// The op's result.
-    pub const RESULT: u64 = 32;
-    /// Block device: sector number of the next command.
-    pub const DISK_SECTOR: u64 = 40;
-    /// Block device: guest-physical address of the 512-byte buffer.
-    pub const DISK_BUF: u64 = 48;
+    pub const RESULT: u64 = 40;
+    /// Block device: first sector of the next request.
+    pub const DISK_SECTOR: u64 = 48;
+    /// Block device: guest-physical address of the request's buffer.
+    pub const DISK_BUF: u64 = 56;
+    /// Block device: sectors in the next request.
+    pub const DISK_COUNT: u64 = 64;
+    /// Sectors of `DISK_BUF` whose first words a disk op in flight still
+    /// needs (0 between disk ops); see [`crate::devices`].
+    pub const DISK_SLOTS: u64 = 72;
 }
 
 /// Op codes the VMM returns from the command IN.
@@ -108,10 +116,16 @@ fn page_addr(a: &mut CodeAssembler) -> Result<()> {
 /// rax = pattern word of page rsi, given r8 = seed * PATTERN_MUL_SEED and
 /// r10 = PATTERN_MUL_PAGE.
 fn pattern(a: &mut CodeAssembler) -> Result<()> {
+    pattern_product(a)?;
+    a.or(rax, 1)?;
+    Ok(())
+}
+
+/// rax = the pattern word of page rsi before its low bit is set.
+fn pattern_product(a: &mut CodeAssembler) -> Result<()> {
     a.mov(rax, r8)?;
     a.add(rax, rsi)?;
     a.imul_2(rax, r10)?;
-    a.or(rax, 1)?;
     Ok(())
 }
 
@@ -131,13 +145,228 @@ fn next(a: &mut CodeAssembler, top: CodeLabel) -> Result<()> {
     Ok(())
 }
 
-/// Issue a block device command for sector rsi with the sector buffer.
-fn disk_cmd(a: &mut CodeAssembler, cmd: u8) -> Result<()> {
+/// Sectors of the add-in-place loop of `disk_fill`, and of the first-batch
+/// loop (which pairs sectors), per iteration.
+const FILL_UNROLL: i32 = 16;
+const INIT_UNROLL: i32 = 8;
+/// Sectors the `disk_checksum` fold takes per iteration.
+const FOLD_UNROLL: i32 = 8;
+const SECTOR: i32 = 512;
+
+/// Loads of a disk op: rsi = first sector, rcx = count, rbp = sectors per
+/// request. Jumps to `end` if there are no sectors.
+fn disk_range(a: &mut CodeAssembler, end: CodeLabel) -> Result<()> {
+    a.mov(rbp, qword_ptr(rbx + mailbox::ARG3))?;
+    load_range(a, end)
+}
+
+/// r13 = sectors in the next request: min(rcx, rbp).
+fn request_len(a: &mut CodeAssembler) -> Result<()> {
+    a.mov(r13, rbp)?;
+    a.cmp(rcx, r13)?;
+    a.cmovb(r13, rcx)?;
+    Ok(())
+}
+
+/// Mark a disk op on buffer `buf` in flight for `slots_reg` sectors.
+fn disk_begin(a: &mut CodeAssembler, buf: u64, slots: AsmRegister64) -> Result<()> {
+    a.mov(rax, buf)?;
+    a.mov(qword_ptr(rbx + mailbox::DISK_BUF), rax)?;
+    a.mov(qword_ptr(rbx + mailbox::DISK_SLOTS), slots)?;
+    Ok(())
+}
+
+/// Issue a request of r13 sectors from sector rsi.
+fn disk_request(a: &mut CodeAssembler, cmd: u8) -> Result<()> {
     a.mov(qword_ptr(rbx + mailbox::DISK_SECTOR), rsi)?;
-    a.mov(qword_ptr(rbx + mailbox::DISK_BUF), rdi)?;
+    a.mov(qword_ptr(rbx + mailbox::DISK_COUNT), r13)?;
     a.mov(edx, u32::from(DISK_PORT))?;
     a.mov(eax, u32::from(cmd))?;
     a.out(dx, al)?;
+    Ok(())
+}
+
+/// `disk_fill`: [`shared::pattern::disk_word`] in the first word of every
+/// sector, zeros elsewhere.
+///
+/// Guest instructions are the cost, so the agent touches one word per
+/// sector and never clears the buffer: [`DISK_WRITE_BUF`] is zero but for
+/// those words. The first request's words are computed incrementally, two
+/// sectors at a time: word(s) = ((k + s) * M) | 1 with k = seed' * M_SEED,
+/// and as M is odd the parity of (k + s) * M alternates, so the words of
+/// even and of odd sectors each grow by 2M. A later request of P sectors
+/// (P even) needs each word grown by P * M, which keeps its parity: one
+/// `add` to memory per sector. With P odd, every request recomputes; with
+/// P = 1 the op is the one-sector-per-request loop of the first device.
+fn disk_fill(a: &mut CodeAssembler, mut label: CodeLabel, done: CodeLabel) -> Result<()> {
+    let mut one = a.create_label();
+    let mut batch = a.create_label();
+    let mut init = a.create_label();
+    let mut init_top = a.create_label();
+    let mut add_top = a.create_label();
+    let mut issue = a.create_label();
+    let mut finish = a.create_label();
+    let mut end = a.create_label();
+
+    a.set_label(&mut label)?;
+    a.mov(r8, qword_ptr(rbx + mailbox::ARG2))?;
+    a.mov(r9, DISK_SALT)?;
+    a.xor(r8, r9)?;
+    pattern_setup(a)?;
+    disk_range(a, end)?;
+    a.cmp(rbp, 1)?;
+    a.je(one)?;
+    request_len(a)?;
+    disk_begin(a, DISK_WRITE_BUF, r13)?;
+    // r14 = the growth of a word per request, r15 = 1 once the buffer
+    // holds the previous request's words and P is even.
+    a.mov(r14, rbp)?;
+    a.imul_2(r14, r10)?;
+    a.xor(r15d, r15d)?;
+
+    a.set_label(&mut batch)?;
+    request_len(a)?;
+    a.test(r15, r15)?;
+    a.jz(init)?;
+    // Grow the words of ceil(r13 / FILL_UNROLL) * FILL_UNROLL sectors; the
+    // buffer holds MAX_SECTORS_PER_IO, a multiple, and words past r13 are
+    // not sent.
+    a.mov(rdi, DISK_WRITE_BUF)?;
+    a.lea(rdx, qword_ptr(r13 + (FILL_UNROLL - 1)))?;
+    a.shr(rdx, FILL_UNROLL.trailing_zeros())?;
+    a.set_label(&mut add_top)?;
+    for k in 0..FILL_UNROLL {
+        a.add(qword_ptr(rdi + k * SECTOR), r14)?;
+    }
+    a.add(rdi, FILL_UNROLL * SECTOR)?;
+    a.dec(rdx)?;
+    a.jnz(add_top)?;
+    a.jmp(issue)?;
+
+    // Compute the words of sectors rsi.. (rounded up to INIT_UNROLL).
+    a.set_label(&mut init)?;
+    pattern_product(a)?;
+    a.lea(rdx, qword_ptr(rax + r10))?;
+    a.or(rax, 1)?;
+    a.or(rdx, 1)?;
+    a.lea(r11, qword_ptr(r10 + r10))?;
+    a.mov(rdi, DISK_WRITE_BUF)?;
+    a.lea(r9, qword_ptr(r13 + (INIT_UNROLL - 1)))?;
+    a.shr(r9, INIT_UNROLL.trailing_zeros())?;
+    a.set_label(&mut init_top)?;
+    for k in (0..INIT_UNROLL).step_by(2) {
+        a.mov(qword_ptr(rdi + k * SECTOR), rax)?;
+        a.mov(qword_ptr(rdi + (k + 1) * SECTOR), rdx)?;
+        a.add(rax, r11)?;
+        a.add(rdx, r11)?;
+    }
+    a.add(rdi, INIT_UNROLL * SECTOR)?;
+    a.dec(r9)?;
+    a.jnz(init_top)?;
+    // r15 = 1 if P is even.
+    a.mov(r15d, ebp)?;
+    a.not(r15d)?;
+    a.and(r15d, 1)?;
+
+    a.set_label(&mut issue)?;
+    disk_request(a, DISK_WRITE)?;
+    a.add(rsi, r13)?;
+    a.sub(rcx, r13)?;
+    a.jnz(batch)?;
+    a.jmp(finish)?;
+
+    // One sector per request.
+    a.set_label(&mut one)?;
+    a.mov(r13d, 1)?;
+    disk_begin(a, DISK_WRITE_BUF, r13)?;
+    a.mov(rdi, DISK_WRITE_BUF)?;
+    let mut top = a.create_label();
+    a.set_label(&mut top)?;
+    pattern(a)?;
+    a.mov(qword_ptr(rdi), rax)?;
+    disk_request(a, DISK_WRITE)?;
+    next(a, top)?;
+
+    a.set_label(&mut finish)?;
+    a.mov(qword_ptr(rbx + mailbox::DISK_SLOTS), 0)?;
+    a.set_label(&mut end)?;
+    a.xor(eax, eax)?;
+    a.jmp(done)?;
+    Ok(())
+}
+
+/// `disk_checksum`: fold the first word of every sector, read in requests
+/// of up to rbp sectors into [`DISK_READ_BUF`].
+fn disk_checksum(a: &mut CodeAssembler, mut label: CodeLabel, done: CodeLabel) -> Result<()> {
+    let mut one = a.create_label();
+    let mut batch = a.create_label();
+    let mut group = a.create_label();
+    let mut tail = a.create_label();
+    let mut tail_top = a.create_label();
+    let mut next_batch = a.create_label();
+    let mut finish = a.create_label();
+    let mut end = a.create_label();
+    let fold = |a: &mut CodeAssembler, disp: i32| -> Result<()> {
+        a.rol(r12, 5)?;
+        a.xor(r12, qword_ptr(rdi + disp))?;
+        a.imul_2(r12, r10)?;
+        Ok(())
+    };
+
+    a.set_label(&mut label)?;
+    a.xor(r12d, r12d)?;
+    a.mov(r10, FOLD_MUL)?;
+    disk_range(a, end)?;
+    a.cmp(rbp, 1)?;
+    a.je(one)?;
+    request_len(a)?;
+    disk_begin(a, DISK_READ_BUF, r13)?;
+
+    a.set_label(&mut batch)?;
+    request_len(a)?;
+    disk_request(a, DISK_READ)?;
+    a.mov(rdi, DISK_READ_BUF)?;
+    a.mov(rdx, r13)?;
+    a.cmp(rdx, FOLD_UNROLL)?;
+    a.jb(tail)?;
+    a.set_label(&mut group)?;
+    for k in 0..FOLD_UNROLL {
+        fold(a, k * SECTOR)?;
+    }
+    a.add(rdi, FOLD_UNROLL * SECTOR)?;
+    a.sub(rdx, FOLD_UNROLL)?;
+    a.cmp(rdx, FOLD_UNROLL)?;
+    a.jae(group)?;
+    a.set_label(&mut tail)?;
+    a.test(rdx, rdx)?;
+    a.jz(next_batch)?;
+    a.set_label(&mut tail_top)?;
+    fold(a, 0)?;
+    a.add(rdi, SECTOR)?;
+    a.dec(rdx)?;
+    a.jnz(tail_top)?;
+    a.set_label(&mut next_batch)?;
+    a.add(rsi, r13)?;
+    a.sub(rcx, r13)?;
+    a.jnz(batch)?;
+    a.jmp(finish)?;
+
+    // One sector per request.
+    a.set_label(&mut one)?;
+    a.mov(r13d, 1)?;
+    disk_begin(a, DISK_READ_BUF, r13)?;
+    a.mov(rdi, DISK_READ_BUF)?;
+    let mut top = a.create_label();
+    a.set_label(&mut top)?;
+    disk_request(a, DISK_READ)?;
+    fold(a, 0)?;
+    next(a, top)?;
+
+    a.set_label(&mut finish)?;
+    a.mov(qword_ptr(rbx + mailbox::DISK_SLOTS), 0)?;
+    a.set_label(&mut end)?;
+    a.mov(rax, r12)?;
+    a.jmp(done)?;
     Ok(())
 }
 
@@ -153,8 +382,8 @@ pub fn build() -> Result<Agent> {
     let mut l_checksum = a.create_label();
     let mut l_verify = a.create_label();
     let mut l_identity = a.create_label();
-    let mut l_disk_fill = a.create_label();
-    let mut l_disk_checksum = a.create_label();
+    let l_disk_fill = a.create_label();
+    let l_disk_checksum = a.create_label();
 
     a.set_label(&mut park)?;
     a.hlt()?;
@@ -279,51 +508,8 @@ pub fn build() -> Result<Agent> {
     a.in_(eax, dx)?;
     a.jmp(done)?;
 
-    // DiskFill: zeroed sector buffer with disk_word in its first 8 bytes.
-    {
-        a.set_label(&mut l_disk_fill)?;
-        let mut top = a.create_label();
-        let mut end = a.create_label();
-        a.cld()?;
-        a.mov(rdi, SECTOR_BUF)?;
-        a.mov(ecx, 64)?;
-        a.xor(eax, eax)?;
-        a.rep().stosq()?;
-        a.mov(r8, qword_ptr(rbx + mailbox::ARG2))?;
-        a.mov(r9, DISK_SALT)?;
-        a.xor(r8, r9)?;
-        pattern_setup(&mut a)?;
-        a.mov(rdi, SECTOR_BUF)?;
-        load_range(&mut a, end)?;
-        a.set_label(&mut top)?;
-        pattern(&mut a)?;
-        a.mov(qword_ptr(rdi), rax)?;
-        disk_cmd(&mut a, DISK_WRITE)?;
-        next(&mut a, top)?;
-        a.set_label(&mut end)?;
-        a.xor(eax, eax)?;
-        a.jmp(done)?;
-    }
-
-    // DiskChecksum: fold the first word of every sector.
-    {
-        a.set_label(&mut l_disk_checksum)?;
-        let mut top = a.create_label();
-        let mut end = a.create_label();
-        a.xor(r12d, r12d)?;
-        a.mov(r10, FOLD_MUL)?;
-        a.mov(rdi, SECTOR_BUF)?;
-        load_range(&mut a, end)?;
-        a.set_label(&mut top)?;
-        disk_cmd(&mut a, DISK_READ)?;
-        a.rol(r12, 5)?;
-        a.xor(r12, qword_ptr(rdi))?;
-        a.imul_2(r12, r10)?;
-        next(&mut a, top)?;
-        a.set_label(&mut end)?;
-        a.mov(rax, r12)?;
-        a.jmp(done)?;
-    }
+    disk_fill(&mut a, l_disk_fill, done)?;
+    disk_checksum(&mut a, l_disk_checksum, done)?;
 
     let res = a.assemble_options(
         CODE,

@@ -1,18 +1,31 @@
 //! Guest-physical layout: where the VMM-private region lives and what it
-//! holds (page tables, GDT, mailbox, sector buffer, stack, agent code).
+//! holds (page tables, GDT, mailbox, stack, agent code, block device
+//! buffers).
 //!
 //! Invariant: guest RAM holds only data. Everything the VMM writes at set-up
 //! lives in the private region at [`PRIV_BASE`], which is anonymous VMM
 //! memory in its own KVM slot, well above any guest RAM. The page tables
 //! identity-map `[0, ram_end)` and the private region with 2 MiB pages; the
 //! guest never rewrites them.
+//!
+//! ```text
+//!  PRIV_BASE +0x0000  PML4, PDPT, PD_PRIV, GDT
+//!            +0x4000  mailbox          ┐ device state (see crate::devices)
+//!            +0x5000  (reserved)       │
+//!            +0x6000  stack            ┘
+//!            +0x8000  agent code
+//!           +0x10000  PD_RAM: one page directory per GiB of guest RAM
+//!          +0x200000  DISK_WRITE_BUF: 1 MiB, zero but for the first word
+//!                     of each sector
+//!          +0x300000  DISK_READ_BUF: 1 MiB
+//! ```
 
 use shared::GuestRegion;
 
 /// Guest-physical (and, identity-mapped, virtual) base of the private region.
 pub const PRIV_BASE: u64 = 0x10_0000_0000;
-/// Size of the private region: one 2 MiB page.
-pub const PRIV_SIZE: u64 = 2 << 20;
+/// Size of the private region: two 2 MiB pages.
+pub const PRIV_SIZE: u64 = 4 << 20;
 /// Guest RAM must end at or below this address.
 pub const MAX_RAM_END: u64 = PRIV_BASE;
 
@@ -26,8 +39,6 @@ pub const PD_PRIV: u64 = PRIV_BASE + 0x2000;
 pub const GDT: u64 = PRIV_BASE + 0x3000;
 /// Mailbox page shared by the VMM and the agent (see [`crate::agent`]).
 pub const MAILBOX: u64 = PRIV_BASE + 0x4000;
-/// One-sector bounce buffer of the block device.
-pub const SECTOR_BUF: u64 = PRIV_BASE + 0x5000;
 /// Initial stack pointer; the stack grows down to `PRIV_BASE + 0x6000`.
 pub const STACK_TOP: u64 = PRIV_BASE + 0x8000;
 /// Start of the agent code.
@@ -36,6 +47,20 @@ pub const CODE: u64 = PRIV_BASE + 0x8000;
 pub const CODE_MAX: u64 = 0x8000;
 /// Page directories for guest RAM, one per GiB, from here on.
 pub const PD_RAM: u64 = PRIV_BASE + 0x10000;
+/// Bytes of one block device bounce buffer: the largest request.
+pub const DISK_BUF_SIZE: u64 = shared::pattern::MAX_SECTORS_PER_IO * shared::pattern::SECTOR_SIZE;
+/// Bounce buffer the agent writes to the disk from. Only the agent writes
+/// it, and only the first word of each sector, so everything else in it
+/// stays zero and `disk_fill` never has to clear it.
+pub const DISK_WRITE_BUF: u64 = PRIV_BASE + 0x20_0000;
+/// Bounce buffer the disk is read into.
+pub const DISK_READ_BUF: u64 = DISK_WRITE_BUF + DISK_BUF_SIZE;
+/// The block device moves data only within `[DISK_BUF_START, DISK_BUF_END)`.
+pub const DISK_BUF_START: u64 = DISK_WRITE_BUF;
+/// End of the block device's buffer window.
+pub const DISK_BUF_END: u64 = DISK_READ_BUF + DISK_BUF_SIZE;
+const _: () = assert!(DISK_BUF_END <= PRIV_BASE + PRIV_SIZE);
+const _: () = assert!(PD_RAM + (MAX_RAM_END / GIB) * 0x1000 <= DISK_BUF_START);
 
 /// Code segment selector (GDT entry 1).
 pub const CS_SELECTOR: u16 = 0x8;
@@ -132,10 +157,12 @@ pub fn private_image(ram_end: u64, code: &[u8]) -> Result<Vec<u8>> {
         PDPT + (PRIV_BASE / GIB) * 8,
         PD_PRIV | PTE_PRESENT | PTE_WRITE,
     );
-    put(
-        PD_PRIV + ((PRIV_BASE % GIB) / TWO_MIB) * 8,
-        PRIV_BASE | PTE_PRESENT | PTE_WRITE | PTE_HUGE,
-    );
+    for page in (0..PRIV_SIZE / TWO_MIB).map(|i| PRIV_BASE + i * TWO_MIB) {
+        put(
+            PD_PRIV + ((page % GIB) / TWO_MIB) * 8,
+            page | PTE_PRESENT | PTE_WRITE | PTE_HUGE,
+        );
+    }
     for (i, e) in GDT_ENTRIES.iter().enumerate() {
         put(GDT + i as u64 * 8, *e);
     }
@@ -183,10 +210,21 @@ mod tests {
             MAILBOX,
             CODE,
             STACK_TOP - 8,
+            DISK_WRITE_BUF,
+            DISK_READ_BUF + 0x1234,
+            DISK_BUF_END - 8,
         ] {
             assert_eq!(translate(&img, va), Some(va), "va {va:#x}");
         }
         assert_eq!(translate(&img, end), None);
+        assert_eq!(translate(&img, PRIV_BASE + PRIV_SIZE), None);
+        // Every entry on the way to the buffers is writable.
+        for va in [DISK_WRITE_BUF, DISK_READ_BUF] {
+            let pml4e = entry(&img, PML4 + ((va >> 39) & 511) * 8);
+            let pdpte = entry(&img, (pml4e & !0xfff) + ((va >> 30) & 511) * 8);
+            let pde = entry(&img, (pdpte & !0xfff) + ((va >> 21) & 511) * 8);
+            assert!(pml4e & pdpte & pde & PTE_WRITE != 0, "va {va:#x}");
+        }
         assert_eq!(entry(&img, CODE) & 0xff, 0xf4);
     }
 

@@ -6,6 +6,7 @@
 //! test the guest agent without a server (see [`standalone`]).
 
 mod agent;
+mod block;
 mod cli;
 mod connection;
 mod devices;

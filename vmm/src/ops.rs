@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use proto::vmm::{Reply, Request, RequestError};
+use shared::pattern::MAX_SECTORS_PER_IO;
 use shared::{GuestOp, OpResult};
 
 use crate::agent::opcode;
@@ -66,7 +67,16 @@ pub fn validate(
     if let Some((start, pages)) = op.page_range() {
         mem.check_pages(start, pages)?;
     }
-    if let GuestOp::DiskFill { sector, count, .. } | GuestOp::DiskChecksum { sector, count } = *op {
+    if let Some(per_io) = op.sectors_per_io() {
+        if !(1..=MAX_SECTORS_PER_IO).contains(&per_io) {
+            return Err(RequestError::InvalidOp(format!(
+                "sectors_per_io is {per_io}; use 1 to {MAX_SECTORS_PER_IO}"
+            )));
+        }
+    }
+    if let GuestOp::DiskFill { sector, count, .. } | GuestOp::DiskChecksum { sector, count, .. } =
+        *op
+    {
         let total =
             disk_sectors.ok_or_else(|| RequestError::InvalidOp("the VM has no disk".into()))?;
         if sector.checked_add(count).is_none_or(|end| end > total) {
@@ -80,31 +90,35 @@ pub fn validate(
 }
 
 /// The agent op code and mailbox arguments of an op run by the guest.
-pub fn encode(op: &GuestOp) -> Option<(u32, [u64; 3])> {
+pub fn encode(op: &GuestOp) -> Option<(u32, [u64; 4])> {
+    let per_io = op.sectors_per_io().unwrap_or(0);
     Some(match *op {
         GuestOp::Fill {
             start_page,
             pages,
             seed,
-        } => (opcode::FILL, [start_page, pages, seed]),
+        } => (opcode::FILL, [start_page, pages, seed, 0]),
         GuestOp::Touch {
             start_page,
             pages,
             write,
-        } => (opcode::TOUCH, [start_page, pages, u64::from(write)]),
-        GuestOp::Checksum { start_page, pages } => (opcode::CHECKSUM, [start_page, pages, 0]),
+        } => (opcode::TOUCH, [start_page, pages, u64::from(write), 0]),
+        GuestOp::Checksum { start_page, pages } => (opcode::CHECKSUM, [start_page, pages, 0, 0]),
         GuestOp::Verify {
             start_page,
             pages,
             seed,
-        } => (opcode::VERIFY, [start_page, pages, seed]),
-        GuestOp::Identity => (opcode::IDENTITY, [0; 3]),
+        } => (opcode::VERIFY, [start_page, pages, seed, 0]),
+        GuestOp::Identity => (opcode::IDENTITY, [0; 4]),
         GuestOp::DiskFill {
             sector,
             count,
             seed,
-        } => (opcode::DISK_FILL, [sector, count, seed]),
-        GuestOp::DiskChecksum { sector, count } => (opcode::DISK_CHECKSUM, [sector, count, 0]),
+            ..
+        } => (opcode::DISK_FILL, [sector, count, seed, per_io]),
+        GuestOp::DiskChecksum { sector, count, .. } => {
+            (opcode::DISK_CHECKSUM, [sector, count, 0, per_io])
+        }
         GuestOp::Digest { .. } => return None,
     })
 }

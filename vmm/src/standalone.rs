@@ -24,9 +24,12 @@ fn summarize(result: &std::result::Result<Reply, proto::vmm::RequestError>) -> V
     match result {
         Ok(Reply::Done) => json!({"Ok": "Done"}),
         Ok(Reply::Op(r)) => json!({"Ok": {"Op": {"value": r.value, "elapsed_us": r.elapsed_us}}}),
-        Ok(Reply::State(s)) => {
-            json!({"Ok": {"State": {"vcpus": s.vcpus.len(), "devices_bytes": s.devices.len()}}})
-        }
+        Ok(Reply::State(s)) => json!({"Ok": {"State": {
+            "vcpus": s.vcpus.len(),
+            "devices_bytes": s.devices.len(),
+            "agent_result": crate::devices::saved_result(&s.devices),
+            "disk_op_in_flight": crate::devices::saved_in_flight(&s.devices),
+        }}}),
         Err(e) => json!({"Err": e.to_string()}),
     }
 }

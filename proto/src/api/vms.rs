@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use shared::pattern::MAX_SECTORS_PER_IO;
 use shared::GuestOp;
 
 /// `POST /v1/vms` body.
@@ -245,12 +246,21 @@ pub enum ExecRequest {
         sector: u64,
         count: u64,
         seed: u64,
+        /// Sectors per block device request (default and most: 2048,
+        /// 1 MiB); 1 moves one sector per request, as the first device did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 2048))]
+        sectors_per_io: Option<u32>,
     },
     /// Fold `count` sectors of the volume.
     DiskChecksum {
         #[serde(default)]
         sector: u64,
         count: u64,
+        /// As for `disk_fill`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 2048))]
+        sectors_per_io: Option<u32>,
     },
 }
 
@@ -259,6 +269,8 @@ pub enum ExecRequest {
 pub enum ExecError {
     #[error("pages {start}..{end} are outside guest memory of {total} pages")]
     OutsideMemory { start: u64, end: u64, total: u64 },
+    #[error("sectors_per_io is {0}; use 1 to {MAX_SECTORS_PER_IO}")]
+    SectorsPerIo(u64),
 }
 
 impl ExecRequest {
@@ -321,13 +333,28 @@ impl ExecRequest {
                 sector,
                 count,
                 seed,
+                sectors_per_io,
             } => GuestOp::DiskFill {
                 sector,
                 count,
                 seed,
+                sectors_per_io,
             },
-            ExecRequest::DiskChecksum { sector, count } => GuestOp::DiskChecksum { sector, count },
+            ExecRequest::DiskChecksum {
+                sector,
+                count,
+                sectors_per_io,
+            } => GuestOp::DiskChecksum {
+                sector,
+                count,
+                sectors_per_io,
+            },
         };
+        if let Some(n) = op.sectors_per_io() {
+            if !(1..=MAX_SECTORS_PER_IO).contains(&n) {
+                return Err(ExecError::SectorsPerIo(n));
+            }
+        }
         if let Some((s, n)) = op.page_range() {
             if s.checked_add(n).is_none_or(|end| end > total_pages) {
                 return Err(ExecError::OutsideMemory {

@@ -80,6 +80,9 @@ pub enum VmCmd {
         sector: Option<u64>,
         #[arg(long)]
         count: Option<u64>,
+        /// Sectors per block device request of a disk op (1 to 2048).
+        #[arg(long)]
+        sectors_per_io: Option<u32>,
     },
 }
 
@@ -229,6 +232,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
             write,
             sector,
             count,
+            sectors_per_io,
         } => {
             let need = |v: Option<u64>, what: &str| {
                 v.ok_or_else(|| CliError::Usage(format!("op {op} needs --{what}")))
@@ -256,10 +260,12 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                     sector: sector.unwrap_or(0),
                     count: need(count, "count")?,
                     seed: need(seed, "seed")?,
+                    sectors_per_io,
                 },
                 "disk_checksum" => api::ExecRequest::DiskChecksum {
                     sector: sector.unwrap_or(0),
                     count: need(count, "count")?,
+                    sectors_per_io,
                 },
                 other => {
                     return Err(CliError::Usage(format!(

@@ -19,7 +19,7 @@ pub struct Job {
     /// Op code returned from the command IN.
     pub opcode: u32,
     /// Mailbox arguments.
-    pub args: [u64; 3],
+    pub args: [u64; 4],
     /// Called with the result when the agent reports done.
     pub reply: JobReply,
 }
