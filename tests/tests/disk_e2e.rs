@@ -297,7 +297,9 @@ fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
     let Some(server) = server_on_xfs(&[]) else {
         return;
     };
-    let mib = 64u64;
+    // Long enough that a fork (whose volume reflink first flushes what the
+    // fill wrote) can land inside it.
+    let mib = 256u64;
     let (st, v) = server.api(
         "POST",
         "/v1/volumes",
@@ -311,7 +313,7 @@ fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
         json!({"op": "disk_fill", "sector": 0, "count": sectors, "seed": 1}),
     );
     let mut delay = Duration::from_millis(40);
-    for attempt in 0..8u64 {
+    for attempt in 0..12u64 {
         let seed = 20 + attempt;
         let done = AtomicBool::new(false);
         let (fork, fill_done_first) = std::thread::scope(|sc| {
@@ -323,13 +325,15 @@ fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
                 done.store(true, Ordering::SeqCst);
             });
             std::thread::sleep(delay);
+            // The fill cannot end while the fork holds the parent paused,
+            // so whether it ended is judged before the fork is asked for.
+            let first = done.load(Ordering::SeqCst);
             let (st, f) = server.api(
                 "POST",
                 &format!("/v1/vms/{parent}/fork"),
                 Some(json!({"count": 1})),
             );
             assert_eq!(st, 201, "{f}");
-            let first = done.load(Ordering::SeqCst);
             filler.join().expect("fill thread panicked");
             (f, first)
         });
@@ -346,7 +350,7 @@ fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
         let before_start = child_disk[..8] == disk_word(seed - 1, 0).to_le_bytes()
             || child_disk[..8] == disk_word(1, 0).to_le_bytes();
         eprintln!(
-            "attempt {attempt}: delay {delay:?}, fill done before the fork returned: \
+            "attempt {attempt}: delay {delay:?}, fill done before the fork was asked for: \
              {fill_done_first}, child disk starts with the old seed: {before_start}"
         );
         assert_eq!(volume_file(&server, "f1"), want, "parent volume");
@@ -365,5 +369,5 @@ fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
         assert!(child_disk == want, "child volume after a mid-fill fork");
         return;
     }
-    panic!("no fork landed in the middle of the disk fill in 8 attempts");
+    panic!("no fork landed in the middle of the disk fill in 12 attempts");
 }
