@@ -296,8 +296,8 @@ fn wait_command(ctl: &Control, mem: &GuestRam, current: &mut Option<Job>) -> Res
         }
         if let Some(job) = s.queue.pop_front() {
             drop(s);
-            for (i, a) in job.args.iter().enumerate() {
-                mem.write_u64(MAILBOX + mailbox::ARG0 + 8 * i as u64, *a)?;
+            for (word, a) in mailbox::ARGS.iter().zip(&job.args) {
+                mem.write_u64(MAILBOX + word, *a)?;
             }
             let op = job.opcode;
             *current = Some(job);

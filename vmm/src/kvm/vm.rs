@@ -54,8 +54,6 @@ pub enum VmError {
     #[error("cannot start a vCPU thread")]
     SpawnThread(#[source] std::io::Error),
     #[error(transparent)]
-    Agent(#[from] agent::AgentError),
-    #[error(transparent)]
     Layout(#[from] layout::LayoutError),
     #[error(transparent)]
     Memory(#[from] crate::memory::MemoryError),
@@ -144,7 +142,7 @@ impl Prewarmed {
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(VmError::OpenKvm)?;
-        let agent = agent::build()?;
+        let agent = agent::prebuilt();
         let mut pre = Prewarmed {
             kvm,
             vm,

@@ -1,77 +1,16 @@
-//! The guest agent: x86-64 machine code generated with iced-x86.
-//!
-//! Protocol (vCPU 0):
-//! ```text
-//!  guest                                   VMM (vCPU thread)
-//!   in  eax, CMD_PORT  ------------------>  blocks until a command or a pause;
-//!                      <------------------  writes args to the mailbox, eax = op (0 = none)
-//!   runs the op, result -> mailbox[RESULT]
-//!   out DONE_PORT      ------------------>  reads the result, replies
-//!   (loops back to the IN)
-//! ```
-//! A vCPU paused in its command wait has its IN completed with 0, so its
-//! state (and a fork child restored from it) sits right after the IN and
-//! loops back to wait for its own next command.
-//!
-//! The ops compute exactly [`shared::pattern`]'s functions, at page
-//! granularity: guest pages are identity-mapped, page `p` is at `p << 12`.
-//! Other vCPUs run [`Agent::park`]: `hlt` in a loop.
+//! The generator of the guest agent: x86-64 machine code assembled with
+//! iced-x86. It runs when the `vmm` crate is built (`build.rs` includes
+//! this file), never in a running VMM: assembling needs iced-x86's encoder
+//! tables, about 700 KB of heap that every VMM would otherwise carry for
+//! its whole life. The crate's tests run it again and compare.
 
 use iced_x86::code_asm::*;
 use shared::pattern::{DISK_SALT, FOLD_MUL, PATTERN_MUL_PAGE, PATTERN_MUL_SEED};
 
+use super::{
+    mailbox, opcode, Agent, CMD_PORT, DISK_PORT, DISK_READ, DISK_WRITE, DONE_PORT, IDENTITY_PORT,
+};
 use crate::layout::{CODE, DISK_READ_BUF, DISK_WRITE_BUF, MAILBOX, STACK_TOP};
-
-/// IN: the agent waits here for its next command (op code in eax).
-pub const CMD_PORT: u16 = 0x510;
-/// OUT: the agent finished an op; the result is in the mailbox.
-pub const DONE_PORT: u16 = 0x511;
-/// IN: the VM's id (u32).
-pub const IDENTITY_PORT: u16 = 0x512;
-/// OUT: block device request (al = [`DISK_WRITE`] or [`DISK_READ`]); the
-/// sector, count and buffer address are in the mailbox (see
-/// [`crate::block`]).
-pub const DISK_PORT: u16 = 0x513;
-/// Block device command: write the buffer to the disk.
-pub const DISK_WRITE: u8 = 1;
-/// Block device command: read sectors into the buffer.
-pub const DISK_READ: u8 = 2;
-
-/// Mailbox byte offsets (u64 words).
-pub mod mailbox {
-    /// First argument: start page or sector.
-    pub const ARG0: u64 = 8;
-    /// Second argument: page or sector count.
-    pub const ARG1: u64 = 16;
-    /// Third argument: seed, or the write flag of touch.
-    pub const ARG2: u64 = 24;
-    /// Fourth argument: sectors per block device request of a disk op.
-    pub const ARG3: u64 = 32;
-    /// The op's result.
-    pub const RESULT: u64 = 40;
-    /// Block device: first sector of the next request.
-    pub const DISK_SECTOR: u64 = 48;
-    /// Block device: guest-physical address of the request's buffer.
-    pub const DISK_BUF: u64 = 56;
-    /// Block device: sectors in the next request.
-    pub const DISK_COUNT: u64 = 64;
-    /// Sectors of `DISK_BUF` whose first words a disk op in flight still
-    /// needs (0 between disk ops); see [`crate::devices`].
-    pub const DISK_SLOTS: u64 = 72;
-}
-
-/// Op codes the VMM returns from the command IN.
-pub mod opcode {
-    /// No command: wait again.
-    pub const NONE: u32 = 0;
-    pub const FILL: u32 = 1;
-    pub const TOUCH: u32 = 2;
-    pub const CHECKSUM: u32 = 3;
-    pub const VERIFY: u32 = 4;
-    pub const IDENTITY: u32 = 5;
-    pub const DISK_FILL: u32 = 6;
-    pub const DISK_CHECKSUM: u32 = 7;
-}
 
 /// Errors of generating the agent.
 #[derive(Debug, thiserror::Error)]
@@ -82,17 +21,6 @@ pub enum AgentError {
 
 /// Result alias of this module.
 pub type Result<T> = std::result::Result<T, AgentError>;
-
-/// The generated agent, to be loaded at [`CODE`].
-#[derive(Debug, Clone)]
-pub struct Agent {
-    /// Machine code.
-    pub code: Vec<u8>,
-    /// Entry point of vCPU 0.
-    pub entry: u64,
-    /// Entry point of the other vCPUs (a `hlt` loop).
-    pub park: u64,
-}
 
 /// Per-page loop set-up shared by the memory ops: rsi = start page,
 /// rcx = pages. Jumps to `end` if there are none.
