@@ -33,9 +33,9 @@ fn refuse(stream: &UnixStream, why: &str) {
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
-/// Connections that have not yet proved they are a launched VMM, at most;
-/// more are refused at once (each holds a thread for up to
-/// [`HELLO_TIMEOUT`]).
+/// Connections that have not yet proved they are a launched VMM, at most,
+/// beyond the launches the server awaits; more are refused at once (each
+/// holds a thread for up to [`HELLO_TIMEOUT`]).
 pub const MAX_UNAUTHENTICATED: usize = 64;
 
 /// How long a new connection has to send its hello.
@@ -62,7 +62,12 @@ pub fn accept_loop(
     for conn in listener.incoming() {
         match conn {
             Ok(stream) => {
-                if unauthenticated.fetch_add(1, Ordering::Relaxed) >= MAX_UNAUTHENTICATED {
+                // Room for every VMM the server launched and awaits (a fork
+                // of a thousand children), plus the fixed allowance for
+                // anyone else; a stranger cannot add launches.
+                let launched = pending.lock().map_or(0, |p| p.len());
+                let cap = MAX_UNAUTHENTICATED + launched;
+                if unauthenticated.fetch_add(1, Ordering::Relaxed) >= cap {
                     unauthenticated.fetch_sub(1, Ordering::Relaxed);
                     refuse(
                         &stream,
