@@ -280,3 +280,46 @@ fn forks_of_a_paused_template_stay_exact_when_it_runs_again() {
         assert!(process_exists(pid_of(&server.vm(c))));
     }
 }
+
+/// A fork of more children than the VMM socket's hello allowance (64)
+/// starts every one of them, with a pool smaller than the fork and without
+/// one; each child knows who it is and holds the template's memory.
+#[test]
+fn a_fork_of_a_hundred_children_starts_them_all() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    for pool in ["0", "8"] {
+        let server = TestServer::start_with_args(&["--vmm-pool", pool]);
+        let tpl = server.create_vm(json!({"memory_mib": 16}));
+        server.fill(&tpl, 0, pages_of(16), 3);
+        let want = server.digest(&tpl, 0, pages_of(16));
+        let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/pause"), None);
+        assert_eq!(status, 200, "{v}");
+        let (status, v) = server.api(
+            "POST",
+            &format!("/v1/vms/{tpl}/fork"),
+            Some(json!({"count": 100})),
+        );
+        assert_eq!(status, 201, "pool {pool}: fork of 100: {v}");
+        let children: Vec<String> = v["children"]
+            .as_array()
+            .expect("children")
+            .iter()
+            .map(|c| c.as_str().expect("id").to_owned())
+            .collect();
+        assert_eq!(children.len(), 100);
+        for c in &children {
+            let n: u64 = c.trim_start_matches("vm-").parse().expect("numeric id");
+            assert_eq!(
+                server.exec(c, json!({"op": "identity"})),
+                n,
+                "pool {pool}: {c}"
+            );
+        }
+        for c in children.iter().step_by(17) {
+            assert_eq!(server.digest(c, 0, pages_of(16)), want, "pool {pool}: {c}");
+        }
+        server.assert_healthy();
+    }
+}
