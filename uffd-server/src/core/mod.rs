@@ -377,6 +377,7 @@ impl Core {
                     }
                     let core = self.clone();
                     tokio::task::spawn_local(async move {
+                        let _busy = core.pool_activity();
                         let r = core.dispatch(cmd.kind).await;
                         let _ = cmd.reply.send(r);
                     });

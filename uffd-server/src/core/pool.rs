@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use shared::VmId;
 use tracing::{info, warn};
@@ -40,6 +40,16 @@ pub const MAX_FAILURES: u32 = 3;
 /// (and others right behind it, as in a fan-out) do not share the core
 /// thread with process spawning.
 const REFILL_DELAY: Duration = Duration::from_millis(20);
+
+/// A refill launches a VMM only when no API request is in flight and none
+/// came for this long: starting a process costs a few ms of CPU, and on a
+/// small host a burst of them right after a fan-out slowed the fan-out's
+/// own requests about six-fold.
+const QUIET: Duration = Duration::from_millis(5);
+
+/// Under load that never pauses, a refill still launches one VMM this
+/// often, so the pool does not stay empty for good.
+const UNDER_LOAD: Duration = Duration::from_millis(50);
 
 /// Whether `id` is a pool id rather than a VM's.
 pub fn is_pool_id(id: VmId) -> bool {
@@ -73,6 +83,21 @@ pub struct VmmPool {
     /// Launches served from the pool, and those that found it empty.
     pub taken: u64,
     pub missed: u64,
+    /// API requests in flight, and when the last one began or ended.
+    inflight: usize,
+    last_activity: Option<Instant>,
+}
+
+/// Counts an API request as in flight while it lives (see [`QUIET`]).
+#[derive(Debug)]
+pub struct Activity(Rc<Core>);
+
+impl Drop for Activity {
+    fn drop(&mut self) {
+        let mut pool = self.0.pool.borrow_mut();
+        pool.inflight = pool.inflight.saturating_sub(1);
+        pool.last_activity = Some(Instant::now());
+    }
 }
 
 impl VmmPool {
@@ -144,6 +169,35 @@ impl VmmPool {
 }
 
 impl Core {
+    /// Mark an API request in flight until the guard drops.
+    pub(super) fn pool_activity(self: &Rc<Self>) -> Activity {
+        let mut pool = self.pool.borrow_mut();
+        pool.inflight += 1;
+        pool.last_activity = Some(Instant::now());
+        drop(pool);
+        Activity(self.clone())
+    }
+
+    /// Wait until the API is quiet (see [`QUIET`]) or [`UNDER_LOAD`] has
+    /// passed.
+    async fn quiet(&self) {
+        let start = Instant::now();
+        loop {
+            let wait = {
+                let pool = self.pool.borrow();
+                let since = pool.last_activity.map_or(QUIET, |t| t.elapsed());
+                if pool.inflight == 0 && since >= QUIET {
+                    return;
+                }
+                if start.elapsed() >= UNDER_LOAD {
+                    return;
+                }
+                QUIET.saturating_sub(since).max(Duration::from_millis(1))
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+
     /// Launch a VMM for `id` from the pool, if it has a ready one: bind it
     /// to `id` and send its Welcome. Returns whether it did.
     pub(super) fn launch_from_pool(self: &Rc<Self>, id: VmId) -> bool {
@@ -231,6 +285,7 @@ impl Core {
         self.pool.borrow_mut().refilling = true;
         tokio::time::sleep(delay).await;
         loop {
+            self.quiet().await;
             let id = {
                 let mut pool = self.pool.borrow_mut();
                 if pool.idle.len() >= pool.target {
