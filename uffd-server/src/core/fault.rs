@@ -21,7 +21,6 @@ use userfaultfd::{Event, FaultKind, ReadWrite, Uffd};
 use vm_memory::VolatileSlice;
 
 use super::ratelimit::suppressed_note;
-use super::serve::events_pending;
 use super::vm::RunState;
 use super::Registry;
 use crate::memory::{GuestMemory, MemoryError};
@@ -169,7 +168,8 @@ impl Registry {
         };
         // A run longer than one piece (a readahead window) goes in piece by
         // piece: the piece holding the faulting page first, whose copy
-        // wakes the faulting thread, then the rest behind it while it runs.
+        // wakes the faulting thread, then the rest behind it while it runs
+        // (see `stream_rest`).
         let piece = self.readahead_piece_pages.max(v.fault_around_pages);
         let first_end = if self.readahead_piece_pages == 0 || hi - lo <= piece {
             hi
@@ -213,10 +213,11 @@ impl Registry {
     }
 
     /// Install pages `[at, hi)` of a run whose faulting page is in already
-    /// (and its thread woken), `piece` pages at a time. Stops early when
-    /// the uffd has an event pending (serving it comes first; the
-    /// readahead goes on from where it stopped at the next sequential
-    /// fault) or a piece cannot be installed (a fault on it reports why).
+    /// (and its thread woken), `piece` pages at a time. A thread that
+    /// faults on one of them meanwhile is woken by the UFFDIO_COPY of its
+    /// piece (which wakes every waiter in its range, its event unread
+    /// included), never later than if the run had gone in whole. Stops at
+    /// a piece that cannot be installed (a fault on it reports why).
     /// Returns the end of what was installed.
     #[allow(clippy::too_many_arguments)]
     fn stream_rest(
@@ -230,7 +231,7 @@ impl Registry {
         how: Installed,
         uffd: &AsyncFd<Uffd>,
     ) -> u64 {
-        while at < hi && !events_pending(uffd.get_ref()) {
+        while at < hi {
             let end = (at + piece).min(hi);
             let n = match self.copy_pages(vm, source, at, end, mode, uffd) {
                 Ok(Install::Done) => end - at,

@@ -68,21 +68,6 @@ pub(crate) fn read_pending(
     }
 }
 
-/// Whether `uffd` has an event waiting to be read (a zero-timeout
-/// `poll(2)`: the uffd is readable while a fault or event is queued and
-/// not yet read).
-pub(crate) fn events_pending(uffd: &Uffd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd: std::os::fd::AsRawFd::as_raw_fd(uffd),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd for the duration of the call; a zero
-    // timeout never blocks.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    n != 0
-}
-
 /// Poll `uffd` for more events for up to `window`, yielding to the runtime
 /// before every read. Returns whether events were read into `out` (the
 /// phase clock is started for them); the time spent finding nothing is

@@ -17,7 +17,6 @@ use userfaultfd::Uffd;
 use vm_memory::VolatileSlice;
 
 use crate::core::ratelimit::{suppressed_note, RateLimit};
-use crate::core::serve::events_pending;
 use crate::core::vm::{FaultStats, Readahead, RunState};
 use crate::observe::phases::{self, Phase, PhaseHists};
 use crate::pages::{
@@ -113,8 +112,8 @@ impl FcVm {
         };
         // A readahead window goes in piece by piece, the faulting page's
         // (the first: a sequential run starts at it) waking its thread, the
-        // rest behind it until an event is pending (see
-        // `core/fault.rs` `install_missing`).
+        // rest behind it; each piece's copy wakes whoever faulted in it
+        // meanwhile (see `core/fault.rs` `stream_rest`).
         let piece = match self.readahead_piece_pages {
             0 => STAGING_PAGES,
             n if r.page_size == PAGE_SIZE => n.max(self.fault_around_pages).min(STAGING_PAGES),
@@ -122,9 +121,6 @@ impl FcVm {
         };
         let mut at = lo;
         while at < hi {
-            if at > lo && piece < STAGING_PAGES && events_pending(self.uffd.get_ref()) {
-                break;
-            }
             let end = hi.min(at + piece);
             let len = (end - at) * PAGE_SIZE;
             let res = STAGING.with(|buf| -> Result<Install, ResolveError> {
@@ -164,8 +160,8 @@ impl FcVm {
                 other => return self.installed(lo, end, at - lo, other),
             }
         }
-        self.mark(lo, at - lo);
-        Ok(at - lo)
+        self.mark(lo, hi - lo);
+        Ok(hi - lo)
     }
 
     /// Account for an install of `[lo, hi)` whose first `before` pages were
