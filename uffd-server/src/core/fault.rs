@@ -176,17 +176,24 @@ impl Registry {
         } else {
             (page + 1).max(lo + piece).min(hi)
         };
-        let res = self.copy_pages(vm, &source, lo, first_end, mode, uffd)?;
+        let how = Installed {
+            fault: page,
+            by: By::Missing,
+            from: src_id,
+        };
+        let copy = CopyRun {
+            vm,
+            source: &source,
+            mode,
+            how,
+            uffd,
+        };
+        let res = self.copy_pages(&copy, lo, first_end)?;
         let installed = match res {
             Install::Done => first_end - lo,
             Install::Exists { copied } | Install::Again { copied } => copied / PAGE_SIZE,
             Install::Gone => 0,
             Install::Failed(errno) => return Err(ResolveError::Install { first: lo, errno }),
-        };
-        let how = Installed {
-            fault: page,
-            by: By::Missing,
-            from: src_id,
         };
         self.mark_present(vm, lo, installed, how);
         if let Install::Exists { .. } = res {
@@ -203,7 +210,7 @@ impl Registry {
         }
         let mut end = lo + installed;
         if matches!(res, Install::Done) && first_end < hi {
-            end = self.stream_rest(vm, &source, first_end, hi, piece, mode, how, uffd);
+            end = self.stream_rest(&copy, first_end, hi, piece);
         }
         if let (Some(window), Some(v)) = (window, self.vms.get_mut(&vm)) {
             v.readahead.next = end;
@@ -219,45 +226,33 @@ impl Registry {
     /// included), never later than if the run had gone in whole. Stops at
     /// a piece that cannot be installed (a fault on it reports why).
     /// Returns the end of what was installed.
-    #[allow(clippy::too_many_arguments)]
-    fn stream_rest(
-        &mut self,
-        vm: VmId,
-        source: &PageSource,
-        mut at: u64,
-        hi: u64,
-        piece: u64,
-        mode: u64,
-        how: Installed,
-        uffd: &AsyncFd<Uffd>,
-    ) -> u64 {
+    fn stream_rest(&mut self, copy: &CopyRun<'_>, mut at: u64, hi: u64, piece: u64) -> u64 {
         while at < hi {
             let end = (at + piece).min(hi);
-            let n = match self.copy_pages(vm, source, at, end, mode, uffd) {
+            let n = match self.copy_pages(copy, at, end) {
                 Ok(Install::Done) => end - at,
                 Ok(Install::Exists { copied } | Install::Again { copied }) => {
-                    self.mark_present(vm, at, copied / PAGE_SIZE, how);
+                    self.mark_present(copy.vm, at, copied / PAGE_SIZE, copy.how);
                     return at + copied / PAGE_SIZE;
                 }
                 Ok(Install::Gone | Install::Failed(_)) | Err(_) => return at,
             };
-            self.mark_present(vm, at, n, how);
+            self.mark_present(copy.vm, at, n, copy.how);
             at = end;
         }
         at
     }
 
-    /// Read pages `[lo, hi)` of `source` into the staging buffer and
-    /// UFFDIO_COPY them into `vm` with `mode`.
-    fn copy_pages(
-        &self,
-        vm: VmId,
-        source: &PageSource,
-        lo: u64,
-        hi: u64,
-        mode: u64,
-        uffd: &AsyncFd<Uffd>,
-    ) -> Result<Install, ResolveError> {
+    /// Read pages `[lo, hi)` of `copy.source` into the staging buffer and
+    /// UFFDIO_COPY them into `copy.vm`.
+    fn copy_pages(&self, copy: &CopyRun<'_>, lo: u64, hi: u64) -> Result<Install, ResolveError> {
+        let CopyRun {
+            vm,
+            source,
+            mode,
+            uffd,
+            ..
+        } = *copy;
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
         let len = (hi - lo) * PAGE_SIZE;
         let to = v.addr_of(lo) as u64;
@@ -513,6 +508,16 @@ impl Registry {
         }
         Handled::Ok
     }
+}
+
+/// What every piece of one install shares: where to, from what, how.
+struct CopyRun<'a> {
+    vm: VmId,
+    source: &'a PageSource,
+    /// UFFDIO_COPY mode (`COPY_MODE_WP` while writes are tracked).
+    mode: u64,
+    how: Installed,
+    uffd: &'a AsyncFd<Uffd>,
 }
 
 /// How a run of pages was installed, for the VM's page log.
