@@ -45,8 +45,9 @@ struct Args {
     /// After serving a VM's page faults, keep polling its uffd for this
     /// long, in µs, before waiting for it in the event loop again: a
     /// thread that faulted usually faults again within microseconds, and
-    /// waking an idle core thread costs more than that. Each poll yields to
-    /// every other task first; 0 turns polling off; at most 1000.
+    /// waking an idle core thread costs more than that. Pays where a core
+    /// is spare, costs where none is (50 is a good value then). Each poll
+    /// yields to every other task first; 0 turns polling off; at most 1000.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
     fault_poll_us: u64,
     /// Install a readahead window in pieces of this many KiB (at least the
