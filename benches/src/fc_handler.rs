@@ -58,12 +58,26 @@ pub enum HandlerError {
 pub type Result<T> = std::result::Result<T, HandlerError>;
 
 /// What the handler did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HandlerStats {
     /// Page-fault events read.
     pub faults: u64,
     /// UFFDIO_COPY calls that installed a page.
     pub copies: u64,
+    /// How long each UFFDIO_COPY took, in nanoseconds (the kernel's cost
+    /// of the install, wake of the faulting thread included).
+    pub copy_ns: Vec<u64>,
+}
+
+impl HandlerStats {
+    /// The `pct` percentile (nearest rank) of the UFFDIO_COPY times, ns.
+    pub fn copy_percentile(&self, pct: usize) -> u64 {
+        let mut v = self.copy_ns.clone();
+        v.sort_unstable();
+        v.get((v.len() * pct).div_ceil(100).max(1) - 1)
+            .copied()
+            .unwrap_or(0)
+    }
 }
 
 /// A guest-memory region served by the baseline handler.
@@ -125,6 +139,33 @@ impl BaselineVm {
         (t.elapsed(), sum)
     }
 
+    /// [`Self::touch`] timing every read: returns the time taken, the sum,
+    /// and the median and 99th percentile of one read in nanoseconds (a
+    /// fault's whole round trip for a missing page).
+    pub fn touch_latency(&self, order: &[usize]) -> (Duration, u64, u64, u64) {
+        let mut sum = 0u64;
+        let mut lat = Vec::with_capacity(order.len());
+        let t = Instant::now();
+        let mut before = t;
+        for &p in order {
+            let off = p * PAGE;
+            assert!(off < self.memory.len(), "page {p} outside the guest memory");
+            // SAFETY: as in `touch`.
+            sum += u64::from(unsafe { self.memory.ptr().add(off).read_volatile() });
+            let after = Instant::now();
+            lat.push(u64::try_from((after - before).as_nanos()).unwrap_or(u64::MAX));
+            before = after;
+        }
+        let took = t.elapsed();
+        lat.sort_unstable();
+        let q = |f: usize| {
+            lat.get((lat.len() * f).div_ceil(100).max(1) - 1)
+                .copied()
+                .unwrap_or(0)
+        };
+        (took, sum, q(50), q(99))
+    }
+
     /// Stop the handler and return what it did.
     pub fn finish(mut self) -> Result<HandlerStats> {
         let h = self.handler.take().ok_or(HandlerError::Panicked)?;
@@ -175,6 +216,7 @@ fn serve(
             }
             let offset = (addr - base) & !(PAGE - 1);
             let page = offset / PAGE;
+            let t = Instant::now();
             // SAFETY: src covers [0, len) of the image, so the page at
             // `offset` is PAGE readable bytes of our live mapping.
             let copied = unsafe {
@@ -186,6 +228,9 @@ fn serve(
                     0,
                 )
             };
+            stats
+                .copy_ns
+                .push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
             match copied {
                 Install::Done => stats.copies += 1,
                 // Already installed (cannot happen with one faulting thread,

@@ -13,6 +13,7 @@
 //! - [`mapping`]: owned mmaps (shared memfd, anonymous, private file).
 //! - [`wp_floor`]: a bare UFFDIO_WRITEPROTECT of populated shmem, in-process
 //!   (the floor of a fork's pause).
+//! - [`phases`]: the server's fault-path timing by phase, as a note.
 //! - [`fc_handler`]: the baseline page-fault handler that does what
 //!   Firecracker's example on-demand handler does.
 //!
@@ -23,6 +24,7 @@
 
 pub mod fc_handler;
 pub mod mapping;
+pub mod phases;
 pub mod plan;
 pub mod report;
 pub mod row;

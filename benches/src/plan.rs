@@ -77,6 +77,8 @@ impl Plan {
                     .map(|fa| format!("lazy.touch.fa{fa}"))
                     .collect();
                 k.push("lazy.touch.readahead".into());
+                k.push("lazy.touch.readahead_whole".into());
+                k.push("lazy.touch.piece_gain".into());
                 k.push("lazy.touch.warm".into());
                 k.push("lazy.touch.observed".into());
                 k.push("lazy.wall.fa64".into());
@@ -102,10 +104,27 @@ impl Plan {
                     k
                 })
                 .collect(),
-            "fc_restore" => ["fc.seq", "fc.rand"]
-                .iter()
-                .flat_map(|o| ["single", "around", "readahead", "ws"].map(|m| format!("{o}.{m}")))
-                .collect(),
+            "fc_restore" => {
+                let mut k: Vec<String> = ["fc.seq", "fc.rand"]
+                    .iter()
+                    .flat_map(|o| {
+                        [
+                            "single",
+                            "around",
+                            "readahead",
+                            "ws",
+                            "single_poll",
+                            "poll_gain",
+                        ]
+                        .map(|m| format!("{o}.{m}"))
+                    })
+                    .collect();
+                k.extend(
+                    ["latency_p50", "latency_p99", "service_p50", "install_p50"]
+                        .map(|m| format!("fc.seq.{m}")),
+                );
+                k
+            }
             "volume_snapshot" => vec![
                 "volume.snap16_vs_snap1".into(),
                 "volume.snap1_vs_cp".into(),

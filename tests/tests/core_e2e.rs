@@ -741,8 +741,11 @@ fn sequential_faults_grow_the_readahead_window_up_to_its_limit() {
     let v = s.vm(&vm);
     // Windows 16, 32, 64, 128, 256, 512, then 512 each: 0..16, 16..48,
     // 48..112, 112..240, 240..496, 496..1008, and seven more of 512 pages.
+    // (Each window goes in 64 KiB pieces, the faulting one first; a
+    // fault in a piece not yet installed is woken by that piece's copy.)
     assert_eq!(fault_counter(&v, "missing"), 13, "{v}");
     assert_eq!(fault_counter(&v, "pages_installed"), 4592, "{v}");
+    assert_eq!(v["faults"]["phases"]["service"]["count"], 13, "{v}");
     assert_eq!(
         s.digest(&vm, 0, 4592),
         expected_digest(&image.bytes, 0, 4592)

@@ -42,6 +42,20 @@ struct Args {
     /// reflinks fragments; FICLONE and reads cost per extent). 0 = never.
     #[arg(long, default_value_t = 4096)]
     snapshot_rewrite_extents: u64,
+    /// After serving a VM's page faults, keep polling its uffd for this
+    /// long, in µs, before waiting for it in the event loop again: a
+    /// thread that faulted usually faults again within microseconds, and
+    /// waking an idle core thread costs more than that. Pays where a core
+    /// is spare, costs where none is (50 is a good value then). Each poll
+    /// yields to every other task first; 0 turns polling off; at most 1000.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1000))]
+    fault_poll_us: u64,
+    /// Install a readahead window in pieces of this many KiB (at least the
+    /// fault-around block), the faulting page's piece first: its thread is
+    /// woken after that piece and runs while the rest goes in. 0 = the
+    /// whole window before the wake.
+    #[arg(long, default_value_t = 64)]
+    readahead_piece_kib: u64,
     /// Threads decoding frames of compressed (zstd) images.
     #[arg(long, default_value_t = 2)]
     zstd_workers: usize,
@@ -318,6 +332,8 @@ fn run(args: Args) -> Result<(), StartError> {
         compress_threads: args.zstd_workers.max(1),
         rewrite_extents: args.snapshot_rewrite_extents,
         vmm_pool: args.vmm_pool,
+        fault_poll: Duration::from_micros(args.fault_poll_us),
+        readahead_piece_pages: args.readahead_piece_kib / 4,
         image_dir: match &args.image_dir {
             Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
                 StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))

@@ -9,6 +9,14 @@
 //! speaks Firecracker's handshake; it times its own touch loop, as the
 //! baseline's in-process client does.
 //!
+//! Issue 13 (the fault path): the one-page-per-fault client also runs
+//! against a second server that polls a uffd for 50 µs after serving it
+//! (`--fault-poll-us 50`; off by default, these rows say why), and once
+//! more per repetition
+//! timing every read (`touch-seq-latency`), next to the baseline timed the
+//! same way: the p50/p99 of one fault's round trip as the faulting thread
+//! sees it, with the server's own time by phase in the notes.
+//!
 //! Usage: `fc_restore [--quick]`. Prints JSON rows.
 
 use std::process::ExitCode;
@@ -86,6 +94,72 @@ fn client_touch(
     Ok((us, sum))
 }
 
+/// Create a Firecracker listener on `server` serving `image` one page per
+/// fault; returns its socket.
+fn single_listener(
+    server: &TestServer,
+    image: &std::path::Path,
+    tag: &str,
+) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
+    let socket = server.state_dir().join(format!("fc-{tag}.sock"));
+    let (st, v) = server.api(
+        "POST",
+        "/v1/firecracker/listeners",
+        Some(json!({
+            "socket": socket,
+            "memory_source": {"kind": "file", "path": image},
+            "fault_around_kib": 0,
+            "readahead_kib": 0,
+        })),
+    );
+    if st != 201 {
+        return Err(format!("cannot create listener: {v}").into());
+    }
+    Ok(socket)
+}
+
+/// One `touch-seq-latency` client on `socket`, held connected until the
+/// server's view of its VM (`GET /v1/vms/{id}`) is read; returns the
+/// client's line and that view.
+fn client_latency(
+    server: &TestServer,
+    socket: &std::path::Path,
+    mib: u64,
+) -> Result<(serde_json::Value, serde_json::Value), Box<dyn std::error::Error>> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(bin("fc_client"))
+        .arg("--socket")
+        .arg(socket)
+        .arg("--mib")
+        .arg(mib.to_string())
+        .args(["touch-seq-latency", "hold"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run fc_client: {e}"))?;
+    let mut out = std::io::BufReader::new(child.stdout.take().ok_or("no stdout")?);
+    let mut line = String::new();
+    out.read_line(&mut line)?;
+    let touched: serde_json::Value =
+        serde_json::from_str(&line).map_err(|e| format!("fc_client printed no JSON: {e}"))?;
+    // The newest running Firecracker VM is this client's.
+    let vm = server
+        .vm_ids()
+        .iter()
+        .rev()
+        .map(|id| server.vm(id))
+        .find(|v| v["kind"] == "firecracker" && v["state"] == "running")
+        .ok_or("the client's VM is not listed")?;
+    drop(child.stdin.take());
+    // The client prints one more line (the hold's) before it exits.
+    std::io::copy(&mut out, &mut std::io::sink())?;
+    let status = child.wait()?;
+    if !status.success() {
+        return Err(format!("fc_client failed: {status}").into());
+    }
+    Ok((touched, vm))
+}
+
 /// Touch times (µs) of pagefork in each mode, `reps` clients each.
 fn pagefork_samples(
     server: &TestServer,
@@ -149,6 +223,20 @@ fn main() -> ExitCode {
     random.shuffle(&mut rand::rngs::StdRng::seed_from_u64(7));
 
     let server = TestServer::start();
+    // The same server polling each uffd for 50 µs after serving it.
+    let polling = TestServer::start_with_args(&["--fault-poll-us", "50"]);
+    if let Err(e) = latency_rows(
+        &server,
+        &polling,
+        image.file.path(),
+        mib,
+        len,
+        &plan,
+        expected,
+    ) {
+        eprintln!("{BENCH}: fault latency: {e}");
+        return ExitCode::FAILURE;
+    }
     for (key, label, order, cmd) in [
         ("fc.seq", "sequential", &sequential, "touch-seq"),
         ("fc.rand", "random", &random, "touch-random:7"),
@@ -168,6 +256,27 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
+        let socket = match single_listener(&polling, image.file.path(), label) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("{BENCH}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let mut single_poll = Vec::new();
+        for _ in 0..plan.reps {
+            match client_touch(&socket, mib, cmd) {
+                Ok((us, sum)) if sum == expected => single_poll.push(us),
+                Ok((_, sum)) => {
+                    eprintln!("{BENCH}: fc_client read wrong bytes with polling (sum {sum})");
+                    return ExitCode::FAILURE;
+                }
+                Err(e) => {
+                    eprintln!("{BENCH}: pagefork {label} with polling: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         let mut times = Vec::new();
         let mut copies = 0;
         for _ in 0..plan.reps {
@@ -216,6 +325,151 @@ fn main() -> ExitCode {
             ))
             .emit();
         }
+        Row::new(
+            BENCH,
+            &format!("{key}.single_poll"),
+            TABLE,
+            &format!("client touches {mib} MiB ({label} order): pagefork one page per fault, uffd polled 50 µs after each fault (--fault-poll-us 50)"),
+            "µs",
+            &single_poll,
+            "one UFFDIO_COPY of one 4 KiB page per fault (Firecracker's example handler)",
+            &times,
+        )
+        .goal("report (issue 13: a poll window, off by default)")
+        .note("a second server in the same run, started with --fault-poll-us 50")
+        .emit();
+        Row::new(
+            BENCH,
+            &format!("{key}.poll_gain"),
+            TABLE,
+            &format!("client touches {mib} MiB ({label} order), one page per fault: pagefork polling 50 µs after each fault"),
+            "µs",
+            &single_poll,
+            "pagefork defaults (no polling)",
+            &pagefork[0],
+        )
+        .goal("< 1 to turn polling on (issue 13)")
+        .note("same samples as the one-page-per-fault rows above")
+        .emit();
     }
     ExitCode::SUCCESS
+}
+
+/// Issue 13's rows: one fault's round trip as the faulting thread sees it
+/// (p50 and p99 of a sequential one-page-per-fault touch), pagefork with
+/// its defaults and with a 50 µs poll window next to the baseline handler,
+/// all timed the same way; the server's phases go in the notes.
+fn latency_rows(
+    server: &TestServer,
+    polling: &TestServer,
+    image: &std::path::Path,
+    mib: u64,
+    len: usize,
+    plan: &Plan,
+    expected: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let order: Vec<usize> = (0..len / PAGE).collect();
+    let plain = single_listener(server, image, "latency")?;
+    let polled_socket = single_listener(polling, image, "latency")?;
+    let (mut ours, mut poll, mut base) =
+        (Samples::default(), Samples::default(), Samples::default());
+    let (mut ours_vm, mut poll_vm) = (serde_json::Value::Null, serde_json::Value::Null);
+    for _ in 0..plan.reps {
+        for (srv, socket, s, vm) in [
+            (server, &plain, &mut ours, &mut ours_vm),
+            (polling, &polled_socket, &mut poll, &mut poll_vm),
+        ] {
+            let (touched, info) = client_latency(srv, socket, mib)?;
+            if touched["sum"].as_u64() != Some(expected) {
+                return Err(format!("fc_client read wrong bytes: {touched}").into());
+            }
+            s.push(&touched["p50_ns"], &touched["p99_ns"]);
+            s.service_p50
+                .push(pagefork_benches::phases::p50_p99_us(&info, "service").0 * 1e3);
+            s.install_p50
+                .push(pagefork_benches::phases::p50_p99_us(&info, "install").0 * 1e3);
+            *vm = info;
+        }
+        let vm = BaselineVm::start(image, len)?;
+        let (_, sum, p50, p99) = vm.touch_latency(&order);
+        let stats = vm.finish()?;
+        base.install_p50.push(stats.copy_percentile(50) as f64);
+        if sum != expected {
+            return Err(format!("baseline read wrong bytes (sum {sum})").into());
+        }
+        base.p50.push(p50 as f64);
+        base.p99.push(p99 as f64);
+    }
+    let handler = "Firecracker's example handler, timed the same way";
+    for (q, ours_q, poll_q, base_q) in [
+        ("p50", &ours.p50, &poll.p50, &base.p50),
+        ("p99", &ours.p99, &poll.p99, &base.p99),
+    ] {
+        Row::new(
+            BENCH,
+            &format!("fc.seq.latency_{q}"),
+            TABLE,
+            &format!("one fault's round trip seen by the faulting thread, {q} (sequential, one page per fault, {mib} MiB): pagefork"),
+            "ns",
+            ours_q,
+            handler,
+            base_q,
+        )
+        .goal("≤ 0.9 (issue 13)")
+        .note(format!(
+            "last run: {}; with a 50 µs poll window {q} median {:.0} ns",
+            pagefork_benches::phases::describe(&ours_vm),
+            pagefork_benches::Stats::of(poll_q).map_or(f64::NAN, |s| s.median)
+        ))
+        .emit();
+    }
+    Row::new(
+        BENCH,
+        "fc.seq.service_p50",
+        TABLE,
+        &format!("server's time on one fault event, p50 (sequential, one page per fault, {mib} MiB): pagefork"),
+        "ns",
+        &ours.service_p50,
+        "the same with a 50 µs poll window",
+        &poll.service_p50,
+    )
+    .goal("report (issue 13)")
+    .note(format!(
+        "from faults.phases of GET /v1/vms/{{id}}; with the poll window, last run: {}",
+        pagefork_benches::phases::describe(&poll_vm)
+    ))
+    .emit();
+    Row::new(
+        BENCH,
+        "fc.seq.install_p50",
+        TABLE,
+        &format!("one UFFDIO_COPY of one 4 KiB page into the faulting client, p50 (sequential, {mib} MiB): pagefork's install phase"),
+        "ns",
+        &ours.install_p50,
+        "the baseline handler's UFFDIO_COPY, timed around the ioctl",
+        &base.install_p50,
+    )
+    .goal("report: the kernel's part of a fault (the floor)")
+    .note(format!(
+        "the ioctl wakes the faulting thread, so its time includes that wake; with a 50 µs poll window: {:.0} ns",
+        pagefork_benches::Stats::of(&poll.install_p50).map_or(f64::NAN, |s| s.median)
+    ))
+    .emit();
+    Ok(())
+}
+
+/// Per-repetition quantiles of one configuration.
+#[derive(Default)]
+struct Samples {
+    p50: Vec<f64>,
+    p99: Vec<f64>,
+    service_p50: Vec<f64>,
+    install_p50: Vec<f64>,
+}
+
+impl Samples {
+    fn push(&mut self, p50: &serde_json::Value, p99: &serde_json::Value) {
+        self.p50.push(p50.as_f64().unwrap_or(f64::NAN));
+        self.p99.push(p99.as_f64().unwrap_or(f64::NAN));
+    }
 }

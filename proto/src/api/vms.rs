@@ -189,6 +189,46 @@ pub struct FaultCounters {
     /// last everything longer).
     #[serde(default)]
     pub service_us_log2: Vec<u64>,
+    /// Where the server's time on this VM's uffd events went, phase by
+    /// phase.
+    #[serde(default)]
+    pub phases: FaultPhases,
+}
+
+/// The fault path's time by phase for one VM: from reading the uffd to the
+/// wake of the faulting thread (see `docs/architecture.md`). A phase counts
+/// once per wake-up of the uffd that spent time in it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FaultPhases {
+    /// Reading the pending events from the uffd.
+    pub read: PhaseTimes,
+    /// Table lookup, plan and reading the bytes of each event.
+    pub resolve: PhaseTimes,
+    /// The install ioctls (UFFDIO_COPY, ZEROPAGE, WRITEPROTECT, POISON).
+    pub install: PhaseTimes,
+    /// UFFDIO_WAKE, when the install did not wake the faulting thread.
+    pub wake: PhaseTimes,
+    /// The serving loop's own work: counters, trace, clean-up, retries.
+    pub loop_overhead: PhaseTimes,
+    /// The whole time spent on one event.
+    pub service: PhaseTimes,
+    /// Events found by polling the uffd right after serving a fault.
+    pub polled_events: u64,
+    /// Events read after the event loop reported the uffd readable.
+    pub woken_events: u64,
+    /// Time spent polling the uffd without finding an event, µs.
+    pub poll_idle_us: u64,
+}
+
+/// Median and 99th percentile of one phase, in nanoseconds (within ~10%:
+/// read from a histogram with four buckets per power of two).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PhaseTimes {
+    pub count: u64,
+    pub p50_ns: u64,
+    pub p99_ns: u64,
 }
 
 /// `POST /v1/vms/{id}/exec` body: one guest agent op, named by `op`.

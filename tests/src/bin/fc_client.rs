@@ -10,7 +10,8 @@
 //! 4. keep the socket open while it runs the commands given on the command
 //!    line, printing one JSON line per command.
 //!
-//! Commands: `touch-seq`, `touch-random:SEED`, `check:IMAGE` (compare every
+//! Commands: `touch-seq`, `touch-seq-latency` (also the p50/p99 time of
+//! one page's read), `touch-random:SEED`, `check:IMAGE` (compare every
 //! byte with the image), `remove:START:PAGES` (madvise DONTNEED),
 //! `zero:START:PAGES` (count non-zero pages), `sleep:MS`, `hold` (wait for
 //! stdin to close).
@@ -127,6 +128,25 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         let parts: Vec<&str> = cmd.split(':').collect();
         let out = match parts.as_slice() {
+            ["touch-seq-latency"] => {
+                // One clock read per page: the time each read took (a
+                // fault's whole round trip when the page was missing).
+                let mut lat = Vec::with_capacity(pages);
+                let mut sum = 0u64;
+                let mut before = Instant::now();
+                for p in 0..pages {
+                    // SAFETY: in bounds; volatile so the read happens.
+                    sum = sum.wrapping_add(u64::from(unsafe {
+                        std::ptr::read_volatile(&bytes[p * PAGE])
+                    }));
+                    let after = Instant::now();
+                    lat.push(u64::try_from((after - before).as_nanos()).unwrap_or(u64::MAX));
+                    before = after;
+                }
+                lat.sort_unstable();
+                let q = |f: usize| lat.get((lat.len() * f).div_ceil(100).max(1) - 1).copied();
+                serde_json::json!({ "sum": sum, "p50_ns": q(50), "p99_ns": q(99) })
+            }
             ["touch-seq"] => {
                 let mut sum = 0u64;
                 for p in 0..pages {

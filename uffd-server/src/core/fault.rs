@@ -25,6 +25,7 @@ use super::vm::RunState;
 use super::Registry;
 use crate::memory::{GuestMemory, MemoryError};
 use crate::observe::access::By;
+use crate::observe::phases::{self, Phase};
 use crate::pages::{
     fault_on, plan_run, read_pages, Fault, PageSource, ResolveError, SourceId, UNINITIALIZED,
 };
@@ -157,8 +158,6 @@ impl Registry {
             return Ok((page, 1, false)); // Already present: a concurrent fault.
         };
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
-        let len = (hi - lo) * PAGE_SIZE;
-        let to = v.addr_of(lo) as u64;
         // While writes are tracked (dirty log, a snapshot saving), the
         // installed pages stay write-protected like the rest of memory, so
         // a later write is seen.
@@ -167,31 +166,34 @@ impl Registry {
         } else {
             0
         };
-        let res = STAGING.with(|buf| -> Result<Install, ResolveError> {
-            let mut buf = buf.borrow_mut();
-            let bytes = shared::geometry::usize_of(len);
-            if buf.len() < bytes {
-                buf.resize(bytes, 0);
-            }
-            let dst = VolatileSlice::from(&mut buf[..bytes]);
-            let vms = &self.vms;
-            read_pages(&source, lo, &dst, &|id| {
-                vms.get(&id).map(|o| Rc::clone(&o.memory))
-            })?;
-            // SAFETY: `buf` holds `len` initialized bytes and stays
-            // borrowed for the call.
-            Ok(unsafe { uffd_abi::copy(uffd.get_ref(), buf.as_ptr(), to, len, mode) })
-        })?;
-        let installed = match res {
-            Install::Done => hi - lo,
-            Install::Exists { copied } | Install::Again { copied } => copied / PAGE_SIZE,
-            Install::Gone => 0,
-            Install::Failed(errno) => return Err(ResolveError::Install { first: lo, errno }),
+        // A run longer than one piece (a readahead window) goes in piece by
+        // piece: the piece holding the faulting page first, whose copy
+        // wakes the faulting thread, then the rest behind it while it runs
+        // (see `stream_rest`).
+        let piece = self.readahead_piece_pages.max(v.fault_around_pages);
+        let first_end = if self.readahead_piece_pages == 0 || hi - lo <= piece {
+            hi
+        } else {
+            (page + 1).max(lo + piece).min(hi)
         };
         let how = Installed {
             fault: page,
             by: By::Missing,
             from: src_id,
+        };
+        let copy = CopyRun {
+            vm,
+            source: &source,
+            mode,
+            how,
+            uffd,
+        };
+        let res = self.copy_pages(&copy, lo, first_end)?;
+        let installed = match res {
+            Install::Done => first_end - lo,
+            Install::Exists { copied } | Install::Again { copied } => copied / PAGE_SIZE,
+            Install::Gone => 0,
+            Install::Failed(errno) => return Err(ResolveError::Install { first: lo, errno }),
         };
         self.mark_present(vm, lo, installed, how);
         if let Install::Exists { .. } = res {
@@ -200,17 +202,78 @@ impl Registry {
                 // there by another path): it is present; say so, so the
                 // next fault does not try to install it again.
                 self.mark_present(vm, page, 1, how);
-            } else if page > lo + installed && hi - lo > 1 {
+            } else if page > lo + installed && first_end - lo > 1 {
                 // A page before it was there: install just the faulting
                 // page.
                 return self.install_missing_one(vm, page, uffd);
             }
         }
+        let mut end = lo + installed;
+        if matches!(res, Install::Done) && first_end < hi {
+            end = self.stream_rest(&copy, first_end, hi, piece);
+        }
         if let (Some(window), Some(v)) = (window, self.vms.get_mut(&vm)) {
-            v.readahead.next = lo + installed;
+            v.readahead.next = end;
             v.readahead.window = window;
         }
         Ok((page, 1, matches!(res, Install::Done)))
+    }
+
+    /// Install pages `[at, hi)` of a run whose faulting page is in already
+    /// (and its thread woken), `piece` pages at a time. A thread that
+    /// faults on one of them meanwhile is woken by the UFFDIO_COPY of its
+    /// piece (which wakes every waiter in its range, its event unread
+    /// included), never later than if the run had gone in whole. Stops at
+    /// a piece that cannot be installed (a fault on it reports why).
+    /// Returns the end of what was installed.
+    fn stream_rest(&mut self, copy: &CopyRun<'_>, mut at: u64, hi: u64, piece: u64) -> u64 {
+        while at < hi {
+            let end = (at + piece).min(hi);
+            let n = match self.copy_pages(copy, at, end) {
+                Ok(Install::Done) => end - at,
+                Ok(Install::Exists { copied } | Install::Again { copied }) => {
+                    self.mark_present(copy.vm, at, copied / PAGE_SIZE, copy.how);
+                    return at + copied / PAGE_SIZE;
+                }
+                Ok(Install::Gone | Install::Failed(_)) | Err(_) => return at,
+            };
+            self.mark_present(copy.vm, at, n, copy.how);
+            at = end;
+        }
+        at
+    }
+
+    /// Read pages `[lo, hi)` of `copy.source` into the staging buffer and
+    /// UFFDIO_COPY them into `copy.vm`.
+    fn copy_pages(&self, copy: &CopyRun<'_>, lo: u64, hi: u64) -> Result<Install, ResolveError> {
+        let CopyRun {
+            vm,
+            source,
+            mode,
+            uffd,
+            ..
+        } = *copy;
+        let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        let len = (hi - lo) * PAGE_SIZE;
+        let to = v.addr_of(lo) as u64;
+        STAGING.with(|buf| -> Result<Install, ResolveError> {
+            let mut buf = buf.borrow_mut();
+            let bytes = shared::geometry::usize_of(len);
+            if buf.len() < bytes {
+                buf.resize(bytes, 0);
+            }
+            let dst = VolatileSlice::from(&mut buf[..bytes]);
+            let vms = &self.vms;
+            read_pages(source, lo, &dst, &|id| {
+                vms.get(&id).map(|o| Rc::clone(&o.memory))
+            })?;
+            phases::lap(Phase::Resolve);
+            // SAFETY: `buf` holds `len` initialized bytes and stays
+            // borrowed for the call.
+            let res = unsafe { uffd_abi::copy(uffd.get_ref(), buf.as_ptr(), to, len, mode) };
+            phases::lap(Phase::Install);
+            Ok(res)
+        })
     }
 
     /// A fault on `page` cannot be served (its image is unreadable or
@@ -251,7 +314,11 @@ impl Registry {
         let Some(uffd) = v.uffd.clone() else {
             return Handled::Ok;
         };
-        match uffd_abi::write_protect(uffd.get_ref(), v.addr_of(page) as u64, PAGE_SIZE, false) {
+        phases::lap(Phase::Resolve);
+        let lifted =
+            uffd_abi::write_protect(uffd.get_ref(), v.addr_of(page) as u64, PAGE_SIZE, false);
+        phases::lap(Phase::Install);
+        match lifted {
             Ok(()) => Handled::Ok,
             Err(e) => errno_outcome(vm, "remove write protection", e),
         }
@@ -443,6 +510,16 @@ impl Registry {
     }
 }
 
+/// What every piece of one install shares: where to, from what, how.
+struct CopyRun<'a> {
+    vm: VmId,
+    source: &'a PageSource,
+    /// UFFDIO_COPY mode (`COPY_MODE_WP` while writes are tracked).
+    mode: u64,
+    how: Installed,
+    uffd: &'a AsyncFd<Uffd>,
+}
+
 /// How a run of pages was installed, for the VM's page log.
 #[derive(Debug, Clone, Copy)]
 struct Installed {
@@ -532,7 +609,10 @@ fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {
         return Handled::Ok;
     };
     let addr = v.addr_of(first) as u64;
-    match uffd_abi::wake(uffd.get_ref(), addr, count * PAGE_SIZE) {
+    phases::lap(Phase::Resolve);
+    let woken = uffd_abi::wake(uffd.get_ref(), addr, count * PAGE_SIZE);
+    phases::lap(Phase::Wake);
+    match woken {
         Ok(()) => Handled::Ok,
         Err(e) => errno_outcome(v.id, "wake", e),
     }

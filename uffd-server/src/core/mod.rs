@@ -16,6 +16,7 @@ mod ops;
 pub mod pool;
 pub(crate) mod ratelimit;
 mod rollback;
+pub(crate) mod serve;
 mod snapshot;
 mod trace;
 pub mod vm;
@@ -30,11 +31,12 @@ use std::time::Duration;
 pub use error::{Error, Result};
 use proto::api;
 use proto::vmm::{Reply, Request, ServerMsg, VmmMsg};
+use serve::serve_faults;
 use shared::VmId;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
-use userfaultfd::{EventBuffer, Uffd};
+use userfaultfd::Uffd;
 
 use crate::conn::{ConnEvent, PendingLaunches, QueueError, VmmWriter};
 use crate::pages::{SourceArena, SourceId};
@@ -74,6 +76,14 @@ pub struct Settings {
     pub rewrite_extents: u64,
     /// VMM processes kept started and connected, waiting for a VM.
     pub vmm_pool: usize,
+    /// How long a uffd is polled after its events were served before the
+    /// core waits for it in the event loop again (zero = never polled; see
+    /// `core/serve.rs`).
+    pub fault_poll: Duration,
+    /// A readahead window is installed in pieces of this many pages, the
+    /// faulting page's first, so its thread runs while the rest goes in
+    /// (0 = the whole window before the wake).
+    pub readahead_piece_pages: u64,
 }
 
 impl Registry {
@@ -209,6 +219,10 @@ pub struct Registry {
     /// Pages the fault engine installed in any VM, ever (the trace reads
     /// what one event installed from it).
     pub installed: u64,
+    /// A readahead window is installed in pieces of this many pages (at
+    /// least the fault-around block), the faulting page's first; 0 = in
+    /// one piece.
+    pub readahead_piece_pages: u64,
 }
 
 /// The core's state.
@@ -346,6 +360,7 @@ impl Core {
             reg: RefCell::new(Registry {
                 next_id: first,
                 id_mark: first,
+                readahead_piece_pages: settings.readahead_piece_pages,
                 ..Registry::default()
             }),
             settings,
@@ -743,131 +758,6 @@ async fn futures_join_all<F: std::future::Future<Output = ()> + 'static>(
         .collect::<Vec<_>>();
     for h in set {
         let _ = h.await;
-    }
-}
-
-/// Read and resolve `vm`'s uffd events until the uffd closes or the VM
-/// is gone (`closed`): a dead VMM's uffd never becomes readable again, so
-/// waiting on it alone would keep the fd open for ever.
-async fn serve_faults(
-    core: Rc<Core>,
-    vm: VmId,
-    uffd: Rc<AsyncFd<Uffd>>,
-    closed: Rc<tokio::sync::Notify>,
-    tap: Rc<crate::observe::trace::Tap>,
-) {
-    let mut buf = EventBuffer::new(64);
-    // Faults parked on frames being decoded come back here when ready.
-    let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<u64>();
-    loop {
-        let ready = tokio::select! {
-            r = uffd.readable() => r,
-            Some(page) = retry_rx.recv() => {
-                let outcome = core.reg.borrow_mut().resolve_missing(vm, page);
-                if !core.after_fault(vm, outcome, &retry_tx) {
-                    return;
-                }
-                continue;
-            }
-            () = closed.notified() => return,
-        };
-        let mut guard = match ready {
-            Ok(g) => g,
-            Err(e) => {
-                warn!("{vm}: uffd poll failed: {e}");
-                return;
-            }
-        };
-        let events: Vec<_> = match guard.get_inner().read_events(&mut buf) {
-            Ok(it) => it.collect(),
-            Err(userfaultfd::Error::ReadEof) => return,
-            Err(e) => {
-                warn!("{vm}: uffd read failed: {e}");
-                return;
-            }
-        };
-        if events.is_empty() {
-            guard.clear_ready();
-            // The VM may have exited and dropped its uffd: stop then.
-            let gone = core
-                .reg
-                .borrow()
-                .vms
-                .get(&vm)
-                .is_none_or(|v| v.uffd.is_none());
-            if gone {
-                return;
-            }
-            continue;
-        }
-        let mut outcomes = Vec::with_capacity(events.len());
-        let mut service = [0u64; vm::SERVICE_BUCKETS];
-        {
-            let mut reg = core.reg.borrow_mut();
-            for ev in events {
-                let t0 = std::time::Instant::now();
-                // The trace's one cost while nobody listens: `active()`.
-                let begun = match &ev {
-                    Ok(e) if tap.active() => reg.trace_begin(vm, e, &tap),
-                    _ => None,
-                };
-                match ev {
-                    Ok(ev) => outcomes.push(reg.handle_event(vm, ev)),
-                    Err(e) => warn!("{vm}: bad uffd event: {e}"),
-                }
-                let took = t0.elapsed();
-                core.fault_seconds.observe(took.as_secs_f64());
-                service[vm::service_bucket(took)] += 1;
-                if let Some(b) = begun {
-                    tap.send(reg.trace_end(b, took));
-                }
-            }
-            if let Some(v) = reg.vms.get_mut(&vm) {
-                for (a, b) in v.stats.service_us_log2.iter_mut().zip(service) {
-                    *a += b;
-                }
-            }
-            reg.collect_garbage();
-        }
-        for outcome in outcomes {
-            if !core.after_fault(vm, outcome, &retry_tx) {
-                return;
-            }
-        }
-    }
-}
-
-impl Core {
-    /// Act on how a fault of `vm` was handled: log a failure, park a fault
-    /// that waits for decoded frames (it comes back through `retry`), or
-    /// mark the VMM gone. Returns whether to keep serving the uffd.
-    fn after_fault(
-        &self,
-        vm: VmId,
-        outcome: fault::Handled,
-        retry: &mpsc::UnboundedSender<u64>,
-    ) -> bool {
-        match outcome {
-            fault::Handled::Ok => true,
-            fault::Handled::Failed(reason) => {
-                self.log_failure(vm, &reason);
-                true
-            }
-            fault::Handled::Wait { page, ready } => {
-                let retry = retry.clone();
-                tokio::task::spawn_local(async move {
-                    for r in ready {
-                        let _ = r.await;
-                    }
-                    let _ = retry.send(page);
-                });
-                true
-            }
-            fault::Handled::VmmGone => {
-                self.mark_exited(vm, "vmm address space is gone (ESRCH)");
-                false
-            }
-        }
     }
 }
 

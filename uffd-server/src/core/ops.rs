@@ -51,6 +51,7 @@ impl Core {
                     fault_around_kib: super::fault_around_kib(v.fault_around_pages),
                     wp_copies: v.stats.wp_copies,
                     service_us_log2: v.stats.service_us_log2.to_vec(),
+                    phases: v.phases.to_api(),
                 },
                 snapshot_saving: None,
             });
@@ -83,6 +84,7 @@ impl Core {
                 fault_around_kib: super::fault_around_kib(v.fault_around_pages),
                 wp_copies: v.stats.wp_copies,
                 service_us_log2: v.stats.service_us_log2.to_vec(),
+                phases: v.phases.to_api(),
             },
             snapshot_saving: v.saving.as_ref().map(|s| {
                 let s = s.borrow();

@@ -134,6 +134,8 @@ pub struct Vm {
     pub log: crate::observe::access::PageLog,
     /// The live fault trace's listeners.
     pub tap: Rc<crate::observe::trace::Tap>,
+    /// Where the fault path's time goes, phase by phase.
+    pub phases: crate::observe::phases::PhaseHists,
 }
 
 /// What a new VM is made of; everything else starts empty.
@@ -190,6 +192,7 @@ impl Vm {
             warnings: super::ratelimit::RateLimit::default(),
             log,
             tap: Rc::default(),
+            phases: crate::observe::phases::PhaseHists::default(),
         }
     }
 

@@ -342,6 +342,8 @@ impl Core {
                 fault_order: Vec::new(),
                 stream,
                 closed: closed.clone(),
+                phases: Default::default(),
+                readahead_piece_pages: self.settings.readahead_piece_pages,
             },
         );
         drop(reg);

@@ -11,18 +11,23 @@ use tracing::info;
 use userfaultfd::{Event, EventBuffer, FaultKind, Uffd};
 
 use super::vm::Resolved;
+use crate::core::serve::{poll_window, read_pending};
 use crate::core::Core;
+use crate::observe::phases::{self, Phase};
 
-/// Handle a batch of events for a Firecracker VM; faults to retry go to
+/// Handle a batch of events for a Firecracker VM (read after a wake-up of
+/// the event loop if `woken`, else by polling); faults to retry go to
 /// `deferred` (EAGAIN: after the next events) or come back through
 /// `retry` (waiting for decoded frames). Returns whether to keep serving.
 fn handle_batch(
     core: &Core,
     id: VmId,
-    events: Vec<Event>,
+    events: &mut Vec<Event>,
     deferred: &mut Vec<u64>,
     retry: &mpsc::UnboundedSender<u64>,
+    woken: bool,
 ) -> bool {
+    phases::lap(Phase::Read);
     let mut reg = core.reg.borrow_mut();
     let reg = &mut *reg;
     let Some(v) = reg.fc_vms.get_mut(&id) else {
@@ -31,8 +36,9 @@ fn handle_batch(
     let record = v.fault_order.len() < (1 << 22);
     // Events that change the address space (REMOVE) apply before retrying
     // deferred faults, so a removed page is installed as zero.
-    let mut faults = Vec::new();
-    for ev in events {
+    let mut faults = std::mem::take(deferred);
+    let retried = faults.len();
+    for ev in events.drain(..) {
         match ev {
             Event::Pagefault {
                 kind: FaultKind::Missing,
@@ -44,12 +50,24 @@ fn handle_batch(
             _ => {}
         }
     }
-    v.stats.missing += faults.len() as u64;
-    let again: Vec<u64> = std::mem::take(deferred);
-    for addr in again.into_iter().chain(faults) {
+    let fresh = (faults.len() - retried) as u64;
+    v.stats.missing += fresh;
+    if woken {
+        v.phases.woken_events += fresh;
+    } else {
+        v.phases.polled_events += fresh;
+    }
+    for addr in faults {
         let t0 = std::time::Instant::now();
         let resolved = v.resolve(&reg.arena, addr, record);
         let took = t0.elapsed();
+        phases::lap(Phase::Resolve);
+        let laps = phases::take();
+        v.phases.record(&laps);
+        let spent: u64 = laps.iter().sum();
+        if spent > 0 {
+            v.phases.service.record(spent);
+        }
         core.fault_seconds.observe(took.as_secs_f64());
         v.stats.service_us_log2[crate::core::vm::service_bucket(took)] += 1;
         match resolved {
@@ -62,6 +80,8 @@ fn handle_batch(
             Resolved::Gone => return false,
         }
     }
+    phases::lap(Phase::Loop);
+    v.phases.record(&phases::take());
     true
 }
 
@@ -76,6 +96,9 @@ fn park(addr: u64, ready: Vec<oneshot::Receiver<()>>, retry: &mpsc::UnboundedSen
     });
 }
 
+/// Serve a Firecracker VM's uffd until it closes or the VM is gone; after
+/// served events the uffd is polled for the configured window (see
+/// `core/serve.rs`).
 pub(super) async fn serve_fc(
     core: Rc<Core>,
     id: VmId,
@@ -83,10 +106,12 @@ pub(super) async fn serve_fc(
     closed: Rc<tokio::sync::Notify>,
 ) {
     let mut buf = EventBuffer::new(64);
+    let mut events: Vec<Event> = Vec::with_capacity(64);
     let mut deferred: Vec<u64> = Vec::new();
+    let window = core.settings.fault_poll;
     let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<u64>();
     loop {
-        let events: Vec<Event> = if deferred.is_empty() {
+        if deferred.is_empty() {
             let mut guard = tokio::select! {
                 g = uffd.readable() => match g {
                     Ok(g) => g,
@@ -95,26 +120,24 @@ pub(super) async fn serve_fc(
                 Some(addr) = retry_rx.recv() => {
                     // A fault whose frames are decoded now.
                     deferred.push(addr);
-                    if !handle_batch(&core, id, Vec::new(), &mut deferred, &retry_tx) {
+                    if !handle_batch(&core, id, &mut events, &mut deferred, &retry_tx, true) {
                         return;
                     }
                     continue;
                 }
                 () = closed.notified() => return,
             };
-            match guard.get_inner().read_events(&mut buf) {
-                Ok(it) => {
-                    let evs: Vec<Event> = it.filter_map(Result::ok).collect();
-                    if evs.is_empty() {
-                        guard.clear_ready();
-                        if !core.reg.borrow().fc_vms.contains_key(&id) {
-                            return;
-                        }
-                        continue;
-                    }
-                    evs
+            phases::start();
+            if read_pending(id, guard.get_inner(), &mut buf, &mut events).is_err() {
+                return;
+            }
+            if events.is_empty() {
+                guard.clear_ready();
+                phases::stop();
+                if !core.reg.borrow().fc_vms.contains_key(&id) {
+                    return;
                 }
-                Err(_) => return,
+                continue;
             }
         } else {
             // Deferred faults wait for the pending event that made the
@@ -122,18 +145,36 @@ pub(super) async fn serve_fc(
             // it and retry at once, since the discarding thread may start
             // its next discard soon after this one completes. Only if
             // nothing is there yet, give it a moment.
-            let evs: Vec<Event> = match uffd.get_ref().read_events(&mut buf) {
-                Ok(it) => it.filter_map(Result::ok).collect(),
-                Err(_) => return,
-            };
-            if evs.is_empty() {
-                tokio::time::sleep(Duration::from_micros(50)).await;
+            phases::start();
+            if read_pending(id, uffd.get_ref(), &mut buf, &mut events).is_err() {
+                return;
             }
-            evs
-        };
-        if !handle_batch(&core, id, events, &mut deferred, &retry_tx) {
-            return;
+            if events.is_empty() {
+                tokio::time::sleep(Duration::from_micros(50)).await;
+                phases::start();
+            }
         }
+        let mut woken = true;
+        loop {
+            if !handle_batch(&core, id, &mut events, &mut deferred, &retry_tx, woken) {
+                return;
+            }
+            if window.is_zero() || !deferred.is_empty() {
+                break;
+            }
+            let mut idle = 0;
+            let found =
+                poll_window(id, uffd.get_ref(), &mut buf, &mut events, window, &mut idle).await;
+            if let Some(v) = core.reg.borrow_mut().fc_vms.get_mut(&id) {
+                v.phases.poll_idle_ns += idle;
+            }
+            match found {
+                Ok(true) => woken = false,
+                Ok(false) => break,
+                Err(_) => return,
+            }
+        }
+        phases::stop();
     }
 }
 

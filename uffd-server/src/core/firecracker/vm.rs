@@ -18,6 +18,7 @@ use vm_memory::VolatileSlice;
 
 use crate::core::ratelimit::{suppressed_note, RateLimit};
 use crate::core::vm::{FaultStats, Readahead, RunState};
+use crate::observe::phases::{self, Phase, PhaseHists};
 use crate::pages::{
     fault_on, plan_run, read_pages, Fault, PageTable, ResolveError, SourceArena, SourceId,
     UNINITIALIZED,
@@ -55,6 +56,11 @@ pub struct FcVm {
     pub failure: Option<String>,
     /// Limits the fault path's repeated warnings about this VM.
     pub warnings: RateLimit,
+    /// Where the fault path's time goes, phase by phase.
+    pub phases: PhaseHists,
+    /// A readahead window is installed in pieces of this many pages
+    /// (0 = in one piece; see `Settings::readahead_piece_pages`).
+    pub readahead_piece_pages: u64,
 }
 
 /// Result of resolving one fault.
@@ -95,16 +101,27 @@ impl FcVm {
         let src_id = self.table.get(lo);
         if src_id == UNINITIALIZED && r.page_size == PAGE_SIZE {
             let dst = r.base + (lo * PAGE_SIZE - r.offset);
+            phases::lap(Phase::Resolve);
             let res = uffd_abi::zeropage(self.uffd.get_ref(), dst, (hi - lo) * PAGE_SIZE);
+            phases::lap(Phase::Install);
             return self.installed(lo, hi, 0, res);
         }
         let Some(source) = arena.get(src_id).cloned() else {
             let e = ResolveError::UnknownSource(src_id);
             return Err(Outcome::Unservable(e.to_string()));
         };
+        // A readahead window goes in piece by piece, the faulting page's
+        // (the first: a sequential run starts at it) waking its thread, the
+        // rest behind it; each piece's copy wakes whoever faulted in it
+        // meanwhile (see `core/fault.rs` `stream_rest`).
+        let piece = match self.readahead_piece_pages {
+            0 => STAGING_PAGES,
+            n if r.page_size == PAGE_SIZE => n.max(self.fault_around_pages).min(STAGING_PAGES),
+            _ => STAGING_PAGES,
+        };
         let mut at = lo;
         while at < hi {
-            let end = hi.min(at + STAGING_PAGES);
+            let end = hi.min(at + piece);
             let len = (end - at) * PAGE_SIZE;
             let res = STAGING.with(|buf| -> Result<Install, ResolveError> {
                 let mut buf = buf.borrow_mut();
@@ -115,9 +132,12 @@ impl FcVm {
                 let dst = VolatileSlice::from(&mut buf[..bytes]);
                 read_pages(&source, at, &dst, &|_| None)?;
                 let to = r.base + (at * PAGE_SIZE - r.offset);
+                phases::lap(Phase::Resolve);
                 // SAFETY: `buf` holds `len` initialized bytes and stays
                 // borrowed for the call.
-                Ok(unsafe { uffd_abi::copy(self.uffd.get_ref(), buf.as_ptr(), to, len, 0) })
+                let res = unsafe { uffd_abi::copy(self.uffd.get_ref(), buf.as_ptr(), to, len, 0) };
+                phases::lap(Phase::Install);
+                Ok(res)
             });
             let res = match res {
                 Ok(res) => res,
@@ -174,7 +194,9 @@ impl FcVm {
     }
 
     pub(super) fn wake(&self, addr: u64, len: u64) {
+        phases::lap(Phase::Resolve);
         let _ = uffd_abi::wake(self.uffd.get_ref(), addr, len);
+        phases::lap(Phase::Wake);
     }
 
     /// Resolve a MISSING fault at `addr`; a fault that cannot be served

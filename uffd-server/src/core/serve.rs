@@ -1,0 +1,299 @@
+//! The serving loop of one VM's uffd, and the poll window both kinds of VM
+//! use.
+//!
+//! A fault costs the faulting thread one round trip: the kernel queues the
+//! event and wakes the core thread, which reads it, installs the page and
+//! wakes the faulting thread. When the core thread was asleep in the event
+//! loop, its own wake-up (an idle CPU leaving its idle state, the runtime
+//! returning from `epoll_wait`) is most of that trip on a virtualized host.
+//! A thread that faults once usually faults again a few microseconds after
+//! it is woken (a guest touching its memory, a restore), so after serving
+//! events the loop keeps reading the uffd without waiting for a bounded
+//! window ([`Settings::fault_poll`](super::Settings)) before it returns to
+//! the event loop:
+//!
+//! ```text
+//!   readable ─▶ read ─▶ serve ─▶ poll: yield, read ─┬─ events ─▶ serve ─▶ poll ...
+//!                                                   └─ none for the window ─▶ readable
+//! ```
+//!
+//! The window's bounds: each poll yields to the runtime first, so every
+//! other task (other VMs' faults, API requests, frame-pool waiters, VMM
+//! messages) runs between two polls; the window restarts only when an event
+//! was found, so an idle VM costs the core at most one window after its
+//! last fault; and a window of zero turns polling off.
+
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use shared::VmId;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
+use tracing::warn;
+use userfaultfd::{Event, EventBuffer, Uffd};
+
+use super::{fault, vm, Core};
+use crate::observe::phases::{self, Laps, Phase};
+
+/// Why a serving loop stops reading a uffd.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReadError {
+    #[error("the uffd was closed")]
+    Eof,
+    #[error("cannot read the uffd")]
+    Read(#[source] userfaultfd::Error),
+}
+
+/// Read the events pending on `uffd` into `out` without waiting (the uffd
+/// is non-blocking); an event that cannot be decoded is skipped with a
+/// warning.
+pub(crate) fn read_pending(
+    vm: VmId,
+    uffd: &Uffd,
+    buf: &mut EventBuffer,
+    out: &mut Vec<Event>,
+) -> Result<(), ReadError> {
+    match uffd.read_events(buf) {
+        Ok(it) => {
+            for ev in it {
+                match ev {
+                    Ok(e) => out.push(e),
+                    Err(e) => warn!("{vm}: bad uffd event: {e}"),
+                }
+            }
+            Ok(())
+        }
+        Err(userfaultfd::Error::ReadEof) => Err(ReadError::Eof),
+        Err(e) => Err(ReadError::Read(e)),
+    }
+}
+
+/// Poll `uffd` for more events for up to `window`, yielding to the runtime
+/// before every read. Returns whether events were read into `out` (the
+/// phase clock is started for them); the time spent finding nothing is
+/// added to `idle_ns`.
+pub(crate) async fn poll_window(
+    vm: VmId,
+    uffd: &Uffd,
+    buf: &mut EventBuffer,
+    out: &mut Vec<Event>,
+    window: Duration,
+    idle_ns: &mut u64,
+) -> Result<bool, ReadError> {
+    let t0 = Instant::now();
+    loop {
+        // The thread this core just woke may be queued on this very CPU:
+        // let it run (and fault again) before polling for its fault.
+        std::thread::yield_now();
+        tokio::task::yield_now().await;
+        phases::start();
+        read_pending(vm, uffd, buf, out)?;
+        let waited = t0.elapsed();
+        if !out.is_empty() || waited >= window {
+            *idle_ns += u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+            return Ok(!out.is_empty());
+        }
+    }
+}
+
+/// Read and resolve `vm`'s uffd events until the uffd closes or the VM
+/// is gone (`closed`): a dead VMM's uffd never becomes readable again, so
+/// waiting on it alone would keep the fd open for ever.
+pub(super) async fn serve_faults(
+    core: Rc<Core>,
+    vm: VmId,
+    uffd: Rc<AsyncFd<Uffd>>,
+    closed: Rc<tokio::sync::Notify>,
+    tap: Rc<crate::observe::trace::Tap>,
+) {
+    let mut buf = EventBuffer::new(64);
+    let mut batch = Batch::default();
+    let window = core.settings.fault_poll;
+    // Faults parked on frames being decoded come back here when ready.
+    let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<u64>();
+    loop {
+        let ready = tokio::select! {
+            r = uffd.readable() => r,
+            Some(page) = retry_rx.recv() => {
+                let outcome = core.reg.borrow_mut().resolve_missing(vm, page);
+                if !core.after_fault(vm, outcome, &retry_tx) {
+                    return;
+                }
+                continue;
+            }
+            () = closed.notified() => return,
+        };
+        let mut guard = match ready {
+            Ok(g) => g,
+            Err(e) => {
+                warn!("{vm}: uffd poll failed: {e}");
+                return;
+            }
+        };
+        phases::start();
+        match read_pending(vm, guard.get_inner(), &mut buf, &mut batch.events) {
+            Ok(()) => {}
+            Err(ReadError::Eof) => return,
+            Err(e) => {
+                warn!("{vm}: {}", shared::error_chain(&e));
+                return;
+            }
+        }
+        if batch.events.is_empty() {
+            guard.clear_ready();
+            phases::stop();
+            // The VM may have exited and dropped its uffd: stop then.
+            let gone = core
+                .reg
+                .borrow()
+                .vms
+                .get(&vm)
+                .is_none_or(|v| v.uffd.is_none());
+            if gone {
+                return;
+            }
+            continue;
+        }
+        drop(guard);
+        let mut woken = true;
+        loop {
+            if !core.serve_batch(vm, &mut batch, &tap, &retry_tx, woken) {
+                return;
+            }
+            if window.is_zero() {
+                break;
+            }
+            let mut idle = 0;
+            let found = poll_window(
+                vm,
+                uffd.get_ref(),
+                &mut buf,
+                &mut batch.events,
+                window,
+                &mut idle,
+            )
+            .await;
+            if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+                v.phases.poll_idle_ns += idle;
+            }
+            match found {
+                Ok(true) => woken = false,
+                Ok(false) => break,
+                Err(ReadError::Eof) => return,
+                Err(e) => {
+                    warn!("{vm}: {}", shared::error_chain(&e));
+                    return;
+                }
+            }
+        }
+        phases::stop();
+    }
+}
+
+/// Buffers of the serving loop, kept from one wake-up to the next.
+#[derive(Debug, Default)]
+struct Batch {
+    events: Vec<Event>,
+    outcomes: Vec<fault::Handled>,
+    /// The phases of each event of the batch, then the loop's own.
+    laps: Vec<Laps>,
+}
+
+impl Core {
+    /// Resolve the events in `batch` (read after a wake-up of the event
+    /// loop if `woken`, else by polling) and act on their outcomes.
+    /// Returns whether to keep serving the uffd.
+    fn serve_batch(
+        &self,
+        vm: VmId,
+        batch: &mut Batch,
+        tap: &crate::observe::trace::Tap,
+        retry: &mpsc::UnboundedSender<u64>,
+        woken: bool,
+    ) -> bool {
+        phases::lap(Phase::Read);
+        let count = batch.events.len() as u64;
+        let mut service = [0u64; vm::SERVICE_BUCKETS];
+        batch.laps.clear();
+        {
+            let mut reg = self.reg.borrow_mut();
+            for ev in batch.events.drain(..) {
+                let t0 = Instant::now();
+                // The trace's one cost while nobody listens: `active()`.
+                let begun = if tap.active() {
+                    reg.trace_begin(vm, &ev, tap)
+                } else {
+                    None
+                };
+                batch.outcomes.push(reg.handle_event(vm, ev));
+                let took = t0.elapsed();
+                phases::lap(Phase::Resolve);
+                batch.laps.push(phases::take());
+                self.fault_seconds.observe(took.as_secs_f64());
+                service[vm::service_bucket(took)] += 1;
+                if let Some(b) = begun {
+                    tap.send(reg.trace_end(b, took));
+                }
+            }
+            reg.collect_garbage();
+        }
+        let mut keep = true;
+        for outcome in batch.outcomes.drain(..) {
+            keep = keep && self.after_fault(vm, outcome, retry);
+        }
+        phases::lap(Phase::Loop);
+        batch.laps.push(phases::take());
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
+            for (a, b) in v.stats.service_us_log2.iter_mut().zip(service) {
+                *a += b;
+            }
+            let p = &mut v.phases;
+            for laps in &batch.laps {
+                p.record(laps);
+            }
+            // The service time of each event: its own phases, the read
+            // that brought it counted once.
+            for laps in &batch.laps[..batch.laps.len() - 1] {
+                p.service.record(laps.iter().sum());
+            }
+            if woken {
+                p.woken_events += count;
+            } else {
+                p.polled_events += count;
+            }
+        }
+        keep
+    }
+
+    /// Act on how a fault of `vm` was handled: log a failure, park a fault
+    /// that waits for decoded frames (it comes back through `retry`), or
+    /// mark the VMM gone. Returns whether to keep serving the uffd.
+    pub(super) fn after_fault(
+        &self,
+        vm: VmId,
+        outcome: fault::Handled,
+        retry: &mpsc::UnboundedSender<u64>,
+    ) -> bool {
+        match outcome {
+            fault::Handled::Ok => true,
+            fault::Handled::Failed(reason) => {
+                self.log_failure(vm, &reason);
+                true
+            }
+            fault::Handled::Wait { page, ready } => {
+                let retry = retry.clone();
+                tokio::task::spawn_local(async move {
+                    for r in ready {
+                        let _ = r.await;
+                    }
+                    let _ = retry.send(page);
+                });
+                true
+            }
+            fault::Handled::VmmGone => {
+                self.mark_exited(vm, "vmm address space is gone (ESRCH)");
+                false
+            }
+        }
+    }
+}
