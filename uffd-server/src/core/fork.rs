@@ -70,23 +70,45 @@ impl Core {
         // Pause and capture are sent back to back (the VMM answers in
         // order), so the parent's pause pays one round trip, not two.
         let t_pause = Instant::now();
+        // A template forked before, and unchanged since, has its state
+        // kept: its children need no round trip to its VMM.
+        let kept = if template {
+            self.reg
+                .borrow()
+                .vms
+                .get(&parent)
+                .and_then(|v| v.paused_state.clone())
+        } else {
+            None
+        };
         let paused = if template {
             None
         } else {
             Some(self.send_request(parent, Request::Pause)?)
         };
-        let captured = self.send_request(parent, Request::CaptureState);
+        let captured = match &kept {
+            Some(_) => None,
+            None => Some(self.send_request(parent, Request::CaptureState)),
+        };
         let paused = match paused {
             Some(rx) => self.await_reply(parent, rx, timeout).await,
             None => Ok(Reply::Done),
         };
-        let captured = match captured {
-            Ok(rx) => self.await_reply(parent, rx, timeout).await,
-            Err(e) => Err(e),
+        let captured = match (captured, kept) {
+            (Some(Ok(rx)), _) => self
+                .await_reply(parent, rx, timeout)
+                .await
+                .map(|r| match r {
+                    Reply::State(s) => Ok(Rc::new(s)),
+                    other => Err(other),
+                }),
+            (Some(Err(e)), _) => Err(e),
+            (None, Some(s)) => Ok(Ok(s)),
+            (None, None) => unreachable!("a capture is sent unless a state is kept"),
         };
         let t_paused = us(t_pause);
         let state = match (paused, captured) {
-            (Ok(_), Ok(Reply::State(s))) => s,
+            (Ok(_), Ok(Ok(s))) => s,
             (p, c) => {
                 // The pause may still land later (a VMM that stopped
                 // answering): a resume queued behind it leaves the parent
@@ -96,11 +118,12 @@ impl Core {
                 }
                 return Err(match (p, c) {
                     (Err(e), _) | (_, Err(e)) => e,
-                    (_, Ok(r)) => Error::UnexpectedReply {
+                    (_, Ok(Err(r))) => Error::UnexpectedReply {
                         vm: parent,
                         request: "capture",
                         reply: format!("{r:?}"),
                     },
+                    (Ok(_), Ok(Ok(_))) => unreachable!("handled above"),
                 });
             }
         };
@@ -113,11 +136,12 @@ impl Core {
         if template && protected.is_ok() {
             if let Some(v) = self.reg.borrow_mut().vms.get_mut(&parent) {
                 v.protected_paused = true;
+                v.paused_state = Some(state.clone());
             }
         }
         let wp_us = us(t_wp);
         let t_fork = Instant::now();
-        let created = self.create_children(parent, count, Rc::new(state));
+        let created = self.create_children(parent, count, state);
         let fork_us = us(t_fork);
         // Disks are reflinked while the parent is still paused.
         let t_vol = Instant::now();

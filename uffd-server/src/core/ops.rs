@@ -134,6 +134,7 @@ impl Core {
             v.busy = Some(running);
             if action != "fork" {
                 v.protected_paused = false;
+                v.paused_state = None;
             }
         }
         Ok(BusyGuard {
@@ -170,6 +171,7 @@ impl Core {
         };
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
             v.protected_paused = false;
+            v.paused_state = None;
         }
         let rx = self.send_request(id, request)?;
         let deadline = self.settings.vmm_deadline;

@@ -111,6 +111,9 @@ pub struct Vm {
     /// resume and by any other operation on it. A further fork skips the
     /// write-protect pass (a template forked again and again).
     pub protected_paused: bool,
+    /// The state a fork of this paused VM captured, reused by later forks
+    /// until it runs or changes (cleared with `protected_paused`).
+    pub paused_state: Option<Rc<shared::VmState>>,
     /// An operation that pauses, captures and resumes the VM itself (a
     /// fork, a snapshot, a rollback) is under way: pause, resume and
     /// another such operation wait their turn.
@@ -183,6 +186,7 @@ impl Vm {
             start_state: None,
             deleted: false,
             protected_paused: false,
+            paused_state: None,
             busy: None,
             dirty: None,
             saving: None,
