@@ -137,8 +137,14 @@ impl Plan {
                     .collect();
                 k.extend(self.restore_mib.iter().map(|m| format!("snap.restore.{m}")));
                 k.extend(
-                    ["rollback", "clone", "clone_rss", "chain_extents"]
-                        .map(|m| format!("snap.{m}")),
+                    [
+                        "rollback",
+                        "clone",
+                        "clone_rss",
+                        "chain_extents",
+                        "clone_pool",
+                    ]
+                    .map(|m| format!("snap.{m}")),
                 );
                 k
             }

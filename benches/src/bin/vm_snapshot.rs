@@ -17,7 +17,8 @@
 //!    (`pause_us`: from pausing the guest to the guest running again)
 //!    against restoring a new VM from the same snapshot.
 //! 4. clone(n = 100, concurrency 50) of a 256 MiB VM (quick: n = 10) against
-//!    cold-starting as many empty VMs, 50 at a time; server RSS per clone.
+//!    cold-starting as many empty VMs, 50 at a time; server RSS per clone;
+//!    the same clone on a second server keeping n VMMs ready (`--vmm-pool`).
 //! 5. A chain of 20 dirty snapshots: extents of the last image.
 //!
 //! Usage: `vm_snapshot [XFS_DIR] [--quick]`. Prints JSON rows.
@@ -244,7 +245,62 @@ fn rollback_row(plan: &Plan, s: &TestServer) {
     delete_snapshot(s, "bench-rb");
 }
 
-fn clone_rows(plan: &Plan, s: &TestServer) {
+/// Ready VMMs in the pool of the server `s` (from `/metrics`).
+fn pool_ready(s: &TestServer) -> u64 {
+    let (_, text) = s.api_raw("GET", "/metrics", b"");
+    text.lines()
+        .find(|l| l.starts_with("pagefork_vmm_pool{state=\"ready\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The clone of [`clone_rows`] on a server keeping `n` VMMs ready.
+fn clone_pool_row(plan: &Plan, without: &[f64]) {
+    let n = plan.clone_count;
+    let s = TestServer::start_with_args(&["--vmm-pool", &n.to_string()]);
+    let wait_full = |s: &TestServer| {
+        let t = Instant::now();
+        while pool_ready(s) < u64::from(n) {
+            assert!(t.elapsed().as_secs() < 120, "the VMM pool did not fill");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let vm = s.create_vm(json!({ "memory_mib": 256 }));
+    s.fill(&vm, 0, pages_of(256) / 4, 1);
+    let mut clone = Vec::new();
+    for _ in 0..plan.reps {
+        wait_full(&s);
+        let t = Instant::now();
+        let (st, c) = s.api(
+            "POST",
+            &format!("/v1/vms/{vm}/clone"),
+            Some(json!({"count": n, "concurrency": 50})),
+        );
+        assert!(st == 201, "clone: {c}");
+        clone.push(ms(t));
+        for id in c["clones"].as_array().into_iter().flatten() {
+            delete_vm(&s, id.as_str().unwrap_or_default());
+        }
+        delete_snapshot(&s, c["snapshot"].as_str().unwrap_or_default());
+    }
+    Row::new(
+        BENCH,
+        "snap.clone_pool",
+        T_RESTORE,
+        &format!("clone(n = {n}, concurrency 50) of a 256 MiB VM, server with --vmm-pool {n}"),
+        "ms",
+        &clone,
+        "the same clone without a pool (row above)",
+        without,
+    )
+    .goal("≤ 270 ms at n = 100 (Cube 540.9 ms)")
+    .note("the pool is full before each clone (it refills in the background between them)")
+    .emit();
+    delete_vm(&s, &vm);
+}
+
+fn clone_rows(plan: &Plan, s: &TestServer) -> Vec<f64> {
     let n = plan.clone_count;
     let vm = s.create_vm(json!({ "memory_mib": 256 }));
     s.fill(&vm, 0, pages_of(256) / 4, 1);
@@ -312,6 +368,7 @@ fn clone_rows(plan: &Plan, s: &TestServer) {
     .goal("report")
     .emit();
     delete_vm(s, &vm);
+    clone
 }
 
 fn chain_row(plan: &Plan, s: &TestServer) {
@@ -366,7 +423,8 @@ fn main() -> ExitCode {
     dirty_rows(&plan, &s, &xfs);
     restore_rows(&plan, &s);
     rollback_row(&plan, &s);
-    clone_rows(&plan, &s);
+    let without_pool = clone_rows(&plan, &s);
     chain_row(&plan, &s);
+    clone_pool_row(&plan, &without_pool);
     ExitCode::SUCCESS
 }
