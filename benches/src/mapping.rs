@@ -69,7 +69,22 @@ fn mmap(len: usize, prot: libc::c_int, flags: libc::c_int, fd: libc::c_int) -> R
 impl Mapping {
     /// A memfd of `len` bytes mapped MAP_SHARED read-write (nothing populated).
     pub fn shared_memfd(len: usize) -> Result<Mapping> {
-        let memfd = memfd::MemfdOptions::default()
+        Self::memfd(len, memfd::MemfdOptions::default(), libc::MAP_SHARED)
+    }
+
+    /// A hugetlb memfd (2 MiB pages) of `len` bytes (a multiple of 2 MiB)
+    /// mapped MAP_SHARED | MAP_NORESERVE read-write: pages come from the
+    /// host's hugepage pool when first touched.
+    pub fn shared_hugetlb_memfd(len: usize) -> Result<Mapping> {
+        Self::memfd(
+            len,
+            memfd::MemfdOptions::default().hugetlb(Some(memfd::HugetlbSize::Huge2MB)),
+            libc::MAP_SHARED | libc::MAP_NORESERVE,
+        )
+    }
+
+    fn memfd(len: usize, options: memfd::MemfdOptions, flags: libc::c_int) -> Result<Mapping> {
+        let memfd = options
             .close_on_exec(true)
             .create("pagefork-bench")
             .map_err(|e| MappingError::CreateMemfd {
@@ -82,35 +97,7 @@ impl Mapping {
         let ptr = mmap(
             len,
             libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-        )?;
-        Ok(Mapping {
-            ptr,
-            len,
-            _file: Some(file),
-        })
-    }
-
-    /// A hugetlb memfd (2 MiB pages) of `len` bytes (a multiple of 2 MiB)
-    /// mapped MAP_SHARED | MAP_NORESERVE read-write: pages come from the
-    /// host's hugepage pool when first touched.
-    pub fn shared_hugetlb_memfd(len: usize) -> Result<Mapping> {
-        let memfd = memfd::MemfdOptions::default()
-            .close_on_exec(true)
-            .hugetlb(Some(memfd::HugetlbSize::Huge2MB))
-            .create("pagefork-bench-huge")
-            .map_err(|e| MappingError::CreateMemfd {
-                len,
-                source: io::Error::other(e.to_string()),
-            })?;
-        let file = memfd.into_file();
-        file.set_len(len as u64)
-            .map_err(|source| MappingError::CreateMemfd { len, source })?;
-        let ptr = mmap(
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_NORESERVE,
+            flags,
             file.as_raw_fd(),
         )?;
         Ok(Mapping {

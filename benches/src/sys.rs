@@ -1,6 +1,17 @@
 //! Host counters and machine facts read from /proc.
 
 use std::fs;
+use std::path::PathBuf;
+
+/// The XFS (reflink=1) directory a bench runs on: its first argument that
+/// is not a `--flag`, else `$PAGEFORK_XFS_DIR`.
+pub fn xfs_dir_arg() -> Option<PathBuf> {
+    std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with("--"))
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("PAGEFORK_XFS_DIR").map(PathBuf::from))
+}
 
 /// A field of /proc/meminfo in KiB (`Shmem`, `MemTotal`, ...).
 pub fn meminfo_kib(field: &str) -> Option<u64> {

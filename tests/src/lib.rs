@@ -386,6 +386,37 @@ impl TestServer {
         }
     }
 
+    /// The value of the first `GET /metrics` line that starts with
+    /// `series` (a name, optionally with labels), if it is an integer.
+    pub fn metric(&self, series: &str) -> Option<u64> {
+        let (status, text) = self.api_raw("GET", "/metrics", b"");
+        assert_eq!(status, 200, "GET /metrics: {text}");
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// VMMs ready in the server's warm pool (`--vmm-pool`).
+    pub fn pool_ready(&self) -> u64 {
+        self.metric("pagefork_vmm_pool{state=\"ready\"}")
+            .unwrap_or(0)
+    }
+
+    /// Wait until the warm pool holds `want` ready VMMs; panics after
+    /// `within`, with the server's log.
+    pub fn wait_pool_ready(&self, want: u64, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.pool_ready() < want {
+            assert!(
+                Instant::now() < deadline,
+                "the VMM pool did not reach {want} ready VMMs within {within:?}\n{}",
+                self.server_log_tail(30)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Check `/v1/health` answers 200.
     pub fn assert_healthy(&self) {
         let (status, v) = self.api("GET", "/v1/health", None);

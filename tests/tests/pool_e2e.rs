@@ -10,38 +10,6 @@ use std::time::{Duration, Instant};
 use pagefork_tests::{child_pids, pages_of, process_exists, require_kvm_uffd, signal, TestServer};
 use serde_json::{json, Value};
 
-fn metrics(server: &TestServer) -> String {
-    let (status, text) = server.api_raw("GET", "/metrics", b"");
-    assert_eq!(status, 200, "GET /metrics: {text}");
-    text
-}
-
-fn metric(server: &TestServer, series: &str) -> u64 {
-    metrics(server)
-        .lines()
-        .find(|l| l.starts_with(series))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0)
-}
-
-fn ready(server: &TestServer) -> u64 {
-    metric(server, "pagefork_vmm_pool{state=\"ready\"}")
-}
-
-fn wait_ready(server: &TestServer, want: u64) {
-    let t = Instant::now();
-    while ready(server) < want {
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "the pool did not reach {want} ready VMMs: {}\n{}",
-            metrics(server),
-            server.server_log_tail(30)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// `vmm` processes the server started.
 fn vmm_children(server: &TestServer) -> Vec<u32> {
     child_pids(server.pid())
@@ -65,7 +33,7 @@ fn new_vms_run_on_pooled_vmms_and_the_pool_refills() {
         return;
     }
     let server = TestServer::start_with_args(&["--vmm-pool", "2"]);
-    wait_ready(&server, 2);
+    server.wait_pool_ready(2, Duration::from_secs(30));
     let pooled = vmm_children(&server);
     assert_eq!(pooled.len(), 2, "two pooled vmm processes: {pooled:?}");
 
@@ -93,9 +61,12 @@ fn new_vms_run_on_pooled_vmms_and_the_pool_refills() {
     // Memory is the VM's own: what it writes it reads back.
     server.fill(&b, 0, pages_of(64), 5);
     assert_eq!(server.verify(&b, 0, pages_of(64), 5), 0);
-    assert_eq!(metric(&server, "pagefork_vmm_pool_taken_total"), 2);
+    assert_eq!(
+        server.metric("pagefork_vmm_pool_taken_total").unwrap_or(0),
+        2
+    );
 
-    wait_ready(&server, 2);
+    server.wait_pool_ready(2, Duration::from_secs(30));
     let now = vmm_children(&server);
     assert_eq!(now.len(), 4, "two VMs and two fresh pooled VMMs: {now:?}");
     let logs: Vec<String> = std::fs::read_dir(server.state_dir().join("logs"))
@@ -117,13 +88,13 @@ fn a_pooled_vmm_that_dies_is_replaced() {
         return;
     }
     let server = TestServer::start_with_args(&["--vmm-pool", "1"]);
-    wait_ready(&server, 1);
+    server.wait_pool_ready(1, Duration::from_secs(30));
     let victim = vmm_children(&server)[0];
     signal(victim, nix::sys::signal::Signal::SIGKILL);
     let t = Instant::now();
     loop {
         let now = vmm_children(&server);
-        if ready(&server) == 1 && !now.contains(&victim) && now.len() == 1 {
+        if server.pool_ready() == 1 && !now.contains(&victim) && now.len() == 1 {
             break;
         }
         assert!(

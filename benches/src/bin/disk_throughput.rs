@@ -19,7 +19,7 @@
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -214,11 +214,7 @@ fn request_size(per_io: u64) -> String {
 
 fn main() -> ExitCode {
     let plan = Plan::from_args();
-    let xfs = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with("--"))
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("PAGEFORK_XFS_DIR").map(PathBuf::from));
+    let xfs = pagefork_benches::sys::xfs_dir_arg();
     let Some(xfs) = xfs else {
         eprintln!("disk_throughput: give an XFS (reflink=1) directory or set PAGEFORK_XFS_DIR");
         return ExitCode::from(2);

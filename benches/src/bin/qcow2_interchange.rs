@@ -239,11 +239,7 @@ fn bench(dir: &Path, plan: &Plan) -> Res<()> {
 
 fn main() -> ExitCode {
     let plan = Plan::from_args();
-    let dir = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with("--"))
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("PAGEFORK_XFS_DIR").map(PathBuf::from));
+    let dir = pagefork_benches::sys::xfs_dir_arg();
     let Some(dir) = dir else {
         eprintln!("{BENCH}: give XFS_DIR or set PAGEFORK_XFS_DIR");
         return ExitCode::FAILURE;

@@ -25,7 +25,6 @@
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -245,32 +244,15 @@ fn rollback_row(plan: &Plan, s: &TestServer) {
     delete_snapshot(s, "bench-rb");
 }
 
-/// Ready VMMs in the pool of the server `s` (from `/metrics`).
-fn pool_ready(s: &TestServer) -> u64 {
-    let (_, text) = s.api_raw("GET", "/metrics", b"");
-    text.lines()
-        .find(|l| l.starts_with("pagefork_vmm_pool{state=\"ready\"}"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// The clone of [`clone_rows`] on a server keeping `n` VMMs ready.
 fn clone_pool_row(plan: &Plan, without: &[f64]) {
     let n = plan.clone_count;
     let s = TestServer::start_with_args(&["--vmm-pool", &n.to_string()]);
-    let wait_full = |s: &TestServer| {
-        let t = Instant::now();
-        while pool_ready(s) < u64::from(n) {
-            assert!(t.elapsed().as_secs() < 120, "the VMM pool did not fill");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-    };
     let vm = s.create_vm(json!({ "memory_mib": 256 }));
     s.fill(&vm, 0, pages_of(256) / 4, 1);
     let mut clone = Vec::new();
     for _ in 0..plan.reps {
-        wait_full(&s);
+        s.wait_pool_ready(u64::from(n), std::time::Duration::from_secs(120));
         let t = Instant::now();
         let (st, c) = s.api(
             "POST",
@@ -408,11 +390,7 @@ fn chain_row(plan: &Plan, s: &TestServer) {
 
 fn main() -> ExitCode {
     let plan = Plan::from_args();
-    let xfs = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with("--"))
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("PAGEFORK_XFS_DIR").map(PathBuf::from));
+    let xfs = pagefork_benches::sys::xfs_dir_arg();
     let Some(xfs) = xfs else {
         eprintln!("vm_snapshot: give an XFS (reflink=1) directory or set PAGEFORK_XFS_DIR");
         return ExitCode::from(2);

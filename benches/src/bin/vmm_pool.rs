@@ -67,30 +67,10 @@ fn ids(v: &Value, key: &str) -> Vec<String> {
         .collect()
 }
 
-/// A metric's value from `GET /metrics` (first series whose line starts
-/// with `name`).
-fn metric(sock: &Path, name: &str) -> f64 {
-    let (_, text) = request_within(sock, "GET", "/metrics", None, TIMEOUT)
-        .unwrap_or_else(|| panic!("GET /metrics: no answer"));
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// Wait until the pool of the server at `sock` holds `want` ready VMMs.
-fn wait_pool(sock: &Path, want: usize) {
-    if want == 0 {
-        return;
-    }
-    let t = Instant::now();
-    while metric(sock, "pagefork_vmm_pool{state=\"ready\"}") < want as f64 {
-        assert!(
-            t.elapsed() < Duration::from_secs(300),
-            "the VMM pool did not refill to {want} within 300 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
+/// Wait until the pool of `server` holds `want` ready VMMs.
+fn wait_pool(server: &TestServer, want: usize) {
+    if want > 0 {
+        server.wait_pool_ready(want as u64, Duration::from_secs(300));
     }
 }
 
@@ -175,7 +155,8 @@ struct Starts {
     live_pause_ms: Vec<f64>,
 }
 
-fn starts(sock: &Path, pool: usize, n: usize) -> Starts {
+fn starts(server: &TestServer, pool: usize, n: usize) -> Starts {
+    let sock = &server.api_sock();
     let mut s = Starts::default();
     let snap = format!("pool-bench-{pool}");
     let tpl = template(sock, Some(&snap));
@@ -186,7 +167,7 @@ fn starts(sock: &Path, pool: usize, n: usize) -> Starts {
         delete(sock, &c);
     }
     for _ in 0..n {
-        wait_pool(sock, pool);
+        wait_pool(server, pool);
         let t = Instant::now();
         let v = call(sock, "POST", &format!("/v1/vms/{tpl}/fork"), None, 201);
         let child = ids(&v, "children").remove(0);
@@ -194,7 +175,7 @@ fn starts(sock: &Path, pool: usize, n: usize) -> Starts {
         s.template_fork_ms.push(ms(t));
         delete(sock, &child);
 
-        wait_pool(sock, pool);
+        wait_pool(server, pool);
         let t = Instant::now();
         let v = call(
             sock,
@@ -211,7 +192,7 @@ fn starts(sock: &Path, pool: usize, n: usize) -> Starts {
     // Live forks: the template runs again.
     call(sock, "POST", &format!("/v1/vms/{tpl}/resume"), None, 200);
     for _ in 0..n {
-        wait_pool(sock, pool);
+        wait_pool(server, pool);
         let t = Instant::now();
         let v = call(sock, "POST", &format!("/v1/vms/{tpl}/fork"), None, 201);
         let child = ids(&v, "children").remove(0);
@@ -249,7 +230,7 @@ fn fan_out(server: &TestServer, pool: usize, count: usize, reps: usize) -> Fan {
     let tpl = template(&sock, None);
     let mut f = Fan::default();
     for _ in 0..reps {
-        wait_pool(&sock, pool);
+        wait_pool(server, pool);
         let (shmem0, rss0) = (meminfo_kib("Shmem"), proc_status_kib(server.pid(), "VmRSS"));
         let t = Instant::now();
         let v = call(
@@ -312,15 +293,15 @@ fn main() -> ExitCode {
     let (with, without) = {
         let pooled = server(pool_small);
         let cold = server(0);
-        let with = starts(&pooled.api_sock(), pool_small, n);
-        let without = starts(&cold.api_sock(), 0, n);
+        let with = starts(&pooled, pool_small, n);
+        let without = starts(&cold, 0, n);
         (with, without)
     };
     eprintln!("{BENCH}: fan-out of {fan_small} and {fan_large}");
     let (fan_with, fan_without, big_with, big_without) = {
         let pooled = server(fan_large);
         let cold = server(0);
-        wait_pool(&pooled.api_sock(), fan_large);
+        wait_pool(&pooled, fan_large);
         let fw = fan_out(&pooled, fan_large, fan_small, fan_reps);
         let fo = fan_out(&cold, 0, fan_small, fan_reps);
         let bw = fan_out(&pooled, fan_large, fan_large, fan_reps);
