@@ -2,7 +2,7 @@
 # Set up and run every pagefork test: unit and property tests, end-to-end
 # tests with real uffd-server and vmm processes on real KVM and
 # userfaultfd, volume tests on a loop-mounted XFS with reflink=1, and a
-# second pass of the fork, snapshot, Firecracker, core and stall tests with
+# second pass of the fork, snapshot, Firecracker and core tests with
 # a warm VMM pool (--vmm-pool 2), a bounded run of every fuzz target, and a
 # smoke run of every benchmark (no timing thresholds).
 #
@@ -39,7 +39,7 @@ set -e
 echo "== fork, snapshot, Firecracker and core tests again, with a warm VMM pool" >&2
 set +e
 PAGEFORK_VMM_POOL=2 cargo test -p pagefork-tests --no-fail-fast \
-	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e --test stalls_e2e \
+	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e
