@@ -132,10 +132,7 @@ fn half_request(sock: &Path) -> UnixStream {
     let mut c = UnixStream::connect(sock).expect("connect");
     if let Err(e) = c.write_all(b"GET /v1/health HTTP/1.1\r\nHost: localhost\r\n") {
         assert!(
-            matches!(
-                e.kind(),
-                ErrorKind::BrokenPipe | ErrorKind::ConnectionReset
-            ),
+            matches!(e.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset),
             "send half a request: {e}"
         );
     }
