@@ -41,6 +41,19 @@ if ! "$VENV/bin/schemathesis" --version 2>/dev/null | grep -q "$SCHEMATHESIS_VER
 	"$VENV/bin/pip" install -q --disable-pip-version-check "schemathesis==$SCHEMATHESIS_VERSION"
 fi
 
+# 2 MiB huge pages for hugepage guest RAM (`--hugepages`, the hugepage
+# tests): raise the reservation to PAGEFORK_HUGEPAGES_RESERVE, never lower it.
+HUGEPAGES_WANT="${PAGEFORK_HUGEPAGES_RESERVE:-1024}"
+HUGEPAGES_NOW="$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo 0)"
+if [ "$HUGEPAGES_NOW" -lt "$HUGEPAGES_WANT" ]; then
+	if [ "$(id -u)" -eq 0 ]; then
+		echo "$HUGEPAGES_WANT" >/proc/sys/vm/nr_hugepages || true
+		echo "setup: $(cat /proc/sys/vm/nr_hugepages) huge pages of 2 MiB reserved (wanted $HUGEPAGES_WANT)" >&2
+	else
+		echo "setup: only $HUGEPAGES_NOW huge pages reserved; as root: echo $HUGEPAGES_WANT > /proc/sys/vm/nr_hugepages" >&2
+	fi
+fi
+
 command -v cargo >/dev/null 2>&1 || {
 	echo "setup: cargo not found; install a Rust toolchain (rustup) first" >&2
 	exit 1

@@ -2,8 +2,9 @@
 # Set up and run every pagefork test: unit and property tests, end-to-end
 # tests with real uffd-server and vmm processes on real KVM and
 # userfaultfd, volume tests on a loop-mounted XFS with reflink=1, and a
-# second pass of the fork, snapshot, Firecracker and core tests with
-# a warm VMM pool (--vmm-pool 2), a bounded run of every fuzz target, and a
+# second pass of the fork, snapshot, Firecracker, core and stall tests with
+# a warm VMM pool (--vmm-pool 2), a third of the fork and snapshot tests on
+# hugepage guest RAM (--hugepages), a bounded run of every fuzz target, and a
 # smoke run of every benchmark (no timing thresholds).
 #
 # With CI=true, tests whose prerequisites (/dev/kvm, /dev/userfaultfd, the
@@ -40,6 +41,14 @@ echo "== fork, snapshot, Firecracker, core and stall tests again, with a warm VM
 set +e
 PAGEFORK_VMM_POOL=2 cargo test -p pagefork-tests --no-fail-fast \
 	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e --test stalls_e2e \
+	-- --test-threads=2 2>&1 | tee -a target/test.log
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+set -e
+
+echo "== fork and snapshot tests again, on hugepage guest RAM (2 MiB hugetlb)" >&2
+set +e
+PAGEFORK_HUGEPAGES=true cargo test -p pagefork-tests --no-fail-fast \
+	--test fork_e2e --test snapshot_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e

@@ -91,6 +91,63 @@ pub fn require_kvm_uffd() -> bool {
     false
 }
 
+/// Free 2 MiB huge pages on this host (`HugePages_Free`).
+pub fn free_hugepages() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether at least `pages` 2 MiB huge pages are free for hugepage guest
+/// RAM (`scripts/test.sh` reserves them). Otherwise: panics if `CI=true`,
+/// else prints `skipping: ...` and returns false.
+pub fn require_hugepages(pages: u64) -> bool {
+    if !require_kvm_uffd() {
+        return false;
+    }
+    let free = free_hugepages();
+    if free >= pages {
+        return true;
+    }
+    let why = format!(
+        "{free} free 2 MiB huge pages, {pages} needed (echo N > /proc/sys/vm/nr_hugepages)"
+    );
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("CI=true but a prerequisite of the hugepage tests is missing: {why}");
+    }
+    eprintln!("skipping: {why}");
+    false
+}
+
+/// Pages of `ranges` (first, count), each widened to whole units of
+/// `unit` pages, counted once: what a server tracking `unit`-page blocks
+/// (hugepage guest RAM: 512) reports for writes to those ranges.
+pub fn pages_in_units(ranges: &[(u64, u64)], unit: u64) -> u64 {
+    let mut units: Vec<u64> = ranges
+        .iter()
+        .flat_map(|(first, n)| first / unit..(first + n).div_ceil(unit))
+        .collect();
+    units.sort_unstable();
+    units.dedup();
+    units.len() as u64 * unit
+}
+
+/// True (and says so on stderr) when the servers of this run back guest
+/// RAM with huge pages by default (`PAGEFORK_HUGEPAGES=true`, the hugepage
+/// pass of `scripts/test.sh`) and the calling test counts 4 KiB pages
+/// exactly in a way 2 MiB blocks cannot reproduce (`why`); such a test
+/// stops there. Block-granular counting is `hugepages_e2e`'s.
+pub fn counts_4k_pages_only(why: &str) -> bool {
+    let on = std::env::var("PAGEFORK_HUGEPAGES").is_ok_and(|v| v == "true");
+    if on {
+        eprintln!("not run with PAGEFORK_HUGEPAGES=true: {why}");
+    }
+    on
+}
+
 /// The loop-mounted XFS (reflink=1) named by `PAGEFORK_XFS_DIR`, which
 /// `scripts/test.sh` sets up. Without it: panics if `CI=true` (CI must run
 /// these tests), else prints `skipping: ...` and returns None.
@@ -395,6 +452,16 @@ impl TestServer {
             .find(|l| l.starts_with(series))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
+    }
+
+    /// 4 KiB pages per unit the server installs, protects and tracks for
+    /// VM `id`: 512 on hugepage guest RAM, else 1.
+    pub fn unit_pages(&self, id: &str) -> u64 {
+        if self.vm(id)["hugepages"] == true {
+            512
+        } else {
+            1
+        }
     }
 
     /// VMMs ready in the server's warm pool (`--vmm-pool`).

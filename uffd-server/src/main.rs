@@ -99,6 +99,11 @@ struct Args {
     /// VMMs are replaced in the background). 0 = start a VMM per VM.
     #[arg(long, default_value_t = 0, env = "PAGEFORK_VMM_POOL")]
     vmm_pool: usize,
+    /// Back new VMs' guest RAM with 2 MiB hugetlb pages unless a create
+    /// says otherwise (`"hugepages": false`); reserve huge pages first in
+    /// /proc/sys/vm/nr_hugepages.
+    #[arg(long, env = "PAGEFORK_HUGEPAGES")]
+    hugepages: bool,
     /// Also serve `GET /metrics` (Prometheus) over TCP at this address,
     /// e.g. 127.0.0.1:9464; it is always on the API socket.
     #[arg(long)]
@@ -332,6 +337,7 @@ fn run(args: Args) -> Result<(), StartError> {
         compress_threads: args.zstd_workers.max(1),
         rewrite_extents: args.snapshot_rewrite_extents,
         vmm_pool: args.vmm_pool,
+        hugepages: args.hugepages,
         fault_poll: Duration::from_micros(args.fault_poll_us),
         readahead_piece_pages: args.readahead_piece_kib / 4,
         image_dir: match &args.image_dir {

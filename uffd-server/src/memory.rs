@@ -6,6 +6,19 @@
 //! Invariant: bytes are only written into this mapping for pages the table
 //! does not yet mark as present (`Vm(self)`), or by an explicit copy-on-write
 //! step; a page present in the memfd never faults again in the VMM.
+//!
+//! Guest RAM is either 4 KiB shmem or 2 MiB hugetlb ([`PageSize`]). On
+//! hugetlb the kernel's unit is the 2 MiB block: it is installed, write-
+//! protected, copied and dropped whole, so the server keeps every block
+//! wholly present or wholly absent (the page-source table keeps its 4 KiB
+//! entries; see `docs/architecture.md`). Two kernel facts shape the code:
+//! - a store through the server's mapping into an absent hugetlb block
+//!   allocates it, and with no free huge page that store is a SIGBUS: the
+//!   server allocates a block with `fallocate` first (which fails with
+//!   ENOSPC instead) before writing into it ([`GuestMemory::write_block`]);
+//! - SEEK_DATA/SEEK_HOLE see a hugetlb file as all data, so the kernel
+//!   cannot say which blocks are present ([`GuestMemory::present_ranges`]
+//!   answers `None`; the table is the record).
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd};
@@ -29,10 +42,51 @@ pub enum MemoryError {
     PunchHole(#[source] nix::Error),
     #[error("page range {0}..{1} is outside guest memory")]
     OutOfRange(u64, u64),
+    #[error("{0} is not a multiple of the {1}-byte page size")]
+    Unaligned(u64, u64),
+    #[error("cannot allocate a huge page (are enough reserved in /proc/sys/vm/nr_hugepages?)")]
+    Allocate(#[source] nix::Error),
 }
 
 /// Result alias of this module.
 pub type Result<T> = std::result::Result<T, MemoryError>;
+
+/// The page size guest RAM is backed with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PageSize {
+    /// 4 KiB shmem pages.
+    #[default]
+    Small,
+    /// 2 MiB hugetlb pages (`MFD_HUGETLB | MFD_HUGE_2MB`).
+    Huge2M,
+}
+
+/// Bytes of one hugetlb block.
+pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
+
+impl PageSize {
+    /// `Huge2M` when `huge`.
+    pub fn huge(huge: bool) -> Self {
+        if huge {
+            PageSize::Huge2M
+        } else {
+            PageSize::Small
+        }
+    }
+
+    /// Bytes of one kernel page.
+    pub fn bytes(self) -> u64 {
+        match self {
+            PageSize::Small => PAGE_SIZE,
+            PageSize::Huge2M => HUGE_PAGE_SIZE,
+        }
+    }
+
+    /// 4 KiB pages per kernel page (1 or 512).
+    pub fn unit_pages(self) -> u64 {
+        self.bytes() / PAGE_SIZE
+    }
+}
 
 /// A VM's guest RAM: a memfd and the server's shared mapping of it.
 #[derive(Debug)]
@@ -40,18 +94,31 @@ pub struct GuestMemory {
     /// The memfd; the mapping shares this one fd (no duplicate).
     memfd: Arc<File>,
     /// MAP_SHARED, read-write, unmapped on drop. `from_file` adds
-    /// MAP_NORESERVE, which changes nothing for a shared shmem mapping.
+    /// MAP_NORESERVE, which changes nothing for a shared shmem mapping and
+    /// keeps a hugetlb mapping from reserving huge pages for all of guest
+    /// RAM up front (blocks are taken as they are installed).
     map: MmapRegion,
     size: u64,
+    page_size: PageSize,
 }
 
 impl GuestMemory {
-    /// Create a memfd of `size` bytes named `name` and map it.
+    /// Create a 4 KiB-page memfd of `size` bytes named `name` and map it.
     pub fn create(name: &str, size: u64) -> Result<Self> {
-        let mfd = memfd::MemfdOptions::default()
-            .close_on_exec(true)
-            .create(name)
-            .map_err(MemoryError::CreateMemfd)?;
+        Self::create_with(name, size, PageSize::Small)
+    }
+
+    /// Create a memfd of `size` bytes (a multiple of `page_size`) named
+    /// `name`, backed by `page_size` pages, and map it.
+    pub fn create_with(name: &str, size: u64, page_size: PageSize) -> Result<Self> {
+        if !size.is_multiple_of(page_size.bytes()) {
+            return Err(MemoryError::Unaligned(size, page_size.bytes()));
+        }
+        let mut opts = memfd::MemfdOptions::default().close_on_exec(true);
+        if page_size == PageSize::Huge2M {
+            opts = opts.hugetlb(Some(memfd::HugetlbSize::Huge2MB));
+        }
+        let mfd = opts.create(name).map_err(MemoryError::CreateMemfd)?;
         let memfd = Arc::new(mfd.into_file());
         memfd
             .set_len(size)
@@ -65,7 +132,64 @@ impl GuestMemory {
             ))?;
         let map = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&memfd), 0), len)
             .map_err(MemoryError::Map)?;
-        Ok(GuestMemory { memfd, map, size })
+        Ok(GuestMemory {
+            memfd,
+            map,
+            size,
+            page_size,
+        })
+    }
+
+    /// The page size backing this memory.
+    pub fn page_size(&self) -> PageSize {
+        self.page_size
+    }
+
+    /// 4 KiB pages per kernel page: the unit every install, protection
+    /// change and drop works in (1, or 512 on hugetlb).
+    pub fn unit_pages(&self) -> u64 {
+        self.page_size.unit_pages()
+    }
+
+    /// `[lo, hi)` widened to whole kernel pages.
+    pub fn unit_range(&self, lo: u64, hi: u64) -> (u64, u64) {
+        let u = self.unit_pages();
+        (lo / u * u, hi.div_ceil(u) * u)
+    }
+
+    /// Write `bytes` into `[page, page + bytes/4 KiB)` through the server's
+    /// mapping, for memory no VMM is running on (see
+    /// [`Self::copy_page_from`]). On hugetlb the range is whole blocks and
+    /// they are allocated with `fallocate` first, so running out of huge
+    /// pages is an error here instead of a SIGBUS in the store.
+    pub fn write_block(&self, page: u64, bytes: &[u8]) -> Result<()> {
+        let pages = bytes.len() as u64 / PAGE_SIZE;
+        let dst = self.slice(page, pages)?;
+        if self.page_size == PageSize::Huge2M {
+            self.allocate(page, pages)?;
+        }
+        dst.copy_from(bytes);
+        Ok(())
+    }
+
+    /// Allocate `[page, page + pages)` (whole blocks on hugetlb).
+    fn allocate(&self, page: u64, pages: u64) -> Result<()> {
+        let (lo, hi) = self.unit_range(page, page + pages);
+        if (lo, hi) != (page, page + pages) {
+            return Err(MemoryError::Unaligned(
+                page * PAGE_SIZE,
+                self.page_size.bytes(),
+            ));
+        }
+        let off = libc::off_t::try_from(page * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
+        let len = libc::off_t::try_from(pages * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
+        fallocate(
+            self.memfd.as_fd().as_raw_fd(),
+            FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        )
+        .map_err(MemoryError::Allocate)
     }
 
     /// The memfd (to send to the VMM).
@@ -105,6 +229,11 @@ impl GuestMemory {
     /// last, and see or lose a torn page. Running VMs get pages through
     /// UFFDIO_COPY, which installs them whole.
     pub fn copy_page_from(&self, src: &GuestMemory, page: u64) -> Result<()> {
+        debug_assert_eq!(
+            self.page_size,
+            PageSize::Small,
+            "hugetlb copies whole blocks"
+        );
         let d = self.slice(page, 1)?;
         src.slice(page, 1)?.copy_to_volatile_slice(d);
         Ok(())
@@ -118,9 +247,12 @@ impl GuestMemory {
     }
 
     /// Drop `[page, page+pages)` from the memfd: the pages become holes and
-    /// fault again on next access.
+    /// fault again on next access. On hugetlb the range is widened to whole
+    /// blocks (which the server keeps whole anyway).
     pub fn punch_hole(&self, page: u64, pages: u64) -> Result<()> {
         self.slice(page, pages)?;
+        let (page, end) = self.unit_range(page, page + pages);
+        let pages = end - page;
         let off = libc::off_t::try_from(page * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
         let len = libc::off_t::try_from(pages * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
         fallocate(
@@ -133,8 +265,12 @@ impl GuestMemory {
     }
 
     /// Page runs present in the memfd, found with SEEK_DATA/SEEK_HOLE (the
-    /// kernel's own view, independent of the table).
-    pub fn present_ranges(&self) -> Vec<(u64, u64)> {
+    /// kernel's own view, independent of the table); `None` on hugetlb,
+    /// where the kernel reports every offset as data.
+    pub fn present_ranges(&self) -> Option<Vec<(u64, u64)>> {
+        if self.page_size == PageSize::Huge2M {
+            return None;
+        }
         let fd = self.memfd.as_raw_fd();
         let size = libc::off_t::try_from(self.size).unwrap_or(libc::off_t::MAX);
         let mut out = Vec::new();
@@ -155,16 +291,20 @@ impl GuestMemory {
             out.push((d, h - d));
             pos = hole;
         }
-        out
+        Some(out)
     }
 
-    /// Whether `page` is present in the memfd.
-    pub fn is_present(&self, page: u64) -> bool {
+    /// Whether `page` is present in the memfd; `None` on hugetlb (see
+    /// [`Self::present_ranges`]).
+    pub fn is_present(&self, page: u64) -> Option<bool> {
+        if self.page_size == PageSize::Huge2M {
+            return None;
+        }
         let fd = self.memfd.as_raw_fd();
         let off = libc::off_t::try_from(page * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
         // SAFETY: lseek on our own fd has no memory effects.
         let data = unsafe { libc::lseek(fd, off, libc::SEEK_DATA) };
-        data >= 0 && data < off + libc::off_t::try_from(PAGE_SIZE).unwrap_or(4096)
+        Some(data >= 0 && data < off + libc::off_t::try_from(PAGE_SIZE).unwrap_or(4096))
     }
 
     /// Bytes the memfd has allocated (st_blocks * 512).
@@ -186,7 +326,7 @@ mod tests {
         assert_eq!(m.allocated_bytes(), 0);
         m.slice(1, 3).unwrap().copy_from(&[0xabu8; 3 * PAGE]);
         assert_eq!(m.allocated_bytes(), 3 * PAGE_SIZE);
-        assert_eq!(m.present_ranges(), vec![(1, 3)]);
+        assert_eq!(m.present_ranges(), Some(vec![(1, 3)]));
         let mut buf = vec![0u8; PAGE];
         m.read_page(3, &mut buf).unwrap();
         assert!(buf.iter().all(|b| *b == 0xab));
@@ -196,10 +336,55 @@ mod tests {
         other.copy_page_from(&m, 2).unwrap();
         other.read_page(2, &mut buf).unwrap();
         assert!(buf.iter().all(|b| *b == 0xab));
-        assert!(other.is_present(2) && !other.is_present(3));
+        assert!(other.is_present(2) == Some(true) && other.is_present(3) == Some(false));
         m.punch_hole(1, 4).unwrap();
         assert_eq!(m.allocated_bytes(), 0);
         assert!(m.slice(7, 2).is_err());
         assert!(m.punch_hole(7, 2).is_err());
+    }
+
+    /// Free 2 MiB huge pages (`HugePages_Free`).
+    fn free_hugepages() -> u64 {
+        std::fs::read_to_string("/proc/meminfo")
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("HugePages_Free:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn hugetlb_blocks_are_allocated_written_and_dropped_whole() {
+        if free_hugepages() < 2 {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "CI=true but no huge pages are free (scripts/setup.sh reserves them)"
+            );
+            eprintln!("skipping: no free 2 MiB huge pages");
+            return;
+        }
+        let unit = PageSize::Huge2M.unit_pages();
+        assert!(matches!(
+            GuestMemory::create_with("h", 3 << 20, PageSize::Huge2M),
+            Err(MemoryError::Unaligned(..))
+        ));
+        let m = GuestMemory::create_with("h", 4 << 20, PageSize::Huge2M).unwrap();
+        assert_eq!(
+            (m.unit_pages(), m.present_ranges(), m.is_present(0)),
+            (512, None, None)
+        );
+        assert_eq!(m.unit_range(513, 514), (512, 1024));
+        let block = vec![0x5au8; 2 << 20];
+        // Not a whole block: refused before anything is allocated.
+        assert!(m.write_block(1, &block[..PAGE]).is_err());
+        assert_eq!(m.allocated_bytes(), 0);
+        m.write_block(unit, &block).unwrap();
+        assert_eq!(m.allocated_bytes(), 2 << 20);
+        let mut buf = vec![0u8; PAGE];
+        m.read_page(unit + 511, &mut buf).unwrap();
+        assert!(buf.iter().all(|b| *b == 0x5a));
+        // Dropping one page drops its block.
+        m.punch_hole(unit + 3, 1).unwrap();
+        assert_eq!(m.allocated_bytes(), 0);
     }
 }

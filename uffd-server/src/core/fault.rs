@@ -45,6 +45,8 @@ pub enum Handled {
     Wait {
         page: u64,
         ready: Vec<tokio::sync::oneshot::Receiver<()>>,
+        /// The fault is a write-protect fault (else a missing one).
+        write_protect: bool,
     },
 }
 
@@ -114,7 +116,9 @@ impl Registry {
     /// and touched the page again would find it half written and its
     /// write could be overwritten by the rest of the install.
     pub(super) fn resolve_missing(&mut self, vm: VmId, page: u64) -> Handled {
+        let huge = self.vms.get(&vm).is_some_and(|v| v.memory.unit_pages() > 1);
         let result = match self.vms.get(&vm).and_then(|v| v.uffd.clone()) {
+            Some(uffd) if huge => self.install_block(vm, page, &uffd),
             Some(uffd) => self.install_missing(vm, page, &uffd),
             None => self
                 .materialize(vm, page, By::Missing)
@@ -127,7 +131,11 @@ impl Registry {
                 if let Some(v) = self.vms.get_mut(&vm) {
                     v.stats.frame_waits += 1;
                 }
-                return Handled::Wait { page, ready };
+                return Handled::Wait {
+                    page,
+                    ready,
+                    write_protect: false,
+                };
             }
             Err(e) => return self.unservable(vm, page, &e),
         };
@@ -219,6 +227,97 @@ impl Registry {
         Ok((page, 1, matches!(res, Install::Done)))
     }
 
+    /// Install the hugetlb block holding `page` through `uffd`: its 512
+    /// pages are read from their sources (a block may mix them: a fork
+    /// parent's pages beside zero pages, an image's data beside its holes)
+    /// and go in with one UFFDIO_COPY of 2 MiB, which the kernel installs
+    /// whole. Returns the block and whether the copy woke its waiters.
+    fn install_block(
+        &mut self,
+        vm: VmId,
+        page: u64,
+        uffd: &AsyncFd<Uffd>,
+    ) -> Result<(u64, u64, bool), ResolveError> {
+        let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        let (lo, hi) = v.memory.unit_range(page, page + 1);
+        let src_id = v.table.get(page);
+        if src_id == v.self_src {
+            return Ok((lo, hi - lo, false)); // Already present.
+        }
+        let mode = if v.dirty.is_some() || v.saving.is_some() {
+            uffd_abi::COPY_MODE_WP
+        } else {
+            0
+        };
+        let to = v.addr_of(lo) as u64;
+        let res = self.with_block(vm, lo, hi, |bytes| {
+            // SAFETY: `bytes` is the whole block, borrowed for the call.
+            unsafe { uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode) }
+        })?;
+        phases::lap(Phase::Install);
+        let how = Installed {
+            fault: page,
+            by: By::Missing,
+            from: src_id,
+        };
+        match res {
+            Install::Done => {
+                self.mark_present(vm, lo, hi - lo, how);
+                Ok((lo, hi - lo, true))
+            }
+            // Present already (the kernel installs hugetlb blocks whole).
+            Install::Exists { .. } => {
+                self.mark_present(vm, lo, hi - lo, how);
+                Ok((lo, hi - lo, false))
+            }
+            // A pending event or a gone VMM: the wake makes the thread, if
+            // any, fault again.
+            Install::Again { .. } | Install::Gone => Ok((lo, hi - lo, false)),
+            Install::Failed(errno) => Err(ResolveError::Install { first: lo, errno }),
+        }
+    }
+
+    /// Read pages `[lo, hi)` of `vm` as its table describes them (run by
+    /// run of one source) into the staging buffer, and call `f` with the
+    /// bytes.
+    fn with_block<R>(
+        &self,
+        vm: VmId,
+        lo: u64,
+        hi: u64,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, ResolveError> {
+        let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        STAGING.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            let bytes = shared::geometry::usize_of((hi - lo) * PAGE_SIZE);
+            if buf.len() < bytes {
+                buf.resize(bytes, 0);
+            }
+            let vms = &self.vms;
+            let lookup = |id| vms.get(&id).map(|o| Rc::clone(&o.memory));
+            let mut p = lo;
+            while p < hi {
+                let src = v.table.get(p);
+                let mut q = p + 1;
+                while q < hi && v.table.get(q) == src {
+                    q += 1;
+                }
+                let source = self
+                    .arena
+                    .get(src)
+                    .ok_or(ResolveError::UnknownSource(src))?;
+                let at = shared::geometry::usize_of((p - lo) * PAGE_SIZE);
+                let end = shared::geometry::usize_of((q - lo) * PAGE_SIZE);
+                let dst = VolatileSlice::from(&mut buf[at..end]);
+                read_pages(source, p, &dst, &lookup)?;
+                p = q;
+            }
+            phases::lap(Phase::Resolve);
+            Ok(f(&buf[..bytes]))
+        })
+    }
+
     /// Install pages `[at, hi)` of a run whose faulting page is in already
     /// (and its thread woken), `piece` pages at a time. A thread that
     /// faults on one of them meanwhile is woken by the UFFDIO_COPY of its
@@ -305,7 +404,21 @@ impl Registry {
 
     /// Copy-on-write step for a WP fault: give the pre-write page to every
     /// VM that still reads it from `vm`, then lift the protection.
-    fn resolve_write_protect(&mut self, vm: VmId, page: u64) -> Handled {
+    /// On hugetlb the unit is the whole block: its pre-write copy goes to
+    /// the dependents and its protection is lifted whole.
+    ///
+    /// A dependent whose VMM has connected but whose uffd has not arrived
+    /// can take the copy neither way (its guest may run already, see
+    /// [`super::vm::Vm::uffd_pending`]): the write waits, protected, until
+    /// the uffd is there.
+    pub(super) fn resolve_write_protect(&mut self, vm: VmId, page: u64) -> Handled {
+        if let Some(ready) = self.wait_for_dependents(vm, page) {
+            return Handled::Wait {
+                page,
+                ready,
+                write_protect: true,
+            };
+        }
         self.preserve_for_dependents(vm, page);
         let Some(v) = self.vms.get_mut(&vm) else {
             return Handled::Ok;
@@ -314,14 +427,39 @@ impl Registry {
         let Some(uffd) = v.uffd.clone() else {
             return Handled::Ok;
         };
+        let (lo, hi) = v.memory.unit_range(page, page + 1);
         phases::lap(Phase::Resolve);
-        let lifted =
-            uffd_abi::write_protect(uffd.get_ref(), v.addr_of(page) as u64, PAGE_SIZE, false);
+        let lifted = uffd_abi::write_protect(
+            uffd.get_ref(),
+            v.addr_of(lo) as u64,
+            (hi - lo) * PAGE_SIZE,
+            false,
+        );
         phases::lap(Phase::Install);
         match lifted {
             Ok(()) => Handled::Ok,
             Err(e) => errno_outcome(vm, "remove write protection", e),
         }
+    }
+
+    /// Receivers that fire when every VM that reads `page`'s unit from
+    /// `vm` and whose uffd is pending has its uffd; `None` if none waits.
+    fn wait_for_dependents(
+        &mut self,
+        vm: VmId,
+        page: u64,
+    ) -> Option<Vec<tokio::sync::oneshot::Receiver<()>>> {
+        let src = self.arena.vm_id(vm)?;
+        let (lo, hi) = self.vms.get(&vm)?.memory.unit_range(page, page + 1);
+        let mut ready = Vec::new();
+        for (id, d) in self.vms.iter_mut() {
+            if *id != vm && d.uffd_pending() && (lo..hi).any(|p| d.table.get(p) == src) {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                d.on_uffd.push(tx);
+                ready.push(rx);
+            }
+        }
+        (!ready.is_empty()).then_some(ready)
     }
 
     /// Install only `page` through `uffd` (after a run met a present page).
@@ -350,6 +488,9 @@ impl Registry {
     /// The bytes are written through the server's mapping of the memfd:
     /// only for a VM whose VMM is not running (prefetch before start).
     pub fn materialize(&mut self, vm: VmId, page: u64, by: By) -> Result<(u64, u64), ResolveError> {
+        if self.vms.get(&vm).is_some_and(|v| v.memory.unit_pages() > 1) {
+            return self.materialize_block(vm, page, by);
+        }
         let Some((src_id, source, lo, hi, window)) = self.plan(vm, page)? else {
             return Ok((page, 1)); // Already present: a concurrent fault.
         };
@@ -371,6 +512,31 @@ impl Registry {
             v.readahead.next = hi;
             v.readahead.window = window;
         }
+        Ok((lo, hi - lo))
+    }
+
+    /// [`Self::materialize`] on hugetlb: the whole block, allocated first
+    /// (see [`GuestMemory::write_block`]).
+    fn materialize_block(
+        &mut self,
+        vm: VmId,
+        page: u64,
+        by: By,
+    ) -> Result<(u64, u64), ResolveError> {
+        let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        let (lo, hi) = v.memory.unit_range(page, page + 1);
+        let src_id = v.table.get(page);
+        if src_id == v.self_src {
+            return Ok((lo, hi - lo));
+        }
+        let memory = Rc::clone(&v.memory);
+        self.with_block(vm, lo, hi, |bytes| memory.write_block(lo, bytes))??;
+        let how = Installed {
+            fault: page,
+            by,
+            from: src_id,
+        };
+        self.mark_present(vm, lo, hi - lo, how);
         Ok((lo, hi - lo))
     }
 
@@ -433,6 +599,9 @@ impl Registry {
         let Some(mem) = self.vms.get(&vm).map(|v| Rc::clone(&v.memory)) else {
             return 0;
         };
+        if mem.unit_pages() > 1 {
+            return self.preserve_block(vm, src, page);
+        }
         let mut given = 0;
         for (id, dep) in self.vms.iter_mut() {
             if *id == vm || dep.table.get(page) != src {
@@ -455,6 +624,53 @@ impl Registry {
         given
     }
 
+    /// [`Self::preserve_for_dependents`] on hugetlb: every VM that reads a
+    /// page of `page`'s block from `vm` gets its whole block (its other
+    /// pages from their own sources), installed whole. Returns the pages
+    /// given, like the 4 KiB path (one per VM and page).
+    fn preserve_block(&mut self, vm: VmId, src: SourceId, page: u64) -> u64 {
+        let Some((lo, hi)) = self
+            .vms
+            .get(&vm)
+            .map(|v| v.memory.unit_range(page, page + 1))
+        else {
+            return 0;
+        };
+        let deps: Vec<VmId> = self
+            .vms
+            .iter()
+            .filter(|(id, d)| **id != vm && (lo..hi).any(|p| d.table.get(p) == src))
+            .map(|(id, _)| *id)
+            .collect();
+        let mut given = 0;
+        for id in deps {
+            let done = self
+                .with_block(id, lo, hi, |bytes| {
+                    self.vms
+                        .get(&id)
+                        .map_or(Ok(()), |dep| install_block_copy(dep, lo, bytes))
+                })
+                .map_err(PreserveError::from)
+                .and_then(|r| r);
+            if let Err(e) = done {
+                warn!("{id}: cannot preserve block {lo}..{hi} from {vm}: {e}");
+                continue;
+            }
+            if let Some(dep) = self.vms.get_mut(&id) {
+                let me = dep.self_src;
+                dep.table.set_range(lo, hi - lo, me);
+                dep.stats.pages_installed += hi - lo;
+                dep.log.installed_run(lo, hi - lo, page, By::WpCopy, src);
+            }
+            self.installed += hi - lo;
+            given += hi - lo;
+        }
+        if let Some(v) = self.vms.get_mut(&vm) {
+            v.stats.wp_copies += given;
+        }
+        given
+    }
+
     fn handle_remove(&mut self, vm: VmId, start: u64, end: u64) -> Handled {
         let Some(v) = self.vms.get_mut(&vm) else {
             return Handled::Ok;
@@ -470,13 +686,16 @@ impl Registry {
         v.log.dropped(first, pages);
         let me = v.self_src;
         let tracked = v.dirty.is_some();
-        for p in first..first + pages {
+        let unit = v.memory.unit_pages();
+        for p in (first..first + pages).step_by(shared::geometry::usize_of(unit)) {
             self.before_write(vm, p);
         }
         let Some(v) = self.vms.get_mut(&vm) else {
             return Handled::Ok;
         };
+        let unit = v.memory.unit_pages();
         let present: Vec<u64> = (first..first + pages)
+            .step_by(shared::geometry::usize_of(unit))
             .filter(|p| v.table.get(*p) == me)
             .collect();
         // Dependents that still read these pages from this VM get their
@@ -544,6 +763,32 @@ enum PreserveError {
     Copy(#[source] Errno),
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+}
+
+/// Put `bytes` (a whole hugetlb block) at page `lo` of `dep`: through its
+/// uffd while its VMM runs (see [`install_copy`]), else allocated and
+/// written through the server's mapping.
+fn install_block_copy(dep: &super::vm::Vm, lo: u64, bytes: &[u8]) -> Result<(), PreserveError> {
+    if let Some(uffd) = dep.uffd.clone() {
+        let mode = if dep.dirty.is_some() || dep.saving.is_some() {
+            uffd_abi::COPY_MODE_WP
+        } else {
+            0
+        };
+        let to = dep.addr_of(lo) as u64;
+        // SAFETY: `bytes` is borrowed for the call.
+        match unsafe {
+            uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode)
+        } {
+            Install::Done => return Ok(()),
+            Install::Exists { .. } => return Err(PreserveError::AlreadyPresent),
+            Install::Gone | Install::Again { .. } => {}
+            Install::Failed(errno) => return Err(PreserveError::Copy(errno)),
+        }
+    }
+    Ok(dep.memory.write_block(lo, bytes)?)
 }
 
 /// Put a copy of `src`'s `page` into `dep`.
@@ -586,7 +831,8 @@ fn poison(v: &mut super::vm::Vm, page: u64) -> Handled {
     let Some(uffd) = v.uffd.clone() else {
         return Handled::Ok;
     };
-    match uffd_abi::poison(uffd.get_ref(), v.addr_of(page) as u64, PAGE_SIZE) {
+    let (lo, hi) = v.memory.unit_range(page, page + 1);
+    match uffd_abi::poison(uffd.get_ref(), v.addr_of(lo) as u64, (hi - lo) * PAGE_SIZE) {
         Install::Done => Handled::Ok,
         // Installed meanwhile, or an event is pending: let the access retry.
         Install::Exists { .. } | Install::Again { .. } => wake(v, page, 1),
@@ -608,9 +854,11 @@ fn wake(v: &super::vm::Vm, first: u64, count: u64) -> Handled {
     let Some(uffd) = v.uffd.clone() else {
         return Handled::Ok;
     };
+    // Hugetlb waiters wait on their block: wake it whole.
+    let (first, end) = v.memory.unit_range(first, first + count);
     let addr = v.addr_of(first) as u64;
     phases::lap(Phase::Resolve);
-    let woken = uffd_abi::wake(uffd.get_ref(), addr, count * PAGE_SIZE);
+    let woken = uffd_abi::wake(uffd.get_ref(), addr, (end - first) * PAGE_SIZE);
     phases::lap(Phase::Wake);
     match woken {
         Ok(()) => Handled::Ok,

@@ -295,11 +295,11 @@ impl Core {
         state: Rc<shared::VmState>,
     ) -> Result<Vec<(VmId, Ready)>> {
         let mut reg = self.reg.borrow_mut();
-        let (table, size, vcpus, fault_around) = {
+        let (table, (size, page_size), vcpus, fault_around) = {
             let p = reg.vms.get(&parent).ok_or(Error::NoSuchVm(parent))?;
             (
                 p.table.fork(),
-                p.memory.size(),
+                (p.memory.size(), p.memory.page_size()),
                 p.vcpus,
                 p.fault_around_pages,
             )
@@ -308,7 +308,8 @@ impl Core {
         let mut out = Vec::new();
         for _ in 0..count {
             let id = reg.alloc_id(&self.settings.state_dir);
-            let memory = match GuestMemory::create(&format!("pagefork-{id}"), size) {
+            let memory = match GuestMemory::create_with(&format!("pagefork-{id}"), size, page_size)
+            {
                 Ok(m) => m,
                 Err(e) => {
                     for (id, _) in out {

@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use super::vm::{RunState, Vm, VmParts};
 use super::{Core, Error, Result};
 use crate::conn::{Binding, PendingLaunch};
-use crate::memory::GuestMemory;
+use crate::memory::{GuestMemory, PageSize};
 use crate::pages::{FileSource, PageSource, PageTable, UNINITIALIZED};
 
 /// Largest guest the host can hold, from /proc/meminfo.
@@ -76,6 +76,20 @@ pub(super) fn launch_config(
 }
 
 impl Core {
+    /// The page size a new VM of `size` bytes gets: `hugepages` of the
+    /// request, else the server's default; a size that is no whole number
+    /// of huge pages is a bad request.
+    pub(super) fn page_size_for(&self, req: &CreateVm, size: u64) -> Result<PageSize> {
+        let page_size = PageSize::huge(req.hugepages.unwrap_or(self.settings.hugepages));
+        if !size.is_multiple_of(page_size.bytes()) {
+            return Err(Error::BadRequest(format!(
+                "hugepages needs memory_mib to be a multiple of {}",
+                page_size.bytes() >> 20
+            )));
+        }
+        Ok(page_size)
+    }
+
     /// `POST /v1/vms`.
     pub(super) async fn create_vm(self: Rc<Self>, req: CreateVm) -> Result<VmInfo> {
         let (id, ready_rx) = match &req.from_snapshot {
@@ -247,6 +261,7 @@ impl Core {
                 })?;
         }
         let size = req.memory_mib << 20;
+        let page_size = self.page_size_for(req, size)?;
         let image = match &req.memory_source {
             None => None,
             Some(MemorySource::File { path }) => {
@@ -276,8 +291,8 @@ impl Core {
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
         let id = reg.alloc_id(&self.settings.state_dir);
-        let memory =
-            GuestMemory::create(&format!("pagefork-{id}"), size).map_err(Error::CreateMemory)?;
+        let memory = GuestMemory::create_with(&format!("pagefork-{id}"), size, page_size)
+            .map_err(Error::CreateMemory)?;
         let self_src = reg.arena.vm(id);
         let pages = size / PAGE_SIZE;
         // A compressed image's zero frames read as zero without it.

@@ -76,6 +76,9 @@ pub struct Settings {
     pub rewrite_extents: u64,
     /// VMM processes kept started and connected, waiting for a VM.
     pub vmm_pool: usize,
+    /// Back new VMs' guest RAM with 2 MiB hugetlb pages unless a create
+    /// says otherwise.
+    pub hugepages: bool,
     /// How long a uffd is polled after its events were served before the
     /// core waits for it in the event loop again (zero = never polled; see
     /// `core/serve.rs`).
@@ -626,6 +629,9 @@ impl Core {
             }
             v.vmm_base = bases[0];
             v.uffd = Some(afd.clone());
+            for w in v.on_uffd.drain(..) {
+                let _ = w.send(());
+            }
             tokio::task::spawn_local(serve_faults(
                 self.clone(),
                 vm,
@@ -669,6 +675,8 @@ impl Core {
             w.shutdown();
         }
         v.uffd = None;
+        // Writes waiting for its uffd go on: nothing runs in it any more.
+        v.on_uffd.clear();
         v.closed.notify_one();
         v.tap.close();
         // A VM that failed tells its waiting requests why, not just that

@@ -280,6 +280,13 @@ impl Core {
             return Err(Error::BadRequest("concurrency must be at least 1".into()));
         }
         let t0 = Instant::now();
+        // Clones are backed like their original.
+        let hugepages = self
+            .reg
+            .borrow()
+            .vms
+            .get(&vm)
+            .map(|v| v.memory.unit_pages() > 1);
         let name = self.clone_snapshot_name(vm);
         let snap = self
             .snapshot(
@@ -312,6 +319,7 @@ impl Core {
                     fault_around_kib: None,
                     readahead_kib: None,
                     prefetch: false,
+                    hugepages,
                 })
                 .await
             }));

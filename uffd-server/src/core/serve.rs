@@ -109,13 +109,20 @@ pub(super) async fn serve_faults(
     let mut buf = EventBuffer::new(64);
     let mut batch = Batch::default();
     let window = core.settings.fault_poll;
-    // Faults parked on frames being decoded come back here when ready.
-    let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<u64>();
+    // Faults parked on frames being decoded, or on a dependent's uffd
+    // (see `Registry::resolve_write_protect`), come back here when ready.
+    let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<(u64, bool)>();
     loop {
         let ready = tokio::select! {
             r = uffd.readable() => r,
-            Some(page) = retry_rx.recv() => {
-                let outcome = core.reg.borrow_mut().resolve_missing(vm, page);
+            Some((page, write_protect)) = retry_rx.recv() => {
+                let mut reg = core.reg.borrow_mut();
+                let outcome = if write_protect {
+                    reg.resolve_write_protect(vm, page)
+                } else {
+                    reg.resolve_missing(vm, page)
+                };
+                drop(reg);
                 if !core.after_fault(vm, outcome, &retry_tx) {
                     return;
                 }
@@ -208,7 +215,7 @@ impl Core {
         vm: VmId,
         batch: &mut Batch,
         tap: &crate::observe::trace::Tap,
-        retry: &mpsc::UnboundedSender<u64>,
+        retry: &mpsc::UnboundedSender<(u64, bool)>,
         woken: bool,
     ) -> bool {
         phases::lap(Phase::Read);
@@ -272,7 +279,7 @@ impl Core {
         &self,
         vm: VmId,
         outcome: fault::Handled,
-        retry: &mpsc::UnboundedSender<u64>,
+        retry: &mpsc::UnboundedSender<(u64, bool)>,
     ) -> bool {
         match outcome {
             fault::Handled::Ok => true,
@@ -280,13 +287,17 @@ impl Core {
                 self.log_failure(vm, &reason);
                 true
             }
-            fault::Handled::Wait { page, ready } => {
+            fault::Handled::Wait {
+                page,
+                ready,
+                write_protect,
+            } => {
                 let retry = retry.clone();
                 tokio::task::spawn_local(async move {
                     for r in ready {
                         let _ = r.await;
                     }
-                    let _ = retry.send(page);
+                    let _ = retry.send((page, write_protect));
                 });
                 true
             }

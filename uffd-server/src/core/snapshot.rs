@@ -105,21 +105,36 @@ impl Registry {
     /// Before `page` of `vm` changes (a write fault, a discard): record it
     /// in the dirty log, and hand its current bytes to a snapshot that has
     /// not saved it yet.
+    ///
+    /// On hugetlb the write changes the whole block as far as tracking can
+    /// tell (its protection is lifted whole): all of it is dirty, and its
+    /// pending pages are saved first.
     pub(super) fn before_write(&mut self, vm: VmId, page: u64) {
         let Some(v) = self.vms.get_mut(&vm) else {
             return;
         };
+        let (lo, hi) = v.memory.unit_range(page, page + 1);
         if let Some(d) = v.dirty.as_mut() {
-            d.pages.insert(page);
+            d.pages.insert_range(lo, hi - lo);
         }
         let Some(saving) = v.saving.clone() else {
             return;
         };
-        if !saving.borrow().pending.contains(page) {
-            return;
+        let runs: Vec<(u64, u64)> = {
+            let s = saving.borrow();
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for p in (lo..hi).filter(|p| s.pending.contains(*p)) {
+                match runs.last_mut() {
+                    Some((a, n)) if *a + *n == p => *n += 1,
+                    _ => runs.push((p, 1)),
+                }
+            }
+            runs
+        };
+        for (a, n) in runs {
+            self.save_run(vm, &saving, a, n, None);
+            saving.borrow_mut().saved_before_write += n;
         }
-        self.save_run(vm, &saving, page, 1, None);
-        saving.borrow_mut().saved_before_write += 1;
     }
 
     /// Save pages `[lo, lo + n)` of `vm` (all pending): read them through
@@ -325,12 +340,12 @@ impl Core {
             let touched = std::mem::take(&mut s.touched);
             (s.pages_written, s.saved_before_write, touched)
         };
-        let memory_bytes = self
+        let (memory_bytes, hugepages) = self
             .reg
             .borrow()
             .vms
             .get(&vm)
-            .map_or(0, |v| v.memory.size());
+            .map_or((0, false), |v| (v.memory.size(), v.memory.unit_pages() > 1));
         let mut state = StateFile {
             format_version: crate::snapshot::FORMAT_VERSION,
             name: req.name.clone(),
@@ -340,6 +355,7 @@ impl Core {
             created: now_secs(),
             memory_bytes,
             page_size: PAGE_SIZE,
+            hugepages,
             vm_state: state,
             volume_snapshot,
             files: Default::default(),
@@ -807,6 +823,14 @@ impl Core {
             .map(crate::pages::FaultAround::from_kib)
             .transpose()
             .map_err(|e| Error::BadRequest(format!("fault_around_kib {e}")))?;
+        // Backed like the VM the snapshot was taken of, unless asked.
+        let page_size = self.page_size_for(
+            &CreateVm {
+                hugepages: req.hugepages.or(Some(state.hugepages)),
+                ..req.clone()
+            },
+            size,
+        )?;
         let (source, data) = self.open_snapshot_memory(name, &state, &path)?;
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
@@ -820,7 +844,7 @@ impl Core {
             (Some(_), None) => return Err(Error::NoVolumes),
             (None, _) => None,
         };
-        let memory = match GuestMemory::create(&format!("pagefork-{id}"), size) {
+        let memory = match GuestMemory::create_with(&format!("pagefork-{id}"), size, page_size) {
             Ok(m) => m,
             Err(e) => {
                 if let (Some(vol), Some(engine)) = (&volume, self.volumes.as_ref()) {

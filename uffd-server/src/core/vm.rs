@@ -137,6 +137,9 @@ pub struct Vm {
     pub log: crate::observe::access::PageLog,
     /// The live fault trace's listeners.
     pub tap: Rc<crate::observe::trace::Tap>,
+    /// Fired when the VMM's uffd arrives (dropped with the VM): faults
+    /// that must not write into this VM's memory before then wait on it.
+    pub on_uffd: Vec<oneshot::Sender<()>>,
     /// Where the fault path's time goes, phase by phase.
     pub phases: crate::observe::phases::PhaseHists,
 }
@@ -155,6 +158,14 @@ pub struct VmParts {
 }
 
 impl Vm {
+    /// The VMM is connected but its uffd has not arrived: its guest may
+    /// already run (the VMM starts it right after sending the uffd), so
+    /// nothing may be written into its memory through the server's
+    /// mapping, and nothing can go in through the uffd yet.
+    pub fn uffd_pending(&self) -> bool {
+        self.writer.is_some() && self.uffd.is_none()
+    }
+
     /// A VM in `Starting` state, waiting for its VMM.
     pub fn new(p: VmParts) -> Self {
         let log = crate::observe::access::PageLog::new(p.memory.pages());
@@ -196,6 +207,7 @@ impl Vm {
             warnings: super::ratelimit::RateLimit::default(),
             log,
             tap: Rc::default(),
+            on_uffd: Vec::new(),
             phases: crate::observe::phases::PhaseHists::default(),
         }
     }

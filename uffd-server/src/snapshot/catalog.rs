@@ -341,6 +341,7 @@ mod tests {
             created: 0,
             memory_bytes: sum.bytes,
             page_size: shared::PAGE_SIZE,
+            hugepages: false,
             vm_state: shared::VmState {
                 vcpus: vec![shared::VcpuState::default()],
                 devices: vec![],

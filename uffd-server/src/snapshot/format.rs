@@ -33,7 +33,12 @@ pub struct StateFile {
     /// Seconds since the Unix epoch.
     pub created: u64,
     pub memory_bytes: u64,
+    /// Granularity of `memory.img` (always 4 KiB, whatever backs the VM).
     pub page_size: u64,
+    /// The VM ran on 2 MiB hugetlb pages; a VM restored from the snapshot
+    /// does too unless its create says otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hugepages: bool,
     /// vCPU and device state, as the VMM captured it.
     pub vm_state: shared::VmState,
     /// The volume snapshot taken with it, if a volume was attached.
@@ -98,6 +103,7 @@ mod tests {
             created: 1,
             memory_bytes: 1 << 20,
             page_size: shared::PAGE_SIZE,
+            hugepages: false,
             vm_state: shared::VmState {
                 vcpus: vec![shared::VcpuState::default()],
                 devices: vec![1, 2],

@@ -137,6 +137,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             fault_around_kib: None,
             readahead_kib: None,
             prefetch: false,
+            hugepages: None,
         })),
     )?;
     let parent = vm["id"].as_str().unwrap_or_default().to_owned();
@@ -339,6 +340,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             fault_around_kib: None,
             readahead_kib: None,
             prefetch: false,
+            hugepages: None,
         })),
     )?;
     let restored = restored["id"].as_str().unwrap_or_default().to_owned();

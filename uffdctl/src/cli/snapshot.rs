@@ -208,6 +208,7 @@ pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
                 fault_around_kib: None,
                 readahead_kib: None,
                 prefetch: false,
+                hugepages: None,
             };
             call(client, "POST", "/v1/vms", Some(&body(&req)))?
         }

@@ -34,6 +34,10 @@ pub enum VmCmd {
         /// Install all memory before the guest starts.
         #[arg(long)]
         prefetch: bool,
+        /// Back guest RAM with 2 MiB hugetlb pages (`--hugepages=false`
+        /// for 4 KiB pages); the server's default if absent.
+        #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+        hugepages: Option<bool>,
     },
     /// List VMs.
     List,
@@ -149,6 +153,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
             volume,
             fault_around_kib,
             prefetch,
+            hugepages,
         } => {
             let req = api::CreateVm {
                 memory_mib,
@@ -163,6 +168,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                 fault_around_kib,
                 readahead_kib: None,
                 prefetch,
+                hugepages,
             };
             call(client, "POST", "/v1/vms", Some(&body(&req)))?
         }

@@ -1,0 +1,246 @@
+//! Hugepage guest RAM end to end: VMs whose memory is a 2 MiB hugetlb memfd
+//! are served lazily from zero, an image file and a snapshot, forked with
+//! copy-on-write of whole blocks, snapshotted, restored and rolled back,
+//! through the real server, VMMs, KVM and userfaultfd. Every check of
+//! memory is a `digest` over every byte, compared with a model.
+
+use pagefork_tests::{
+    apply_fill, expected_digest, pages_of, realistic_memory, require_hugepages, server_on_xfs,
+    TestServer,
+};
+use serde_json::{json, Value};
+
+/// Guest RAM of most VMs here: 8 blocks of 2 MiB.
+const MIB: u64 = 16;
+/// 4 KiB pages per block.
+const BLOCK: u64 = 512;
+
+fn all(s: &TestServer, id: &str) -> u64 {
+    s.digest(id, 0, pages_of(MIB))
+}
+
+fn assert_exact(s: &TestServer, id: &str, model: &[u8], what: &str) {
+    assert_eq!(
+        all(s, id),
+        expected_digest(model, 0, pages_of(MIB)),
+        "{id}: memory differs from its model {what}"
+    );
+}
+
+fn assert_invariant(s: &TestServer, what: &str) {
+    let (st, v) = s.api("GET", "/v1/debug/invariant", None);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["ok"], true, "invariant {what}: {v}");
+}
+
+fn huge_vm(s: &TestServer, extra: Value) -> String {
+    let mut body = json!({"memory_mib": MIB, "hugepages": true});
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    let id = s.create_vm(body);
+    assert_eq!(s.vm(&id)["hugepages"], true, "{}", s.vm(&id));
+    id
+}
+
+fn children(v: &Value) -> Vec<String> {
+    v["children"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no children in {v}"))
+        .iter()
+        .map(|c| c.as_str().expect("child id").to_owned())
+        .collect()
+}
+
+fn resident(s: &TestServer, id: &str) -> u64 {
+    s.vm(id)["resident_pages"].as_u64().expect("resident_pages")
+}
+
+#[test]
+fn hugepage_memory_is_served_whole_blocks_at_a_time_and_exactly() {
+    if !require_hugepages(64) {
+        return;
+    }
+    let s = TestServer::start();
+    let id = huge_vm(&s, json!({}));
+    let mut model = vec![0u8; usize::try_from(MIB << 20).unwrap()];
+    // Writes that start mid-block and cross a block boundary.
+    s.fill(&id, 300, 400, 1);
+    apply_fill(&mut model, 300, 400, 1);
+    assert_eq!(s.verify(&id, 300, 400, 1), 0);
+    // Two blocks were touched by the fill; the agent's own pages are in
+    // others. Every install is a whole block.
+    let r = resident(&s, &id);
+    assert_eq!(r % BLOCK, 0, "resident pages {r} are not whole blocks");
+    assert!(r >= 2 * BLOCK, "{r}");
+    assert_exact(&s, &id, &model, "after a fill across a block boundary");
+    assert_eq!(resident(&s, &id), pages_of(MIB), "digest read every block");
+    assert_invariant(&s, "after reading every block");
+    // A size that is no whole number of huge pages is refused clearly.
+    let (st, v) = s.api(
+        "POST",
+        "/v1/vms",
+        Some(json!({"memory_mib": 3, "hugepages": true})),
+    );
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("multiple of 2"),
+        "{v}"
+    );
+}
+
+#[test]
+fn hugepage_vm_reads_an_image_file_exactly() {
+    if !require_hugepages(32) {
+        return;
+    }
+    let s = TestServer::start();
+    let mut model = realistic_memory(MIB);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("memory.img");
+    // Half a block of zeros at the end, as a hole.
+    let end = model.len() - (1 << 20);
+    model[end..].fill(0);
+    std::fs::write(&path, &model[..end]).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .and_then(|f| f.set_len(MIB << 20))
+        .unwrap();
+    let id = huge_vm(
+        &s,
+        json!({"memory_source": {"kind": "file", "path": path.to_str().unwrap()}}),
+    );
+    assert_exact(&s, &id, &model, "read from the image");
+    s.fill(&id, 1000, 30, 4);
+    apply_fill(&mut model, 1000, 30, 4);
+    assert_exact(&s, &id, &model, "after a write over image pages");
+    assert_invariant(&s, "after image reads");
+}
+
+#[test]
+fn hugepage_fork_copies_whole_blocks_on_write_and_keeps_everyone_exact() {
+    if !require_hugepages(128) {
+        return;
+    }
+    let s = TestServer::start();
+    let a = huge_vm(&s, json!({}));
+    let mut pa = vec![0u8; usize::try_from(MIB << 20).unwrap()];
+    // Blocks 0-3 written, 4-7 never touched before the fork.
+    s.fill(&a, 0, 4 * BLOCK, 1);
+    apply_fill(&mut pa, 0, 4 * BLOCK, 1);
+    let (st, v) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/fork"),
+        Some(json!({"count": 2})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let kids = children(&v);
+    for k in &kids {
+        assert_eq!(s.vm(k)["hugepages"], true, "{}", s.vm(k));
+    }
+    let (mut k0, mut k1) = (pa.clone(), pa.clone());
+    // The parent writes a few pages of block 1: the children get the
+    // block's pre-write copy, whole.
+    s.fill(&a, BLOCK + 7, 3, 2);
+    apply_fill(&mut pa, BLOCK + 7, 3, 2);
+    assert!(
+        s.vm(&a)["faults"]["wp_copies"].as_u64().unwrap_or(0) >= 1,
+        "{}",
+        s.vm(&a)
+    );
+    // A child writes into a block it reads from the parent and into one
+    // nobody touched.
+    s.fill(&kids[0], 2 * BLOCK + 100, 50, 3);
+    apply_fill(&mut k0, 2 * BLOCK + 100, 50, 3);
+    s.fill(&kids[0], 6 * BLOCK + 1, 1, 5);
+    apply_fill(&mut k0, 6 * BLOCK + 1, 1, 5);
+    // A grandchild of a child, then the child writes the block again.
+    let (st, v) = s.api(
+        "POST",
+        &format!("/v1/vms/{}/fork", kids[1]),
+        Some(json!({"count": 1})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let g = children(&v).remove(0);
+    let pg = k1.clone();
+    s.fill(&kids[1], BLOCK, BLOCK, 6);
+    apply_fill(&mut k1, BLOCK, BLOCK, 6);
+    assert_invariant(&s, "after the writes");
+    assert_exact(&s, &a, &pa, "(parent)");
+    assert_exact(&s, &kids[0], &k0, "(child 0)");
+    assert_exact(&s, &kids[1], &k1, "(child 1)");
+    assert_exact(&s, &g, &pg, "(grandchild)");
+    // The parent goes; its children keep reading its blocks.
+    let (st, v) = s.api("DELETE", &format!("/v1/vms/{a}"), None);
+    assert!(st == 200 || st == 204, "{st} {v}");
+    assert_exact(&s, &kids[0], &k0, "after the parent was deleted");
+    assert_exact(&s, &g, &pg, "(grandchild) after the parent was deleted");
+    assert_invariant(&s, "after the parent was deleted");
+}
+
+#[test]
+fn hugepage_snapshots_restore_and_roll_back_exactly() {
+    if !require_hugepages(128) {
+        return;
+    }
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let id = huge_vm(&s, json!({}));
+    let mut model = vec![0u8; usize::try_from(MIB << 20).unwrap()];
+    s.fill(&id, 0, 3 * BLOCK + 10, 1);
+    apply_fill(&mut model, 0, 3 * BLOCK + 10, 1);
+    let want = model.clone();
+    let (st, full) = s.api(
+        "POST",
+        &format!("/v1/vms/{id}/snapshots"),
+        Some(json!({"name": "h-full", "mode": "full"})),
+    );
+    assert_eq!(st, 201, "{full}");
+    // After the snapshot, writes are tracked per block: 5 pages in one
+    // block make the whole block dirty.
+    s.fill(&id, 5 * BLOCK + 3, 5, 2);
+    apply_fill(&mut model, 5 * BLOCK + 3, 5, 2);
+    let (st, dirty) = s.api(
+        "POST",
+        &format!("/v1/vms/{id}/snapshots"),
+        Some(json!({"name": "h-dirty", "mode": "dirty"})),
+    );
+    assert_eq!(st, 201, "{dirty}");
+    assert_eq!(dirty["mode_used"], "dirty", "{dirty}");
+    assert_eq!(dirty["pages_written"], BLOCK, "{dirty}");
+
+    // Restores are hugepage VMs like their original, and exact.
+    let r1 = s.create_vm(json!({"from_snapshot": "h-full"}));
+    assert_eq!(s.vm(&r1)["hugepages"], true, "{}", s.vm(&r1));
+    assert_exact(&s, &r1, &want, "restored from the full snapshot");
+    let r2 = s.create_vm(json!({"from_snapshot": "h-dirty"}));
+    assert_exact(&s, &r2, &model, "restored from the dirty snapshot");
+    // A 4 KiB restore of the same snapshot reads the same bytes.
+    let r3 = s.create_vm(json!({"from_snapshot": "h-dirty", "hugepages": false}));
+    assert_eq!(s.vm(&r3)["hugepages"], false);
+    assert_exact(&s, &r3, &model, "restored on 4 KiB pages");
+
+    // A fork child of the VM keeps its memory through the rollback.
+    let (st, v) = s.api(
+        "POST",
+        &format!("/v1/vms/{id}/fork"),
+        Some(json!({"count": 1})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let kid = children(&v).remove(0);
+    s.fill(&id, 7 * BLOCK, 20, 3);
+    let (st, rb) = s.api(
+        "POST",
+        &format!("/v1/vms/{id}/rollback"),
+        Some(json!({"snapshot": "h-full"})),
+    );
+    assert_eq!(st, 200, "{rb}");
+    assert_exact(&s, &id, &want, "after the rollback");
+    assert_exact(&s, &kid, &model, "(fork child) after its parent's rollback");
+    // The rolled-back VM runs on: its writes land.
+    s.fill(&id, 100, 10, 9);
+    let mut after = want.clone();
+    apply_fill(&mut after, 100, 10, 9);
+    assert_exact(&s, &id, &after, "after a write following the rollback");
+    assert_invariant(&s, "after the rollback");
+}
