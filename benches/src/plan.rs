@@ -94,6 +94,7 @@ impl Plan {
                         "server_fork_us",
                         "pause",
                         "wp_huge",
+                        "pause_huge",
                     ]
                     .iter()
                     .map(|m| format!("fork.{m}.{s}"))
