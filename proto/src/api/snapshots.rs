@@ -74,6 +74,19 @@ pub struct SnapshotCreated {
     pub bytes_written: u64,
     /// How long the guest was paused.
     pub pause_us: u64,
+    /// Where the pause went: `capture` (pausing the vCPUs and reading
+    /// their state), `write_protect` (the UFFDIO_WRITEPROTECT that starts
+    /// the copy-on-write window), `arm` (the rest of starting it),
+    /// `volume`, `resume`.
+    #[serde(default)]
+    pub phases_us: BTreeMap<String, u64>,
+    /// Where the rest of the request went, after the guest resumed:
+    /// `save` (pages into the image), `sync_and_checksum` (the image's
+    /// fsync and its checksums, side by side), `compress` (with
+    /// `compress`), `commit` (state file, fsyncs and the rename that makes
+    /// the snapshot exist).
+    #[serde(default)]
+    pub after_pause_us: BTreeMap<String, u64>,
     /// The whole request, until the snapshot was committed.
     pub duration_us: u64,
     /// Extents of the image file (FIEMAP).

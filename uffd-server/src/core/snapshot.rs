@@ -25,6 +25,7 @@
 //! the VM's [`DirtyLog`], whoever armed the protection.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Instant;
@@ -320,21 +321,48 @@ impl Core {
         t0: Instant,
     ) -> Result<SnapshotCreated> {
         let plan = self.plan_snapshot(vm, req.mode, tmp)?;
+        // The writer thread starts before the pause: spawning it is no
+        // part of the guest's stop.
+        let writer = plan
+            .image
+            .file
+            .try_clone()
+            .and_then(|f| writer::spawn(f, plan.image.path.clone(), plan.parent.is_none()))
+            .map_err(SnapshotError::io("start writing", &plan.image.path))?;
         let t_pause = Instant::now();
         let state = self.pause_and_capture(vm).await?;
-        let armed = self.arm_snapshot(vm, &req.name, &plan);
+        let capture_us = us(t_pause);
+        let t_arm = Instant::now();
+        let armed = self.arm_snapshot(vm, &req.name, &plan, writer);
+        let arm_us = us(t_arm);
+        let t_volume = Instant::now();
         let volume_snapshot = match &armed {
-            Ok(()) => self.snapshot_volume(vm, &req.name),
+            Ok(_) => self.snapshot_volume(vm, &req.name),
             Err(_) => Ok(None),
         };
+        let volume_us = us(t_volume);
+        let t_resume = Instant::now();
         let resumed = self
             .request(vm, Request::Resume, self.settings.vmm_deadline)
             .await;
+        let resume_us = us(t_resume);
         let pause_us = us(t_pause);
-        armed?;
+        let write_protect_us = armed?;
+        let phases_us = [
+            ("capture", capture_us),
+            ("write_protect", write_protect_us),
+            ("arm", arm_us.saturating_sub(write_protect_us)),
+            ("volume", volume_us),
+            ("resume", resume_us),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
         let volume_snapshot = volume_snapshot?;
         resumed?;
+        let t_save = Instant::now();
         let (saving, bytes_written) = self.save_pending(vm).await?;
+        let save_us = us(t_save);
         let (pages_written, early, saving_touched) = {
             let mut s = saving.borrow_mut();
             let touched = std::mem::take(&mut s.touched);
@@ -381,7 +409,7 @@ impl Core {
             threads: self.settings.compress_threads,
             ..zst::CompressOptions::default()
         });
-        let (state, extents) = tokio::task::spawn_blocking(move || {
+        let (state, extents, finished) = tokio::task::spawn_blocking(move || {
             let reuse = |c: u64| {
                 let pages = checksum::CHUNK_BYTES / PAGE_SIZE;
                 let untouched = touched
@@ -392,10 +420,22 @@ impl Core {
                     .filter(|_| untouched)
                     .and_then(|ch| ch.get(shared::geometry::usize_of(c)).cloned())
             };
-            finish_files(&root, &tmp, &file, &mut state, &reuse, compress).map(|n| (state, n))
+            let mut phases = BTreeMap::new();
+            finish_files(
+                &root,
+                &tmp,
+                &file,
+                &mut state,
+                &reuse,
+                compress,
+                &mut phases,
+            )
+            .map(|n| (state, n, phases))
         })
         .await
         .map_err(|_| Error::ShuttingDown)??;
+        let (state, extents, mut after_pause_us) = (state, extents, finished);
+        after_pause_us.insert("save".to_owned(), save_us);
         let compressed_bytes = state.files.get(crate::snapshot::ZSTD_FILE).map(|f| f.bytes);
         let mode_used = state.mode;
         self.snapshots.borrow_mut().insert(state);
@@ -417,6 +457,8 @@ impl Core {
             pages_written,
             bytes_written,
             pause_us,
+            phases_us,
+            after_pause_us,
             duration_us,
             image_extents: extents,
             pages_saved_ahead: early,
@@ -533,14 +575,13 @@ impl Core {
 
     /// While `vm` is paused: choose the pages to save, write-protect all
     /// of its RAM, restart its dirty log and open the saving window.
-    fn arm_snapshot(&self, vm: VmId, name: &str, plan: &Plan) -> Result<()> {
-        let path = plan.image.path.clone();
-        let writer = plan
-            .image
-            .file
-            .try_clone()
-            .and_then(|f| writer::spawn(f, path.clone(), plan.parent.is_none()))
-            .map_err(SnapshotError::io("start writing", &path))?;
+    fn arm_snapshot(
+        &self,
+        vm: VmId,
+        name: &str,
+        plan: &Plan,
+        writer: writer::WriterHandle,
+    ) -> Result<u64> {
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         let pages = v.memory.pages();
@@ -587,10 +628,12 @@ impl Core {
             Some(d) => d.pages.runs(),
             None => vec![(0, pages)],
         };
+        let t_wp = Instant::now();
         for (first, n) in rearm {
             uffd_abi::write_protect(uffd.get_ref(), v.addr_of(first) as u64, n * PAGE_SIZE, true)
                 .map_err(|source| Error::ArmTracking { vm, source })?;
         }
+        let write_protect_us = us(t_wp);
         v.dirty = Some(DirtyLog {
             since: name.to_owned(),
             pages: PageSet::new(pages),
@@ -604,7 +647,7 @@ impl Core {
             pages_written: 0,
             saved_before_write: 0,
         })));
-        Ok(())
+        Ok(write_protect_us)
     }
 
     /// The name of the volume snapshot taken with snapshot `name` of `vm`,
@@ -954,14 +997,31 @@ fn finish_files(
     state: &mut StateFile,
     reuse: &dyn Fn(u64) -> Option<String>,
     compress: Option<zst::CompressOptions>,
+    phases: &mut BTreeMap<String, u64>,
 ) -> Result<u64> {
     let path = tmp.join(crate::snapshot::MEMORY_FILE);
-    image.sync_all().map_err(SnapshotError::io("sync", &path))?;
-    let sum =
-        checksum::sum_file_reusing(image, reuse).map_err(SnapshotError::io("checksum", &path))?;
+    let mut t = Instant::now();
+    let mut lap = |phases: &mut BTreeMap<String, u64>, name: &str| {
+        phases.insert(name.to_owned(), us(t));
+        t = Instant::now();
+    };
+    // The checksum reads the image from the page cache while the fsync
+    // writes it to the disk: the two overlap.
+    let (synced, sum) = std::thread::scope(|sc| {
+        let sync = sc.spawn(|| image.sync_all());
+        let sum = checksum::sum_file_reusing(image, reuse);
+        (
+            sync.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))),
+            sum,
+        )
+    });
+    synced.map_err(SnapshotError::io("sync", &path))?;
+    let sum = sum.map_err(SnapshotError::io("checksum", &path))?;
     state
         .files
         .insert(crate::snapshot::MEMORY_FILE.to_owned(), sum);
+    lap(phases, "sync_and_checksum");
     if let Some(opts) = compress {
         let zpath = tmp.join(crate::snapshot::ZSTD_FILE);
         zst::compress(image, &zpath, &opts, &mut |_, _| {}).map_err(|e| {
@@ -974,8 +1034,10 @@ fn finish_files(
         state
             .files
             .insert(crate::snapshot::ZSTD_FILE.to_owned(), zsum);
+        lap(phases, "compress");
     }
     let extents = image::extent_count(image);
     catalog::commit(root, tmp, state)?;
+    lap(phases, "commit");
     Ok(extents)
 }

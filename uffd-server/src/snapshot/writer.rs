@@ -5,7 +5,9 @@
 //! Messages are written in the order they were sent; all-zero pages become
 //! holes. Bulk runs take a permit from a small gate first (at most
 //! [`IN_FLIGHT`] runs queued), so memory in flight stays bounded; single
-//! pages from the fault path never wait.
+//! pages from the fault path never wait. Every 8 MiB written, the writer
+//! starts their writeback (`sync_file_range`), so the disk works while
+//! pages are still being saved and the commit's fsync has little left.
 
 use std::fs::File;
 use std::path::PathBuf;
@@ -59,6 +61,37 @@ impl std::fmt::Debug for Job {
     }
 }
 
+/// Pages written since the last early writeback was started.
+#[derive(Debug, Default)]
+struct Unsynced {
+    /// The range they span, `[lo, hi)`.
+    lo: u64,
+    hi: u64,
+    pages: u64,
+}
+
+/// Start writing back after this many pages (8 MiB) were written.
+const WRITEBACK_PAGES: u64 = (8 << 20) / PAGE_SIZE;
+
+impl Unsynced {
+    /// Count `pages` at `first`; the range to write back once enough were
+    /// written.
+    fn add(&mut self, first: u64, pages: u64) -> Option<(u64, u64)> {
+        if self.pages == 0 {
+            (self.lo, self.hi) = (first, first + pages);
+        } else {
+            self.lo = self.lo.min(first);
+            self.hi = self.hi.max(first + pages);
+        }
+        self.pages += pages;
+        if self.pages < WRITEBACK_PAGES {
+            return None;
+        }
+        self.pages = 0;
+        Some((self.lo, self.hi - self.lo))
+    }
+}
+
 /// Start a writer for `file` (at `path`). `fresh`: the image is all holes
 /// (zero pages need no punching).
 pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHandle> {
@@ -69,12 +102,25 @@ pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHa
         .spawn(move || {
             let image = ImageWriter { path, file };
             let mut report = WriteReport::default();
+            let mut unsynced = Unsynced::default();
             for job in rx {
                 if report.error.is_some() {
                     continue;
                 }
                 let r = match job {
-                    Job::Pages { first, bytes, .. } => write_sparse(&image, fresh, first, &bytes),
+                    Job::Pages { first, bytes, .. } => {
+                        let r = write_sparse(&image, fresh, first, &bytes);
+                        if let Some((lo, pages)) =
+                            unsynced.add(first, bytes.len() as u64 / PAGE_SIZE)
+                        {
+                            // Best effort: the fsync at the commit reports
+                            // what failed.
+                            if let Err(e) = image.start_writeback(lo, pages) {
+                                tracing::debug!("early writeback of {}: {e}", image.path.display());
+                            }
+                        }
+                        r
+                    }
                     Job::Punch { first, pages } if !fresh => image.punch(first, pages).map(|()| 0),
                     Job::Punch { .. } => Ok(0),
                 };
