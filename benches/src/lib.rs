@@ -9,6 +9,8 @@
 //! - [`plan`]: sizes and repetitions for full and `--quick` runs, and the
 //!   rows each bench must emit (the report fails on a missing one).
 //! - [`report`]: the markdown report and its completeness check.
+//! - [`goals`]: the goals of issues 9 and 13 at a glance, judged from the
+//!   rows of one run.
 //! - [`sys`]: host counters (Shmem, a process's RSS) and machine facts.
 //! - [`mapping`]: owned mmaps (shared memfd, anonymous, private file).
 //! - [`wp_floor`]: a bare UFFDIO_WRITEPROTECT of populated shmem, in-process
@@ -23,6 +25,7 @@
 //! `$PAGEFORK_BIN_DIR`).
 
 pub mod fc_handler;
+pub mod goals;
 pub mod mapping;
 pub mod phases;
 pub mod plan;

@@ -81,6 +81,7 @@ impl Plan {
                 k.push("lazy.touch.piece_gain".into());
                 k.push("lazy.touch.warm".into());
                 k.push("lazy.touch.observed".into());
+                k.push("lazy.touch.huge".into());
                 k.push("lazy.wall.fa64".into());
                 k
             }
@@ -95,6 +96,7 @@ impl Plan {
                         "pause",
                         "wp_huge",
                         "pause_huge",
+                        "first_write_huge",
                     ]
                     .iter()
                     .map(|m| format!("fork.{m}.{s}"))
@@ -140,6 +142,7 @@ impl Plan {
                 k.extend(
                     [
                         "rollback",
+                        "rollback_huge",
                         "clone",
                         "clone_rss",
                         "chain_extents",

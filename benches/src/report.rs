@@ -196,6 +196,9 @@ pub fn render(
          absolute figures across runs.\n"
     );
 
+    let all: Vec<&Row> = outputs.values().flat_map(|o| &o.rows).collect();
+    md.push_str(&crate::goals::render(plan, &all));
+
     for bench in BENCHES {
         let out = outputs.get(bench).cloned().unwrap_or_default();
         if let Some(f) = &out.failure {

@@ -171,6 +171,10 @@ struct Forks {
     /// Pages in each child's own memfd right after the fork (exact).
     resident_pages_per_child: Vec<f64>,
     rss_kib_per_child: Vec<f64>,
+    /// Guest time of the parent rewriting its written pages before the
+    /// fork and after the children answer (only when asked for).
+    rewrite_free_us: Vec<f64>,
+    rewrite_forked_us: Vec<f64>,
 }
 
 fn delete(server: &TestServer, id: &str) {
@@ -194,6 +198,23 @@ fn kib_delta(after: Option<u64>, before: Option<u64>) -> f64 {
     }
 }
 
+/// Guest time of rewriting (first byte, unchanged) each of `pages`.
+fn rewrite_us(server: &TestServer, vm: &str, pages: u64) -> f64 {
+    let (status, v) = server.try_exec(
+        vm,
+        json!({"op": "touch", "start_page": 0, "pages": pages, "write": true}),
+    );
+    assert_eq!(status, 200, "rewrite on {vm} failed: {v}");
+    v["elapsed_us"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no elapsed_us in {v}"))
+}
+
+/// `count` real forks of `parent`, `plan.reps` times. With `rewrite`, the
+/// parent also rewrites its written quarter before the fork (nothing
+/// protected) and after its children answer (every first write to a unit
+/// hands its pre-image to the child): the difference per unit is the cost
+/// of one first write after a fork.
 fn real_forks(
     server: &TestServer,
     plan: &Plan,
@@ -201,6 +222,7 @@ fn real_forks(
     quarter: u64,
     count: u32,
     seed: &mut u64,
+    rewrite: bool,
 ) -> Forks {
     let mut f = Forks::default();
     for _ in 0..plan.reps {
@@ -209,6 +231,7 @@ fn real_forks(
             parent,
             json!({"op": "fill", "start_page": 0, "pages": quarter, "seed": *seed}),
         );
+        let free = rewrite.then(|| rewrite_us(server, parent, quarter));
         let (shmem0, rss0) = (meminfo_kib("Shmem"), proc_status_kib(server.pid(), "VmRSS"));
         let t = Instant::now();
         let (status, v) = server.api(
@@ -236,6 +259,11 @@ fn real_forks(
             .push(resident as f64 / f64::from(count));
         all_answer(server, &children);
         f.e2e_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        if let Some(free) = free {
+            let after = rewrite_us(server, parent, quarter);
+            f.rewrite_free_us.push(free);
+            f.rewrite_forked_us.push(after);
+        }
         f.fork_us.push(v["fork_us"].as_f64().unwrap_or(f64::NAN));
         f.pause_us.push(v["pause_us"].as_f64().unwrap_or(f64::NAN));
         f.server_wp_us
@@ -317,7 +345,7 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
         let t = Instant::now();
         forks.push((
             count,
-            real_forks(server, plan, &parent, quarter, count, &mut seed),
+            real_forks(server, plan, &parent, quarter, count, &mut seed, count == 1),
         ));
         eprintln!(
             "  {} forks of {count}: {:.1} s",
@@ -333,7 +361,7 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
     let blocks = quarter.div_ceil(512);
     let huge = pagefork_benches::wp_floor::reserve_hugepages(blocks + 64).then(|| {
         let hp = server.create_vm(json!({"memory_mib": mib, "hugepages": true}));
-        let f = real_forks(server, plan, &hp, quarter, 1, &mut seed);
+        let f = real_forks(server, plan, &hp, quarter, 1, &mut seed, true);
         delete(server, &hp);
         f
     });
@@ -355,6 +383,39 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
             median(&h.server_wp_us),
             median(&h.e2e_ms),
             median(&one.e2e_ms)
+        ))
+        .emit();
+        // One first write after the fork: the rewrite's extra guest time
+        // per unit (2 MiB block / 4 KiB page), per repetition.
+        let per_unit = |f: &Forks, units: u64| -> Vec<f64> {
+            f.rewrite_forked_us
+                .iter()
+                .zip(&f.rewrite_free_us)
+                .map(|(after, free)| (after - free) / units as f64)
+                .collect()
+        };
+        let (huge_unit, small_unit) = (per_unit(h, blocks), per_unit(one, quarter));
+        Row::new(
+            BENCH,
+            &format!("fork.first_write_huge.{mib}"),
+            T_PAUSE,
+            &format!(
+                "{sz} VM on 2 MiB hugetlb pages: one first write after a fork (the 2 MiB block's pre-image to the child)"
+            ),
+            "µs",
+            &huge_unit,
+            "one first write after the same fork on 4 KiB pages (a 4 KiB page's pre-image)",
+            &small_unit,
+        )
+        .goal("report (issue 13): ratio < 512 means fewer, larger copies win per byte")
+        .note(format!(
+            "the parent rewrites its {mat} after the child answers, minus the same rewrite before the fork, \
+             per unit; the whole rewrite after the fork: median {:.0} ms on hugepages ({blocks} faults), \
+             {:.0} ms on 4 KiB pages ({quarter} faults); before it: {:.0} / {:.0} ms",
+            median(&h.rewrite_forked_us) / 1e3,
+            median(&one.rewrite_forked_us) / 1e3,
+            median(&h.rewrite_free_us) / 1e3,
+            median(&one.rewrite_free_us) / 1e3,
         ))
         .emit();
     } else {

@@ -206,6 +206,17 @@ fn main() -> ExitCode {
     let mut observed = Samples::default();
     let mut unobserved = Samples::default();
     let mut seen = Observed::default();
+    // Issue 13: the same guest on 2 MiB hugetlb guest RAM, lazy with the
+    // defaults and prefetched.
+    let huge = pagefork_benches::wp_floor::reserve_hugepages(mib.div_ceil(2) + 64);
+    if !huge {
+        eprintln!(
+            "{BENCH}: cannot reserve {} huge pages: no hugepage row",
+            mib.div_ceil(2)
+        );
+    }
+    let (mut lazy_huge, mut floor_huge) = (Samples::default(), Samples::default());
+    let mut phases_huge = String::new();
     for rep in 0..plan.reps {
         for fa in FAULT_AROUND_KIB {
             // Pure fault-around: readahead off.
@@ -236,6 +247,14 @@ fn main() -> ExitCode {
         phases_whole = run_once(&whole, body, pages, &mut readahead_whole, None);
         let body = json!({"memory_mib": mib, "memory_source": image.source(), "prefetch": true});
         let _ = run_once(&server, body, pages, &mut floor, Some(&mut warm));
+        if huge {
+            let body =
+                json!({"memory_mib": mib, "memory_source": image.source(), "hugepages": true});
+            phases_huge = run_once(&server, body, pages, &mut lazy_huge, None);
+            let body = json!({"memory_mib": mib, "memory_source": image.source(),
+                              "hugepages": true, "prefetch": true});
+            let _ = run_once(&server, body, pages, &mut floor_huge, None);
+        }
         eprintln!(
             "  rep {rep}: floor {:.0} us, fa64 {:.0} us",
             floor.guest_us[rep], lazy[&64].guest_us[rep]
@@ -352,6 +371,27 @@ fn main() -> ExitCode {
         median(&observed.missing)
     ))
     .emit();
+    if huge {
+        Row::new(
+            BENCH,
+            "lazy.touch.huge",
+            TABLE,
+            &format!("guest touches {mib} MiB on 2 MiB hugetlb pages: lazy, server defaults"),
+            "µs",
+            &lazy_huge.guest_us,
+            "the same hugepage guest, prefetched by the server",
+            &floor_huge.guest_us,
+        )
+        .goal("≤ 1.1 (issue 13)")
+        .note(format!(
+            "guest time; faults.missing median {:.0} (one per 2 MiB block); 4 KiB pages in the same run: \
+             lazy {:.0} µs, prefetched {:.0} µs; last run, {phases_huge}",
+            median(&lazy_huge.missing),
+            median(&readahead.guest_us),
+            median(&floor.guest_us),
+        ))
+        .emit();
+    }
     let s = &readahead;
     Row::new(
         BENCH,
