@@ -244,3 +244,60 @@ fn hugepage_snapshots_restore_and_roll_back_exactly() {
     assert_exact(&s, &id, &after, "after a write following the rollback");
     assert_invariant(&s, "after the rollback");
 }
+
+/// A guest reading an image in order on hugepages finds the next block
+/// installed while it works through the one it faulted on: it faults on
+/// every other block, and with readahead off on every block. Memory is
+/// exact both ways.
+#[test]
+fn hugepage_sequential_reader_faults_on_every_other_block_only() {
+    const RA_MIB: u64 = 32;
+    if !require_hugepages(2 * RA_MIB / 2 + 8) {
+        return;
+    }
+    let s = TestServer::start();
+    let model = realistic_memory(RA_MIB);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("memory.img");
+    std::fs::write(&path, &model).unwrap();
+    let pages = pages_of(RA_MIB);
+    let mut missing = Vec::new();
+    for readahead_kib in [None, Some(0)] {
+        let mut body = json!({
+            "memory_mib": RA_MIB,
+            "hugepages": true,
+            "memory_source": {"kind": "file", "path": path.to_str().unwrap()},
+        });
+        if let Some(kib) = readahead_kib {
+            body["readahead_kib"] = json!(kib);
+        }
+        let id = s.create_vm(body);
+        s.exec(
+            &id,
+            json!({"op": "touch", "start_page": 0, "pages": pages, "write": false}),
+        );
+        missing.push(
+            s.vm(&id)["faults"]["missing"]
+                .as_u64()
+                .expect("faults.missing"),
+        );
+        assert_eq!(
+            s.digest(&id, 0, pages),
+            expected_digest(&model, 0, pages),
+            "{id}: memory differs from the image (readahead {readahead_kib:?})"
+        );
+        assert_eq!(resident(&s, &id), pages, "{id}: every block present");
+        s.api("DELETE", &format!("/v1/vms/{id}"), None);
+    }
+    let (ahead, off) = (missing[0], missing[1]);
+    let blocks = pages / BLOCK;
+    assert!(
+        off > blocks / 2 && off <= blocks,
+        "readahead off: {off} faults for {blocks} blocks"
+    );
+    assert!(
+        ahead <= off / 2 + 1,
+        "readahead on: {ahead} faults, off: {off} (expected about half)"
+    );
+    assert_invariant(&s, "after sequential reads");
+}

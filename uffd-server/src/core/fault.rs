@@ -263,6 +263,7 @@ impl Registry {
         match res {
             Install::Done => {
                 self.mark_present(vm, lo, hi - lo, how);
+                self.block_ahead(vm, lo, hi, uffd, mode);
                 Ok((lo, hi - lo, true))
             }
             // Present already (the kernel installs hugetlb blocks whole).
@@ -274,6 +275,47 @@ impl Registry {
             // any, fault again.
             Install::Again { .. } | Install::Gone => Ok((lo, hi - lo, false)),
             Install::Failed(errno) => Err(ResolveError::Install { first: lo, errno }),
+        }
+    }
+
+    /// Readahead for hugetlb memory: when the block `[lo, hi)` just
+    /// installed (its faulting thread already woken) follows the block
+    /// faulted before it, install the next block too, one UFFDIO_COPY
+    /// while the vCPU works through this one. A sequential reader then
+    /// faults once per two blocks. Only for a next block that starts with
+    /// image data; off with readahead (`readahead_kib` 0). A failure here
+    /// is left to the fault that will come for that block.
+    fn block_ahead(&mut self, vm: VmId, lo: u64, hi: u64, uffd: &AsyncFd<Uffd>, mode: u64) {
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return;
+        };
+        let sequential = v.readahead.max_pages > 0 && v.readahead.next == lo;
+        v.readahead.next = hi;
+        let next_hi = hi + (hi - lo);
+        if !sequential || next_hi > v.memory.pages() {
+            return;
+        }
+        let src_id = v.table.get(hi);
+        // Image data only, as for 4 KiB pages: reading ahead from a fork
+        // parent or of zero pages would only copy memory early.
+        if src_id == v.self_src || !self.arena.get(src_id).is_some_and(|s| s.fault_around()) {
+            return;
+        }
+        let to = v.addr_of(hi) as u64;
+        let res = self.with_block(vm, hi, next_hi, |bytes| {
+            // SAFETY: `bytes` is the whole block, borrowed for the call.
+            unsafe { uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode) }
+        });
+        if let Ok(Install::Done | Install::Exists { .. }) = res {
+            let how = Installed {
+                fault: lo,
+                by: By::FaultAround,
+                from: src_id,
+            };
+            self.mark_present(vm, hi, next_hi - hi, how);
+            if let Some(v) = self.vms.get_mut(&vm) {
+                v.readahead.next = next_hi;
+            }
         }
     }
 
