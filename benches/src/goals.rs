@@ -164,6 +164,15 @@ pub fn goals(plan: &Plan) -> Vec<Goal> {
     ));
     g.push(goal(
         13,
+        "the same with a 50 µs poll window (--fault-poll-us 50, off by default)",
+        "—",
+        "fc.seq.single_poll",
+        Ratio,
+        AtMost(0.9),
+        "≤ 0.9×",
+    ));
+    g.push(goal(
+        13,
         "one fault's round trip p50: pagefork / the example handler",
         "—",
         "fc.seq.latency_p50",
