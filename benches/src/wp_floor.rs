@@ -99,17 +99,7 @@ impl WpFloor {
 /// growing `vm.nr_hugepages` if needed (root only). Returns whether it
 /// does.
 pub fn reserve_hugepages(pages: u64) -> bool {
-    let free = || {
-        std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|m| {
-                m.lines()
-                    .find(|l| l.starts_with("HugePages_Free:"))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|v| v.parse::<u64>().ok())
-            })
-            .unwrap_or(0)
-    };
+    let free = pagefork_tests::free_hugepages;
     let have = free();
     if have >= pages {
         return true;
