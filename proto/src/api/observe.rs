@@ -33,17 +33,20 @@ impl FaultKind {
     }
 }
 
+/// A fault kind name that is none of `missing`, `wp`, `remove`, `prefetch`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown fault kind '{0}': use missing, wp, remove or prefetch")]
+pub struct UnknownFaultKind(pub String);
+
 impl std::str::FromStr for FaultKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownFaultKind;
+    fn from_str(s: &str) -> Result<Self, UnknownFaultKind> {
         match s.to_ascii_lowercase().as_str() {
             "missing" => Ok(FaultKind::Missing),
             "wp" => Ok(FaultKind::Wp),
             "remove" => Ok(FaultKind::Remove),
             "prefetch" => Ok(FaultKind::Prefetch),
-            other => Err(format!(
-                "unknown fault kind '{other}': use missing, wp, remove or prefetch"
-            )),
+            other => Err(UnknownFaultKind(other.to_string())),
         }
     }
 }
