@@ -245,12 +245,12 @@ fn hugepage_snapshots_restore_and_roll_back_exactly() {
     assert_invariant(&s, "after the rollback");
 }
 
-/// A guest reading an image in order on hugepages finds the next block
-/// installed while it works through the one it faulted on: it faults on
-/// every other block, and with readahead off on every block. Memory is
-/// exact both ways.
+/// A guest reading an image in order on hugepages finds the blocks after
+/// the one it faulted on installed while it works through it (one, then
+/// two, then four): it faults on about one block in four, and with
+/// readahead off on every block. Memory is exact both ways.
 #[test]
-fn hugepage_sequential_reader_faults_on_every_other_block_only() {
+fn hugepage_sequential_reader_faults_on_few_blocks_only() {
     const RA_MIB: u64 = 32;
     if !require_hugepages(2 * RA_MIB / 2 + 8) {
         return;
@@ -295,9 +295,10 @@ fn hugepage_sequential_reader_faults_on_every_other_block_only() {
         off > blocks / 2 && off <= blocks,
         "readahead off: {off} faults for {blocks} blocks"
     );
+    // 16 blocks: faults on blocks 0, 1, 3, 6 and 11 (then 12..16 are in).
     assert!(
-        ahead <= off / 2 + 1,
-        "readahead on: {ahead} faults, off: {off} (expected about half)"
+        ahead <= off / 3 + 1,
+        "readahead on: {ahead} faults, off: {off} (expected about a quarter)"
     );
     assert_invariant(&s, "after sequential reads");
 }

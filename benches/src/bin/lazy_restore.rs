@@ -384,7 +384,7 @@ fn main() -> ExitCode {
         )
         .goal("≤ 1.1 (issue 13)")
         .note(format!(
-            "guest time; faults.missing median {:.0} (a fault installs its 2 MiB block and a sequential one the next block too); 4 KiB pages in the same run: \
+            "guest time; faults.missing median {:.0} (a fault installs its 2 MiB block; a sequential one up to 4 blocks after it too); 4 KiB pages in the same run: \
              lazy {:.0} µs, prefetched {:.0} µs; last run, {phases_huge}",
             median(&lazy_huge.missing),
             median(&readahead.guest_us),

@@ -280,41 +280,58 @@ impl Registry {
 
     /// Readahead for hugetlb memory: when the block `[lo, hi)` just
     /// installed (its faulting thread already woken) follows the block
-    /// faulted before it, install the next block too, one UFFDIO_COPY
-    /// while the vCPU works through this one. A sequential reader then
-    /// faults once per two blocks. Only for a next block that starts with
-    /// image data; off with readahead (`readahead_kib` 0). A failure here
-    /// is left to the fault that will come for that block.
+    /// faulted before it, install the blocks after it too, while the vCPU
+    /// works through this one. The run ahead doubles with each sequential
+    /// fault, from one block up to [`BLOCKS_AHEAD_MAX`], so a sequential
+    /// reader soon faults once per five blocks; any other fault starts
+    /// again from none. Only blocks that start with image data; off with
+    /// readahead (`readahead_kib` 0). A failure here is left to the fault
+    /// that will come for that block.
     fn block_ahead(&mut self, vm: VmId, lo: u64, hi: u64, uffd: &AsyncFd<Uffd>, mode: u64) {
         let Some(v) = self.vms.get_mut(&vm) else {
             return;
         };
         let sequential = v.readahead.max_pages > 0 && v.readahead.next == lo;
         v.readahead.next = hi;
-        let next_hi = hi + (hi - lo);
-        if !sequential || next_hi > v.memory.pages() {
-            return;
-        }
-        let src_id = v.table.get(hi);
-        // Image data only, as for 4 KiB pages: reading ahead from a fork
-        // parent or of zero pages would only copy memory early.
-        if src_id == v.self_src || !self.arena.get(src_id).is_some_and(|s| s.fault_around()) {
-            return;
-        }
-        let to = v.addr_of(hi) as u64;
-        let res = self.with_block(vm, hi, next_hi, |bytes| {
-            // SAFETY: `bytes` is the whole block, borrowed for the call.
-            unsafe { uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode) }
-        });
-        if let Ok(Install::Done | Install::Exists { .. }) = res {
+        // For hugetlb memory the window counts blocks, not pages.
+        v.readahead.window = if sequential {
+            (v.readahead.window * 2).clamp(1, BLOCKS_AHEAD_MAX)
+        } else {
+            0
+        };
+        let block = hi - lo;
+        for _ in 0..v.readahead.window {
+            let Some(v) = self.vms.get(&vm) else {
+                return;
+            };
+            let (at, end) = (v.readahead.next, v.readahead.next + block);
+            if end > v.memory.pages() {
+                return;
+            }
+            let src_id = v.table.get(at);
+            // Image data only, as for 4 KiB pages: reading ahead from a
+            // fork parent or of zero pages would only copy memory early.
+            if src_id == v.self_src || !self.arena.get(src_id).is_some_and(|s| s.fault_around()) {
+                return;
+            }
+            let to = v.addr_of(at) as u64;
+            let res = self.with_block(vm, at, end, |bytes| {
+                // SAFETY: `bytes` is the whole block, borrowed for the call.
+                unsafe {
+                    uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode)
+                }
+            });
+            let Ok(Install::Done | Install::Exists { .. }) = res else {
+                return;
+            };
             let how = Installed {
                 fault: lo,
                 by: By::FaultAround,
                 from: src_id,
             };
-            self.mark_present(vm, hi, next_hi - hi, how);
+            self.mark_present(vm, at, block, how);
             if let Some(v) = self.vms.get_mut(&vm) {
-                v.readahead.next = next_hi;
+                v.readahead.next = end;
             }
         }
     }
@@ -789,6 +806,12 @@ struct Installed {
     by: By,
     from: SourceId,
 }
+
+/// The most hugetlb blocks a sequential fault installs ahead of the
+/// reader (8 MiB): enough that the reader waits on one fault per five
+/// blocks, few enough that another VM's fault waits at most a few block
+/// copies behind it on the core thread.
+const BLOCKS_AHEAD_MAX: u64 = 4;
 
 thread_local! {
     /// Where a fault's pages are read before UFFDIO_COPY; grows to the
