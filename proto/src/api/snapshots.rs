@@ -197,6 +197,7 @@ pub const MAX_CLONE_COUNT: u32 = 256;
 #[serde(deny_unknown_fields)]
 pub struct CloneVm {
     /// Clones to create, 1 to [`MAX_CLONE_COUNT`].
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 256))]
     pub count: u32,
     /// Clones being created at once at most (default 8).
     #[serde(default = "default_concurrency")]

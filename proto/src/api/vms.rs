@@ -462,7 +462,7 @@ pub const MAX_FORK_COUNT: u32 = 1024;
 pub struct ForkRequest {
     /// Children to create, 1 to [`MAX_FORK_COUNT`].
     #[serde(default = "one")]
-    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 64))]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1024))]
     pub count: u32,
 }
 

@@ -140,6 +140,25 @@ mod tests {
         }
     }
 
+    /// The limits the schema states are the ones the server enforces.
+    #[test]
+    fn count_limits_in_the_schema_are_the_servers() {
+        let d = document();
+        let schemas = &d["components"]["schemas"];
+        for (schema, max) in [
+            ("ForkRequest", proto::api::MAX_FORK_COUNT),
+            ("CloneVm", proto::api::MAX_CLONE_COUNT),
+        ] {
+            let count = &schemas[schema]["properties"]["count"];
+            assert_eq!(count["minimum"].as_f64(), Some(1.0), "{schema}: {count}");
+            assert_eq!(
+                count["maximum"].as_f64(),
+                Some(f64::from(max)),
+                "{schema}: {count}"
+            );
+        }
+    }
+
     #[test]
     fn exec_schema_names_each_op_and_its_fields() {
         let d = document();
