@@ -292,3 +292,91 @@ fn silent_connections_are_capped_and_a_vm_still_starts() {
     bystander.assert_unaffected(&s, "silent connections");
     drop(silent);
 }
+
+/// The `--token` argument of the running process whose command line
+/// starts with `prog`, with its pid.
+fn launch_token_of(prog: &std::path::Path) -> Option<(u32, String)> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        // `sh WRAPPER ARGS...` once the kernel has run the script.
+        if !args.iter().take(2).any(|a| a == prog.to_str().unwrap()) {
+            continue;
+        }
+        let at = args.iter().position(|a| a == "--token")?;
+        return Some((pid, args.get(at + 1)?.clone()));
+    }
+    None
+}
+
+/// A launch token is bound to the process the server launched with it and
+/// is good for one hello: another process presenting it while the VMM is
+/// still starting is refused (and does not use it up: the VMM then
+/// connects and its VM runs), and presenting it again after the VMM has
+/// connected is refused as unknown.
+#[test]
+fn a_launch_token_works_once_and_only_for_the_process_it_was_given_to() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    // A `vmm` that waits a moment before it starts, so that the test can
+    // read its token from its command line and try it first.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let wrapper = dir.path().join("slow-vmm");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nsleep 2\nexec '{}' \"$@\"\n",
+            pagefork_tests::bin("vmm").display()
+        ),
+    )
+    .expect("write wrapper");
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let s = TestServer::start_with_args(&["--vmm-bin", wrapper.to_str().unwrap()]);
+
+    std::thread::scope(|scope| {
+        let create = scope.spawn(|| s.create_vm(json!({"memory_mib": 16})));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let (launched_pid, token) = loop {
+            if let Some(found) = launch_token_of(&wrapper) {
+                break found;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the launched vmm never showed up"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_ne!(launched_pid, std::process::id());
+
+        // Stolen: the right token from the wrong process.
+        let c = connect(&s);
+        send(&c, &hello(&token), &[]).expect("send hello");
+        let msg = expect_error_then_close(&c, "a stolen token");
+        assert!(
+            msg.contains(&format!("belongs to pid {launched_pid}")),
+            "error names the token's process: {msg}"
+        );
+
+        // The rightful VMM still connects with it.
+        let id = create.join().expect("create thread");
+        assert_eq!(s.vm(&id)["state"], "running");
+        s.exec(&id, json!({"op": "identity"}));
+
+        // Used: the same token again is unknown, whoever presents it.
+        let c = connect(&s);
+        send(&c, &hello(&token), &[]).expect("send hello");
+        let msg = expect_error_then_close(&c, "a used token");
+        assert!(msg.contains("unknown launch token"), "{msg}");
+        assert_eq!(s.vm(&id)["state"], "running", "the VM is undisturbed");
+    });
+    s.assert_healthy();
+}
