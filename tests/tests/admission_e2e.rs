@@ -75,3 +75,96 @@ fn oversized_request_bodies_are_refused() {
     assert_eq!(status, 413);
     s.assert_healthy();
 }
+
+#[test]
+fn restore_beyond_the_memory_budget_answers_507_and_what_fits_restores() {
+    let Some(s) = pagefork_tests::server_on_xfs(&["--memory-budget-mib", "80"]) else {
+        return;
+    };
+    let a = s.create_vm(json!({"memory_mib": 32}));
+    s.fill(&a, 0, 256, 11);
+    let (status, body) = s.api(
+        "POST",
+        &format!("/v1/vms/{a}/snapshots"),
+        Some(json!({"name": "budget", "mode": "full"})),
+    );
+    assert_eq!(status, 201, "{body}");
+    let b = s.create_vm(json!({"memory_mib": 32}));
+
+    // 32 + 32 + 32 MiB would pass the 80 MiB budget.
+    let (status, body) = s.api("POST", "/v1/vms", Some(json!({"from_snapshot": "budget"})));
+    assert_eq!(status, 507, "{body}");
+    let msg = body["error"].as_str().unwrap_or_default();
+    assert!(msg.contains("--memory-budget-mib"), "{msg}");
+    assert_eq!(s.vm_ids().len(), 2, "a refused restore made no VM");
+
+    // With room again, the same restore works and is exact.
+    s.api("DELETE", &format!("/v1/vms/{b}"), None);
+    let r = s.create_vm(json!({"from_snapshot": "budget"}));
+    assert_eq!(s.verify(&r, 0, 256, 11), 0);
+    assert_eq!(s.verify(&a, 0, 256, 11), 0);
+}
+
+#[test]
+fn fork_counts_outside_1_to_1024_are_refused_before_anything_is_made() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let a = s.create_vm(json!({"memory_mib": 4}));
+    for count in [0, 1025, 100_000] {
+        let (status, body) = s.api(
+            "POST",
+            &format!("/v1/vms/{a}/fork"),
+            Some(json!({ "count": count })),
+        );
+        assert_eq!(status, 400, "count {count}: {body}");
+        let msg = body["error"].as_str().unwrap_or_default();
+        assert!(msg.contains("between 1 and 1024"), "count {count}: {msg}");
+    }
+    assert_eq!(s.vm_ids(), vec![a.clone()]);
+    assert_eq!(s.vm(&a)["state"], "running");
+}
+
+/// Whether this process may lower an oom_score_adj (CAP_SYS_RESOURCE,
+/// capability 24, in its effective set): containers often drop it.
+fn has_cap_sys_resource() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .expect("CapEff");
+    u64::from_str_radix(eff.trim(), 16).expect("hex") & (1 << 24) != 0
+}
+
+/// The server makes itself a late choice for the kernel's OOM killer
+/// (it holds every VM's memory); the VMMs it launches keep the default.
+/// Where the server may not lower its score (no CAP_SYS_RESOURCE), it says
+/// so in its log and runs on.
+#[test]
+fn the_server_lowers_its_oom_score_and_its_vmms_keep_the_default() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let score = |pid: u64| {
+        std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj"))
+            .unwrap_or_else(|e| panic!("oom_score_adj of {pid}: {e}"))
+            .trim()
+            .parse::<i32>()
+            .expect("a number")
+    };
+    if has_cap_sys_resource() {
+        assert_eq!(score(u64::from(s.pid())), -500, "the server's");
+    } else {
+        eprintln!("no CAP_SYS_RESOURCE here: the server must say it cannot lower its score");
+        assert!(
+            s.server_log_text()
+                .contains("cannot lower the server's oom_score_adj"),
+            "no warning in the log"
+        );
+    }
+    let id = s.create_vm(json!({"memory_mib": 4}));
+    let vmm = s.vm(&id)["pid"].as_u64().expect("the VM's vmm pid");
+    assert_eq!(score(vmm), 0, "the vmm's");
+}

@@ -380,3 +380,21 @@ fn a_launch_token_works_once_and_only_for_the_process_it_was_given_to() {
     });
     s.assert_healthy();
 }
+
+/// A connection that never says hello is told so and closed after the
+/// hello timeout (10 s), so silent peers cannot pile up.
+#[test]
+fn a_connection_that_never_says_hello_is_closed_after_the_timeout() {
+    let s = TestServer::start();
+    let c = UnixStream::connect(s.vmm_sock()).expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("set_read_timeout");
+    let t = std::time::Instant::now();
+    let msg = expect_error_then_close(&c, "a silent peer");
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_secs(9) && waited < Duration::from_secs(25),
+        "closed after {waited:?}: {msg}"
+    );
+    s.assert_healthy();
+}

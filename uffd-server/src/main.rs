@@ -131,7 +131,10 @@ fn mem_available_mib() -> Option<u64> {
 /// every VM's memory. Its VMMs get the default back (see `launch.rs`).
 fn lower_oom_score() {
     if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-500") {
-        warn!("cannot lower the server's oom_score_adj: {e}");
+        warn!(
+            "cannot lower the server's oom_score_adj: {e} (it needs CAP_SYS_RESOURCE); \
+             the OOM killer will weigh the server like any other process"
+        );
     }
 }
 
