@@ -31,6 +31,15 @@ pub fn firecracker_handshake(data: &[u8]) {
     let _ = crate::firecracker::parse_regions(data, 1 << 30);
 }
 
+/// `snapshot_state`: a snapshot's `state.json` as a restarted server
+/// reads it from disk.
+pub fn snapshot_state(data: &[u8]) {
+    if let Ok(state) = crate::snapshot::parse_state(data) {
+        let _ = state.vcpus();
+        let _ = serde_json::to_vec(&state);
+    }
+}
+
 /// A fuzz target: bytes in, no panic.
 pub type Target = fn(&[u8]);
 
@@ -38,6 +47,7 @@ pub type Target = fn(&[u8]);
 pub const TARGETS: &[(&str, Target)] = &[
     ("vmm_frame", vmm_frame),
     ("firecracker_handshake", firecracker_handshake),
+    ("snapshot_state", snapshot_state),
 ];
 
 #[cfg(test)]
@@ -62,5 +72,26 @@ mod tests {
             assert!(n > 0, "{name}: empty seed corpus");
             eprintln!("{name}: {n} seeds replayed");
         }
+    }
+
+    /// The `state.json` seeds reach past the parser: one is a valid
+    /// snapshot description, others fail validation, not parsing.
+    #[test]
+    fn snapshot_state_seeds_include_valid_and_invalid_descriptions() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/snapshot_state");
+        let (mut valid, mut invalid) = (0, 0);
+        for e in std::fs::read_dir(&dir).expect("seeds") {
+            let data = std::fs::read(e.expect("entry").path()).expect("seed");
+            match crate::snapshot::parse_state(&data) {
+                Ok(_) => valid += 1,
+                Err(crate::snapshot::StateError::Invalid(_)) => invalid += 1,
+                Err(crate::snapshot::StateError::Parse(_)) => {}
+            }
+        }
+        assert!(
+            valid >= 1 && invalid >= 4,
+            "valid {valid}, invalid {invalid}"
+        );
     }
 }

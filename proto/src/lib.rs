@@ -4,6 +4,7 @@
 //!   blocking send/receive over a Unix stream socket.
 //! - [`vmm`]: the messages a VMM and the server exchange in those frames.
 //! - [`api`]: request and response bodies of the REST control API.
+//! - [`snapshot`]: `state.json`, the description a snapshot directory holds.
 //!
 //! Decoders never panic on bad bytes: every failure is an error value.
 
@@ -11,4 +12,5 @@ pub mod api;
 pub mod firecracker;
 pub mod frame;
 pub mod fuzz;
+pub mod snapshot;
 pub mod vmm;

@@ -64,14 +64,10 @@ fn verify(dir: &Path, name: &str) -> Result<StateFile> {
         reason,
     };
     let path = dir.join(STATE_FILE);
-    let text = fs::read_to_string(&path).map_err(SnapshotError::io("read", &path))?;
-    let state: StateFile = serde_json::from_str(&text).map_err(|e| SnapshotError::BadState {
+    let bytes = fs::read(&path).map_err(SnapshotError::io("read", &path))?;
+    let state = proto::snapshot::parse_state(&bytes).map_err(|e| SnapshotError::BadState {
         path: path.clone(),
-        reason: e.to_string(),
-    })?;
-    state.validate().map_err(|e| SnapshotError::BadState {
-        path: path.clone(),
-        reason: e.to_string(),
+        reason: shared::error_chain(&e),
     })?;
     if state.name != name {
         return Err(corrupt(format!("{STATE_FILE} names it {}", state.name)));

@@ -12,7 +12,7 @@
 //!     memory.zst             optional (`"compress": true`): the same memory
 //!                            in independently compressed frames (crate
 //!                            `zst`); restores serve it instead of memory.img
-//!     state.json             [`format::StateFile`]: format version, vCPU and
+//!     state.json             [`StateFile`] (`proto::snapshot`): format version, vCPU and
 //!                            device state, memory size, page size, mode,
 //!                            parent, volume snapshot, and memory.img's size,
 //!                            sha256 of each 1 MiB chunk and sha256 over
@@ -42,18 +42,15 @@
 pub mod catalog;
 pub mod checksum;
 mod error;
-pub mod format;
 pub mod image;
 pub mod pageset;
 pub mod writer;
 
 pub use catalog::Catalog;
 pub use error::{ErrorKind, Result, SnapshotError};
-pub use format::{FileSum, StateFile, FORMAT_VERSION};
 pub use pageset::PageSet;
+pub use proto::snapshot::{FileSum, StateFile, FORMAT_VERSION, MEMORY_FILE};
 
-/// The image file in a snapshot directory.
-pub const MEMORY_FILE: &str = "memory.img";
 /// The compressed image in a snapshot directory (with `compress`).
 pub const ZSTD_FILE: &str = "memory.zst";
 /// The description file in a snapshot directory.

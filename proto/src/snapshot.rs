@@ -1,12 +1,17 @@
-//! `state.json`: what a snapshot directory holds besides its image.
+//! `state.json`: what a snapshot directory holds besides its image. A
+//! file on disk that a restarted server reads back, so it lives with the
+//! other formats a peer can hand the server, and is fuzzed like them.
 
 use std::collections::BTreeMap;
 
-use proto::api::SnapshotMode;
+use crate::api::SnapshotMode;
 use serde::{Deserialize, Serialize};
 
 /// The version of the snapshot format this server writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
+
+/// The image file in a snapshot directory.
+pub const MEMORY_FILE: &str = "memory.img";
 
 /// Size and checksum of one file of a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,11 +72,27 @@ impl StateFile {
         if self.vm_state.vcpus.is_empty() {
             return Err(Invalid::NoVcpus);
         }
-        if !self.files.contains_key(super::MEMORY_FILE) {
+        if !self.files.contains_key(MEMORY_FILE) {
             return Err(Invalid::NoChecksum);
         }
         Ok(())
     }
+}
+
+/// Parse and validate the bytes of a `state.json`.
+pub fn parse_state(bytes: &[u8]) -> Result<StateFile, StateError> {
+    let state: StateFile = serde_json::from_slice(bytes).map_err(StateError::Parse)?;
+    state.validate().map_err(StateError::Invalid)?;
+    Ok(state)
+}
+
+/// Why bytes are not a `state.json` this server serves.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("not a state.json: {0}")]
+    Parse(#[source] serde_json::Error),
+    #[error(transparent)]
+    Invalid(Invalid),
 }
 
 /// Why a `state.json` cannot describe a snapshot this server serves.
@@ -85,7 +106,7 @@ pub enum Invalid {
     MemorySize(u64),
     #[error("no vCPU state")]
     NoVcpus,
-    #[error("no checksum of {}", super::MEMORY_FILE)]
+    #[error("no checksum of {}", MEMORY_FILE)]
     NoChecksum,
 }
 
@@ -110,7 +131,7 @@ mod tests {
             },
             volume_snapshot: None,
             files: BTreeMap::from([(
-                super::super::MEMORY_FILE.to_owned(),
+                super::MEMORY_FILE.to_owned(),
                 FileSum {
                     bytes: 1 << 20,
                     sha256: "00".into(),
