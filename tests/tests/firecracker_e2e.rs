@@ -1238,3 +1238,55 @@ fn two_regions_with_only_page_size_kib_are_served_from_their_offsets() {
     // SAFETY: the mapping made above; no reference into it remains.
     unsafe { libc::munmap(mem, len) };
 }
+
+/// A listener never replaces a file that is already there and is not a
+/// socket, neither through the API (409, the file untouched) nor on the
+/// command line (the server refuses to start and says why); a symlink
+/// there is not followed.
+#[test]
+fn a_listener_refuses_to_replace_an_existing_file_that_is_not_a_socket() {
+    if !require_uffd() {
+        return;
+    }
+    let image = RandomImage::new(4, 0xf1c0_0042);
+    let s = TestServer::start();
+    let file = s.state_dir().join("precious.txt");
+    std::fs::write(&file, b"keep me").expect("write");
+    let link = s.state_dir().join("link.sock");
+    std::os::unix::fs::symlink(&file, &link).expect("symlink");
+    for socket in [&file, &link] {
+        let body = json!({
+            "socket": socket,
+            "memory_source": { "kind": "file", "path": image.path() },
+        });
+        let (status, v) = s.api("POST", "/v1/firecracker/listeners", Some(body));
+        assert_eq!(status, 409, "{}: {v}", socket.display());
+        let msg = v["error"].as_str().unwrap_or_default();
+        assert!(msg.contains("already exists"), "{msg}");
+    }
+    assert_eq!(std::fs::read(&file).expect("read"), b"keep me");
+    assert!(std::fs::symlink_metadata(&link)
+        .expect("link")
+        .file_type()
+        .is_symlink());
+    s.assert_healthy();
+
+    // On the command line: the server does not start.
+    let state = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new(pagefork_tests::bin("uffd-server"))
+        .arg("--state-dir")
+        .arg(state.path().join("state"))
+        .arg("--vmm-bin")
+        .arg(pagefork_tests::bin("vmm"))
+        .arg("--firecracker")
+        .arg(format!("{}={}", file.display(), image.path()))
+        .output()
+        .expect("run uffd-server");
+    assert!(!out.status.success(), "the server started over a file");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already exists") && err.contains("precious.txt"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&file).expect("read"), b"keep me");
+}
