@@ -649,8 +649,13 @@ impl Drop for HeldClient {
 }
 
 /// The memory file of a listener is truncated while a client is connected:
-/// the client's faults on pages past the new end do not hang for ever, the
-/// failure is visible, and the server and its other clients go on.
+/// the client's faults on pages past the new end do not hang for ever and
+/// never read zeroes in place of the image. Either the listener serves a
+/// private copy it took at creation (its image is on a reflink
+/// filesystem), and the client reads the image exactly as it was, or the
+/// client's VM fails visibly (state, reason, the server's log) and the
+/// client dies on the poisoned page. The server and its other clients go
+/// on.
 #[test]
 fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
     if !require_kvm_uffd() {
@@ -664,7 +669,12 @@ fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
     let (status, v, good_socket) = add_listener(&s, "good", good.file.path());
     assert_eq!(status, 201, "{v}");
 
-    let mut client = HeldClient::spawn(&socket, 16, "touch-seq");
+    // What the image held before it was cut: the client checks every page
+    // against it.
+    let before = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::copy(image.file.path(), before.path()).expect("copy the image");
+    let check = format!("check:{}", before.path().display());
+    let mut client = HeldClient::spawn(&socket, 16, &check);
     let pid = client.child.id();
     let fc_vm = |s: &TestServer| -> Option<Value> {
         let (_, v) = s.api("GET", "/v1/vms", None);
@@ -691,12 +701,27 @@ fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
             }
         }
         if let Ok(line) = client.lines.try_recv() {
-            if line.contains("touch-seq") {
-                break format!("the client finished its touch: {line}");
+            if line.contains("mismatched_pages") {
+                let v: Value = serde_json::from_str(&line).expect("JSON");
+                assert_eq!(
+                    v["mismatched_pages"], 0,
+                    "the client finished but read other bytes than the image had: {line}"
+                );
+                break format!("the client read the image as it was: {line}");
             }
         }
         if let Ok(Some(st)) = client.child.try_wait() {
-            break format!("the client ended: {st}");
+            // It died on the poisoned page: the failure must be visible.
+            let log = s.server_log_text();
+            assert!(
+                seen_failed.is_some() || log.contains("failed: "),
+                "the client ended ({st}) but no VM failure is visible"
+            );
+            assert!(
+                log.contains("the page is poisoned"),
+                "the client ended ({st}) and the server's log says nothing of it"
+            );
+            break format!("the client ended on a poisoned page: {st}");
         }
         assert!(
             t.elapsed() < Duration::from_secs(20),
