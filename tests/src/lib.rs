@@ -178,6 +178,20 @@ pub fn server_on_xfs(args: &[&str]) -> Option<TestServer> {
     Some(TestServer::start_with_args(args))
 }
 
+/// Call `f` every 50 ms until it gives a value or `within` has passed.
+pub fn wait_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Whether process `pid` exists (`kill(pid, 0)` succeeds).
 pub fn process_exists(pid: u32) -> bool {
     let Ok(pid) = i32::try_from(pid) else {

@@ -223,6 +223,60 @@ fn the_soft_fd_limit_is_raised_to_the_hard_limit_at_start() {
     }
 }
 
+/// As VMs fill the server's fd table toward its limit, the server says so
+/// in its log (count, limit, what to do) before anything fails, and says
+/// when it is back to normal after they are deleted.
+#[test]
+fn running_low_on_fds_is_logged_before_anything_fails() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let limit = 96u64;
+    let s = TestServer::start_with_options(
+        &["--fd-check-ms", "100"],
+        &ServerOptions {
+            nofile: Some((limit, limit)),
+            ..ServerOptions::default()
+        },
+    );
+    let pid = s.pid();
+    let warning = "file descriptors running low";
+    let mut ids = Vec::new();
+    while (Holdings::of(pid).fds as u64) * 100 < limit * 85 {
+        assert!(ids.len() < 40, "{} VMs and still few fds", ids.len());
+        ids.push(s.create_vm(json!({"memory_mib": 4})));
+    }
+    let open = Holdings::of(pid).fds;
+    let logged = pagefork_tests::wait_for(Duration::from_secs(10), || {
+        s.server_log_text().contains(warning).then_some(())
+    });
+    assert!(
+        logged.is_some(),
+        "{open} fds of {limit} open and no warning; log:\n{}",
+        s.server_log_tail(20)
+    );
+    let line = s
+        .server_log_text()
+        .lines()
+        .find(|l| l.contains(warning))
+        .map(str::to_owned)
+        .unwrap_or_default();
+    assert!(line.contains(&format!("a limit of {limit}")), "{line}");
+    // Nothing failed: every VM still works.
+    for id in &ids {
+        s.fill(id, 0, 4, 3);
+    }
+    for id in &ids {
+        delete(&s, id);
+    }
+    let back = pagefork_tests::wait_for(Duration::from_secs(10), || {
+        s.server_log_text()
+            .contains("file descriptors back to")
+            .then_some(())
+    });
+    assert!(back.is_some(), "no all-clear after the deletes");
+}
+
 // ---------------------------------------------------------------------------
 // Per-VM logs (item 2)
 

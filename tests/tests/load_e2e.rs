@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use pagefork_tests::{process_exists, require_kvm_uffd, signal, TestServer};
+use pagefork_tests::{process_exists, require_kvm_uffd, signal, wait_for, TestServer};
 use serde_json::json;
 
 const VMS: usize = 50;
@@ -79,19 +79,6 @@ fn vmm_children(pid: u32) -> usize {
                     == Some(pid)
         })
         .count()
-}
-
-fn wait_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// A tiny deterministic RNG (xorshift) per worker.

@@ -78,6 +78,10 @@ struct Args {
     /// An API connection that moves no bytes for this long is closed, in ms.
     #[arg(long, default_value_t = 60000)]
     api_idle_timeout_ms: u64,
+    /// How often the server counts its open fds against its limit (it warns
+    /// from 80 % on), in ms.
+    #[arg(long, default_value_t = 5000)]
+    fd_check_ms: u64,
     /// Logs of deleted VMs kept in logs/ for post-mortems.
     #[arg(long, default_value_t = 32)]
     keep_logs: usize,
@@ -275,6 +279,11 @@ fn run(args: Args) -> Result<(), StartError> {
     prepare_private_dir(&state_dir.join("logs"))?;
     let _lock = lock_state_dir(&state_dir)?;
     raise_fd_limit();
+    if let Err(e) =
+        uffd_server::observe::fds::watch(Duration::from_millis(args.fd_check_ms.max(100)))
+    {
+        warn!("cannot start the fd watcher: {e}");
+    }
     lower_oom_score();
     let memory_budget_mib = match args.memory_budget_mib {
         Some(m) => m,

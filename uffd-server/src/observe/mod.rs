@@ -1,6 +1,7 @@
 //! Seeing what the server does: Prometheus metrics ([`metrics`]), the live
 //! fault trace ([`trace`]), each VM's page log ([`access`]: how every page
-//! got there, what the VM touched) and pictures of page maps ([`map`]).
+//! got there, what the VM touched) and pictures of page maps ([`map`]), and the server's fds against
+//! its limit ([`fds`]).
 //!
 //! The fault path pays for: the fault-service-time histogram (two clock
 //! reads and a few atomic adds per event), the page log (a clock read and a
@@ -10,6 +11,7 @@
 //! state when a client asks.
 
 pub mod access;
+pub mod fds;
 pub mod map;
 pub mod metrics;
 pub mod phases;
