@@ -366,6 +366,84 @@ fn requests_to_a_stopped_vmm_answer_504_and_the_state_stays_true() {
     );
 }
 
+/// Send `method path` with a JSON `body` on a new API connection and hang
+/// up after `wait`, before any answer is read.
+fn send_and_leave(s: &TestServer, method: &str, path: &str, body: &str, wait: Duration) {
+    let mut c = UnixStream::connect(s.api_sock()).expect("connect");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.write_all(req.as_bytes()).expect("send");
+    thread::sleep(wait);
+    drop(c);
+}
+
+/// Clients that hang up on a pause and a fork of a stopped VMM before any
+/// answer: once the VMM runs again, `GET` says what the guest does (a
+/// pause that hit its deadline did not take effect behind everyone's
+/// back, or if it did, `GET` says paused and the guest is still), and no
+/// child appears that the server did not finish.
+#[test]
+fn requests_whose_clients_left_do_not_take_effect_unseen() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start_with_args(&["--vmm-deadline-ms", "1000"]);
+    let mib = 256;
+    let pages = pages_of(mib);
+    let id = s.create_vm(json!({"memory_mib": mib}));
+    let pid = vmm_pid(&s, &id);
+    thread::scope(|sc| {
+        let filler = sc.spawn(|| s.fill(&id, 0, pages, 4));
+        thread::sleep(Duration::from_millis(200));
+        let stopped = Stopped::new(pid);
+        send_and_leave(
+            &s,
+            "POST",
+            &format!("/v1/vms/{id}/pause"),
+            "",
+            Duration::from_millis(200),
+        );
+        send_and_leave(
+            &s,
+            "POST",
+            &format!("/v1/vms/{id}/fork"),
+            r#"{"count": 1}"#,
+            Duration::from_millis(200),
+        );
+        // Past both deadlines, with the VMM still stopped.
+        thread::sleep(Duration::from_millis(2500));
+        assert_health_answers(&s, "after clients left");
+        drop(stopped);
+        thread::sleep(Duration::from_millis(500));
+        let (state, progress) = state_and_progress(&s, &id);
+        eprintln!("after the clients left and SIGCONT: state {state}, progressing {progress}");
+        match state.as_str() {
+            "running" => assert!(
+                progress || filler.is_finished(),
+                "GET says running but the guest's fill does not progress"
+            ),
+            "paused" => {
+                assert!(!progress, "GET says paused but the guest's fill progresses");
+                let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
+                assert_eq!(status, 200, "resume: {v}");
+            }
+            other => panic!("{id} is {other}: {}", s.vm(&id)),
+        }
+        filler.join().expect("the fill failed");
+    });
+    assert_eq!(s.verify(&id, 0, pages, 4), 0, "the fill completed");
+    let vms = s.vm_ids();
+    for child in vms.iter().filter(|v| **v != id) {
+        // A fork that finished is a whole VM, visible and running.
+        assert_eq!(s.vm(child)["state"], "running", "{child}: {}", s.vm(child));
+    }
+    assert!(vms.len() <= 2, "{vms:?}");
+    s.assert_healthy();
+}
+
 #[test]
 fn one_stopped_vmm_does_not_stop_health_or_other_vms() {
     if !require_kvm_uffd() {
