@@ -310,6 +310,7 @@ fn a_fork_whose_child_volume_name_is_taken_leaves_no_debris() {
         .count();
     let pid = s.pid();
     let children_before = pagefork_tests::child_pids(pid).len();
+    let held_before = pagefork_tests::Holdings::of(pid);
 
     let (status, v) = s.api(
         "POST",
@@ -347,6 +348,29 @@ fn a_fork_whose_child_volume_name_is_taken_leaves_no_debris() {
         logs_before,
         "the failed fork left a log"
     );
+    // Nor an fd, a uffd, or a child in the fork tree that the parent's
+    // writes would copy pages to (which made the server grow before).
+    let held = pagefork_tests::Holdings::of(pid);
+    assert_eq!(
+        (held.fds, held.userfaultfds),
+        (held_before.fds, held_before.userfaultfds),
+        "the failed fork left fds: before {held_before:?}, after {held:?}"
+    );
+    let (_, tree) = s.api("GET", "/v1/tree", None);
+    assert!(
+        !tree
+            .to_string()
+            .contains(&format!("vm-{}\"", num(&parent) + 1)),
+        "the failed child is in the tree: {tree}"
+    );
+    s.fill(&parent, 0, 2048, 9);
+    let held = pagefork_tests::Holdings::of(pid);
+    assert!(
+        held.rss_shmem_kib <= held_before.rss_shmem_kib + 8 * 1024 + 1024,
+        "rewriting the parent grew the server's shared memory beyond the parent's 8 MiB: \
+         before {held_before:?}, after {held:?}"
+    );
+    s.fill(&parent, 0, 64, 3);
     // The parent keeps working, memory and disk.
     assert_eq!(s.vm(&parent)["state"], "running");
     assert_eq!(s.verify(&parent, 0, 64, 3), 0);
