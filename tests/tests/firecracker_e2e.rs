@@ -1290,3 +1290,89 @@ fn a_listener_refuses_to_replace_an_existing_file_that_is_not_a_socket() {
     );
     assert_eq!(std::fs::read(&file).expect("read"), b"keep me");
 }
+
+/// A kill-and-stop storm against Firecracker clients of one image on two
+/// listeners (one page per fault, and fault-around): eight clients fault
+/// at once; three are SIGKILLed mid-touch, two SIGSTOPped mid-touch and
+/// then SIGKILLed while stopped, one SIGSTOPped and later continued, two
+/// left alone. Those left alone and the continued one read every page
+/// exactly; the server drops the VMs, uffds and connections of the
+/// killed ones and serves a new client exactly afterwards.
+#[test]
+fn a_kill_and_stop_storm_of_firecracker_clients_leaves_the_rest_exact() {
+    if !require_uffd() {
+        return;
+    }
+    let mib = 128;
+    let image = RandomImage::new(mib, 0xf1c0_0051);
+    let s = TestServer::start();
+    let (la, sock_a) = add_listener(&s, "storm-a", &image.path(), 0, false);
+    let (lb, sock_b) = add_listener(&s, "storm-b", &image.path(), 64, false);
+    let baseline = fd_count(s.pid());
+    let check = check_cmd(&image.path());
+    let opts = ["--mib", "128"];
+    let sock = |i: usize| {
+        if i.is_multiple_of(2) {
+            &sock_a
+        } else {
+            &sock_b
+        }
+    };
+    let touch = |i: usize| format!("touch-random:{i}");
+    let spawn_victim = |i: usize| FcClient::spawn(sock(i), &opts, &[&touch(i), "sleep:60000"]);
+    let faulting = |c: &FcClient| {
+        wait_for("a client's first faults", TIMEOUT, || {
+            fc_vm_of(&s, c.pid())
+                .map(|v| fault_counter(&v, "missing"))
+                .filter(|m| *m > 0)
+        })
+    };
+
+    let mut left_alone: Vec<FcClient> = (0..2)
+        .map(|i| FcClient::spawn(sock(i), &opts, &[&check]))
+        .collect();
+    let killed: Vec<FcClient> = (2..5).map(spawn_victim).collect();
+    let stopped: Vec<FcClient> = (5..7).map(spawn_victim).collect();
+    // On the one-page-per-fault listener, so it is still touching when
+    // it is stopped.
+    let mut continued = FcClient::spawn(&sock_a, &opts, &[&check]);
+
+    for c in &killed {
+        faulting(c);
+        signal(c.pid(), Signal::SIGKILL);
+    }
+    for c in stopped.iter().chain(std::iter::once(&continued)) {
+        faulting(c);
+        signal(c.pid(), Signal::SIGSTOP);
+        let at = fc_vm_of(&s, c.pid()).map(|v| fault_counter(&v, "missing"));
+        eprintln!("stopped client {} after {at:?} faults", c.pid());
+    }
+    // Stopped clients hold their faults; everyone else is served.
+    for c in &mut left_alone {
+        assert_clean(&c.until(&check));
+    }
+    for c in &stopped {
+        signal(c.pid(), Signal::SIGKILL);
+    }
+    signal(continued.pid(), Signal::SIGCONT);
+    assert_clean(&continued.until(&check));
+
+    let gone: Vec<u32> = killed.iter().chain(&stopped).map(FcClient::pid).collect();
+    drop(killed);
+    drop(stopped);
+    for pid in &gone {
+        wait_vm_gone(&s, *pid);
+    }
+    drop(left_alone);
+    drop(continued);
+    wait_for("every client's VM to go", Duration::from_secs(10), || {
+        fc_vms(&s).is_empty().then_some(())
+    });
+    assert_eq!(listener(&s, &la)["vms"], json!([]));
+    assert_eq!(listener(&s, &lb)["vms"], json!([]));
+    wait_fds_released(&s, baseline, 0);
+    s.assert_healthy();
+
+    let out = run_client(&sock_a, &opts, &[&check]);
+    assert_clean(line_of(&out, &check));
+}
