@@ -350,11 +350,16 @@ fn a_fork_whose_child_volume_name_is_taken_leaves_no_debris() {
     );
     // Nor an fd, a uffd, or a child in the fork tree that the parent's
     // writes would copy pages to (which made the server grow before).
-    let held = pagefork_tests::Holdings::of(pid);
-    assert_eq!(
-        (held.fds, held.userfaultfds),
-        (held_before.fds, held_before.userfaultfds),
-        "the failed fork left fds: before {held_before:?}, after {held:?}"
+    // (An API connection of the answer may still be closing: wait for it.)
+    let settled = pagefork_tests::wait_for(Duration::from_secs(5), || {
+        let held = pagefork_tests::Holdings::of(pid);
+        (held.fds <= held_before.fds && held.userfaultfds == held_before.userfaultfds).then_some(())
+    });
+    assert!(
+        settled.is_some(),
+        "the failed fork left fds: before {held_before:?}, after {:?}: {:?}",
+        pagefork_tests::Holdings::of(pid),
+        pagefork_tests::open_fds(pid)
     );
     let (_, tree) = s.api("GET", "/v1/tree", None);
     assert!(

@@ -293,6 +293,34 @@ fn connections_idle_longer_than_the_idle_timeout_are_closed() {
 // ---------------------------------------------------------------------------
 // Items 4 and 8: a stopped VMM
 
+/// `GET` says what the guest of `id` does: `running` while its fill (run
+/// by `filler`) progresses or has finished, `paused` while it stands still
+/// (then it is resumed, so the fill can finish).
+fn assert_state_is_what_the_guest_does(
+    s: &TestServer,
+    id: &str,
+    filler: &thread::ScopedJoinHandle<'_, ()>,
+    when: &str,
+) {
+    let (state, progress) = state_and_progress(s, id);
+    eprintln!("{when}: state {state}, guest progressing: {progress}");
+    match state.as_str() {
+        "running" => assert!(
+            progress || filler.is_finished(),
+            "{when}: GET says running but the guest's fill does not progress"
+        ),
+        "paused" => {
+            assert!(
+                !progress,
+                "{when}: GET says paused but the guest's fill progresses"
+            );
+            let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
+            assert_eq!(status, 200, "resume: {v}");
+        }
+        other => panic!("{id} is {other} {when}: {}", s.vm(id)),
+    }
+}
+
 /// Pause, then fork, a VM whose VMM is stopped: both answer 504 within a
 /// few seconds, and once the VMM runs again the state `GET` shows is what
 /// the guest does (a fill in flight progresses exactly when it says
@@ -342,20 +370,7 @@ fn requests_to_a_stopped_vmm_answer_504_and_the_state_stays_true() {
         assert_health_answers(&s, "with a stopped VMM");
 
         drop(stopped);
-        let (state, progress) = state_and_progress(&s, &id);
-        eprintln!("after SIGCONT: state {state}, guest progressing: {progress}");
-        match state.as_str() {
-            "running" => assert!(
-                progress || filler.is_finished(),
-                "GET says running but the guest's fill does not progress"
-            ),
-            "paused" => {
-                assert!(!progress, "GET says paused but the guest's fill progresses");
-                let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
-                assert_eq!(status, 200, "resume: {v}");
-            }
-            other => panic!("{id} is {other} after SIGCONT: {}", s.vm(&id)),
-        }
+        assert_state_is_what_the_guest_does(&s, &id, &filler, "after SIGCONT");
         filler.join().expect("the fill failed");
     });
     assert_eq!(s.verify(&id, 0, pages, 3), 0, "the fill completed");
@@ -418,20 +433,7 @@ fn requests_whose_clients_left_do_not_take_effect_unseen() {
         assert_health_answers(&s, "after clients left");
         drop(stopped);
         thread::sleep(Duration::from_millis(500));
-        let (state, progress) = state_and_progress(&s, &id);
-        eprintln!("after the clients left and SIGCONT: state {state}, progressing {progress}");
-        match state.as_str() {
-            "running" => assert!(
-                progress || filler.is_finished(),
-                "GET says running but the guest's fill does not progress"
-            ),
-            "paused" => {
-                assert!(!progress, "GET says paused but the guest's fill progresses");
-                let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
-                assert_eq!(status, 200, "resume: {v}");
-            }
-            other => panic!("{id} is {other}: {}", s.vm(&id)),
-        }
+        assert_state_is_what_the_guest_does(&s, &id, &filler, "after the clients left and SIGCONT");
         filler.join().expect("the fill failed");
     });
     assert_eq!(s.verify(&id, 0, pages, 4), 0, "the fill completed");
