@@ -321,6 +321,54 @@ fn fork_children_see_parent_memory_as_at_fork_time() {
     assert_invariant(&s, "after the children read all memory");
 }
 
+/// A fork write-protects a large materialized set from several threads
+/// (`uffd_abi::write_protect_runs` splits it past 64 MiB per thread):
+/// every share must be protected, so parent writes anywhere in 256 MiB,
+/// on either side of any cut, stay out of the child.
+#[test]
+fn fork_of_a_large_vm_protects_every_part_of_its_memory() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let _host = shared_host();
+    let s = TestServer::start();
+    let mib = 256;
+    let total = pages_of(mib);
+    let a = create(&s, mib);
+    s.fill(&a, 0, total, 1);
+    let mut child_model = Model::new(total);
+    child_model.fill(0, total, 1);
+    let kids = children_of(&fork(&s, &a, 1));
+    let kid = &kids[0];
+    // The parent rewrites 64 pages in each sixteenth, and the last ones.
+    let mut parent_model = child_model.clone();
+    let chunk = 64;
+    let starts: Vec<u64> = (0..16)
+        .map(|i| i * total / 16 + total / 32)
+        .chain([total - chunk])
+        .collect();
+    for &start in &starts {
+        s.fill(&a, start, chunk, 2);
+        parent_model.fill(start, chunk, 2);
+    }
+    assert_eq!(
+        s.verify(kid, 0, total, 1),
+        0,
+        "the child still holds seed 1"
+    );
+    assert_eq!(
+        s.digest(kid, 0, total),
+        child_model.digest(0, total),
+        "child digest"
+    );
+    assert_eq!(
+        s.digest(&a, 0, total),
+        parent_model.digest(0, total),
+        "parent digest"
+    );
+    assert_invariant(&s, "after parent writes across a large fork");
+}
+
 #[test]
 fn writes_after_fork_are_isolated_between_parent_and_children() {
     if !require_kvm_uffd() {

@@ -24,4 +24,6 @@ pub use abi::{
     UFFD_FEATURE_WP_UNPOPULATED, WRITEPROTECT_MODE_WP,
 };
 pub use nix::errno::Errno;
-pub use ops::{copy, poison, wake, write_protect, writeprotect, zeropage, Install};
+pub use ops::{
+    copy, poison, wake, write_protect, write_protect_runs, writeprotect, zeropage, Install,
+};

@@ -132,7 +132,7 @@ pub enum Error {
         start: u64,
         end: u64,
         #[source]
-        source: userfaultfd::Error,
+        source: uffd_abi::Errno,
     },
     #[error("cannot give {vm} its own copy of volume {volume}")]
     ForkVolume {
@@ -224,6 +224,12 @@ impl Error {
                 ErrorKind::Conflict => 409,
                 _ => 500,
             },
+            // The VMM checked the op against the VM (sectors past the
+            // disk's end, say): the request is at fault, not the VMM.
+            Vmm {
+                source: proto::vmm::RequestError::InvalidOp(_),
+                ..
+            } => 400,
             StartFailed { .. } | Vmm { .. } | SendToVmm { .. } | VmmGone { .. } => 502,
             VmmExited { .. } => 502,
             QueueFull { .. } => 503,
@@ -285,6 +291,20 @@ mod tests {
                 500,
             ),
             (Error::VmmGone { vm }, 502),
+            (
+                Error::Vmm {
+                    vm,
+                    source: proto::vmm::RequestError::InvalidOp("sectors past the end".into()),
+                },
+                400,
+            ),
+            (
+                Error::Vmm {
+                    vm,
+                    source: proto::vmm::RequestError::VcpuGone,
+                },
+                502,
+            ),
             (
                 Error::Snapshot(crate::snapshot::SnapshotError::InUse {
                     name: "s".into(),

@@ -272,19 +272,22 @@ impl Core {
         let reg = self.reg.borrow();
         let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
         let uffd = v.uffd.clone().ok_or(Error::NoUffd { vm })?;
-        let mut pages = 0;
-        for (start, n) in v.table.ranges_of(v.self_src) {
-            uffd.get_ref()
-                .write_protect(v.addr_of(start), shared::geometry::usize_of(n * PAGE_SIZE))
-                .map_err(|source| Error::WriteProtect {
+        let ranges = v.table.ranges_of(v.self_src);
+        let runs: Vec<(u64, u64)> = ranges
+            .iter()
+            .map(|&(start, n)| (v.addr_of(start) as u64, n * PAGE_SIZE))
+            .collect();
+        uffd_abi::write_protect_runs(uffd.get_ref(), &runs, v.memory.page_size().bytes(), true)
+            .map_err(|(i, errno)| {
+                let (start, n) = ranges[i];
+                Error::WriteProtect {
                     vm,
                     start,
                     end: start + n,
-                    source,
-                })?;
-            pages += n;
-        }
-        Ok(pages)
+                    source: errno,
+                }
+            })?;
+        Ok(ranges.iter().map(|&(_, n)| n).sum())
     }
 
     /// Register `count` children of `parent` sharing its table.

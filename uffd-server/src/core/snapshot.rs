@@ -629,10 +629,12 @@ impl Core {
             None => vec![(0, pages)],
         };
         let t_wp = Instant::now();
-        for (first, n) in rearm {
-            uffd_abi::write_protect(uffd.get_ref(), v.addr_of(first) as u64, n * PAGE_SIZE, true)
-                .map_err(|source| Error::ArmTracking { vm, source })?;
-        }
+        let runs: Vec<(u64, u64)> = rearm
+            .iter()
+            .map(|&(first, n)| (v.addr_of(first) as u64, n * PAGE_SIZE))
+            .collect();
+        uffd_abi::write_protect_runs(uffd.get_ref(), &runs, v.memory.page_size().bytes(), true)
+            .map_err(|(_, source)| Error::ArmTracking { vm, source })?;
         let write_protect_us = us(t_wp);
         v.dirty = Some(DirtyLog {
             since: name.to_owned(),
