@@ -155,10 +155,14 @@ impl Plan {
             "qcow2_interchange" => ["import", "export", "snapshot_create"]
                 .map(|m| format!("qcow2.{m}"))
                 .to_vec(),
-            "disk_throughput" => ["write", "read"]
-                .iter()
-                .flat_map(|d| ["multi", "one"].map(|m| format!("disk.{d}.{m}")))
-                .collect(),
+            "disk_throughput" => {
+                let mut k: Vec<String> = ["write", "read"]
+                    .iter()
+                    .flat_map(|d| ["multi", "one"].map(|m| format!("disk.{d}.{m}")))
+                    .collect();
+                k.push("disk.write.pages".into());
+                k
+            }
             "zstd_image" => {
                 let mut k: Vec<String> = [4, 64, 256, 2048]
                     .iter()

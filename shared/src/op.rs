@@ -47,6 +47,18 @@ pub enum GuestOp {
         #[serde(default)]
         sectors_per_io: Option<u32>,
     },
+    /// Write guest pages `start_page..start_page + pages` to the disk from
+    /// `sector` on: the block device reads them straight from guest RAM,
+    /// as a DMA from the guest's own pages would, and the guest computes
+    /// nothing per sector.
+    DiskWritePages {
+        start_page: u64,
+        pages: u64,
+        sector: u64,
+        /// As in [`GuestOp::DiskFill`].
+        #[serde(default)]
+        sectors_per_io: Option<u32>,
+    },
     /// Fold the first word of every sector.
     DiskChecksum {
         sector: u64,
@@ -69,6 +81,7 @@ impl GuestOp {
             GuestOp::Identity => "identity",
             GuestOp::DiskFill { .. } => "disk_fill",
             GuestOp::DiskChecksum { .. } => "disk_checksum",
+            GuestOp::DiskWritePages { .. } => "disk_write_pages",
         }
     }
 
@@ -77,9 +90,24 @@ impl GuestOp {
     pub fn sectors_per_io(&self) -> Option<u64> {
         match *self {
             GuestOp::DiskFill { sectors_per_io, .. }
-            | GuestOp::DiskChecksum { sectors_per_io, .. } => {
+            | GuestOp::DiskChecksum { sectors_per_io, .. }
+            | GuestOp::DiskWritePages { sectors_per_io, .. } => {
                 Some(sectors_per_io.map_or(crate::pattern::MAX_SECTORS_PER_IO, u64::from))
             }
+            _ => None,
+        }
+    }
+
+    /// The disk sectors `(first, count)` the operation reads or writes, if
+    /// any.
+    pub fn sector_range(&self) -> Option<(u64, u64)> {
+        match *self {
+            GuestOp::DiskFill { sector, count, .. }
+            | GuestOp::DiskChecksum { sector, count, .. } => Some((sector, count)),
+            GuestOp::DiskWritePages { sector, pages, .. } => Some((
+                sector,
+                pages.saturating_mul(crate::PAGE_SIZE / crate::pattern::SECTOR_SIZE),
+            )),
             _ => None,
         }
     }
@@ -97,7 +125,10 @@ impl GuestOp {
             | GuestOp::Verify {
                 start_page, pages, ..
             }
-            | GuestOp::Digest { start_page, pages } => Some((start_page, pages)),
+            | GuestOp::Digest { start_page, pages }
+            | GuestOp::DiskWritePages {
+                start_page, pages, ..
+            } => Some((start_page, pages)),
             _ => None,
         }
     }

@@ -14,8 +14,12 @@
 //! Every word of a request comes from guest memory, so it is checked before
 //! a byte moves: the count is 1 to [`MAX_SECTORS_PER_IO`], the sectors lie on
 //! the disk, and the buffer lies inside the window
-//! `[DISK_BUF_START, DISK_BUF_END)` of the private region. Guest RAM, the
-//! page tables and the agent code are never a buffer.
+//! `[DISK_BUF_START, DISK_BUF_END)` of the private region or, for a write
+//! only, inside one guest RAM region: a write then goes to the disk
+//! straight from the guest's pages, as a DMA would (`disk_write_pages`),
+//! and through the same mapping the server's userfaultfd serves, so pages
+//! not yet present are fetched on the way. A read never lands in guest RAM,
+//! and the page tables and the agent code are never a buffer.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -62,9 +66,15 @@ pub enum DiskError {
     },
     #[error(
         "buffer {buf:#x} of {count} sectors is outside the device's window \
-         {DISK_BUF_START:#x}..{DISK_BUF_END:#x}"
+         {DISK_BUF_START:#x}..{DISK_BUF_END:#x}{}",
+        if *from_ram_allowed { " and outside guest RAM" } else { " (a read never lands in guest RAM)" }
     )]
-    BufferOutside { buf: u64, count: u64 },
+    BufferOutside {
+        buf: u64,
+        count: u64,
+        /// Whether the request could have used guest RAM (a write).
+        from_ram_allowed: bool,
+    },
     #[error("cannot map the buffer at {buf:#x}")]
     MapBuffer {
         buf: u64,
@@ -125,9 +135,10 @@ impl Request {
         })
     }
 
-    /// Check the request against a disk of `disk_sectors` sectors; returns
-    /// its length in bytes.
-    pub fn check(&self, disk_sectors: u64) -> Result<usize> {
+    /// Check the request against a disk of `disk_sectors` sectors and a
+    /// guest whose RAM holds `[addr, addr + len)` when `in_ram(addr, len)`;
+    /// returns its length in bytes.
+    pub fn check(&self, disk_sectors: u64, in_ram: impl Fn(u64, usize) -> bool) -> Result<usize> {
         let Request {
             sector, count, buf, ..
         } = *self;
@@ -145,16 +156,25 @@ impl Request {
             });
         }
         let len = count * SECTOR_SIZE;
-        if buf < DISK_BUF_START || buf.checked_add(len).is_none_or(|end| end > DISK_BUF_END) {
-            return Err(DiskError::BufferOutside { buf, count });
-        }
         // At most 1 MiB: fits any usize this VMM builds for.
-        usize::try_from(len).map_err(|_| DiskError::BadCount(count))
+        let bytes = usize::try_from(len).map_err(|_| DiskError::BadCount(count))?;
+        let in_window =
+            buf >= DISK_BUF_START && buf.checked_add(len).is_some_and(|end| end <= DISK_BUF_END);
+        let from_ram_allowed = self.command == Command::Write;
+        let from_ram = from_ram_allowed && in_ram(buf, bytes);
+        if !(in_window || from_ram) {
+            return Err(DiskError::BufferOutside {
+                buf,
+                count,
+                from_ram_allowed,
+            });
+        }
+        Ok(bytes)
     }
 
     /// Check and carry out the request.
     pub fn execute(&self, disk: &Disk, mem: &GuestRam) -> Result<()> {
-        let len = self.check(disk.sectors())?;
+        let len = self.check(disk.sectors(), |addr, len| mem.is_ram(addr, len))?;
         let slice = mem
             .mem
             .get_slice(GuestAddress(self.buf), len)
@@ -168,8 +188,12 @@ impl Request {
             Command::Write => {
                 let guard = slice.ptr_guard();
                 // SAFETY: `guard` points at `len` bytes of the private
-                // region's mapping, which lives as long as `mem`; only the
-                // agent writes it, and its vCPU waits in this OUT exit.
+                // region's or guest RAM's mapping, which lives as long as
+                // `mem`; only the agent writes the private region, and its
+                // vCPU waits in this OUT exit. Other vCPUs only park; a
+                // concurrent store to guest RAM would change the bytes
+                // written, as DMA from a page being written does, never
+                // memory safety: the slice is read once, as plain bytes.
                 let bytes = unsafe { std::slice::from_raw_parts(guard.as_ptr(), len) };
                 disk.file
                     .write_all_at(bytes, off)
@@ -202,6 +226,10 @@ mod tests {
     use super::*;
     use crate::layout::{DISK_READ_BUF, DISK_WRITE_BUF};
 
+    fn no_ram(_: u64, _: usize) -> bool {
+        false
+    }
+
     fn req(sector: u64, count: u64, buf: u64) -> Request {
         Request {
             command: Command::Write,
@@ -213,22 +241,22 @@ mod tests {
 
     #[test]
     fn requests_inside_the_disk_and_the_window_pass() {
-        assert_eq!(req(0, 1, DISK_WRITE_BUF).check(8).unwrap(), 512);
+        assert_eq!(req(0, 1, DISK_WRITE_BUF).check(8, no_ram).unwrap(), 512);
         assert_eq!(
             req(10, MAX_SECTORS_PER_IO, DISK_READ_BUF)
-                .check(10 + MAX_SECTORS_PER_IO)
+                .check(10 + MAX_SECTORS_PER_IO, no_ram)
                 .unwrap(),
             1 << 20
         );
         // The last sector of the window.
-        assert!(req(0, 1, DISK_BUF_END - 512).check(1).is_ok());
+        assert!(req(0, 1, DISK_BUF_END - 512).check(1, no_ram).is_ok());
     }
 
     #[test]
     fn bad_counts_are_refused() {
         for count in [0, MAX_SECTORS_PER_IO + 1, u64::MAX] {
             assert!(matches!(
-                req(0, count, DISK_WRITE_BUF).check(u64::MAX),
+                req(0, count, DISK_WRITE_BUF).check(u64::MAX, no_ram),
                 Err(DiskError::BadCount(c)) if c == count
             ));
         }
@@ -239,7 +267,7 @@ mod tests {
         for (sector, count) in [(7, 2), (8, 1), (u64::MAX, 1), (u64::MAX - 1, 2)] {
             assert!(
                 matches!(
-                    req(sector, count, DISK_WRITE_BUF).check(8),
+                    req(sector, count, DISK_WRITE_BUF).check(8, no_ram),
                     Err(DiskError::PastEnd { .. })
                 ),
                 "{sector}+{count}"
@@ -259,12 +287,38 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    req(0, count, buf).check(1 << 20),
+                    req(0, count, buf).check(1 << 20, no_ram),
                     Err(DiskError::BufferOutside { .. })
                 ),
                 "{buf:#x}+{count}"
             );
         }
+    }
+
+    #[test]
+    fn guest_ram_is_a_write_source_but_never_a_read_target() {
+        let ram =
+            |addr: u64, len: usize| addr.checked_add(len as u64).is_some_and(|e| e <= 1 << 20);
+        assert_eq!(req(0, 8, 0).check(8, ram).unwrap(), 4096);
+        let read = Request {
+            command: Command::Read,
+            ..req(0, 8, 0)
+        };
+        assert!(matches!(
+            read.check(8, ram),
+            Err(DiskError::BufferOutside {
+                from_ram_allowed: false,
+                ..
+            })
+        ));
+        // Past the end of RAM.
+        assert!(matches!(
+            req(0, 2, (1 << 20) - 512).check(8, ram),
+            Err(DiskError::BufferOutside {
+                from_ram_allowed: true,
+                ..
+            })
+        ));
     }
 
     #[test]
@@ -290,6 +344,13 @@ mod tests {
         let mut got = vec![0u8; words.len()];
         mem.read(DISK_READ_BUF, &mut got).unwrap();
         assert_eq!(got, words);
+
+        // A write straight from guest RAM.
+        mem.write(0x3000, &[7u8; 1024]).unwrap();
+        req(0, 2, 0x3000).execute(&disk, &mem).unwrap();
+        let mut on_disk = vec![0u8; 1024];
+        disk.file.read_exact_at(&mut on_disk, 0).unwrap();
+        assert_eq!(on_disk, vec![7u8; 1024]);
 
         // Refused: nothing moves, guest RAM is untouched.
         back.buf = 0;

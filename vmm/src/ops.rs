@@ -74,9 +74,7 @@ pub fn validate(
             )));
         }
     }
-    if let GuestOp::DiskFill { sector, count, .. } | GuestOp::DiskChecksum { sector, count, .. } =
-        *op
-    {
+    if let Some((sector, count)) = op.sector_range() {
         let total =
             disk_sectors.ok_or_else(|| RequestError::InvalidOp("the VM has no disk".into()))?;
         if sector.checked_add(count).is_none_or(|end| end > total) {
@@ -119,6 +117,20 @@ pub fn encode(op: &GuestOp) -> Option<(u32, [u64; 4])> {
         GuestOp::DiskChecksum { sector, count, .. } => {
             (opcode::DISK_CHECKSUM, [sector, count, 0, per_io])
         }
+        GuestOp::DiskWritePages {
+            start_page,
+            pages,
+            sector,
+            ..
+        } => (
+            opcode::DISK_WRITE_PAGES,
+            [
+                sector,
+                pages * (shared::PAGE_SIZE / shared::pattern::SECTOR_SIZE),
+                start_page << shared::PAGE_SHIFT,
+                per_io,
+            ],
+        ),
         GuestOp::Digest { .. } => return None,
     })
 }

@@ -301,6 +301,20 @@ pub enum ExecRequest {
         #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 2048))]
         sectors_per_io: Option<u32>,
     },
+    /// Write guest pages to the volume from `sector` on, straight from
+    /// guest RAM (8 sectors per page).
+    DiskWritePages {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_page: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pages: Option<u64>,
+        #[serde(default)]
+        sector: u64,
+        /// As for `disk_fill`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 2048))]
+        sectors_per_io: Option<u32>,
+    },
     /// Fold `count` sectors of the volume.
     DiskChecksum {
         #[serde(default)]
@@ -398,6 +412,20 @@ impl ExecRequest {
                 count,
                 sectors_per_io,
             },
+            ExecRequest::DiskWritePages {
+                start_page,
+                pages,
+                sector,
+                sectors_per_io,
+            } => {
+                let (start_page, pages) = range(start_page, pages);
+                GuestOp::DiskWritePages {
+                    start_page,
+                    pages,
+                    sector,
+                    sectors_per_io,
+                }
+            }
         };
         if let Some(n) = op.sectors_per_io() {
             if !(1..=MAX_SECTORS_PER_IO).contains(&n) {
@@ -420,7 +448,9 @@ impl ExecRequest {
     pub fn needs_disk(&self) -> bool {
         matches!(
             self,
-            ExecRequest::DiskFill { .. } | ExecRequest::DiskChecksum { .. }
+            ExecRequest::DiskFill { .. }
+                | ExecRequest::DiskChecksum { .. }
+                | ExecRequest::DiskWritePages { .. }
         )
     }
 }
@@ -538,6 +568,18 @@ mod tests {
         let r: ExecRequest =
             serde_json::from_str(r#"{"op":"disk_fill","count":2,"seed":1}"#).unwrap();
         assert!(r.needs_disk());
+        let r: ExecRequest =
+            serde_json::from_str(r#"{"op":"disk_write_pages","start_page":2,"sector":8}"#).unwrap();
+        assert!(r.needs_disk());
+        assert_eq!(
+            r.to_op(10).unwrap(),
+            GuestOp::DiskWritePages {
+                start_page: 2,
+                pages: 8,
+                sector: 8,
+                sectors_per_io: None
+            }
+        );
     }
 
     #[test]

@@ -163,7 +163,14 @@ mod tests {
     fn exec_schema_names_each_op_and_its_fields() {
         let d = document();
         let exec = d["components"]["schemas"]["ExecRequest"].to_string();
-        for op in ["fill", "touch", "digest", "identity", "disk_fill"] {
+        for op in [
+            "fill",
+            "touch",
+            "digest",
+            "identity",
+            "disk_fill",
+            "disk_write_pages",
+        ] {
             assert!(exec.contains(op), "{op} missing from {exec}");
         }
     }

@@ -68,7 +68,7 @@ pub enum VmCmd {
         concurrency: u32,
     },
     /// Run a guest agent op: fill, touch, checksum, verify, digest, identity,
-    /// disk_fill, disk_checksum.
+    /// disk_fill, disk_write_pages, disk_checksum.
     Exec {
         id: String,
         op: String,
@@ -268,6 +268,12 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                     seed: need(seed, "seed")?,
                     sectors_per_io,
                 },
+                "disk_write_pages" => api::ExecRequest::DiskWritePages {
+                    start_page,
+                    pages,
+                    sector: sector.unwrap_or(0),
+                    sectors_per_io,
+                },
                 "disk_checksum" => api::ExecRequest::DiskChecksum {
                     sector: sector.unwrap_or(0),
                     count: need(count, "count")?,
@@ -275,7 +281,7 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                 },
                 other => {
                     return Err(CliError::Usage(format!(
-                        "unknown op {other}; use fill, touch, checksum, verify, digest, identity, disk_fill or disk_checksum"
+                        "unknown op {other}; use fill, touch, checksum, verify, digest, identity, disk_fill, disk_write_pages or disk_checksum"
                     )))
                 }
             };

@@ -223,6 +223,31 @@ fn disk_fill(a: &mut CodeAssembler, mut label: CodeLabel, done: CodeLabel) -> Re
     Ok(())
 }
 
+/// `disk_write_pages`: requests of up to rbp sectors whose buffer is guest
+/// RAM itself, from the address in ARG2 on; nothing per sector. The
+/// bounce buffer holds nothing the op needs, so `DISK_SLOTS` stays 0.
+fn disk_write_pages(a: &mut CodeAssembler, mut label: CodeLabel, done: CodeLabel) -> Result<()> {
+    let mut top = a.create_label();
+    let mut end = a.create_label();
+    a.set_label(&mut label)?;
+    a.mov(r12, qword_ptr(rbx + mailbox::ARG2))?;
+    disk_range(a, end)?;
+    a.set_label(&mut top)?;
+    request_len(a)?;
+    a.mov(qword_ptr(rbx + mailbox::DISK_BUF), r12)?;
+    disk_request(a, DISK_WRITE)?;
+    a.mov(rax, r13)?;
+    a.shl(rax, SECTOR.trailing_zeros())?;
+    a.add(r12, rax)?;
+    a.add(rsi, r13)?;
+    a.sub(rcx, r13)?;
+    a.jnz(top)?;
+    a.set_label(&mut end)?;
+    a.xor(eax, eax)?;
+    a.jmp(done)?;
+    Ok(())
+}
+
 /// `disk_checksum`: fold the first word of every sector, read in requests
 /// of up to rbp sectors into [`DISK_READ_BUF`].
 fn disk_checksum(a: &mut CodeAssembler, mut label: CodeLabel, done: CodeLabel) -> Result<()> {
@@ -312,6 +337,7 @@ pub fn build() -> Result<Agent> {
     let mut l_identity = a.create_label();
     let l_disk_fill = a.create_label();
     let l_disk_checksum = a.create_label();
+    let l_disk_write_pages = a.create_label();
 
     a.set_label(&mut park)?;
     a.hlt()?;
@@ -331,6 +357,7 @@ pub fn build() -> Result<Agent> {
         (opcode::IDENTITY, l_identity),
         (opcode::DISK_FILL, l_disk_fill),
         (opcode::DISK_CHECKSUM, l_disk_checksum),
+        (opcode::DISK_WRITE_PAGES, l_disk_write_pages),
     ] {
         a.cmp(eax, op)?;
         a.je(label)?;
@@ -438,6 +465,7 @@ pub fn build() -> Result<Agent> {
 
     disk_fill(&mut a, l_disk_fill, done)?;
     disk_checksum(&mut a, l_disk_checksum, done)?;
+    disk_write_pages(&mut a, l_disk_write_pages, done)?;
 
     let res = a.assemble_options(
         CODE,

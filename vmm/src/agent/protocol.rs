@@ -23,7 +23,8 @@ pub mod mailbox {
     pub const ARG0: u64 = 8;
     /// Second argument: page or sector count.
     pub const ARG1: u64 = 16;
-    /// Third argument: seed, or the write flag of touch.
+    /// Third argument: seed, the write flag of touch, or the guest address
+    /// `disk_write_pages` writes from.
     pub const ARG2: u64 = 24;
     /// Fourth argument: sectors per block device request of a disk op.
     pub const ARG3: u64 = 32;
@@ -53,6 +54,7 @@ pub mod opcode {
     pub const IDENTITY: u32 = 5;
     pub const DISK_FILL: u32 = 6;
     pub const DISK_CHECKSUM: u32 = 7;
+    pub const DISK_WRITE_PAGES: u32 = 8;
 }
 
 /// The generated agent, to be loaded at `layout::CODE`.
