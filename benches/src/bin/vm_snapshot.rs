@@ -172,13 +172,13 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
             &format!("{what}: guest pause"),
             "µs",
             &pause,
-            "UFFDIO_WRITEPROTECT of the same pages on the VMM's KVM-mapped memory (the ioctl inside the pause, timed around it)",
+            "UFFDIO_WRITEPROTECT of the same pages on the VMM's KVM-mapped memory (the write-protect inside the pause, timed around it; one thread per 64 MiB, at most one per core and 4)",
             &in_wp,
         )
         .goal("≤ 1.3× and < 20 ms at 1 GiB dirty (Cube: ~487 ms)")
         .note(format!(
             "pause = pause + capture vCPUs, re-protect the pages written since the last snapshot, resume; \
-             medians inside it: capture {:.0} µs, resume {:.0} µs; the same ioctl in-process on populated \
+             medians inside it: capture {:.0} µs, resume {:.0} µs; one ioctl on one thread, in-process, on populated \
              shmem no KVM maps: {:.0} µs",
             med(&in_capture),
             med(&in_resume),
