@@ -172,7 +172,7 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
             &format!("{what}: guest pause"),
             "µs",
             &pause,
-            "UFFDIO_WRITEPROTECT of the same pages on the VMM's KVM-mapped memory (the write-protect inside the pause, timed around it; one thread per 64 MiB, at most one per core and 4)",
+            "UFFDIO_WRITEPROTECT of the same pages on the VMM's KVM-mapped memory (the write-protect inside the pause, timed around it; one thread per 64 MiB of 4 KiB pages, at most one per core and 4)",
             &in_wp,
         )
         .goal("≤ 1.3× and < 20 ms at 1 GiB dirty (Cube: ~487 ms)")
