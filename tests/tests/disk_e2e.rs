@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use pagefork_tests::{server_on_xfs, TestServer};
+use pagefork_tests::{server_on_xfs, RandomImage, TestServer};
 use serde_json::json;
 use shared::pattern::{disk_checksum, disk_word, SECTOR_SIZE};
 
@@ -391,20 +391,11 @@ fn pages_written_from_guest_ram_reach_the_volume_byte_for_byte() {
     );
     assert_eq!(st, 201, "{v}");
     let mib = 16u64;
-    let mut image = vec![0u8; usize::try_from(mib << 20).unwrap()];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for w in image.chunks_exact_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        w.copy_from_slice(&x.to_le_bytes());
-    }
-    let path = server.state_dir().join("ram.img");
-    std::fs::write(&path, &image).unwrap();
+    let image = RandomImage::new(mib, 0x9e37_79b9_7f4a_7c15);
     let vm = server.create_vm(json!({
         "memory_mib": mib,
         "volume": "p1",
-        "memory_source": {"kind": "file", "path": path},
+        "memory_source": image.source(),
         "fault_around_kib": 0,
         "readahead_kib": 0,
     }));
@@ -413,7 +404,7 @@ fn pages_written_from_guest_ram_reach_the_volume_byte_for_byte() {
         &vm,
         json!({"op": "fill", "start_page": 300, "pages": 10, "seed": 4}),
     );
-    let mut ram = image.clone();
+    let mut ram = image.bytes.clone();
     for p in 300..310u64 {
         let b = usize::try_from(p * 4096).unwrap();
         shared::pattern::fill_page(&mut ram[b..b + 4096], p, 4);

@@ -322,7 +322,8 @@ fn fork_children_see_parent_memory_as_at_fork_time() {
 }
 
 /// A fork write-protects a large materialized set from several threads
-/// (`uffd_abi::write_protect_runs` splits it past 64 MiB per thread):
+/// (`uffd_abi::write_protect_runs` gives each thread 64 MiB of 4 KiB pages
+/// or more):
 /// every share must be protected, so parent writes anywhere in 256 MiB,
 /// on either side of any cut, stay out of the child.
 #[test]
