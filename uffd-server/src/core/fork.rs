@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use proto::api::{ForkPhases, ForkResponse, MAX_FORK_COUNT};
 use proto::vmm::{Reply, Request};
-use shared::{VmId, PAGE_SIZE};
+use shared::VmId;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
 
@@ -273,11 +273,7 @@ impl Core {
         let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
         let uffd = v.uffd.clone().ok_or(Error::NoUffd { vm })?;
         let ranges = v.table.ranges_of(v.self_src);
-        let runs: Vec<(u64, u64)> = ranges
-            .iter()
-            .map(|&(start, n)| (v.addr_of(start) as u64, n * PAGE_SIZE))
-            .collect();
-        uffd_abi::write_protect_runs(uffd.get_ref(), &runs, v.memory.page_size().bytes(), true)
+        v.write_protect_pages(uffd.get_ref(), &ranges, true)
             .map_err(|(i, errno)| {
                 let (start, n) = ranges[i];
                 Error::WriteProtect {

@@ -31,7 +31,7 @@ use proto::api::{
     MAX_CLONE_COUNT,
 };
 use proto::vmm::Request;
-use shared::{VmId, PAGE_SIZE};
+use shared::VmId;
 use tracing::{info, warn};
 
 use super::snapshot::DirtyLog;
@@ -182,15 +182,7 @@ impl Core {
                     // Tracking stays exact: the reset pages lost their
                     // protection with their bytes; give it back.
                     let rearmed = v.uffd.clone().is_some_and(|uffd| {
-                        reset.iter().all(|(first, n)| {
-                            uffd_abi::write_protect(
-                                uffd.get_ref(),
-                                v.addr_of(*first) as u64,
-                                n * PAGE_SIZE,
-                                true,
-                            )
-                            .is_ok()
-                        })
+                        v.write_protect_pages(uffd.get_ref(), &reset, true).is_ok()
                     });
                     v.dirty = rearmed.then(|| DirtyLog {
                         since: name.clone(),

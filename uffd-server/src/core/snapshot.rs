@@ -629,11 +629,7 @@ impl Core {
             None => vec![(0, pages)],
         };
         let t_wp = Instant::now();
-        let runs: Vec<(u64, u64)> = rearm
-            .iter()
-            .map(|&(first, n)| (v.addr_of(first) as u64, n * PAGE_SIZE))
-            .collect();
-        uffd_abi::write_protect_runs(uffd.get_ref(), &runs, v.memory.page_size().bytes(), true)
+        v.write_protect_pages(uffd.get_ref(), &rearm, true)
             .map_err(|(_, source)| Error::ArmTracking { vm, source })?;
         let write_protect_us = us(t_wp);
         v.dirty = Some(DirtyLog {

@@ -228,6 +228,23 @@ impl Vm {
         (self.vmm_base + page * PAGE_SIZE) as *mut libc::c_void
     }
 
+    /// Write-protect (`protect`) or unprotect the page runs `(first, n)`
+    /// of this VM's memory in its VMM through `uffd`, from several threads
+    /// when there is much to do ([`uffd_abi::write_protect_runs`]). On
+    /// failure, the index in `runs` of a run that failed and the error.
+    pub fn write_protect_pages(
+        &self,
+        uffd: &Uffd,
+        runs: &[(u64, u64)],
+        protect: bool,
+    ) -> Result<(), (usize, uffd_abi::Errno)> {
+        let bytes: Vec<(u64, u64)> = runs
+            .iter()
+            .map(|&(first, n)| (self.vmm_base + first * PAGE_SIZE, n * PAGE_SIZE))
+            .collect();
+        uffd_abi::write_protect_runs(uffd, &bytes, self.memory.page_size().bytes(), protect)
+    }
+
     /// Fail every request still waiting for the VMM: it exited for
     /// `reason`.
     pub fn fail_pending(&mut self, reason: &str) {
