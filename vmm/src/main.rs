@@ -12,6 +12,7 @@ mod connection;
 mod devices;
 mod kvm;
 mod layout;
+mod logging;
 mod memory;
 mod ops;
 mod server;
@@ -57,14 +58,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub use shared::error_chain;
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    logging::init();
     let cli = cli::Cli::parse();
     let res = match &cli.command {
         Some(cli::Command::Standalone(args)) => standalone::run(args),
