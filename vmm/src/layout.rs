@@ -5,8 +5,12 @@
 //! Invariant: guest RAM holds only data. Everything the VMM writes at set-up
 //! lives in the private region at [`PRIV_BASE`], which is anonymous VMM
 //! memory in its own KVM slot, well above any guest RAM. The page tables
-//! identity-map `[0, ram_end)` and the private region with 2 MiB pages; the
-//! guest never rewrites them.
+//! identity-map `[0, MAX_RAM_END)` and the private region with 2 MiB
+//! pages, their accessed and dirty bits set ahead; the guest never rewrites
+//! them (an access above guest RAM has no KVM slot and stops the VM).
+//!
+//! The tables, the GDT and the agent code are the same in every VMM (see
+//! [`crate::fixed`]).
 //!
 //! ```text
 //!  PRIV_BASE +0x0000  PML4, PDPT, PD_PRIV, GDT
@@ -25,7 +29,9 @@ use shared::GuestRegion;
 /// Guest-physical (and, identity-mapped, virtual) base of the private region.
 pub const PRIV_BASE: u64 = 0x10_0000_0000;
 /// Size of the private region: two 2 MiB pages.
-pub const PRIV_SIZE: u64 = 4 << 20;
+pub const PRIV_SIZE: u64 = PRIV_BYTES as u64;
+/// [`PRIV_SIZE`] as a length.
+pub const PRIV_BYTES: usize = 4 << 20;
 /// Guest RAM must end at or below this address.
 pub const MAX_RAM_END: u64 = PRIV_BASE;
 
@@ -69,11 +75,14 @@ pub const DS_SELECTOR: u16 = 0x10;
 /// The GDT: null, 64-bit code, data.
 pub const GDT_ENTRIES: [u64; 3] = [0, 0x00af_9b00_0000_ffff, 0x00cf_9300_0000_ffff];
 
-const PTE_PRESENT: u64 = 1;
-const PTE_WRITE: u64 = 2;
-const PTE_HUGE: u64 = 1 << 7;
-const GIB: u64 = 1 << 30;
-const TWO_MIB: u64 = 2 << 20;
+/// Page-table entry bits.
+pub const PTE_PRESENT: u64 = 1;
+pub const PTE_WRITE: u64 = 2;
+pub const PTE_ACCESSED: u64 = 1 << 5;
+pub const PTE_DIRTY: u64 = 1 << 6;
+pub const PTE_HUGE: u64 = 1 << 7;
+pub const GIB: u64 = 1 << 30;
+pub const TWO_MIB: u64 = 2 << 20;
 
 /// Errors of laying out the guest.
 #[derive(Debug, thiserror::Error)]
@@ -86,8 +95,6 @@ pub enum LayoutError {
     TooLarge(u64),
     #[error("guest RAM regions overlap or are not sorted by address")]
     Overlap,
-    #[error("agent code of {0} bytes does not fit the private region")]
-    CodeTooLarge(usize),
 }
 
 /// Result alias of this module.
@@ -125,108 +132,9 @@ pub fn ram_end(regions: &[GuestRegion]) -> Result<u64> {
     Ok(end)
 }
 
-/// The initial bytes of the private region (from [`PRIV_BASE`]): page
-/// tables, GDT and agent code. Everything else in the region starts zero.
-pub fn private_image(ram_end: u64, code: &[u8]) -> Result<Vec<u8>> {
-    if ram_end > MAX_RAM_END {
-        return Err(LayoutError::TooLarge(ram_end));
-    }
-    if code.len() as u64 > CODE_MAX {
-        return Err(LayoutError::CodeTooLarge(code.len()));
-    }
-    let ram_gibs = ram_end.div_ceil(GIB);
-    let len = (PD_RAM - PRIV_BASE + ram_gibs * 0x1000).max(CODE + CODE_MAX - PRIV_BASE);
-    let mut img = vec![0u8; usize::try_from(len).map_err(|_| LayoutError::TooLarge(ram_end))?];
-    let mut put = |gpa: u64, value: u64| {
-        let o = offset(gpa);
-        img[o..o + 8].copy_from_slice(&value.to_le_bytes());
-    };
-    put(PML4, PDPT | PTE_PRESENT | PTE_WRITE);
-    for g in 0..ram_gibs {
-        let pd = PD_RAM + g * 0x1000;
-        put(PDPT + g * 8, pd | PTE_PRESENT | PTE_WRITE);
-        for i in 0..512 {
-            let addr = g * GIB + i * TWO_MIB;
-            if addr >= ram_end {
-                break;
-            }
-            put(pd + i * 8, addr | PTE_PRESENT | PTE_WRITE | PTE_HUGE);
-        }
-    }
-    put(
-        PDPT + (PRIV_BASE / GIB) * 8,
-        PD_PRIV | PTE_PRESENT | PTE_WRITE,
-    );
-    for page in (0..PRIV_SIZE / TWO_MIB).map(|i| PRIV_BASE + i * TWO_MIB) {
-        put(
-            PD_PRIV + ((page % GIB) / TWO_MIB) * 8,
-            page | PTE_PRESENT | PTE_WRITE | PTE_HUGE,
-        );
-    }
-    for (i, e) in GDT_ENTRIES.iter().enumerate() {
-        put(GDT + i as u64 * 8, *e);
-    }
-    let c = offset(CODE);
-    img[c..c + code.len()].copy_from_slice(code);
-    Ok(img)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn entry(img: &[u8], gpa: u64) -> u64 {
-        let o = offset(gpa);
-        u64::from_le_bytes(img[o..o + 8].try_into().unwrap())
-    }
-
-    /// Walk the tables in `img` like the MMU does for a 2 MiB mapping.
-    fn translate(img: &[u8], va: u64) -> Option<u64> {
-        let pml4e = entry(img, PML4 + ((va >> 39) & 511) * 8);
-        if pml4e & 1 == 0 {
-            return None;
-        }
-        let pdpte = entry(img, (pml4e & !0xfff) + ((va >> 30) & 511) * 8);
-        if pdpte & 1 == 0 {
-            return None;
-        }
-        let pde = entry(img, (pdpte & !0xfff) + ((va >> 21) & 511) * 8);
-        if pde & 1 == 0 || pde & PTE_HUGE == 0 {
-            return None;
-        }
-        Some((pde & !(TWO_MIB - 1) & !(1 << 7)) + (va & (TWO_MIB - 1)))
-    }
-
-    #[test]
-    fn page_tables_identity_map_ram_and_private_region() {
-        let end = 5 * GIB + 4 * TWO_MIB;
-        let img = private_image(end, &[0xf4]).unwrap();
-        for va in [
-            0,
-            0x1234_5678,
-            GIB,
-            5 * GIB + 0x10_0000,
-            end - 8,
-            MAILBOX,
-            CODE,
-            STACK_TOP - 8,
-            DISK_WRITE_BUF,
-            DISK_READ_BUF + 0x1234,
-            DISK_BUF_END - 8,
-        ] {
-            assert_eq!(translate(&img, va), Some(va), "va {va:#x}");
-        }
-        assert_eq!(translate(&img, end), None);
-        assert_eq!(translate(&img, PRIV_BASE + PRIV_SIZE), None);
-        // Every entry on the way to the buffers is writable.
-        for va in [DISK_WRITE_BUF, DISK_READ_BUF] {
-            let pml4e = entry(&img, PML4 + ((va >> 39) & 511) * 8);
-            let pdpte = entry(&img, (pml4e & !0xfff) + ((va >> 30) & 511) * 8);
-            let pde = entry(&img, (pdpte & !0xfff) + ((va >> 21) & 511) * 8);
-            assert!(pml4e & pdpte & pde & PTE_WRITE != 0, "va {va:#x}");
-        }
-        assert_eq!(entry(&img, CODE) & 0xff, 0xf4);
-    }
 
     #[test]
     fn ram_end_rejects_overlap_and_too_large() {

@@ -10,6 +10,7 @@ mod block;
 mod cli;
 mod connection;
 mod devices;
+mod fixed;
 mod kvm;
 mod layout;
 mod logging;

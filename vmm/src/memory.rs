@@ -116,11 +116,10 @@ impl GuestRam {
                     .ok_or(MemoryError::Size(r.size))?,
             );
         }
-        let private =
-            MmapRegion::new(usize_of(PRIV_SIZE)?).map_err(|source| MemoryError::MapRegion {
-                guest_phys: PRIV_BASE,
-                source,
-            })?;
+        let private = crate::fixed::take_region().map_err(|source| MemoryError::MapRegion {
+            guest_phys: PRIV_BASE,
+            source,
+        })?;
         all.push(
             GuestRegionMmap::new(private, GuestAddress(PRIV_BASE))
                 .ok_or(MemoryError::Size(PRIV_SIZE))?,

@@ -30,10 +30,17 @@ mod generated {
     include!(concat!(env!("OUT_DIR"), "/agent.rs"));
 }
 
+/// The agent's machine code, as generated when the crate was built.
+pub const CODE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/agent.bin"));
+
+/// Entry points of the generated code.
+pub use generated::{ENTRY, PARK};
+
 /// The agent, as generated when the crate was built.
+#[cfg(test)]
 pub fn prebuilt() -> Agent {
     Agent {
-        code: include_bytes!(concat!(env!("OUT_DIR"), "/agent.bin")).to_vec(),
+        code: CODE.to_vec(),
         entry: generated::ENTRY,
         park: generated::PARK,
     }

@@ -57,7 +57,10 @@ pub mod opcode {
     pub const DISK_WRITE_PAGES: u32 = 8;
 }
 
-/// The generated agent, to be loaded at `layout::CODE`.
+/// The generated agent, to be loaded at `layout::CODE`. The generator
+/// (the build script, and tests) makes it; the VMM itself uses the bytes
+/// and entry points it left in `OUT_DIR` (see [`crate::agent::CODE`]).
+#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Debug, Clone)]
 pub struct Agent {
     /// Machine code.

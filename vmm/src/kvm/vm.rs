@@ -15,9 +15,9 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use super::control::{Control, Job};
 use super::event::EventSink;
 use super::vcpu::{self, VcpuThread};
-use crate::agent::{self, Agent};
+use crate::agent;
 use crate::devices::{self, Devices, Disk};
-use crate::layout::{self, PRIV_BASE};
+use crate::layout;
 use crate::memory::GuestRam;
 use crate::state;
 
@@ -112,7 +112,8 @@ fn install_kick_handler() -> Result<()> {
 }
 
 /// The part of a VM that does not depend on its guest RAM: the KVM VM, its
-/// first vCPUs with CPUID set, and the generated agent. A VMM builds it
+/// first vCPUs with CPUID set, and the private region's fixed pages (see
+/// [`crate::fixed::prepare`]). A VMM builds it
 /// before it connects to the server, so a pooled VMM (see the server's
 /// `--vmm-pool`) has it ready when its guest RAM arrives and only maps
 /// memory, loads state and starts threads on the critical path.
@@ -121,7 +122,6 @@ pub struct Prewarmed {
     vm: VmFd,
     cpuid: kvm_bindings::CpuId,
     vcpus: Vec<kvm_ioctls::VcpuFd>,
-    agent: Agent,
 }
 
 impl std::fmt::Debug for Prewarmed {
@@ -142,13 +142,12 @@ impl Prewarmed {
         let cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(VmError::OpenKvm)?;
-        let agent = agent::prebuilt();
+        crate::fixed::prepare();
         let mut pre = Prewarmed {
             kvm,
             vm,
             cpuid,
             vcpus: Vec::with_capacity(vcpus),
-            agent,
         };
         pre.add_vcpus(vcpus)?;
         Ok(pre)
@@ -187,7 +186,6 @@ impl Machine {
             vm,
             cpuid: _,
             vcpus: vcpu_fds,
-            agent,
         } = pre;
         for (slot, (guest_phys, size, host)) in (0u32..).zip(mem.slots()) {
             let region = kvm_userspace_memory_region {
@@ -208,8 +206,6 @@ impl Machine {
             })?;
         }
 
-        let image = layout::private_image(mem.ram_end(), &agent.code)?;
-        mem.write(PRIV_BASE, &image)?;
         if let Some(s) = &cfg.start_state {
             if s.vcpus.len() != cfg.vcpus {
                 return Err(VmError::StateVcpus {
@@ -227,7 +223,7 @@ impl Machine {
         for (index, fd) in vcpu_fds.into_iter().enumerate() {
             match &cfg.start_state {
                 Some(s) => state::restore(&fd, &s.vcpus[index])?,
-                None => vcpu::setup_long_mode(&fd, entry_of(&agent, index))?,
+                None => vcpu::setup_long_mode(&fd, entry_of(index))?,
             }
             vcpus.push(VcpuThread {
                 index,
@@ -353,10 +349,10 @@ impl Machine {
     }
 }
 
-fn entry_of(agent: &Agent, index: usize) -> u64 {
+fn entry_of(index: usize) -> u64 {
     if index == 0 {
-        agent.entry
+        agent::ENTRY
     } else {
-        agent.park
+        agent::PARK
     }
 }
