@@ -403,6 +403,8 @@ impl Core {
             .as_deref()
             .and_then(|p| self.snapshots.borrow().get(p).ok().cloned())
             .and_then(|p| p.files.get(crate::snapshot::MEMORY_FILE).cloned())
+            // A parent checksummed with another hash has no digests to lend.
+            .filter(|f| f.algorithm == checksum::WRITE_ALGORITHM)
             .map(|f| f.chunks);
         let touched = saving_touched;
         let compress = req.compress.then(|| zst::CompressOptions {
@@ -1007,7 +1009,7 @@ fn finish_files(
     // writes it to the disk: the two overlap.
     let (synced, sum) = std::thread::scope(|sc| {
         let sync = sc.spawn(|| image.sync_all());
-        let sum = checksum::sum_file_reusing(image, reuse);
+        let sum = checksum::sum_file_reusing(image, checksum::WRITE_ALGORITHM, reuse);
         (
             sync.join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))),
@@ -1028,7 +1030,8 @@ fn finish_files(
             )))
         })?;
         let zfile = image::open_read(&zpath)?;
-        let zsum = checksum::sum_file(&zfile).map_err(SnapshotError::io("checksum", &zpath))?;
+        let zsum = checksum::sum_file(&zfile, checksum::WRITE_ALGORITHM)
+            .map_err(SnapshotError::io("checksum", &zpath))?;
         state
             .files
             .insert(crate::snapshot::ZSTD_FILE.to_owned(), zsum);

@@ -78,7 +78,7 @@ fn verify(dir: &Path, name: &str) -> Result<StateFile> {
         }
         let path = dir.join(file);
         let f = super::image::open_read(&path)?;
-        let got = sum_file(&f).map_err(SnapshotError::io("checksum", &path))?;
+        let got = sum_file(&f, want.algorithm).map_err(SnapshotError::io("checksum", &path))?;
         if &got != want {
             let bad = got
                 .chunks
@@ -87,8 +87,12 @@ fn verify(dir: &Path, name: &str) -> Result<StateFile> {
                 .position(|(a, b)| a != b)
                 .map_or_else(String::new, |c| format!(" (first at chunk {c})"));
             return Err(corrupt(format!(
-                "{file}: {} bytes with sha256 {}, {STATE_FILE} says {} bytes with sha256 {}{bad}",
-                got.bytes, got.sha256, want.bytes, want.sha256
+                "{file}: {} bytes with {alg:?} digest {}, {STATE_FILE} says {} bytes with {}{bad}",
+                got.bytes,
+                got.digest,
+                want.bytes,
+                want.digest,
+                alg = want.algorithm
             )));
         }
     }
@@ -324,6 +328,7 @@ pub fn commit(root: &Path, tmp: &Path, state: &StateFile) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::checksum::{Algorithm, WRITE_ALGORITHM};
     use crate::snapshot::image::ImageWriter;
     use crate::snapshot::{FileSum, FORMAT_VERSION};
 
@@ -348,13 +353,41 @@ mod tests {
     }
 
     fn write_one(cat: &mut Catalog, name: &str) {
+        write_one_as(cat, name, WRITE_ALGORITHM, FORMAT_VERSION);
+    }
+
+    fn write_one_as(cat: &mut Catalog, name: &str, alg: Algorithm, version: u32) {
         let tmp = cat.reserve(name).unwrap();
         let img = ImageWriter::create(&tmp.join(MEMORY_FILE), 16 * 4096).unwrap();
         img.write_pages(2, &[9u8; 4096]).unwrap();
-        let sum = sum_file(&img.file).unwrap();
-        let st = state(name, sum);
+        let sum = sum_file(&img.file, alg).unwrap();
+        let mut st = state(name, sum);
+        st.format_version = version;
         commit(cat.root(), &tmp, &st).unwrap();
         cat.insert(st);
+    }
+
+    #[test]
+    fn format_1_snapshots_with_sha256_still_verify() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cat = Catalog::open(dir.path()).unwrap();
+        write_one_as(&mut cat, "old", Algorithm::Sha256, 1);
+        write_one_as(&mut cat, "old-bad", Algorithm::Sha256, 1);
+        let img = cat.image_of("old-bad");
+        let f = std::fs::OpenOptions::new().write(true).open(img).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &[8], 2 * 4096 + 7).unwrap();
+        let cat = Catalog::open(dir.path()).unwrap();
+        let names: Vec<&str> = cat.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["old"],
+            "the intact one verifies, the changed one does not"
+        );
+        assert_eq!(
+            cat.get("old").unwrap().files[MEMORY_FILE].algorithm,
+            Algorithm::Sha256
+        );
+        assert_eq!(cat.quarantined().len(), 1);
     }
 
     #[test]

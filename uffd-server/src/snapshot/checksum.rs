@@ -1,5 +1,6 @@
-//! File checksums: SHA-256 per 1 MiB chunk, and SHA-256 over the chunk
-//! digests for the whole file. Holes are hashed as the zeroes they read as,
+//! File checksums: a hash per 1 MiB chunk, and a hash over the chunk
+//! digests for the whole file; BLAKE3 for new snapshots, SHA-256 read
+//! from format-1 snapshots (see [`WRITE_ALGORITHM`]). Holes are hashed as the zeroes they read as,
 //! without reading or hashing them (an all-hole chunk has a known digest),
 //! and a snapshot written over its parent's reflinked image reuses the
 //! parent's digests of the chunks it did not touch: checksumming costs
@@ -14,9 +15,15 @@ use sha2::{Digest, Sha256};
 
 use super::image::data_ranges;
 use super::FileSum;
+pub use proto::snapshot::Algorithm;
 
 /// Bytes per checksummed chunk.
 pub const CHUNK_BYTES: u64 = 1 << 20;
+
+/// What new snapshots are checksummed with. BLAKE3 hashes a 1 MiB chunk
+/// ~3.6 times faster than SHA-256 on one core of this kind of host, and
+/// hashing was the largest part of the server's CPU in a snapshot.
+pub const WRITE_ALGORITHM: Algorithm = Algorithm::Blake3;
 
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
@@ -29,38 +36,49 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// The digest of `bytes` with `alg`, as hex.
+fn digest(alg: Algorithm, bytes: &[u8]) -> String {
+    match alg {
+        Algorithm::Sha256 => hex(&Sha256::digest(bytes)),
+        Algorithm::Blake3 => blake3::hash(bytes).to_hex().to_string(),
+    }
+}
+
 /// The digest of `n` zero bytes (cached for a whole chunk).
-fn zero_digest(n: u64) -> String {
-    static WHOLE: OnceLock<String> = OnceLock::new();
-    let compute = |n: u64| {
-        let zeros = vec![0u8; shared::geometry::usize_of(n)];
-        hex(&Sha256::digest(&zeros))
-    };
+fn zero_digest(alg: Algorithm, n: u64) -> String {
+    static WHOLE: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    let compute = |n: u64| digest(alg, &vec![0u8; shared::geometry::usize_of(n)]);
     if n == CHUNK_BYTES {
-        WHOLE.get_or_init(|| compute(CHUNK_BYTES)).clone()
+        let slot = match alg {
+            Algorithm::Sha256 => 0,
+            Algorithm::Blake3 => 1,
+        };
+        WHOLE[slot].get_or_init(|| compute(CHUNK_BYTES)).clone()
     } else {
         compute(n)
     }
 }
 
 /// The whole-file digest from the chunk digests.
-fn top_digest(chunks: &[String]) -> String {
-    let mut h = Sha256::new();
-    for c in chunks {
-        h.update(unhex(c).unwrap_or_default());
-    }
-    hex(&h.finalize())
+fn top_digest(alg: Algorithm, chunks: &[String]) -> String {
+    let raw: Vec<u8> = chunks
+        .iter()
+        .flat_map(|c| unhex(c).unwrap_or_default())
+        .collect();
+    digest(alg, &raw)
 }
 
-/// Size and checksums of `file`.
-pub fn sum_file(file: &File) -> std::io::Result<FileSum> {
-    sum_file_reusing(file, &|_| None)
+/// Size and checksums of `file` with `alg`.
+pub fn sum_file(file: &File, alg: Algorithm) -> std::io::Result<FileSum> {
+    sum_file_reusing(file, alg, &|_| None)
 }
 
-/// Size and checksums of `file`, taking the digest of chunk `c` from
-/// `reuse(c)` where it answers (chunks known not to have changed).
+/// Size and checksums of `file` with `alg`, taking the digest of chunk `c`
+/// from `reuse(c)` where it answers (chunks known not to have changed,
+/// digested with `alg` too).
 pub fn sum_file_reusing(
     file: &File,
+    alg: Algorithm,
     reuse: &dyn Fn(u64) -> Option<String>,
 ) -> std::io::Result<FileSum> {
     let len = file.metadata()?.len();
@@ -82,7 +100,7 @@ pub fn sum_file_reusing(
             to_read.push((chunks.len(), lo, hi));
             chunks.push(None);
         } else {
-            chunks.push(Some(zero_digest(hi - lo)));
+            chunks.push(Some(zero_digest(alg, hi - lo)));
         }
     }
     // The chunks with data are read and hashed on every core.
@@ -100,7 +118,7 @@ pub fn sum_file_reusing(
                         .map(|(i, lo, hi)| {
                             let k = shared::geometry::usize_of(hi - lo);
                             file.read_exact_at(&mut buf[..k], *lo)?;
-                            Ok((*i, hex(&Sha256::digest(&buf[..k]))))
+                            Ok((*i, digest(alg, &buf[..k])))
                         })
                         .collect()
                 })
@@ -122,7 +140,8 @@ pub fn sum_file_reusing(
     let chunks: Vec<String> = chunks.into_iter().map(Option::unwrap_or_default).collect();
     Ok(FileSum {
         bytes: len,
-        sha256: top_digest(&chunks),
+        algorithm: alg,
+        digest: top_digest(alg, &chunks),
         chunks,
     })
 }
@@ -142,24 +161,45 @@ mod tests {
         let sparse = tempfile::tempfile().unwrap();
         sparse.set_len(3 << 20).unwrap();
         sparse.write_all_at(&[7], (2 << 20) + 5).unwrap();
-        let a = sum_file(&dense).unwrap();
-        let b = sum_file(&sparse).unwrap();
-        assert_eq!(a, b);
-        assert_eq!(a.bytes, 3 << 20);
-        assert_eq!(a.chunks.len(), 3);
-        sparse.write_all_at(&[1], 0).unwrap();
-        let c = sum_file(&sparse).unwrap();
-        assert_ne!(c, a);
-        assert_eq!(c.chunks[1..], a.chunks[1..]);
+        for alg in [Algorithm::Sha256, Algorithm::Blake3] {
+            let a = sum_file(&dense, alg).unwrap();
+            let b = sum_file(&sparse, alg).unwrap();
+            assert_eq!(a, b);
+            assert_eq!(a.bytes, 3 << 20);
+            assert_eq!(a.chunks.len(), 3);
+            sparse.write_all_at(&[1], 0).unwrap();
+            let c = sum_file(&sparse, alg).unwrap();
+            assert_ne!(c, a);
+            assert_eq!(c.chunks[1..], a.chunks[1..]);
+            sparse.write_all_at(&[0], 0).unwrap();
+        }
     }
 
     #[test]
     fn reused_digests_are_taken_as_given() {
         let f = tempfile::tempfile().unwrap();
         f.set_len(2 << 20).unwrap();
-        let honest = sum_file(&f).unwrap();
-        let reused = sum_file_reusing(&f, &|c| (c == 1).then(|| "00".repeat(32))).unwrap();
+        let honest = sum_file(&f, WRITE_ALGORITHM).unwrap();
+        let reused =
+            sum_file_reusing(&f, WRITE_ALGORITHM, &|c| (c == 1).then(|| "00".repeat(32))).unwrap();
         assert_eq!(reused.chunks[0], honest.chunks[0]);
-        assert_ne!(reused.sha256, honest.sha256);
+        assert_ne!(reused.digest, honest.digest);
+    }
+
+    #[test]
+    fn digests_are_the_published_functions() {
+        let f = tempfile::tempfile().unwrap();
+        f.write_all_at(b"abc", 0).unwrap();
+        let sha = sum_file(&f, Algorithm::Sha256).unwrap();
+        assert_eq!(
+            sha.chunks[0],
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let b3 = sum_file(&f, Algorithm::Blake3).unwrap();
+        assert_eq!(
+            b3.chunks[0],
+            "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
+        );
+        assert_eq!(b3.algorithm, Algorithm::Blake3);
     }
 }

@@ -15,8 +15,10 @@
 //!     state.json             [`StateFile`] (`proto::snapshot`): format version, vCPU and
 //!                            device state, memory size, page size, mode,
 //!                            parent, volume snapshot, and memory.img's size,
-//!                            sha256 of each 1 MiB chunk and sha256 over
-//!                            those ([`checksum`])
+//!                            hash of each 1 MiB chunk and a hash over
+//!                            those, named by `algorithm` (BLAKE3 from
+//!                            format 2; format 1's SHA-256 is still read;
+//!                            [`checksum`])
 //!   .tmp-<name>/             a snapshot being written (never listed)
 //!   .quarantine/<name>.<t>/  a snapshot that did not verify (never served)
 //! ```
