@@ -54,6 +54,7 @@ use crate::snapshot::{catalog, checksum, PageSet, SnapshotError, StateFile};
 /// Pages saved per step of the writer before it lets faults and other
 /// requests run.
 const SAVE_RUN_PAGES: u64 = 256;
+const _: () = assert!(SAVE_RUN_PAGES * PAGE_SIZE <= crate::snapshot::writer::BUFFER_BYTES as u64);
 
 /// Pages written since a VM's last snapshot.
 #[derive(Debug)]
@@ -167,7 +168,8 @@ impl Registry {
                 if src == UNINITIALIZED {
                     w.punch(p, cnt);
                 } else {
-                    match self.read_run(src, p, cnt) {
+                    let buf = w.buffer(shared::geometry::usize_of(cnt * PAGE_SIZE));
+                    match self.read_run(src, p, buf) {
                         Ok(bytes) => match permit.take() {
                             Some(permit) => w.bulk(p, bytes, Some(permit)),
                             None => w.pages(p, bytes),
@@ -189,19 +191,19 @@ impl Registry {
         }
     }
 
-    /// The bytes of pages `[first, first + n)` of source `src`.
+    /// The bytes of pages from `first` of source `src`, as many as `buf`
+    /// holds, read into all of `buf`.
     fn read_run(
         &self,
         src: SourceId,
         first: u64,
-        n: u64,
+        mut buf: Vec<u8>,
     ) -> std::result::Result<Vec<u8>, ResolveError> {
         let source = self
             .arena
             .get(src)
             .cloned()
             .ok_or(ResolveError::UnknownSource(src))?;
-        let mut buf = vec![0u8; shared::geometry::usize_of(n * PAGE_SIZE)];
         let dst = VolatileSlice::from(&mut buf[..]);
         let vms = &self.vms;
         let read = || {

@@ -8,11 +8,14 @@
 //! pages from the fault path never wait. Every 8 MiB written, the writer
 //! starts their writeback (`sync_file_range`), so the disk works while
 //! pages are still being saved and the commit's fsync has little left.
+//! Written bulk buffers go back to the handle ([`WriterHandle::buffer`]),
+//! so saving a GiB allocates a few dozen buffers, not a thousand that the
+//! kernel zeroes on the way in and unmaps on the way out.
 
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use shared::PAGE_SIZE;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
@@ -22,6 +25,35 @@ use super::SnapshotError;
 
 /// Bulk runs queued for the writer at most.
 pub const IN_FLIGHT: usize = 16;
+
+/// Bytes of a reusable bulk buffer: the largest run the core saves at once.
+pub const BUFFER_BYTES: usize = 1 << 20;
+
+/// Written bulk buffers, kept for the next runs. Each is [`BUFFER_BYTES`]
+/// long (all initialized), handed out truncated to a run's length.
+#[derive(Debug, Default)]
+struct Buffers(Mutex<Vec<Vec<u8>>>);
+
+impl Buffers {
+    fn take(&self, len: usize) -> Vec<u8> {
+        let kept = self.0.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut buf = kept.unwrap_or_else(|| vec![0u8; BUFFER_BYTES.max(len)]);
+        buf.resize(len, 0);
+        buf
+    }
+
+    fn give_back(&self, mut buf: Vec<u8>) {
+        if buf.capacity() != BUFFER_BYTES {
+            return;
+        }
+        // Only the tail past a short run's length is written here.
+        buf.resize(BUFFER_BYTES, 0);
+        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() <= IN_FLIGHT {
+            kept.push(buf);
+        }
+    }
+}
 
 enum Job {
     Pages {
@@ -50,6 +82,7 @@ pub struct WriterHandle {
     tx: mpsc::Sender<Job>,
     gate: Arc<Semaphore>,
     done: oneshot::Receiver<WriteReport>,
+    buffers: Arc<Buffers>,
 }
 
 impl std::fmt::Debug for Job {
@@ -97,6 +130,8 @@ impl Unsynced {
 pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHandle> {
     let (tx, rx) = mpsc::channel::<Job>();
     let (done_tx, done) = oneshot::channel();
+    let buffers = Arc::new(Buffers::default());
+    let returned = buffers.clone();
     std::thread::Builder::new()
         .name("snapshot-writer".into())
         .spawn(move || {
@@ -119,6 +154,7 @@ pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHa
                                 tracing::debug!("early writeback of {}: {e}", image.path.display());
                             }
                         }
+                        returned.give_back(bytes);
                         r
                     }
                     Job::Punch { first, pages } if !fresh => image.punch(first, pages).map(|()| 0),
@@ -135,10 +171,17 @@ pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHa
         tx,
         gate: Arc::new(Semaphore::new(IN_FLIGHT)),
         done,
+        buffers,
     })
 }
 
 impl WriterHandle {
+    /// A buffer of `len` bytes for a run (contents unspecified: the caller
+    /// overwrites all of it), reused from written runs where one is free.
+    pub fn buffer(&self, len: usize) -> Vec<u8> {
+        self.buffers.take(len)
+    }
+
     /// Queue pages `first..` (whole pages) without waiting.
     pub fn pages(&self, first: u64, bytes: Vec<u8>) {
         let _ = self.tx.send(Job::Pages {
