@@ -54,7 +54,8 @@ use crate::snapshot::{catalog, checksum, PageSet, SnapshotError, StateFile};
 /// Pages saved per step of the writer before it lets faults and other
 /// requests run.
 const SAVE_RUN_PAGES: u64 = 256;
-const _: () = assert!(SAVE_RUN_PAGES * PAGE_SIZE <= crate::snapshot::writer::BUFFER_BYTES as u64);
+// Full runs are exactly the writer's reusable buffers.
+const _: () = assert!(SAVE_RUN_PAGES * PAGE_SIZE == crate::snapshot::writer::BUFFER_BYTES as u64);
 
 /// Pages written since a VM's last snapshot.
 #[derive(Debug)]

@@ -29,25 +29,25 @@ pub const IN_FLIGHT: usize = 16;
 /// Bytes of a reusable bulk buffer: the largest run the core saves at once.
 pub const BUFFER_BYTES: usize = 1 << 20;
 
-/// Written bulk buffers, kept for the next runs. Each is [`BUFFER_BYTES`]
-/// long (all initialized), handed out truncated to a run's length.
+/// Written bulk buffers, kept for the next full-size runs. Each is
+/// [`BUFFER_BYTES`] long; shorter runs (a run's tail, a page the fault path
+/// saves) get a buffer of their own, as before.
 #[derive(Debug, Default)]
 struct Buffers(Mutex<Vec<Vec<u8>>>);
 
 impl Buffers {
     fn take(&self, len: usize) -> Vec<u8> {
+        if len != BUFFER_BYTES {
+            return vec![0u8; len];
+        }
         let kept = self.0.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let mut buf = kept.unwrap_or_else(|| vec![0u8; BUFFER_BYTES.max(len)]);
-        buf.resize(len, 0);
-        buf
+        kept.unwrap_or_else(|| vec![0u8; BUFFER_BYTES])
     }
 
-    fn give_back(&self, mut buf: Vec<u8>) {
-        if buf.capacity() != BUFFER_BYTES {
+    fn give_back(&self, buf: Vec<u8>) {
+        if buf.len() != BUFFER_BYTES {
             return;
         }
-        // Only the tail past a short run's length is written here.
-        buf.resize(BUFFER_BYTES, 0);
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if kept.len() <= IN_FLIGHT {
             kept.push(buf);
@@ -177,7 +177,8 @@ pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHa
 
 impl WriterHandle {
     /// A buffer of `len` bytes for a run (contents unspecified: the caller
-    /// overwrites all of it), reused from written runs where one is free.
+    /// overwrites all of it), reused from written runs when `len` is
+    /// [`BUFFER_BYTES`] and one is free.
     pub fn buffer(&self, len: usize) -> Vec<u8> {
         self.buffers.take(len)
     }
