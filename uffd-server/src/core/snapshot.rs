@@ -18,7 +18,9 @@
 //!    bytes before lifting the protection ([`Registry::before_write`]).
 //!    Both run on the core thread, so a page is saved exactly once, with
 //!    the bytes it had at the pause.
-//! 5. fsync the image, checksum it, write `state.json`, rename: committed.
+//! 5. fsync the image, checksum it (chunks written whole were digested as
+//!    they were written; only the others are read back), write
+//!    `state.json`, rename: committed.
 //!
 //! Dirty tracking is the same write protection the fork machinery uses:
 //! every WP fault (and every MISSING fault on a write) marks its page in
@@ -54,8 +56,10 @@ use crate::snapshot::{catalog, checksum, PageSet, SnapshotError, StateFile};
 /// Pages saved per step of the writer before it lets faults and other
 /// requests run.
 const SAVE_RUN_PAGES: u64 = 256;
-// Full runs are exactly the writer's reusable buffers.
+// Full runs are exactly the writer's reusable buffers, and checksum chunks.
 const _: () = assert!(SAVE_RUN_PAGES * PAGE_SIZE == crate::snapshot::writer::BUFFER_BYTES as u64);
+const CHUNK_PAGES: u64 = checksum::CHUNK_BYTES / PAGE_SIZE;
+const _: () = assert!(SAVE_RUN_PAGES == CHUNK_PAGES);
 
 /// Pages written since a VM's last snapshot.
 #[derive(Debug)]
@@ -330,7 +334,14 @@ impl Core {
             .image
             .file
             .try_clone()
-            .and_then(|f| writer::spawn(f, plan.image.path.clone(), plan.parent.is_none()))
+            .and_then(|f| {
+                writer::spawn(
+                    f,
+                    plan.image.path.clone(),
+                    plan.parent.is_none(),
+                    checksum::WRITE_ALGORITHM,
+                )
+            })
             .map_err(SnapshotError::io("start writing", &plan.image.path))?;
         let t_pause = Instant::now();
         let state = self.pause_and_capture(vm).await?;
@@ -364,7 +375,7 @@ impl Core {
         let volume_snapshot = volume_snapshot?;
         resumed?;
         let t_save = Instant::now();
-        let (saving, bytes_written) = self.save_pending(vm).await?;
+        let (saving, bytes_written, streamed) = self.save_pending(vm).await?;
         let save_us = us(t_save);
         let (pages_written, early, saving_touched) = {
             let mut s = saving.borrow_mut();
@@ -416,6 +427,9 @@ impl Core {
         });
         let (state, extents, finished) = tokio::task::spawn_blocking(move || {
             let reuse = |c: u64| {
+                if let Some(d) = streamed.get(&c) {
+                    return Some(d.clone());
+                }
                 let pages = checksum::CHUNK_BYTES / PAGE_SIZE;
                 let untouched = touched
                     .next_from(c * pages)
@@ -680,7 +694,12 @@ impl Core {
     }
 
     /// Save every page still pending, a run at a time, in page order.
-    async fn save_pending(self: &Rc<Self>, vm: VmId) -> Result<(Rc<RefCell<Saving>>, u64)> {
+    /// Returns the bytes written and the digests of the checksum chunks
+    /// written whole.
+    async fn save_pending(
+        self: &Rc<Self>,
+        vm: VmId,
+    ) -> Result<(Rc<RefCell<Saving>>, u64, BTreeMap<u64, String>)> {
         let saving = self
             .reg
             .borrow()
@@ -703,8 +722,11 @@ impl Core {
             let Some(lo) = next else { break };
             let mut hi = lo + 1;
             {
+                // A run stays inside one checksum chunk, so that the
+                // chunks a snapshot writes whole are digested as written.
+                let chunk_end = (lo / CHUNK_PAGES + 1) * CHUNK_PAGES;
                 let s = saving.borrow();
-                while hi - lo < SAVE_RUN_PAGES && s.pending.contains(hi) {
+                while hi - lo < SAVE_RUN_PAGES && hi < chunk_end && s.pending.contains(hi) {
                     hi += 1;
                 }
             }
@@ -748,7 +770,7 @@ impl Core {
         if let Some(e) = report.error {
             return Err(e.into());
         }
-        Ok((saving, report.bytes_written))
+        Ok((saving, report.bytes_written, report.chunk_digests))
     }
 
     /// `GET /v1/snapshots`.

@@ -4,7 +4,9 @@
 //! without reading or hashing them (an all-hole chunk has a known digest),
 //! and a snapshot written over its parent's reflinked image reuses the
 //! parent's digests of the chunks it did not touch: checksumming costs
-//! what was written, not the size of guest memory.
+//! what was written, not the size of guest memory. The chunks a snapshot
+//! writes whole are digested from the writer's own buffers as it writes
+//! them ([`StreamSums`]), so only chunks it wrote in part are read back.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -56,6 +58,139 @@ fn zero_digest(alg: Algorithm, n: u64) -> String {
         WHOLE[slot].get_or_init(|| compute(CHUNK_BYTES)).clone()
     } else {
         compute(n)
+    }
+}
+
+/// An incremental hash of one chunk.
+enum Hasher {
+    Sha256(Sha256),
+    Blake3(Box<blake3::Hasher>),
+}
+
+impl Hasher {
+    fn new(alg: Algorithm) -> Self {
+        match alg {
+            Algorithm::Sha256 => Self::Sha256(Sha256::new()),
+            Algorithm::Blake3 => Self::Blake3(Box::default()),
+        }
+    }
+
+    fn update(&mut self, bytes: &[u8]) {
+        match self {
+            Self::Sha256(h) => h.update(bytes),
+            Self::Blake3(h) => {
+                h.update(bytes);
+            }
+        }
+    }
+
+    fn finish(self) -> String {
+        match self {
+            Self::Sha256(h) => hex(&h.finalize()),
+            Self::Blake3(h) => h.finalize().to_hex().to_string(),
+        }
+    }
+}
+
+/// What a write put into the file: bytes, or zeroes (a hole).
+#[derive(Debug, Clone, Copy)]
+pub enum Piece<'a> {
+    Bytes(&'a [u8]),
+    Zeroes(u64),
+}
+
+impl Piece<'_> {
+    fn len(&self) -> u64 {
+        match self {
+            Piece::Bytes(b) => b.len() as u64,
+            Piece::Zeroes(n) => *n,
+        }
+    }
+}
+
+/// Chunk digests taken from the writes themselves, in the order they were
+/// made, so that the chunks a snapshot wrote whole need not be read back.
+///
+/// A chunk is digested when writes cover it from its first byte to its
+/// last, each starting where the one before ended; any other write into
+/// it (a gap, a rewrite, a write after it was complete) drops what is
+/// known of it, and the file's own bytes decide its digest
+/// ([`sum_file_reusing`]). So a digest given here is always that of the
+/// chunk's final contents, whatever order the writes came in.
+pub struct StreamSums {
+    alg: Algorithm,
+    len: u64,
+    /// The chunk being digested: its index, the next byte expected, and
+    /// the hash so far.
+    open: Option<(u64, u64, Hasher)>,
+    done: std::collections::BTreeMap<u64, String>,
+}
+
+impl std::fmt::Debug for StreamSums {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSums")
+            .field("alg", &self.alg)
+            .field("len", &self.len)
+            .field("open", &self.open.as_ref().map(|(c, next, _)| (c, next)))
+            .field("done", &self.done.len())
+            .finish()
+    }
+}
+
+impl StreamSums {
+    /// For a file of `len` bytes, hashed with `alg`.
+    pub fn new(alg: Algorithm, len: u64) -> Self {
+        Self {
+            alg,
+            len,
+            open: None,
+            done: Default::default(),
+        }
+    }
+
+    /// `piece` was written at byte `at`.
+    pub fn feed(&mut self, at: u64, piece: Piece<'_>) {
+        static ZEROES: [u8; 1 << 16] = [0; 1 << 16];
+        let end = at.saturating_add(piece.len()).min(self.len);
+        let mut p = at;
+        while p < end {
+            let c = p / CHUNK_BYTES;
+            let (lo, hi) = (c * CHUNK_BYTES, ((c + 1) * CHUNK_BYTES).min(self.len));
+            let e = end.min(hi);
+            self.done.remove(&c);
+            let go_on = matches!(&self.open, Some((oc, next, _)) if *oc == c && *next == p);
+            if !go_on {
+                self.open = (p == lo).then(|| (c, lo, Hasher::new(self.alg)));
+            }
+            if let Some((_, next, h)) = self.open.as_mut() {
+                match piece {
+                    Piece::Bytes(b) => {
+                        let k = |x: u64| shared::geometry::usize_of(x - at);
+                        h.update(&b[k(p)..k(e)]);
+                    }
+                    Piece::Zeroes(_) => {
+                        let mut q = p;
+                        while q < e {
+                            let n = (e - q).min(ZEROES.len() as u64);
+                            h.update(&ZEROES[..shared::geometry::usize_of(n)]);
+                            q += n;
+                        }
+                    }
+                }
+                *next = e;
+                if e == hi {
+                    if let Some((_, _, h)) = self.open.take() {
+                        self.done.insert(c, h.finish());
+                    }
+                }
+            }
+            p = e;
+        }
+    }
+
+    /// The digests of the chunks the writes covered whole.
+    pub fn finish(self) -> std::collections::BTreeMap<u64, String> {
+        self.done
     }
 }
 
@@ -173,6 +308,38 @@ mod tests {
             assert_eq!(c.chunks[1..], a.chunks[1..]);
             sparse.write_all_at(&[0], 0).unwrap();
         }
+    }
+
+    #[test]
+    fn streamed_digests_are_those_of_the_file() {
+        let c = shared::geometry::usize_of(CHUNK_BYTES);
+        let len = 3 * CHUNK_BYTES + 4096;
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(len).unwrap();
+        let mut s = StreamSums::new(WRITE_ALGORITHM, len);
+        let a = vec![1u8; c];
+        // Chunk 0 whole in two writes; chunk 1 with a gap; chunk 2 whole
+        // and then rewritten in part; the short last chunk whole, as zeroes.
+        for (at, bytes) in [(0, &a[..c / 2]), (c / 2, &a[c / 2..])] {
+            f.write_all_at(bytes, at as u64).unwrap();
+            s.feed(at as u64, Piece::Bytes(bytes));
+        }
+        f.write_all_at(&a[..4096], CHUNK_BYTES + 8192).unwrap();
+        s.feed(CHUNK_BYTES + 8192, Piece::Bytes(&a[..4096]));
+        f.write_all_at(&a, 2 * CHUNK_BYTES).unwrap();
+        s.feed(2 * CHUNK_BYTES, Piece::Bytes(&a));
+        f.write_all_at(&[9u8; 4096], 2 * CHUNK_BYTES + 4096)
+            .unwrap();
+        s.feed(2 * CHUNK_BYTES + 4096, Piece::Bytes(&[9u8; 4096]));
+        s.feed(3 * CHUNK_BYTES, Piece::Zeroes(4096));
+        let streamed = s.finish();
+        assert_eq!(streamed.keys().copied().collect::<Vec<_>>(), vec![0, 3]);
+        let whole = sum_file(&f, WRITE_ALGORITHM).unwrap();
+        assert_eq!(streamed[&0], whole.chunks[0]);
+        assert_eq!(streamed[&3], whole.chunks[3]);
+        let reusing =
+            sum_file_reusing(&f, WRITE_ALGORITHM, &|c| streamed.get(&c).cloned()).unwrap();
+        assert_eq!(reusing, whole);
     }
 
     #[test]

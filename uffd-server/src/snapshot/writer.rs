@@ -8,10 +8,15 @@
 //! pages from the fault path never wait. Every 8 MiB written, the writer
 //! starts their writeback (`sync_file_range`), so the disk works while
 //! pages are still being saved and the commit's fsync has little left.
-//! Written bulk buffers go back to the handle ([`WriterHandle::buffer`]),
-//! so saving a GiB allocates a few dozen buffers, not a thousand that the
-//! kernel zeroes on the way in and unmaps on the way out.
+//! Written buffers pass to a second thread that digests the checksum
+//! chunks they cover whole ([`StreamSums`]), so the commit reads
+//! back only chunks written in part, and hashing overlaps the writing.
+//! Bulk buffers then go back to the handle ([`WriterHandle::buffer`]), so
+//! saving a GiB allocates a few dozen buffers, not a thousand that the
+//! kernel zeroes on the way in and unmaps on the way out. A bulk run's
+//! permit is held until its buffer is digested too.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::mpsc;
@@ -20,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use shared::PAGE_SIZE;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
+use super::checksum::{Algorithm, Piece, StreamSums};
 use super::image::ImageWriter;
 use super::SnapshotError;
 
@@ -74,6 +80,8 @@ pub struct WriteReport {
     pub bytes_written: u64,
     /// The first failure; later jobs were skipped.
     pub error: Option<SnapshotError>,
+    /// Digests of the checksum chunks the writes covered whole, by chunk.
+    pub chunk_digests: BTreeMap<u64, String>,
 }
 
 /// The core's end of a writer thread.
@@ -126,12 +134,38 @@ impl Unsynced {
 }
 
 /// Start a writer for `file` (at `path`). `fresh`: the image is all holes
-/// (zero pages need no punching).
-pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHandle> {
+/// (zero pages need no punching). Whole chunks written are digested with
+/// `alg`.
+pub fn spawn(
+    file: File,
+    path: PathBuf,
+    fresh: bool,
+    alg: Algorithm,
+) -> std::io::Result<WriterHandle> {
+    let len = file.metadata()?.len();
     let (tx, rx) = mpsc::channel::<Job>();
     let (done_tx, done) = oneshot::channel();
     let buffers = Arc::new(Buffers::default());
     let returned = buffers.clone();
+    // The digesting thread: takes each job after it is written.
+    let (htx, hrx) = mpsc::channel::<Job>();
+    let hasher = std::thread::Builder::new()
+        .name("snapshot-digest".into())
+        .spawn(move || {
+            let mut sums = StreamSums::new(alg, len);
+            for job in hrx {
+                match job {
+                    Job::Pages { first, bytes, .. } => {
+                        sums.feed(first * PAGE_SIZE, Piece::Bytes(&bytes));
+                        returned.give_back(bytes);
+                    }
+                    Job::Punch { first, pages } => {
+                        sums.feed(first * PAGE_SIZE, Piece::Zeroes(pages * PAGE_SIZE));
+                    }
+                }
+            }
+            sums.finish()
+        })?;
     std::thread::Builder::new()
         .name("snapshot-writer".into())
         .spawn(move || {
@@ -142,11 +176,11 @@ pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHa
                 if report.error.is_some() {
                     continue;
                 }
-                let r = match job {
+                let r = match &job {
                     Job::Pages { first, bytes, .. } => {
-                        let r = write_sparse(&image, fresh, first, &bytes);
+                        let r = write_sparse(&image, fresh, *first, bytes);
                         if let Some((lo, pages)) =
-                            unsynced.add(first, bytes.len() as u64 / PAGE_SIZE)
+                            unsynced.add(*first, bytes.len() as u64 / PAGE_SIZE)
                         {
                             // Best effort: the fsync at the commit reports
                             // what failed.
@@ -154,16 +188,26 @@ pub fn spawn(file: File, path: PathBuf, fresh: bool) -> std::io::Result<WriterHa
                                 tracing::debug!("early writeback of {}: {e}", image.path.display());
                             }
                         }
-                        returned.give_back(bytes);
                         r
                     }
-                    Job::Punch { first, pages } if !fresh => image.punch(first, pages).map(|()| 0),
+                    Job::Punch { first, pages } if !fresh => {
+                        image.punch(*first, *pages).map(|()| 0)
+                    }
                     Job::Punch { .. } => Ok(0),
                 };
                 match r {
-                    Ok(n) => report.bytes_written += n,
+                    Ok(n) => {
+                        report.bytes_written += n;
+                        let _ = htx.send(job);
+                    }
                     Err(e) => report.error = Some(e),
                 }
+            }
+            drop(htx);
+            match hasher.join() {
+                Ok(digests) => report.chunk_digests = digests,
+                // Nothing is lost: the commit reads every chunk back.
+                Err(_) => tracing::warn!("the snapshot digest thread panicked"),
             }
             let _ = done_tx.send(report);
         })?;
@@ -223,6 +267,7 @@ impl WriterHandle {
         drop(self.tx);
         self.done.await.unwrap_or_else(|_| WriteReport {
             bytes_written: 0,
+            chunk_digests: BTreeMap::new(),
             error: Some(SnapshotError::Io {
                 what: "write",
                 path: PathBuf::from("memory.img"),
@@ -268,13 +313,22 @@ fn write_sparse(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::checksum::{sum_file, CHUNK_BYTES, WRITE_ALGORITHM};
+
+    /// A new all-hole image of `len` bytes in a temporary directory, and a
+    /// writer for it.
+    fn fresh_image(len: u64) -> (tempfile::TempDir, PathBuf, ImageWriter, WriterHandle) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m");
+        let img = ImageWriter::create(&path, len).unwrap();
+        let file = img.file.try_clone().unwrap();
+        let w = spawn(file, path.clone(), true, WRITE_ALGORITHM).unwrap();
+        (dir, path, img, w)
+    }
 
     #[tokio::test]
     async fn writes_in_order_and_leaves_zero_pages_as_holes() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("m");
-        let img = ImageWriter::create(&path, 8 * PAGE_SIZE).unwrap();
-        let w = spawn(img.file.try_clone().unwrap(), path.clone(), true).unwrap();
+        let (_dir, path, _img, w) = fresh_image(8 * PAGE_SIZE);
         let mut two = vec![0u8; 2 * 4096];
         two[..4096].fill(1);
         let permit = w.room().await;
@@ -286,5 +340,26 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         assert!(bytes[2 * 4096..3 * 4096].iter().all(|b| *b == 3));
         assert!(bytes[3 * 4096..].iter().all(|b| *b == 0));
+    }
+
+    #[tokio::test]
+    async fn digests_the_chunks_it_wrote_whole() {
+        let pages = CHUNK_BYTES / PAGE_SIZE;
+        let (_dir, _path, img, w) = fresh_image(3 * CHUNK_BYTES);
+        // Chunk 0: one bulk run with a zero page in it; chunk 1: punched
+        // whole; chunk 2: one page only.
+        let mut run = w.buffer(BUFFER_BYTES);
+        run.fill(7);
+        run[4096..8192].fill(0);
+        let permit = w.room().await;
+        w.bulk(0, run, permit);
+        w.punch(pages, pages);
+        w.pages(2 * pages + 3, vec![5u8; 4096]);
+        let report = w.finish().await;
+        assert!(report.error.is_none());
+        let whole = sum_file(&img.file, WRITE_ALGORITHM).unwrap();
+        assert_eq!(report.chunk_digests.len(), 2);
+        assert_eq!(report.chunk_digests[&0], whole.chunks[0]);
+        assert_eq!(report.chunk_digests[&1], whole.chunks[1]);
     }
 }
