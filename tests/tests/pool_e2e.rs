@@ -294,3 +294,52 @@ fn a_fork_of_a_hundred_children_starts_them_all() {
         server.assert_healthy();
     }
 }
+
+/// The text of `id`'s VMM log.
+fn vmm_log(server: &TestServer, id: &str) -> String {
+    std::fs::read_to_string(server.state_dir().join("logs").join(format!("{id}.log")))
+        .unwrap_or_default()
+}
+
+#[test]
+fn pooled_vmms_map_guest_ram_of_the_prepared_size_into_their_ready_kvm_slot() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let server = TestServer::start_with_args(&["--vmm-pool", "2", "--vmm-pool-memory-mib", "32"]);
+    server.wait_pool_ready(2, Duration::from_secs(30));
+    let unused = "the KVM slot prepared for 32 MiB of guest RAM is not used";
+    // The prepared size: its memfd goes over the ready slot; another
+    // size: the slot is replaced at start. Both must run exactly.
+    for (mib, prepared) in [(32, true), (16, false), (32, true)] {
+        let pages = pages_of(mib);
+        let pooled = vmm_children(&server);
+        let a = server.create_vm(json!({"memory_mib": mib}));
+        server.fill(&a, 0, pages, mib);
+        let want = server.digest(&a, 0, pages);
+        let (status, v) = server.api("POST", &format!("/v1/vms/{a}/fork"), None);
+        assert_eq!(status, 201, "{v}");
+        let child = v["children"][0].as_str().expect("a child").to_owned();
+        assert_eq!(server.digest(&child, 0, pages), want, "{mib} MiB child");
+        server.fill(&child, pages / 2, 1, 99);
+        assert_ne!(server.digest(&child, 0, pages), want, "the child writes");
+        assert_eq!(
+            server.digest(&a, 0, pages),
+            want,
+            "the parent keeps its own"
+        );
+        for id in [&a, &child] {
+            let pid = pid_of(&server.vm(id));
+            assert!(
+                pooled.contains(&pid),
+                "{id} runs on a pooled vmm: {pid}, {pooled:?}"
+            );
+            let log = vmm_log(&server, id);
+            assert_eq!(!log.contains(unused), prepared, "{id}, {mib} MiB: {log}");
+            let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
+            assert_eq!(status, 200, "{v}");
+        }
+        server.wait_pool_ready(2, Duration::from_secs(30));
+    }
+    server.assert_healthy();
+}

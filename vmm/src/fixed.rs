@@ -248,6 +248,16 @@ pub fn prepare() {
     }
 }
 
+/// The host address of the region [`prepare`] made, while it is not
+/// taken.
+pub fn prepared_addr() -> Option<u64> {
+    PREPARED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(|r| r.as_ptr() as u64)
+}
+
 /// The region [`prepare`] made, or a new one.
 pub fn take_region() -> Result<MmapRegion, vm_memory::mmap::MmapRegionError> {
     match PREPARED.lock().unwrap_or_else(|p| p.into_inner()).take() {

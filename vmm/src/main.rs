@@ -36,6 +36,8 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
+    #[error("cannot start the control thread")]
+    SpawnControl(#[source] std::io::Error),
     #[error("cannot set up the standalone disk")]
     Disk(#[source] std::io::Error),
     #[error("{0}")]
@@ -64,7 +66,7 @@ fn main() -> std::process::ExitCode {
     let res = match &cli.command {
         Some(cli::Command::Standalone(args)) => standalone::run(args),
         None => match (&cli.server.socket, &cli.server.token) {
-            (Some(socket), Some(token)) => server::run(socket, token),
+            (Some(socket), Some(token)) => server::run(socket, token, cli.server.ram_hint_mib),
             _ => Err(Error::Usage),
         },
     };

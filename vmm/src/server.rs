@@ -19,7 +19,7 @@ use proto::vmm::{ServerMsg, VmmMsg};
 
 use crate::connection::{Connection, ConnectionError};
 use crate::devices::Disk;
-use crate::kvm::{Machine, MachineConfig, Prewarmed, VcpuEvent};
+use crate::kvm::{FirstVcpu, Machine, MachineConfig, Prewarmed, VcpuEvent};
 use crate::memory::GuestRam;
 use crate::ops::{Dispatcher, Flow};
 use crate::{uffd, Error, Result};
@@ -55,7 +55,7 @@ fn release_free_heap() {
 }
 
 /// Run in server mode until stopped or the server hangs up.
-pub fn run(socket: &Path, token: &str) -> Result<()> {
+pub fn run(socket: &Path, token: &str, ram_hint_mib: Option<u64>) -> Result<()> {
     // The server owns this VM's memory: if it dies (even by SIGKILL), the
     // guest cannot go on, so this process goes with it. The signal follows
     // the death of the server thread that spawned us, which is the core
@@ -66,28 +66,83 @@ pub fn run(socket: &Path, token: &str) -> Result<()> {
     // Everything that does not depend on guest RAM is made before saying
     // hello: a VMM the server keeps in its pool waits here ready, and the
     // Welcome finds only memory to map and state to load.
-    let pre = Prewarmed::new(1)?;
+    let pre = Prewarmed::new(1, ram_hint_mib.map(|m| m << 20), true)?;
     let guest_uffd = uffd::create()?;
+    let control = Control::spawn()?;
     release_free_heap();
     let (conn, welcome) = Connection::connect(socket, token)?;
     let conn = Arc::new(conn);
     let vm_id = welcome.vm_id;
     let config = welcome.config;
     tracing::info!(%vm_id, regions = config.regions.len(), vcpus = config.vcpus, "welcomed by the server");
-    match setup_and_serve(&conn, vm_id.0, config, welcome.fds, pre, guest_uffd) {
-        Ok(()) => Ok(()),
+    let first = match setup(
+        &conn,
+        vm_id.0,
+        config,
+        welcome.fds,
+        pre,
+        &guest_uffd,
+        control,
+    ) {
+        Ok(first) => first,
         Err(e) => exit_with(&conn, 1, crate::error_chain(&e)),
+    };
+    // This thread goes straight into KVM_RUN as vCPU 0. It returns only
+    // when the vCPU stops, and the control thread ends the process then
+    // (a fatal vCPU error ends it at once).
+    first.run();
+    loop {
+        std::thread::park();
     }
 }
 
-fn setup_and_serve(
+/// The control thread, started before the Welcome: it serves the server's
+/// requests once it has the machine.
+struct Control(std::sync::mpsc::SyncSender<(Arc<Connection>, Machine)>);
+
+impl Control {
+    fn spawn() -> Result<Self> {
+        let (give, take) = std::sync::mpsc::sync_channel::<(Arc<Connection>, Machine)>(1);
+        std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                // Without a machine (the set-up failed), the process is on
+                // its way out already.
+                if let Ok((conn, machine)) = take.recv() {
+                    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        control(&conn, machine)
+                    }));
+                    match served {
+                        Ok(Ok(())) => exit_now(0),
+                        Ok(Err(e)) => exit_with(&conn, 1, crate::error_chain(&e)),
+                        Err(_) => exit_with(&conn, 1, "the control thread panicked".into()),
+                    }
+                }
+            })
+            .map_err(Error::SpawnControl)?;
+        Ok(Self(give))
+    }
+}
+
+/// Serve requests for `machine` over `conn` until stopped.
+fn control(conn: &Arc<Connection>, machine: Machine) -> Result<()> {
+    let dispatcher = Dispatcher::new(machine)?;
+    release_free_heap();
+    serve(conn, &dispatcher)
+}
+
+/// Map guest RAM, hand the userfaultfd to the server and start the
+/// machine; the control thread gets it, and vCPU 0 is returned to run on
+/// this thread.
+fn setup(
     conn: &Arc<Connection>,
     vm_id: u32,
     config: proto::vmm::LaunchConfig,
     mut fds: Vec<std::os::fd::OwnedFd>,
     pre: Prewarmed,
-    guest_uffd: uffd::GuestUffd,
-) -> Result<()> {
+    guest_uffd: &uffd::GuestUffd,
+    control: Control,
+) -> Result<FirstVcpu> {
     let want = config.regions.len() + usize::from(config.disk_bytes.is_some());
     if fds.len() != want {
         return Err(Error::FdCount {
@@ -102,7 +157,7 @@ fn setup_and_serve(
         }),
         None => None,
     };
-    let mem = Arc::new(GuestRam::from_memfds(&config.regions, fds)?);
+    let mem = Arc::new(GuestRam::from_memfds(&config.regions, fds, pre.ram())?);
     tracing::info!(
         features = format_args!("{:#x}", guest_uffd.features),
         "userfaultfd created"
@@ -135,13 +190,13 @@ fn setup_and_serve(
         disk,
         start_state: config.start_state,
     };
-    let machine = Machine::start(pre, mem, cfg, events)?;
-    release_free_heap();
-    let dispatcher = Dispatcher::new(machine)?;
-    serve(conn, &dispatcher)?;
-    // Keep the uffd open until we exit (the server holds its own copy).
-    drop(guest_uffd);
-    Ok(())
+    let (machine, first) = Machine::start(pre, mem, cfg, events)?;
+    let first = first.ok_or_else(|| Error::Guest("vCPU 0 has a thread of its own".into()))?;
+    control
+        .0
+        .send((conn.clone(), machine))
+        .map_err(|_| Error::SpawnControl(std::io::Error::other("the control thread is gone")))?;
+    Ok(first)
 }
 
 fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {

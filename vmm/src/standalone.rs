@@ -67,8 +67,8 @@ impl Session {
             disk,
             start_state,
         };
-        let pre = Prewarmed::new(self.args_vcpus)?;
-        let machine = Machine::start(pre, mem, cfg, events)?;
+        let pre = Prewarmed::new(self.args_vcpus, None, false)?;
+        let (machine, _) = Machine::start(pre, mem, cfg, events)?;
         match ready_rx.recv_timeout(READY_TIMEOUT) {
             Ok(Ok(())) => {}
             Ok(Err(reason)) => return Err(Error::Guest(reason)),

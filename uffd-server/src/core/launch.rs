@@ -343,7 +343,7 @@ impl Core {
         if self.launch_from_pool(id) {
             return Ok(());
         }
-        let pid = self.launch_process(id, Binding::new(id), &self.log_path(id))?;
+        let pid = self.launch_process(id, Binding::new(id), &self.log_path(id), None)?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
             v.pid = Some(pid);
         }
@@ -358,6 +358,7 @@ impl Core {
         id: VmId,
         binding: Binding,
         path: &std::path::Path,
+        ram_hint_mib: Option<u64>,
     ) -> Result<u32> {
         let token = new_token();
         let log_err = |source| Error::CreateLog {
@@ -370,11 +371,15 @@ impl Core {
         // Hold the pending-launch lock across the spawn so the token is
         // registered with the child's pid before the child can connect.
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let child = tokio::process::Command::new(&self.settings.vmm_bin)
-            .arg("--socket")
+        let mut cmd = tokio::process::Command::new(&self.settings.vmm_bin);
+        cmd.arg("--socket")
             .arg(self.settings.state_dir.join("vmm.sock"))
             .arg("--token")
-            .arg(&token)
+            .arg(&token);
+        if let Some(mib) = ram_hint_mib {
+            cmd.arg("--ram-hint-mib").arg(mib.to_string());
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log2))

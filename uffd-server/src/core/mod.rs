@@ -76,6 +76,8 @@ pub struct Settings {
     pub rewrite_extents: u64,
     /// VMM processes kept started and connected, waiting for a VM.
     pub vmm_pool: usize,
+    /// Guest RAM size (MiB) pooled VMMs prepare their KVM slot for.
+    pub vmm_pool_memory_mib: u64,
     /// Back new VMs' guest RAM with 2 MiB hugetlb pages unless a create
     /// says otherwise.
     pub hugepages: bool,

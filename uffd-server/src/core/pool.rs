@@ -305,7 +305,9 @@ impl Core {
                 VmId(POOL_BASE + pool.next)
             };
             let binding = Binding::new(id);
-            match self.launch_process(id, binding.clone(), &self.pool_log_path(id)) {
+            let hint = self.settings.vmm_pool_memory_mib;
+            let log = self.pool_log_path(id);
+            match self.launch_process(id, binding.clone(), &log, Some(hint).filter(|m| *m > 0)) {
                 Ok(pid) => self.pool.borrow_mut().idle.push_back(Pooled {
                     id,
                     pid,

@@ -9,4 +9,4 @@ pub mod vm;
 
 pub use control::Job;
 pub use event::VcpuEvent;
-pub use vm::{Machine, MachineConfig, Prewarmed};
+pub use vm::{FirstVcpu, Machine, MachineConfig, Prewarmed};
