@@ -118,6 +118,36 @@ impl Header {
 
 /// Send one frame carrying `payload` and `fds` with a single `sendmsg`.
 pub fn send_frame(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<()> {
+    send_frame_from(sock, payload, fds, 0, false).map(|_| ())
+}
+
+/// Send as much of one frame as `sock` takes without waiting: returns the
+/// bytes sent (the fds go with the first), which may be none. The rest
+/// goes with [`send_frame_rest`].
+pub fn send_frame_now(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<usize> {
+    send_frame_from(sock, payload, fds, 0, true)
+}
+
+/// Send the rest of a frame whose first `sent` bytes (and fds, if any
+/// were sent) [`send_frame_now`] sent.
+pub fn send_frame_rest(sock: RawFd, payload: &[u8], fds: &[RawFd], sent: usize) -> Result<()> {
+    send_frame_from(sock, payload, fds, sent, false).map(|_| ())
+}
+
+/// The length of the frame carrying `payload` on the wire.
+pub fn frame_len(payload: &[u8]) -> usize {
+    HEADER_LEN + payload.len()
+}
+
+/// Send the frame from byte `sent` on; with `now`, stop instead of
+/// waiting when the socket is full. Returns the bytes sent in all.
+fn send_frame_from(
+    sock: RawFd,
+    payload: &[u8],
+    fds: &[RawFd],
+    mut sent: usize,
+    now: bool,
+) -> Result<usize> {
     let len = u32::try_from(payload.len()).map_err(|_| FrameError::TooLarge(u32::MAX))?;
     if len > MAX_PAYLOAD {
         return Err(FrameError::TooLarge(len));
@@ -136,8 +166,12 @@ pub fn send_frame(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<()> {
         nfds,
     }
     .encode();
-    let mut sent = 0usize;
     let total = HEADER_LEN + payload.len();
+    let flags = if now {
+        MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT
+    } else {
+        MsgFlags::MSG_NOSIGNAL
+    };
     while sent < total {
         let (h, p) = if sent < HEADER_LEN {
             (&header[sent..], payload)
@@ -151,13 +185,14 @@ pub fn send_frame(sock: RawFd, payload: &[u8], fds: &[RawFd]) -> Result<()> {
         } else {
             &[]
         };
-        match sendmsg::<()>(sock, &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+        match sendmsg::<()>(sock, &iov, cmsgs, flags, None) {
             Ok(n) => sent += n,
             Err(nix::Error::EINTR) => continue,
+            Err(nix::Error::EAGAIN) if now => break,
             Err(e) => return Err(FrameError::Send(e)),
         }
     }
-    Ok(())
+    Ok(sent)
 }
 
 fn recv_some(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<usize> {

@@ -28,6 +28,7 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 
 use proto::firecracker::Region;
+use proto::frame;
 use proto::vmm::{self as msg, ServerMsg, VmmMsg};
 use shared::VmId;
 use tracing::warn;
@@ -114,20 +115,29 @@ pub enum QueueError {
     Closed,
 }
 
-/// A message on its way to a VMM, with the fds it carries.
+/// The rest of a frame on its way to a VMM, with the fds it carries.
 #[derive(Debug)]
 struct Outgoing {
-    msg: ServerMsg,
+    payload: Vec<u8>,
     fds: Vec<OwnedFd>,
+    /// Bytes of the frame (and its fds, if any were) sent already.
+    sent: usize,
 }
 
-/// The sending half of a VMM connection: a bounded queue drained by the
-/// connection's own sender thread, so the core never blocks on a VMM that
-/// stopped reading (its socket buffer full).
+/// The sending half of a VMM connection. A message goes straight into the
+/// socket when nothing is queued before it and the socket takes it
+/// without waiting (the usual case); what does not fit goes to a bounded
+/// queue drained by the connection's own sender thread, so the core never
+/// blocks on a VMM that stopped reading (its socket buffer full). Sending
+/// straight saves a hop through that thread, 0.03 ms and at times several
+/// ms on a small host, on every request to a VMM.
 #[derive(Debug)]
 pub struct VmmWriter {
+    vm: VmId,
     tx: SyncSender<Outgoing>,
     stream: UnixStream,
+    /// Frames queued and not yet sent whole by the sender thread.
+    queued: Arc<Mutex<usize>>,
 }
 
 impl VmmWriter {
@@ -135,34 +145,132 @@ impl VmmWriter {
     pub fn start(vm: VmId, stream: UnixStream, queue: usize) -> std::io::Result<Arc<Self>> {
         let (tx, rx) = sync_channel::<Outgoing>(queue.max(1));
         let out = stream.try_clone()?;
+        let queued = Arc::new(Mutex::new(0usize));
+        let left = queued.clone();
         std::thread::Builder::new()
             .name("vmm-send".into())
             .spawn(move || {
                 for m in rx {
                     let fds: Vec<_> = m.fds.iter().map(AsRawFd::as_raw_fd).collect();
-                    if let Err(e) = msg::send(&out, &m.msg, &fds) {
+                    let sent = frame::send_frame_rest(out.as_raw_fd(), &m.payload, &fds, m.sent);
+                    *left.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+                    if let Err(e) = sent {
                         warn!("{vm}: cannot send to the vmm: {}", shared::error_chain(&e));
                         let _ = out.shutdown(std::net::Shutdown::Both);
                         return;
                     }
                 }
             })?;
-        Ok(Arc::new(VmmWriter { tx, stream }))
+        Ok(Arc::new(VmmWriter {
+            vm,
+            tx,
+            stream,
+            queued,
+        }))
     }
 
-    /// Queue a message with fds (they are sent, then closed here).
+    /// Send a message with fds (they are sent, then closed here): now if
+    /// the socket takes it, else through the sender thread.
     pub fn send(&self, msg: ServerMsg, fds: Vec<OwnedFd>) -> Result<(), QueueError> {
-        self.tx
-            .try_send(Outgoing { msg, fds })
-            .map_err(|e| match e {
-                TrySendError::Full(_) => QueueError::Full,
-                TrySendError::Disconnected(_) => QueueError::Closed,
-            })
+        let payload = msg::encode(&msg).map_err(|e| {
+            warn!(
+                "{}: cannot encode a message: {}",
+                self.vm,
+                shared::error_chain(&e)
+            );
+            QueueError::Closed
+        })?;
+        let mut queued = self.queued.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sent = 0;
+        if *queued == 0 {
+            let raw: Vec<_> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+            match frame::send_frame_now(self.stream.as_raw_fd(), &payload, &raw) {
+                Ok(n) if n == frame::frame_len(&payload) => return Ok(()),
+                Ok(n) => sent = n,
+                Err(e) => {
+                    warn!(
+                        "{}: cannot send to the vmm: {}",
+                        self.vm,
+                        shared::error_chain(&e)
+                    );
+                    self.shutdown();
+                    return Err(QueueError::Closed);
+                }
+            }
+        }
+        let queue = self.tx.try_send(Outgoing { payload, fds, sent });
+        match queue {
+            Ok(()) => {
+                *queued += 1;
+                Ok(())
+            }
+            Err(e) => {
+                if sent > 0 {
+                    // Part of the frame is out and the rest has nowhere to
+                    // go: the stream is broken.
+                    self.shutdown();
+                }
+                Err(match e {
+                    TrySendError::Full(_) => QueueError::Full,
+                    TrySendError::Disconnected(_) => QueueError::Closed,
+                })
+            }
+        }
     }
 
     /// Close both directions (the reader thread then reports `Closed`, the
     /// sender thread stops).
     pub fn shutdown(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Messages go out in order whether they went straight into the socket
+    /// or through the sender thread because the socket was full.
+    #[test]
+    fn messages_keep_their_order_when_the_socket_fills() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let w = VmmWriter::start(VmId(1), ours, 1024).unwrap();
+        let big = "x".repeat(64 << 10);
+        let n = 64; // 4 MiB in all: far more than a socket buffer
+        for i in 0..n {
+            let message = format!("{i} {big}");
+            w.send(ServerMsg::Error { message }, Vec::new()).unwrap();
+        }
+        assert!(
+            *w.queued.lock().unwrap() > 0,
+            "the socket filled and the rest was queued"
+        );
+        for i in 0..n {
+            let (m, _) = msg::recv::<ServerMsg>(&theirs).unwrap();
+            match m {
+                ServerMsg::Error { message } => {
+                    assert!(
+                        message.starts_with(&format!("{i} ")),
+                        "message {i} in order"
+                    );
+                    assert_eq!(message.len(), format!("{i} ").len() + big.len());
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        // Drained: the next one goes straight in.
+        while *w.queued.lock().unwrap() > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        w.send(
+            ServerMsg::Error {
+                message: "last".into(),
+            },
+            Vec::new(),
+        )
+        .unwrap();
+        assert_eq!(*w.queued.lock().unwrap(), 0);
+        let (m, _) = msg::recv::<ServerMsg>(&theirs).unwrap();
+        assert!(matches!(m, ServerMsg::Error { message } if message == "last"));
     }
 }
