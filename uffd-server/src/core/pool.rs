@@ -210,14 +210,16 @@ impl Core {
         let Some(writer) = p.writer else {
             return false;
         };
-        // The log follows the VMM: its open fd keeps writing to the file.
+        p.binding.bind(id);
+        self.on_hello(id, writer, p.pid);
+        // After the Welcome, which the start waits for: the log follows the
+        // VMM (its open fd keeps writing to the file), and this core thread
+        // handles whatever the VMM says only after this returns.
         let log = self.log_path(id);
         if let Err(e) = std::fs::rename(self.pool_log_path(p.id), &log) {
             warn!("{id}: cannot rename the pooled vmm's log: {e}");
         }
-        p.binding.bind(id);
         info!("{id}: took pooled vmm pid {}", p.pid);
-        self.on_hello(id, writer, p.pid);
         self.schedule_refill();
         true
     }
