@@ -76,8 +76,22 @@ fn delete_snapshot(s: &TestServer, name: &str) {
 
 /// Time to write `bytes` sequentially into a new file in `dir` and fsync.
 fn sequential_write_fsync(dir: &std::path::Path, bytes: u64) -> f64 {
+    timed_write_fsync(dir, bytes, None)
+}
+
+/// What a dirty snapshot asks of the filesystem alone: FICLONE `image`
+/// (the parent snapshot's image) into a new file in `dir`, write `bytes`
+/// over its start sequentially, fsync. Returns the time in ms.
+fn reflink_write_fsync(image: &std::path::Path, dir: &std::path::Path, bytes: u64) -> f64 {
+    timed_write_fsync(dir, bytes, Some(image))
+}
+
+/// Time to create a file in `dir` (a FICLONE of `clone_of`, if given),
+/// write `bytes` sequentially from its start, and fsync it, in ms.
+fn timed_write_fsync(dir: &std::path::Path, bytes: u64, clone_of: Option<&std::path::Path>) -> f64 {
     let path = dir.join(format!("pagefork-bench-seq-{}", std::process::id()));
     let buf = vec![0x5au8; 1 << 20];
+    let src = clone_of.map(|p| std::fs::File::open(p).expect("the parent snapshot's image"));
     let t = Instant::now();
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -86,6 +100,9 @@ fn sequential_write_fsync(dir: &std::path::Path, bytes: u64) -> f64 {
         .mode(0o600)
         .open(&path)
         .expect("cannot create the baseline file");
+    if let Some(src) = &src {
+        uffd_server::volume::ficlone(&f, src).expect("FICLONE of the parent image");
+    }
     let mut left = bytes;
     while left > 0 {
         let k = left.min(buf.len() as u64);
@@ -139,8 +156,8 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
     for pct in [1u64, 10, 50, 100] {
         let dirty = pages * pct / 100;
         let (mut pause, mut total, mut written) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut floor, mut seq, mut sum, mut sha) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut floor, mut seq, mut sum, mut sha, mut cow) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut in_wp, mut in_capture, mut in_resume) = (Vec::new(), Vec::new(), Vec::new());
         let mut after: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
         let wp = WpFloor::new(
@@ -166,6 +183,12 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
             total.push(num(&r, "duration_us") / 1e3);
             written.push(num(&r, "bytes_written"));
             delete_snapshot(s, &last);
+            let image = s
+                .state_dir()
+                .join("snapshots")
+                .join(&name)
+                .join("memory.img");
+            cow.push(reflink_write_fsync(&image, xfs, dirty * 4096));
             last = name;
             floor.push(wp.measure().map_or(f64::NAN, |d| d.as_secs_f64() * 1e6));
             seq.push(sequential_write_fsync(xfs, dirty * 4096));
@@ -207,7 +230,8 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
         .note(format!(
             "total = pause, saving the pages, fsync, BLAKE3 of the chunks written, commit; after the pause \
              (medians): {}; the checksum alone, in-process on every core: {:.1} ms (SHA-256, format 1's: \
-             {:.1} ms) (total / (write + fsync + checksum) = {:.2})",
+             {:.1} ms) (total / (write + fsync + checksum) = {:.2}); what the filesystem alone takes for it, \
+             FICLONE of the parent image + the same write + fsync into the clone: {:.1} ms (total / that = {:.2})",
             after
                 .iter()
                 .map(|(k, v)| format!("{k} {:.1} ms", med(v)))
@@ -215,7 +239,9 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
                 .join(", "),
             med(&sum),
             med(&sha),
-            med(&total) / (med(&seq) + med(&sum))
+            med(&total) / (med(&seq) + med(&sum)),
+            med(&cow),
+            med(&total) / med(&cow)
         ))
         .emit();
         let dirty_bytes = vec![(dirty * 4096) as f64; written.len()];

@@ -431,9 +431,7 @@ impl Core {
                     return Some(d.clone());
                 }
                 let pages = checksum::CHUNK_BYTES / PAGE_SIZE;
-                let untouched = touched
-                    .next_from(c * pages)
-                    .is_none_or(|p| p >= (c + 1) * pages);
+                let untouched = !touched.any_in(c * pages, (c + 1) * pages);
                 parent_chunks
                     .as_ref()
                     .filter(|_| untouched)

@@ -238,10 +238,13 @@ pub fn sum_file_reusing(
             chunks.push(Some(zero_digest(alg, hi - lo)));
         }
     }
-    // The chunks with data are read and hashed on every core.
-    let workers = std::thread::available_parallelism()
-        .map_or(1, std::num::NonZeroUsize::get)
-        .min(to_read.len().max(1));
+    // The chunks with data are read and hashed on every core (counted
+    // once: the count reads cgroup files each time).
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let cores = *CORES.get_or_init(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+    });
+    let workers = cores.min(to_read.len().max(1));
     let per = to_read.len().div_ceil(workers).max(1);
     let hashed: Vec<std::io::Result<Vec<(usize, String)>>> = std::thread::scope(|sc| {
         let handles: Vec<_> = to_read

@@ -111,6 +111,27 @@ impl PageSet {
         out
     }
 
+    /// Whether any page of `[lo, hi)` is in the set. Looks only at the
+    /// words that cover the range (unlike a [`PageSet::next_from`] that
+    /// finds nothing and runs to the end of the set).
+    pub fn any_in(&self, lo: u64, hi: u64) -> bool {
+        let hi = hi.min(self.pages);
+        let mut p = lo;
+        while p < hi {
+            let (w, _) = Self::at(p);
+            let mut word = self.words[w] >> (p % 64);
+            let left = hi - p;
+            if left < 64 {
+                word &= (1u64 << left) - 1;
+            }
+            if word != 0 {
+                return true;
+            }
+            p = (p / 64 + 1) * 64;
+        }
+        false
+    }
+
     /// The first page in the set at or after `from`.
     pub fn next_from(&self, from: u64) -> Option<u64> {
         let mut p = from;
@@ -131,6 +152,22 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn any_in_sees_only_its_range() {
+        let mut s = PageSet::new(1000);
+        for p in [5, 130, 999] {
+            s.insert(p);
+        }
+        assert!(s.any_in(0, 6));
+        assert!(!s.any_in(0, 5));
+        assert!(!s.any_in(6, 130));
+        assert!(s.any_in(6, 131));
+        assert!(s.any_in(129, 131));
+        assert!(!s.any_in(131, 999));
+        assert!(s.any_in(131, 5000));
+        assert!(!s.any_in(7, 7));
+    }
 
     #[test]
     fn runs_are_sorted_and_coalesced() {
@@ -163,6 +200,11 @@ mod tests {
             prop_assert_eq!(s.len(), m.len() as u64);
             let flat: Vec<u64> = s.runs().iter().flat_map(|(f, n)| *f..f + n).collect();
             prop_assert_eq!(flat, m.iter().copied().collect::<Vec<_>>());
+            for lo in (0..520).step_by(37) {
+                for hi in [lo, lo + 1, lo + 63, lo + 64, lo + 200] {
+                    prop_assert_eq!(s.any_in(lo, hi), m.range(lo..hi.max(lo)).next().is_some());
+                }
+            }
         }
     }
 }
