@@ -236,10 +236,10 @@ impl Prewarmed {
     /// Create the KVM VM with `vcpus` vCPUs (more are added at start if
     /// the VM needs them).
     ///
-    /// The private region is made too, and its KVM slot set: changing
-    /// KVM's memory slots waits for an SRCU grace period, which on a
-    /// nested host took from 0.1 to 3.5 ms, so a pooled VMM does it before
-    /// it is needed.
+    /// The private region is made too, and its KVM slot set: setting a
+    /// slot took 0.1–0.3 ms on this kind of host (KVM sets up per-page
+    /// bookkeeping: 0.15 ms per 256 MiB), and at times 3–4 ms, so a pooled
+    /// VMM does it before it is needed.
     ///
     /// With `ram_hint`, the slot of guest RAM of that many bytes is set
     /// too, over reserved address space ([`Reserved`]). With
@@ -283,10 +283,10 @@ impl Prewarmed {
         self.ram
     }
 
-    /// Start a thread for each vCPU now, waiting for its vCPU: on this
-    /// kind of host a new thread took 0.1 to 3.5 ms to first run, which a
-    /// pooled VMM's start no longer waits for (waking a waiting thread
-    /// costs far less).
+    /// Start a thread now for each vCPU the starting thread will not run,
+    /// waiting for its vCPU: creating threads is then off the start's
+    /// path (a new thread took 0.1–0.2 ms to first run here, at times
+    /// 3–4 ms).
     fn start_threads(&mut self) -> Result<()> {
         let first = usize::from(self.first_here);
         while first + self.threads.len() < self.vcpus.len() {
