@@ -196,6 +196,17 @@ fn send_frame_from(
 }
 
 fn recv_some(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<usize> {
+    recv_with(sock, buf, fds, MsgFlags::empty())
+}
+
+/// `recvmsg` into `buf`, taking the fds that come with the bytes; `flags`
+/// are added to `MSG_CMSG_CLOEXEC`.
+fn recv_with(
+    sock: RawFd,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+    flags: MsgFlags,
+) -> Result<usize> {
     let mut cmsg_space = nix::cmsg_space!([RawFd; MAX_FDS as usize]);
     loop {
         let mut iov = [IoSliceMut::new(buf)];
@@ -203,7 +214,7 @@ fn recv_some(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<usiz
             sock,
             &mut iov,
             Some(&mut cmsg_space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
+            MsgFlags::MSG_CMSG_CLOEXEC | flags,
         );
         let msg = match res {
             Ok(m) => m,
@@ -270,6 +281,79 @@ pub fn recv_frame(sock: &impl AsRawFd) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
     Ok((payload, fds))
 }
 
+/// Reads frames from a socket without ever waiting, for an event loop that
+/// serves many peers and must not stall on one: [`FrameReader::read`]
+/// takes what has arrived, keeps a frame that is not whole yet for the next
+/// call, and reads exactly up to each frame's end, so the fds that travel
+/// with a frame's header are never taken with another frame's bytes.
+#[derive(Debug, Default)]
+pub struct FrameReader {
+    header: [u8; HEADER_LEN],
+    header_got: usize,
+    /// The frame's header once whole, and its payload so far.
+    body: Option<(Header, Vec<u8>)>,
+    body_got: usize,
+    fds: Vec<OwnedFd>,
+}
+
+impl FrameReader {
+    /// Read what `sock` holds now: `Some` frame (payload and fds) once one
+    /// is whole, `None` when the socket has nothing more for now (read
+    /// again when it is readable). Errors are those of [`recv_frame`];
+    /// after one the stream is out of step and must be closed.
+    pub fn read(&mut self, sock: &impl AsRawFd) -> Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+        let fd = sock.as_raw_fd();
+        while self.header_got < HEADER_LEN {
+            let Some(n) = recv_now(fd, &mut self.header[self.header_got..], &mut self.fds)? else {
+                return Ok(None);
+            };
+            if n == 0 {
+                return Err(if self.header_got == 0 {
+                    FrameError::Closed
+                } else {
+                    FrameError::Truncated
+                });
+            }
+            self.header_got += n;
+        }
+        let (header, payload) = match &mut self.body {
+            Some(body) => body,
+            None => {
+                let h = Header::decode(&self.header)?;
+                self.body.insert((h, vec![0u8; h.len as usize]))
+            }
+        };
+        while self.body_got < payload.len() {
+            let Some(n) = recv_now(fd, &mut payload[self.body_got..], &mut self.fds)? else {
+                return Ok(None);
+            };
+            if n == 0 {
+                return Err(FrameError::Truncated);
+            }
+            self.body_got += n;
+        }
+        if self.fds.len() != usize::from(header.nfds) {
+            return Err(FrameError::FdCount {
+                declared: header.nfds,
+                received: self.fds.len(),
+            });
+        }
+        let payload = std::mem::take(payload);
+        let fds = std::mem::take(&mut self.fds);
+        *self = FrameReader::default();
+        Ok(Some((payload, fds)))
+    }
+}
+
+/// [`recv_some`] without waiting: `None` when nothing has arrived.
+fn recv_now(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<Option<usize>> {
+    match recv_with(sock, buf, fds, MsgFlags::MSG_DONTWAIT) {
+        Ok(n) => Ok(Some(n)),
+        Err(FrameError::Recv(nix::Error::EAGAIN)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,6 +410,68 @@ mod tests {
         assert!(matches!(recv_frame(&b), Err(FrameError::Truncated)));
     }
 
+    /// A frame that arrives a few bytes at a time, its fds with the first
+    /// piece, comes out whole once its last byte is in; the reader waits
+    /// for nothing in between, and the frame after it keeps its own fds.
+    #[test]
+    fn reader_takes_frames_piece_by_piece_without_waiting() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let payload = b"a payload of some length".to_vec();
+        let header = Header {
+            version: VERSION,
+            flags: 0,
+            len: u32::try_from(payload.len()).unwrap(),
+            nfds: 1,
+        }
+        .encode();
+        let wire: Vec<u8> = header.iter().chain(&payload).copied().collect();
+        let mut r = FrameReader::default();
+        assert!(r.read(&b).unwrap().is_none(), "nothing sent yet");
+        let mut sent = 0;
+        for piece in wire.chunks(5) {
+            let fds = [f.as_raw_fd()];
+            let cmsg = [ControlMessage::ScmRights(&fds)];
+            let cmsgs: &[ControlMessage] = if sent == 0 { &cmsg } else { &[] };
+            sendmsg::<()>(
+                a.as_raw_fd(),
+                &[IoSlice::new(piece)],
+                cmsgs,
+                MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+            sent += piece.len();
+            let got = r.read(&b).unwrap();
+            if sent < wire.len() {
+                assert!(got.is_none(), "incomplete after {sent} bytes");
+            } else {
+                let (p, fds) = got.expect("whole after the last byte");
+                assert_eq!(p, payload);
+                assert_eq!(fds.len(), 1);
+            }
+        }
+        send_frame(a.as_raw_fd(), b"next", &[]).unwrap();
+        send_frame(a.as_raw_fd(), b"and its fd", &[f.as_raw_fd()]).unwrap();
+        let (p, fds) = r.read(&b).unwrap().unwrap();
+        assert_eq!((p.as_slice(), fds.len()), (&b"next"[..], 0));
+        let (p, fds) = r.read(&b).unwrap().unwrap();
+        assert_eq!((p.as_slice(), fds.len()), (&b"and its fd"[..], 1));
+        assert!(r.read(&b).unwrap().is_none());
+        drop(a);
+        assert!(matches!(r.read(&b), Err(FrameError::Closed)));
+    }
+
+    #[test]
+    fn reader_reports_a_hang_up_mid_frame() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let mut r = FrameReader::default();
+        a.write_all(b"PG").unwrap();
+        assert!(r.read(&b).unwrap().is_none());
+        drop(a);
+        assert!(matches!(r.read(&b), Err(FrameError::Truncated)));
+    }
+
     proptest! {
         #[test]
         fn header_decoder_never_panics(bytes in proptest::array::uniform16(any::<u8>())) {
@@ -344,6 +490,15 @@ mod tests {
             a.write_all(&bytes).unwrap();
             drop(a);
             let _ = recv_frame(&b);
+        }
+
+        #[test]
+        fn reader_gives_errors_not_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let (mut a, b) = UnixStream::pair().unwrap();
+            a.write_all(&bytes).unwrap();
+            drop(a);
+            let mut r = FrameReader::default();
+            while let Ok(Some(_)) = r.read(&b) {}
         }
     }
 }

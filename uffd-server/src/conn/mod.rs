@@ -1,11 +1,13 @@
 //! Connections from VMMs and Firecracker processes, and what their threads
 //! tell the core.
 //!
-//! Each peer connection is served by threads of its own (blocking socket
-//! I/O never runs on the core thread):
+//! Blocking socket I/O never runs on the core thread: a connection's hello
+//! and Firecracker's handshake are read by threads of their own, and what
+//! the core reads or writes itself it does without waiting:
 //!
 //! ```text
-//!  vmm-accept ──▶ vmm-conn (reads frames) ──ConnEvent──▶ core
+//!  vmm-accept ──▶ vmm-conn (checks the hello) ──Hello──▶ core
+//!                 core reads the VMM's frames itself (vmm::read_frames, never waiting)
 //!                 vmm-send (writes frames) ◀──VmmWriter── core   (bounded queue)
 //!  fc-accept  ──▶ fc-conn  (reads the handshake, waits for hang-up) ──▶ core
 //! ```
@@ -41,6 +43,10 @@ pub enum ConnEvent {
         vm: VmId,
         writer: Arc<VmmWriter>,
         pid: u32,
+        /// The connection, for the core to read (see [`vmm::read_frames`]).
+        stream: UnixStream,
+        /// Which VM the connection speaks for, as the core binds it.
+        binding: Binding,
     },
     /// A message (and its fds) from `vm`'s VMM.
     Msg {
@@ -66,11 +72,10 @@ pub struct PendingLaunch {
 
 /// Which VM a VMM connection speaks for. A VMM of the warm pool is
 /// launched (and connects) before its VM exists, under a pool id; the core
-/// binds it to the VM that takes it. Connection threads read the binding
-/// for every event they report, so every event after the bind carries the
-/// VM's id. The core binds only a VMM whose hello it has handled and which
-/// sends nothing until its Welcome, so no event of that connection is in
-/// flight across the bind.
+/// binds it to the VM that takes it. The connection's reader reads the
+/// binding for every message it delivers, so every message after the bind
+/// carries the VM's id. The core binds only a VMM whose hello it has
+/// handled and which sends nothing until its Welcome.
 #[derive(Debug, Clone)]
 pub struct Binding(Arc<AtomicU32>);
 

@@ -1,24 +1,27 @@
 //! The VMM socket: accepts VMM connections, checks who they are, and turns
 //! each connection's frames into [`ConnEvent`]s for the core.
 //!
-//! Each connection gets a reader thread (blocking `recvmsg` with fds); the
-//! core writes to the VMM through a [`VmmWriter`]. A connection that sends
+//! Each new connection gets a thread that waits (blocking, with a timeout)
+//! for its hello and checks it; from then on the core reads the connection
+//! on its own event loop ([`read_frames`]) and writes to the VMM through a
+//! [`VmmWriter`]. A connection that sends
 //! bad bytes, an unknown launch token, a pid that is not the launched VMM's,
 //! or the wrong fds gets a [`ServerMsg::Error`] and is closed; nothing else
 //! is affected.
 
-use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-use proto::frame::FrameError;
+use proto::frame::{FrameError, FrameReader};
 use proto::vmm::{self as msg, ServerMsg, VmmMsg};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::{ConnEvent, PendingLaunches, VmmWriter};
+use super::{Binding, ConnEvent, PendingLaunches, VmmWriter};
 use tracing::{debug, info, warn};
 
 fn refuse(stream: &UnixStream, why: &str) {
@@ -161,48 +164,80 @@ fn serve_connection(
         Err(e) => return refuse(&stream, &format!("internal error: {e}")),
     };
     info!("{vm}: vmm pid {pid} connected");
-    if events
-        .send(ConnEvent::Hello {
-            vm,
-            writer: writer.clone(),
-            pid,
+    // From here on the core reads the connection itself (see
+    // [`read_frames`]); this thread's work is done.
+    let _ = events.send(ConnEvent::Hello {
+        vm,
+        writer,
+        pid,
+        stream,
+        binding,
+    });
+}
+
+/// Frames read from one connection in a row before the reader lets the
+/// core's other work run.
+const BURST: usize = 32;
+
+/// Read a VMM connection's frames on the core's event loop and hand each
+/// message to `deliver` until the connection ends, which is delivered as
+/// [`ConnEvent::Closed`].
+///
+/// Reading never waits: a frame that is not whole yet stays in a
+/// [`FrameReader`] until the rest arrives, so a VMM that stops in the
+/// middle of a frame, or stops sending at all, costs the core nothing.
+/// Each message reaches the core with one wake-up (the socket's), not two
+/// (a reader thread's, then the core's), which is most of what a start
+/// from the pool waits on between the VMM and the server.
+pub async fn read_frames(stream: UnixStream, binding: Binding, deliver: impl Fn(ConnEvent)) {
+    let closed = |reason: String| {
+        deliver(ConnEvent::Closed {
+            vm: binding.get(),
+            reason,
         })
-        .is_err()
-    {
-        return;
-    }
+    };
+    // SAFETY: the stream owns its fd, which stays open and unchanged until
+    // the stream (moved into the AsyncFd) is dropped.
+    let fd = match unsafe { AsyncFd::register_with_interest(stream, Interest::READABLE) } {
+        Ok(fd) => fd,
+        Err(e) => return closed(format!("cannot watch the vmm connection: {e}")),
+    };
+    let mut reader = FrameReader::default();
     loop {
-        let received = msg::recv::<VmmMsg>(&stream);
-        // A pooled VMM is bound to its VM between its hello and its next
-        // message (see [`super::Binding`]).
-        let vm = binding.get();
-        match received {
-            Ok((m, fds)) => {
-                debug!("{vm}: <- {}", kind(&m));
-                if events.send(ConnEvent::Msg { vm, msg: m, fds }).is_err() {
-                    return;
+        let mut guard = match fd.readable().await {
+            Ok(g) => g,
+            Err(e) => return closed(format!("cannot watch the vmm connection: {e}")),
+        };
+        for _ in 0..BURST {
+            // A pooled VMM is bound to its VM between its hello and its
+            // next message (see [`super::Binding`]).
+            let vm = binding.get();
+            let frame = reader.read(guard.get_inner()).and_then(|f| {
+                f.map(|(p, fds)| Ok((msg::decode::<VmmMsg>(&p)?, fds)))
+                    .transpose()
+            });
+            match frame {
+                Ok(Some((m, fds))) => {
+                    debug!("{vm}: <- {}", kind(&m));
+                    deliver(ConnEvent::Msg { vm, msg: m, fds });
                 }
-            }
-            Err(FrameError::Closed) => {
-                let _ = events.send(ConnEvent::Closed {
-                    vm,
-                    reason: "vmm closed its connection".into(),
-                });
-                return;
-            }
-            Err(e) => {
-                let why = shared::error_chain(&e);
-                if !matches!(e, FrameError::Recv(_) | FrameError::Truncated) {
-                    refuse(&stream, &why);
+                Ok(None) => {
+                    guard.clear_ready();
+                    break;
                 }
-                let _ = events.send(ConnEvent::Closed {
-                    vm,
-                    reason: format!("vmm connection failed: {why}"),
-                });
-                let _ = stream.as_raw_fd();
-                return;
+                Err(FrameError::Closed) => return closed("vmm closed its connection".into()),
+                Err(e) => {
+                    let why = shared::error_chain(&e);
+                    if !matches!(e, FrameError::Recv(_) | FrameError::Truncated) {
+                        refuse(guard.get_inner(), &why);
+                    }
+                    return closed(format!("vmm connection failed: {why}"));
+                }
             }
         }
+        drop(guard);
+        // A VMM with more to say waits its turn behind everyone else.
+        tokio::task::yield_now().await;
     }
 }
 
@@ -215,5 +250,87 @@ pub fn kind(m: &VmmMsg) -> &'static str {
         VmmMsg::Reply { .. } => "reply",
         VmmMsg::Console { .. } => "console",
         VmmMsg::Exited { .. } => "exited",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::io::Write;
+    use std::rc::Rc;
+
+    use proto::frame::Header;
+    use shared::VmId;
+
+    use super::*;
+
+    fn frame(m: &VmmMsg) -> Vec<u8> {
+        let payload = msg::encode(m).unwrap();
+        let header = Header {
+            version: proto::frame::VERSION,
+            flags: 0,
+            len: u32::try_from(payload.len()).unwrap(),
+            nfds: 0,
+        }
+        .encode();
+        header.iter().chain(&payload).copied().collect()
+    }
+
+    /// The core reads connections on its own thread: a VMM that stops in
+    /// the middle of a frame must not keep another VMM's messages from
+    /// being delivered, and its own frame is delivered once the rest
+    /// arrives; a hang-up is delivered as `Closed`.
+    #[test]
+    fn a_connection_stopped_mid_frame_does_not_hold_up_the_others() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        local.block_on(&rt, async {
+            let got: Rc<RefCell<Vec<String>>> = Rc::default();
+            let start = |vm: u32| {
+                let (ours, theirs) = UnixStream::pair().unwrap();
+                let got = got.clone();
+                tokio::task::spawn_local(read_frames(ours, Binding::new(VmId(vm)), move |ev| {
+                    got.borrow_mut().push(match ev {
+                        ConnEvent::Msg { vm, msg, .. } => format!("{vm} {}", kind(&msg)),
+                        ConnEvent::Closed { vm, .. } => format!("{vm} closed"),
+                        other => format!("{other:?}"),
+                    });
+                }));
+                theirs
+            };
+            let mut stuck = start(1);
+            let mut other = start(2);
+            let running = frame(&VmmMsg::Running);
+            stuck.write_all(&running[..5]).unwrap();
+            for _ in 0..3 {
+                other.write_all(&running).unwrap();
+            }
+            let wait_for = |n: usize| {
+                let got = got.clone();
+                async move {
+                    for _ in 0..1000 {
+                        if got.borrow().len() >= n {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                }
+            };
+            wait_for(3).await;
+            assert_eq!(*got.borrow(), vec!["vm-2 running"; 3]);
+            stuck.write_all(&running[5..]).unwrap();
+            wait_for(4).await;
+            assert_eq!(got.borrow()[3], "vm-1 running");
+            drop(stuck);
+            other.write_all(&running[..3]).unwrap();
+            drop(other);
+            wait_for(6).await;
+            let mut ends = got.borrow()[4..].to_vec();
+            ends.sort();
+            assert_eq!(ends, ["vm-1 closed", "vm-2 closed"]);
+        });
     }
 }

@@ -469,7 +469,21 @@ impl Core {
     /// Handle a VMM connection event.
     fn on_conn_event(self: &Rc<Self>, ev: ConnEvent) {
         match ev {
-            ConnEvent::Hello { vm, writer, pid } => self.on_hello(vm, writer, pid),
+            ConnEvent::Hello {
+                vm,
+                writer,
+                pid,
+                stream,
+                binding,
+            } => {
+                let core = self.clone();
+                tokio::task::spawn_local(crate::conn::vmm::read_frames(
+                    stream,
+                    binding,
+                    move |ev| core.on_conn_event(ev),
+                ));
+                self.on_hello(vm, writer, pid);
+            }
             ConnEvent::Msg { vm, msg, fds } => self.on_vmm_msg(vm, msg, fds),
             ConnEvent::Closed { vm, reason } if pool::is_pool_id(vm) => self.pool_gone(vm, &reason),
             ConnEvent::Closed { vm, reason } => self.mark_exited(vm, &reason),
