@@ -26,9 +26,9 @@ pub struct ServerArgs {
     /// Launch token issued by the server.
     #[arg(long, env = "PAGEFORK_VMM_TOKEN")]
     pub token: Option<String>,
-    /// The guest RAM size (MiB) to prepare KVM's memory slot for before
-    /// the server's Welcome (a pooled VMM); RAM of another size costs one
-    /// slot change at start.
+    /// Given to a pooled VMM only: the guest RAM size (MiB) to prepare
+    /// KVM's memory slot for before the server's Welcome (0 = none); RAM of
+    /// another size costs one slot change at start.
     #[arg(long)]
     pub ram_hint_mib: Option<u64>,
 }

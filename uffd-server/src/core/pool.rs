@@ -309,7 +309,7 @@ impl Core {
             let binding = Binding::new(id);
             let hint = self.settings.vmm_pool_memory_mib;
             let log = self.pool_log_path(id);
-            match self.launch_process(id, binding.clone(), &log, Some(hint).filter(|m| *m > 0)) {
+            match self.launch_process(id, binding.clone(), &log, Some(hint)) {
                 Ok(pid) => self.pool.borrow_mut().idle.push_back(Pooled {
                     id,
                     pid,
