@@ -258,8 +258,17 @@ fn settled_shmem_kib() -> u64 {
 
 /// Whether the server process still holds `id`'s memfd (as an fd or a
 /// mapping).
-fn server_holds_memfd(s: &TestServer, id: &str) -> bool {
-    let name = format!("/memfd:pagefork-{id} (deleted)");
+/// The name of `id`'s guest RAM memfd, as the API gives it.
+fn memfd_of(s: &TestServer, id: &str) -> String {
+    s.vm(id)["memfd"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{id} names no memfd"))
+        .to_owned()
+}
+
+/// Whether the server has the memfd named `memfd` open or mapped.
+fn server_holds_memfd(s: &TestServer, memfd: &str) -> bool {
+    let name = format!("/memfd:{memfd} (deleted)");
     let pid = s.pid();
     let in_fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .expect("cannot list the server's fds")
@@ -607,6 +616,7 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
     let s = TestServer::start();
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
+    let a_memfd = memfd_of(&s, &a);
     s.fill(&a, 0, total, 1);
     let dig = s.digest(&a, 0, total);
     let kids = children_of(&fork(&s, &a, 2));
@@ -633,7 +643,7 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
         );
     }
     assert!(
-        server_holds_memfd(&s, &a),
+        server_holds_memfd(&s, &a_memfd),
         "frozen parent's memfd must stay open"
     );
 
@@ -672,7 +682,7 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
         "parent released once no table reads from it"
     );
     assert!(
-        !server_holds_memfd(&s, &a),
+        !server_holds_memfd(&s, &a_memfd),
         "released parent's memfd must be closed and unmapped"
     );
     for k in &kids {
@@ -701,8 +711,10 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
     let total = pages_of(MIB_64);
     let x = 0;
     let a = create(&s, MIB_64);
+    let a_memfd = memfd_of(&s, &a);
     s.fill(&a, 0, total, 1);
     let b = children_of(&fork(&s, &a, 1)).remove(0);
+    let b_memfd = memfd_of(&s, &b);
     s.fill(&b, x, 1, 7);
     let c = children_of(&fork(&s, &b, 1)).remove(0);
     // B's one-page write made its unit (a 2 MiB block on hugepages) its own.
@@ -729,7 +741,7 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
         "no live VM reads from {a} any more, yet it is kept: {:?}",
         tree_node(&s, &a)
     );
-    assert!(!server_holds_memfd(&s, &a));
+    assert!(!server_holds_memfd(&s, &a_memfd));
     assert!(tree_node(&s, &b).is_some(), "C still reads x from {b}");
     assert_invariant(&s, "with only B frozen");
 
@@ -743,7 +755,7 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
         tree_node(&s, &b).is_none(),
         "{b} released with its last reader"
     );
-    assert!(!server_holds_memfd(&s, &b));
+    assert!(!server_holds_memfd(&s, &b_memfd));
     let mut model = Model::new(total);
     model.fill(0, total, 1);
     model.fill(x, 1, 7);
@@ -765,6 +777,7 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
     let slack_kib = 32 * 1024;
     let baseline = settled_shmem_kib();
     let a = create(&s, mib);
+    let a_memfd = memfd_of(&s, &a);
     s.fill(&a, 0, total, 1);
     let filled = shmem_kib();
     assert!(
@@ -788,7 +801,7 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
     assert_eq!(d["frozen"], false, "nobody reads from {}: {d}", kids[0]);
     let node = tree_node(&s, &a).expect("parent still frozen for the second child");
     assert_eq!(node["state"], "deleted");
-    assert!(server_holds_memfd(&s, &a));
+    assert!(server_holds_memfd(&s, &a_memfd));
     assert_invariant(&s, "with one child left");
 
     let before = shmem_kib();
@@ -798,7 +811,7 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
         "parent must be released with its last child"
     );
     assert!(
-        !server_holds_memfd(&s, &a),
+        !server_holds_memfd(&s, &a_memfd),
         "released parent's memfd must be closed and unmapped"
     );
     // The VMM process of the last child exits asynchronously: poll.

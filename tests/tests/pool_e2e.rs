@@ -309,8 +309,9 @@ fn pooled_vmms_map_guest_ram_of_the_prepared_size_into_their_ready_kvm_slot() {
     let server = TestServer::start_with_args(&["--vmm-pool", "2", "--vmm-pool-memory-mib", "32"]);
     server.wait_pool_ready(2, Duration::from_secs(30));
     let unused = "the KVM slot prepared for 32 MiB of guest RAM is not used";
-    // The prepared size: its memfd goes over the ready slot; another
-    // size: the slot is replaced at start. Both must run exactly.
+    // The prepared size: the VM's guest RAM is the memfd the server made
+    // for the pooled VMM, mapped under its ready slot before the Welcome;
+    // another size: the slot is replaced at start. Both must run exactly.
     for (mib, prepared) in [(32, true), (16, false), (32, true)] {
         let pages = pages_of(mib);
         let pooled = vmm_children(&server);
@@ -336,10 +337,38 @@ fn pooled_vmms_map_guest_ram_of_the_prepared_size_into_their_ready_kvm_slot() {
             );
             let log = vmm_log(&server, id);
             assert_eq!(!log.contains(unused), prepared, "{id}, {mib} MiB: {log}");
+            assert_eq!(
+                log.contains("ram=Ahead"),
+                prepared,
+                "{id}, {mib} MiB: guest RAM mapped ahead: {log}"
+            );
+            let memfd = server.vm(id)["memfd"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            assert_eq!(
+                memfd.starts_with("pagefork-pool-"),
+                prepared,
+                "{id}, {mib} MiB: its RAM is the pooled VMM's memfd: {memfd}"
+            );
             let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
             assert_eq!(status, 200, "{v}");
         }
         server.wait_pool_ready(2, Duration::from_secs(30));
     }
+    // Every VM is gone: the server holds the RAM of the two pooled VMMs
+    // and nothing else (a VM's RAM taken from the pool went with the VM).
+    let memfds: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", server.pid()))
+        .expect("the server's fds")
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|l| l.to_string_lossy().into_owned())
+        .filter(|l| l.contains("memfd:pagefork-"))
+        .collect();
+    assert_eq!(memfds.len(), 2, "{memfds:?}");
+    assert!(
+        memfds.iter().all(|l| l.contains("memfd:pagefork-pool-")),
+        "{memfds:?}"
+    );
     server.assert_healthy();
 }

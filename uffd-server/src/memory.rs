@@ -100,6 +100,8 @@ pub struct GuestMemory {
     map: MmapRegion,
     size: u64,
     page_size: PageSize,
+    /// The memfd's name.
+    name: String,
 }
 
 impl GuestMemory {
@@ -137,7 +139,14 @@ impl GuestMemory {
             map,
             size,
             page_size,
+            name: name.to_owned(),
         })
+    }
+
+    /// The memfd's name, as `/proc/<pid>/fd` and `maps` show it
+    /// (`/memfd:NAME (deleted)`).
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The page size backing this memory.

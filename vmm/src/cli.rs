@@ -31,6 +31,11 @@ pub struct ServerArgs {
     /// another size costs one slot change at start.
     #[arg(long)]
     pub ram_hint_mib: Option<u64>,
+    /// Given to a pooled VMM only: an inherited fd of the guest RAM memfd
+    /// the server made ahead for it; it is mapped, and KVM's slot set over
+    /// it, before the Welcome (which then brings the same memfd).
+    #[arg(long, requires = "ram_hint_mib")]
+    pub ram_fd: Option<i32>,
 }
 
 /// Subcommands.

@@ -36,6 +36,8 @@ pub enum Error {
         #[source]
         source: serde_json::Error,
     },
+    #[error("--ram-fd {0} is not an open fd this process was started with")]
+    RamFd(i32),
     #[error("cannot start the control thread")]
     SpawnControl(#[source] std::io::Error),
     #[error("cannot set up the standalone disk")]
@@ -73,7 +75,9 @@ fn main() -> std::process::ExitCode {
     let res = match &cli.command {
         Some(cli::Command::Standalone(args)) => standalone::run(args),
         None => match (&cli.server.socket, &cli.server.token) {
-            (Some(socket), Some(token)) => server::run(socket, token, cli.server.ram_hint_mib),
+            (Some(socket), Some(token)) => {
+                server::run(socket, token, cli.server.ram_hint_mib, cli.server.ram_fd)
+            }
             _ => Err(Error::Usage),
         },
     };

@@ -9,7 +9,7 @@
 //! middle of a long fill.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -55,7 +55,12 @@ fn release_free_heap() {
 }
 
 /// Run in server mode until stopped or the server hangs up.
-pub fn run(socket: &Path, token: &str, ram_hint_mib: Option<u64>) -> Result<()> {
+pub fn run(
+    socket: &Path,
+    token: &str,
+    ram_hint_mib: Option<u64>,
+    ram_fd: Option<i32>,
+) -> Result<()> {
     // The server owns this VM's memory: if it dies (even by SIGKILL), the
     // guest cannot go on, so this process goes with it. The signal follows
     // the death of the server thread that spawned us, which is the core
@@ -69,7 +74,10 @@ pub fn run(socket: &Path, token: &str, ram_hint_mib: Option<u64>) -> Result<()> 
     // Only a pooled VMM is given a RAM hint (0 for none).
     let pooled = ram_hint_mib.is_some();
     let ram_hint = ram_hint_mib.filter(|m| *m > 0).map(|m| m << 20);
-    let pre = Prewarmed::new(1, ram_hint, true, pooled)?;
+    let ram_file = ram_fd.map(take_inherited_fd).transpose()?;
+    let pre = Prewarmed::new(1, ram_hint, ram_file.as_ref(), true, pooled)?;
+    // Mapped: the file itself is not needed any more.
+    drop(ram_file);
     let guest_uffd = uffd::create()?;
     let control = Control::spawn()?;
     release_free_heap();
@@ -96,6 +104,25 @@ pub fn run(socket: &Path, token: &str, ram_hint_mib: Option<u64>) -> Result<()> 
     loop {
         std::thread::park();
     }
+}
+
+/// Take the fd `fd` this process was started with (the guest RAM the
+/// server made ahead for a pooled VMM), closed on exec from now on. The
+/// server passes it as stdin, which is then pointed at /dev/null again.
+fn take_inherited_fd(fd: i32) -> Result<File> {
+    use nix::fcntl::{fcntl, FcntlArg};
+    // A copy above stdio, closed on exec; the original goes.
+    let own = fcntl(fd, FcntlArg::F_DUPFD_CLOEXEC(3)).map_err(|_| Error::RamFd(fd))?;
+    // SAFETY: `own` was just made by F_DUPFD_CLOEXEC for this process
+    // alone; nothing else owns it.
+    let file = File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(own) });
+    let null = File::open("/dev/null").map_err(|_| Error::RamFd(fd))?;
+    // SAFETY: dup2 onto `fd` closes the original, which nothing else
+    // here uses (it was only ever the memfd's copy).
+    unsafe {
+        libc::dup2(null.as_raw_fd(), fd);
+    }
+    Ok(file)
 }
 
 /// The control thread, started before the Welcome: it serves the server's
@@ -176,7 +203,7 @@ fn setup(
 
     let events_conn = conn.clone();
     let announced = Arc::new(AtomicBool::new(false));
-    let (regions, vcpus) = (config.regions.len(), config.vcpus);
+    let (regions, vcpus, ram) = (config.regions.len(), config.vcpus, mem.mapping);
     let events = Arc::new(move |e| match e {
         VcpuEvent::Ready => {
             if !announced.swap(true, Ordering::SeqCst) {
@@ -185,7 +212,13 @@ fn setup(
                 }
                 // Logged only now: writing a log line takes 0.02-0.04 ms,
                 // which at the Welcome was on the start's path.
-                tracing::info!(vm_id, regions, vcpus, "welcomed by the server; running");
+                tracing::info!(
+                    vm_id,
+                    regions,
+                    vcpus,
+                    ?ram,
+                    "welcomed by the server; running"
+                );
             }
         }
         VcpuEvent::Fatal(reason) => exit_with(&events_conn, 1, reason),

@@ -67,7 +67,7 @@ impl Session {
             disk,
             start_state,
         };
-        let pre = Prewarmed::new(self.args_vcpus, None, false, false)?;
+        let pre = Prewarmed::new(self.args_vcpus, None, None, false, false)?;
         let (machine, _) = Machine::start(pre, mem, cfg, events)?;
         match ready_rx.recv_timeout(READY_TIMEOUT) {
             Ok(Ok(())) => {}

@@ -146,6 +146,12 @@ pub struct VmInfo {
     pub pages: BTreeMap<String, u64>,
     /// Pages present in this VM's own memfd.
     pub resident_pages: u64,
+    /// The name of that memfd, as the server's `/proc/<pid>/fd` and
+    /// `maps` show it (`/memfd:NAME (deleted)`): `pagefork-vm-N`, or
+    /// `pagefork-pool-N` for RAM made ahead for a pooled VMM. None for a
+    /// Firecracker VM, whose RAM is Firecracker's.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub memfd: Option<String>,
     /// Why the VM exited, if it did.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub exit_reason: Option<String>,

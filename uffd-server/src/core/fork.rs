@@ -30,7 +30,6 @@ use tracing::{info, warn};
 
 use super::vm::{RunState, Vm, VmParts};
 use super::{Core, Error, Result};
-use crate::memory::GuestMemory;
 
 type Ready = oneshot::Receiver<Result<()>>;
 
@@ -307,8 +306,7 @@ impl Core {
         let mut out = Vec::new();
         for _ in 0..count {
             let id = reg.alloc_id(&self.settings.state_dir);
-            let memory = match GuestMemory::create_with(&format!("pagefork-{id}"), size, page_size)
-            {
+            let (memory, pooled) = match self.new_guest_memory(id, size, page_size) {
                 Ok(m) => m,
                 Err(e) => {
                     for (id, _) in out {
@@ -331,6 +329,7 @@ impl Core {
             });
             vm.parent = Some(parent);
             vm.start_state = Some(state.clone());
+            vm.pooled = pooled;
             reg.vms.insert(id, vm);
             out.push((id, rx));
         }

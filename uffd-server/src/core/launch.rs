@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use super::vm::{RunState, Vm, VmParts};
 use super::{Core, Error, Result};
 use crate::conn::{Binding, PendingLaunch};
-use crate::memory::{GuestMemory, PageSize};
+use crate::memory::PageSize;
 use crate::pages::{FileSource, PageSource, PageTable, UNINITIALIZED};
 
 /// Largest guest the host can hold, from /proc/meminfo.
@@ -291,7 +291,8 @@ impl Core {
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
         let id = reg.alloc_id(&self.settings.state_dir);
-        let memory = GuestMemory::create_with(&format!("pagefork-{id}"), size, page_size)
+        let (memory, pooled) = self
+            .new_guest_memory(id, size, page_size)
             .map_err(Error::CreateMemory)?;
         let self_src = reg.arena.vm(id);
         let pages = size / PAGE_SIZE;
@@ -333,6 +334,7 @@ impl Core {
             ready: ready_tx,
         });
         vm.volume = req.volume.clone();
+        vm.pooled = pooled;
         reg.vms.insert(id, vm);
         Ok((id, ready_rx))
     }
@@ -342,6 +344,11 @@ impl Core {
     pub(super) async fn spawn_vmm(self: &Rc<Self>, id: VmId) -> Result<()> {
         if self.launch_from_pool(id) {
             return Ok(());
+        }
+        // RAM set aside for a pooled VMM that is gone: the VMM launched
+        // now maps it like any other memfd.
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+            v.pooled = None;
         }
         let pid = self.launch_process(id, Binding::new(id), &self.log_path(id), None)?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
@@ -358,7 +365,7 @@ impl Core {
         id: VmId,
         binding: Binding,
         path: &std::path::Path,
-        ram_hint_mib: Option<u64>,
+        pooled: Option<(u64, Option<&std::fs::File>)>,
     ) -> Result<u32> {
         let token = new_token();
         let log_err = |source| Error::CreateLog {
@@ -376,11 +383,23 @@ impl Core {
             .arg(self.settings.state_dir.join("vmm.sock"))
             .arg("--token")
             .arg(&token);
-        if let Some(mib) = ram_hint_mib {
+        // A pooled VMM learns the RAM size to prepare for, and gets the
+        // memfd made for it as its stdin (so the spawn stays a plain
+        // posix_spawn, with no code run between fork and exec).
+        let mut stdin = Stdio::null();
+        if let Some((mib, ram)) = pooled {
             cmd.arg("--ram-hint-mib").arg(mib.to_string());
+            if let Some(file) = ram {
+                let dup = file.try_clone().map_err(|source| Error::SpawnVmm {
+                    bin: self.settings.vmm_bin.clone(),
+                    source,
+                })?;
+                stdin = Stdio::from(dup);
+                cmd.arg("--ram-fd").arg("0");
+            }
         }
         let child = cmd
-            .stdin(Stdio::null())
+            .stdin(stdin)
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log2))
             .kill_on_drop(true)

@@ -44,7 +44,6 @@ use vm_memory::VolatileSlice;
 
 use super::vm::{RunState, Vm, VmParts};
 use super::{Core, Error, Registry, Result};
-use crate::memory::GuestMemory;
 use crate::pages::UNINITIALIZED;
 use crate::pages::{
     read_pages, FileSource, ImageSource, PageSource, PageTable, ResolveError, SourceId, ZstdSource,
@@ -910,7 +909,7 @@ impl Core {
             (Some(_), None) => return Err(Error::NoVolumes),
             (None, _) => None,
         };
-        let memory = match GuestMemory::create_with(&format!("pagefork-{id}"), size, page_size) {
+        let (memory, pooled) = match self.new_guest_memory(id, size, page_size) {
             Ok(m) => m,
             Err(e) => {
                 if let (Some(vol), Some(engine)) = (&volume, self.volumes.as_ref()) {
@@ -944,6 +943,7 @@ impl Core {
         vm.base = Some((name.to_owned(), src));
         vm.owns_volume = volume.is_some();
         vm.volume = volume;
+        vm.pooled = pooled;
         reg.vms.insert(id, vm);
         info!("{id}: restoring from snapshot {name}");
         Ok((id, ready_rx))

@@ -85,6 +85,9 @@ pub struct Vm {
     pub vcpus: u8,
     pub pid: Option<u32>,
     pub writer: Option<Arc<VmmWriter>>,
+    /// The pooled VMM whose memfd is this VM's guest RAM, until the VM's
+    /// launch takes it (see `pool::SetAside`).
+    pub pooled: Option<super::pool::SetAside>,
     pub uffd: Option<Rc<AsyncFd<Uffd>>>,
     /// VMM's host virtual address of guest RAM.
     pub vmm_base: u64,
@@ -178,6 +181,7 @@ impl Vm {
             vcpus: p.vcpus,
             pid: None,
             writer: None,
+            pooled: None,
             uffd: None,
             vmm_base: 0,
             pending: HashMap::new(),

@@ -242,13 +242,16 @@ impl Prewarmed {
     /// VMM does it before it is needed.
     ///
     /// With `ram_hint`, the slot of guest RAM of that many bytes is set
-    /// too, over reserved address space ([`Reserved`]). With
+    /// too, over reserved address space ([`Reserved`]); with `ram_file`
+    /// (the memfd the server made ahead for this VMM), over that file,
+    /// whatever its size. With
     /// `first_here`, vCPU 0 will run on the thread that starts the machine
     /// ([`Machine::start`] returns it as a [`FirstVcpu`]). With `pooled`,
     /// vCPU 0 is also run once ahead ([`Self::warm_up_first_vcpu`]).
     pub fn new(
         vcpus: usize,
         ram_hint: Option<u64>,
+        ram_file: Option<&std::fs::File>,
         first_here: bool,
         pooled: bool,
     ) -> Result<Self> {
@@ -272,16 +275,20 @@ impl Prewarmed {
                 pre.warm_up_first_vcpu();
             }
         }
-        if let Some(size) = ram_hint.filter(|s| *s > 0) {
-            match Reserved::new(size) {
-                Ok(r) => {
-                    // SAFETY: the reservation is never unmapped while a
-                    // slot covers it (see `Machine::start`).
-                    unsafe { set_slot(&pre.vm, RAM_SLOT, 0, r.size, r.host) }?;
-                    pre.ram = Some(r);
-                }
-                Err(e) => tracing::warn!("cannot reserve address space for guest RAM: {e}"),
+        let reserved = match (ram_file, ram_hint.filter(|s| *s > 0)) {
+            (Some(file), _) => Some(Reserved::with_file(file)),
+            (None, Some(size)) => Some(Reserved::new(size)),
+            (None, None) => None,
+        };
+        match reserved {
+            Some(Ok(r)) => {
+                // SAFETY: the reservation is never unmapped while a slot
+                // covers it (see `Machine::start`).
+                unsafe { set_slot(&pre.vm, RAM_SLOT, 0, r.size, r.host) }?;
+                pre.ram = Some(r);
             }
+            Some(Err(e)) => tracing::warn!("cannot reserve address space for guest RAM: {e}"),
+            None => {}
         }
         pre.start_threads()?;
         Ok(pre)
