@@ -304,6 +304,14 @@ impl Catalog {
 /// fsync it and the directory, rename `tmp` to its name (the commit point)
 /// and fsync the parent. `memory.img` must be fsynced already.
 pub fn commit(root: &Path, tmp: &Path, state: &StateFile) -> Result<()> {
+    write_state(tmp, state)?;
+    publish(root, tmp, &state.name)
+}
+
+/// The first half of [`commit`]: write `state.json` into `tmp` and fsync
+/// it and `tmp`. Nothing is committed yet, so this may run while the
+/// image's own fsync is still under way; [`publish`] must wait for both.
+pub fn write_state(tmp: &Path, state: &StateFile) -> Result<()> {
     let path = tmp.join(STATE_FILE);
     let text = serde_json::to_vec_pretty(state).map_err(|e| SnapshotError::BadState {
         path: path.clone(),
@@ -319,8 +327,13 @@ pub fn commit(root: &Path, tmp: &Path, state: &StateFile) -> Result<()> {
     f.write_all(&text)
         .and_then(|()| f.sync_all())
         .map_err(SnapshotError::io("write", &path))?;
-    sync_dir(tmp)?;
-    let dst = root.join(&state.name);
+    sync_dir(tmp)
+}
+
+/// The second half of [`commit`]: rename `tmp` to `name` (the commit
+/// point) and fsync the parent. Every file in `tmp` must be durable.
+pub fn publish(root: &Path, tmp: &Path, name: &str) -> Result<()> {
+    let dst = root.join(name);
     fs::rename(tmp, &dst).map_err(SnapshotError::io("rename", tmp))?;
     sync_dir(root)
 }
