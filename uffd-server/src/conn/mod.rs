@@ -223,7 +223,7 @@ impl VmmWriter {
         }
     }
 
-    /// Close both directions (the reader thread then reports `Closed`, the
+    /// Close both directions (the core's reader then reports `Closed`, the
     /// sender thread stops).
     pub fn shutdown(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
