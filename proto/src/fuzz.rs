@@ -10,20 +10,62 @@ use std::os::unix::net::UnixStream;
 
 use crate::vmm::{ServerMsg, VmmMsg};
 
-/// `vmm_frame`: frame headers, message payloads, and the whole receive
-/// path over a real socket pair.
+/// `vmm_frame`: frame headers, message payloads, and both receive paths
+/// over real socket pairs: the blocking one (the VMM's, and the server's
+/// for a hello) and the core's non-blocking [`crate::frame::FrameReader`],
+/// which must find exactly the frames the blocking one finds.
 pub fn vmm_frame(data: &[u8]) {
     if let Some(h) = data.first_chunk::<{ crate::frame::HEADER_LEN }>() {
         let _ = crate::frame::Header::decode(h);
     }
     let _ = crate::vmm::decode::<VmmMsg>(data);
     let _ = crate::vmm::decode::<ServerMsg>(data);
-    if let Ok((mut a, b)) = UnixStream::pair() {
-        if a.write_all(data).is_ok() {
-            drop(a);
-            while crate::vmm::recv::<VmmMsg>(&b).is_ok() {}
+    let Ok((mut a, b)) = UnixStream::pair() else {
+        return;
+    };
+    if a.write_all(data).is_err() {
+        return;
+    }
+    drop(a);
+    let mut blocking = Vec::new();
+    while let Ok((payload, _)) = crate::frame::recv_frame(&b) {
+        let _ = crate::vmm::decode::<VmmMsg>(&payload);
+        blocking.push(payload);
+    }
+    // The reader the server's core uses, fed a few bytes at a time (as
+    // many as the first byte says) and asked between pieces: it must
+    // find the same frames as the blocking receive, never waiting.
+    let Ok((mut a, b)) = UnixStream::pair() else {
+        return;
+    };
+    let step = usize::from(data.first().copied().unwrap_or(1)).max(1);
+    let mut reader = crate::frame::FrameReader::default();
+    let mut pieces = Vec::new();
+    let mut failed = false;
+    let take = |reader: &mut crate::frame::FrameReader, pieces: &mut Vec<Vec<u8>>| loop {
+        match reader.read(&b) {
+            Ok(Some((payload, _))) => pieces.push(payload),
+            Ok(None) => return false,
+            Err(_) => return true,
+        }
+    };
+    for piece in data.chunks(step) {
+        if a.write_all(piece).is_err() {
+            return;
+        }
+        if take(&mut reader, &mut pieces) {
+            failed = true;
+            break;
         }
     }
+    drop(a);
+    if !failed {
+        take(&mut reader, &mut pieces);
+    }
+    assert_eq!(
+        pieces, blocking,
+        "the non-blocking reader and the blocking receive disagree"
+    );
 }
 
 /// `firecracker_handshake`: the JSON region array Firecracker sends.
