@@ -9,6 +9,7 @@
 //! or the wrong fds gets a [`ServerMsg::Error`] and is closed; nothing else
 //! is affected.
 
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -24,15 +25,17 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::{Binding, ConnEvent, PendingLaunches, VmmWriter};
 use tracing::{debug, info, warn};
 
+/// Tell the peer why (best effort, without waiting: this also runs on the
+/// core thread, which a peer that stopped reading must not hold) and
+/// close the connection.
 fn refuse(stream: &UnixStream, why: &str) {
     warn!("vmm socket: refusing connection: {why}");
-    let _ = msg::send(
-        stream,
-        &ServerMsg::Error {
-            message: why.to_owned(),
-        },
-        &[],
-    );
+    let error = ServerMsg::Error {
+        message: why.to_owned(),
+    };
+    if let Ok(payload) = msg::encode(&error) {
+        let _ = proto::frame::send_frame_now(stream.as_raw_fd(), &payload, &[]);
+    }
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
