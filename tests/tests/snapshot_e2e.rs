@@ -883,3 +883,113 @@ fn an_unfinished_snapshots_volume_snapshot_is_removed_at_start() {
         assert_eq!(st, 200, "{name} was removed: {v}");
     }
 }
+
+/// What each page of `img` holds of a fill with `new` over one with
+/// `old`: 0 the new fill, 1 the old one, 2 a page the new fill was
+/// writing at that moment (its first word new, its second old); panics on
+/// any other page (torn, foreign).
+fn fill_state_of_pages(img: &std::path::Path, pages: u64, new: u64, old: u64) -> Vec<u8> {
+    use shared::pattern::{fill_page, pattern_word, sample_offset};
+    let bytes = std::fs::read(img).expect("read the image");
+    let size = usize::try_from(shared::PAGE_SIZE).unwrap();
+    assert_eq!(bytes.len(), size * idx(pages));
+    let mut want = vec![0u8; size];
+    bytes
+        .chunks_exact(size)
+        .zip(0..)
+        .map(|(got, p)| {
+            for (class, seed) in [(0, new), (1, old)] {
+                want.fill(0);
+                fill_page(&mut want, p, seed);
+                if got == want.as_slice() {
+                    return class;
+                }
+            }
+            // Half written: word 0 of the new fill, the sampled word of
+            // the old.
+            want.fill(0);
+            fill_page(&mut want, p, old);
+            want[..8].copy_from_slice(&pattern_word(new, p).to_le_bytes());
+            if sample_offset(p) != 0 && got == want.as_slice() {
+                return 2;
+            }
+            panic!(
+                "page {p} of {} holds neither fill {new} nor {old}",
+                img.display()
+            )
+        })
+        .collect()
+}
+
+/// A snapshot taken while the guest fills its memory, page after page,
+/// holds one moment: pages below some k of the new fill, the rest of the
+/// old one, none torn. Protection is armed before the pause while the
+/// guest still writes, and the pause re-protects what it wrote meanwhile:
+/// the dirty log of the next snapshot still sees every later write.
+#[test]
+fn a_snapshot_taken_mid_fill_holds_one_moment_and_tracks_every_later_write() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let mib = 256;
+    let pages = pages_of(mib);
+    let a = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&a, 0, pages, 1);
+    snapshot(&s, &a, "mid-base", "full");
+    let mut old = 1;
+    let mut delay = std::time::Duration::from_millis(120);
+    for attempt in 0..6u64 {
+        let seed = 10 + attempt;
+        let name = format!("mid-{attempt}");
+        let r = std::thread::scope(|sc| {
+            let filler = sc.spawn(|| s.fill(&a, 0, pages, seed));
+            std::thread::sleep(delay);
+            let r = snapshot(&s, &a, &name, "dirty");
+            filler.join().expect("fill thread");
+            r
+        });
+        assert_eq!(r["mode_used"], "dirty", "{r}");
+        let held = fill_state_of_pages(&image(&s, &name), pages, seed, old);
+        let k = held.iter().take_while(|&&i| i == 0).count() as u64;
+        // At most the page being written at the pause is half written.
+        let half = u64::from(held.get(idx(k)) == Some(&2));
+        assert!(
+            held[idx(k + half)..].iter().all(|&i| i == 1),
+            "{name}: pages below {k} of seed {seed}, but not all above it of seed {old}: {r}"
+        );
+        let k = k + half;
+        eprintln!(
+            "attempt {attempt}: delay {delay:?}, snapshot at page {k} of {pages}: {}",
+            json!({"before_pause_us": r["before_pause_us"], "phases_us": r["phases_us"], "pause_us": r["pause_us"]})
+        );
+        old = seed;
+        if k == 0 || k == pages {
+            delay = if k == 0 {
+                delay + std::time::Duration::from_millis(100)
+            } else {
+                delay / 2
+            };
+            continue;
+        }
+        // Exactly the pages the fill wrote before the pause.
+        assert_eq!(
+            r["pages_written"],
+            pages_in_units(&[(0, k)], s.unit_pages(&a)),
+            "{r}"
+        );
+        assert!(r["before_pause_us"]["armed_ahead"].is_u64(), "{r}");
+        // Every page is written again: each write after the pause, in the
+        // window between arming and pausing or not, is in the next log.
+        s.fill(&a, 0, pages, 99);
+        let d = snapshot(&s, &a, "mid-after", "dirty");
+        assert_eq!(d["mode_used"], "dirty", "{d}");
+        assert_eq!(d["pages_written"], pages, "{d}");
+        let x = restore(&s, "mid-after");
+        assert_eq!(s.digest(&x, 0, pages), s.digest(&a, 0, pages));
+        assert_eq!(s.verify(&x, 0, pages, 99), 0);
+        return;
+    }
+    panic!("no snapshot landed in the middle of the fill in 6 attempts");
+}
+
+fn idx(n: u64) -> usize {
+    usize::try_from(n).expect("fits")
+}

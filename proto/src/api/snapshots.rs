@@ -74,9 +74,16 @@ pub struct SnapshotCreated {
     pub bytes_written: u64,
     /// How long the guest was paused.
     pub pause_us: u64,
+    /// Before the pause, while the guest still ran: `plan` (the image
+    /// made, a reflink of the parent's), `armed_ahead` (write-protecting
+    /// the pages written since the last snapshot, or all of memory for a
+    /// first one: the UFFDIO_WRITEPROTECT that opens the copy-on-write
+    /// window).
+    #[serde(default)]
+    pub before_pause_us: BTreeMap<String, u64>,
     /// Where the pause went: `capture` (pausing the vCPUs and reading
-    /// their state), `write_protect` (the UFFDIO_WRITEPROTECT that starts
-    /// the copy-on-write window), `arm` (the rest of starting it),
+    /// their state), `write_protect` (re-protecting the pages the guest
+    /// wrote after `armed_ahead`), `arm` (the rest of opening the window),
     /// `volume`, `resume`.
     #[serde(default)]
     pub phases_us: BTreeMap<String, u64>,

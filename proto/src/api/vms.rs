@@ -525,15 +525,23 @@ pub struct ForkResponse {
     pub phases: ForkPhases,
 }
 
-/// Where a fork's pause went.
+/// Where a fork's time went: the write-protect armed before the pause,
+/// then the pause phase by phase.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ForkPhases {
+    /// Write-protecting the parent's materialized pages while it still
+    /// ran, before the pause (0 for a paused template).
+    #[serde(default)]
+    pub armed_ahead_us: u64,
     pub pause_and_capture_us: u64,
+    /// In the pause: re-protecting the pages the parent wrote since
+    /// (a template: protecting its pages, unless already protected).
     pub write_protect_us: u64,
     pub table_fork_us: u64,
     pub volumes_us: u64,
     pub resume_us: u64,
+    /// Pages protected for the fork, before and in the pause.
     pub write_protected_pages: Option<u64>,
 }
 

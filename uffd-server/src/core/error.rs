@@ -156,12 +156,8 @@ pub enum Error {
     TooManyVms(usize),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
-    #[error("cannot write-protect the memory of {vm} for its snapshot")]
-    ArmTracking {
-        vm: VmId,
-        #[source]
-        source: uffd_abi::Errno,
-    },
+    #[error("{vm}'s pages were not write-protected ahead of its pause")]
+    NotArmed { vm: VmId },
     #[error("clone {index} of {count} of {vm} failed, so none was kept: {source}")]
     CloneFailed {
         vm: VmId,
@@ -243,7 +239,7 @@ impl Error {
                 SnapshotKind::Conflict => 409,
                 SnapshotKind::Io => 500,
             },
-            SaveSnapshot { .. } | ArmTracking { .. } | RollbackFailed { .. } => 500,
+            SaveSnapshot { .. } | NotArmed { .. } | RollbackFailed { .. } => 500,
             CloneFailed { source, .. } => source.status(),
         }
     }

@@ -166,14 +166,10 @@ impl Registry {
             return Ok((page, 1, false)); // Already present: a concurrent fault.
         };
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
-        // While writes are tracked (dirty log, a snapshot saving), the
-        // installed pages stay write-protected like the rest of memory, so
-        // a later write is seen.
-        let mode = if v.dirty.is_some() || v.saving.is_some() {
-            uffd_abi::COPY_MODE_WP
-        } else {
-            0
-        };
+        // While writes are tracked, the installed pages stay
+        // write-protected like the rest of memory, so a later write is
+        // seen.
+        let mode = v.copy_mode();
         // A run longer than one piece (a readahead window) goes in piece by
         // piece: the piece holding the faulting page first, whose copy
         // wakes the faulting thread, then the rest behind it while it runs
@@ -244,11 +240,7 @@ impl Registry {
         if src_id == v.self_src {
             return Ok((lo, hi - lo, false)); // Already present.
         }
-        let mode = if v.dirty.is_some() || v.saving.is_some() {
-            uffd_abi::COPY_MODE_WP
-        } else {
-            0
-        };
+        let mode = v.copy_mode();
         let to = v.addr_of(lo) as u64;
         let res = self.with_block(vm, lo, hi, |bytes| {
             // SAFETY: `bytes` is the whole block, borrowed for the call.
@@ -837,11 +829,7 @@ enum PreserveError {
 /// written through the server's mapping.
 fn install_block_copy(dep: &super::vm::Vm, lo: u64, bytes: &[u8]) -> Result<(), PreserveError> {
     if let Some(uffd) = dep.uffd.clone() {
-        let mode = if dep.dirty.is_some() || dep.saving.is_some() {
-            uffd_abi::COPY_MODE_WP
-        } else {
-            0
-        };
+        let mode = dep.copy_mode();
         let to = dep.addr_of(lo) as u64;
         // SAFETY: `bytes` is borrowed for the call.
         match unsafe {
@@ -869,11 +857,7 @@ fn install_copy(dep: &super::vm::Vm, src: &GuestMemory, page: u64) -> Result<(),
         let from = src.page_ptr(page)?;
         let to = dep.addr_of(page) as u64;
         // A dependent whose writes are tracked keeps the page protected.
-        let mode = if dep.dirty.is_some() || dep.saving.is_some() {
-            uffd_abi::COPY_MODE_WP
-        } else {
-            0
-        };
+        let mode = dep.copy_mode();
         // SAFETY: `from` is one page inside the source VM's live mapping,
         // which `src` keeps alive for the call.
         match unsafe { uffd_abi::copy(uffd.get_ref(), from, to, PAGE_SIZE, mode) } {

@@ -1,11 +1,14 @@
 //! Live fork (DESIGN §4): turn one running VM into n+1 without copying its
 //! memory.
 //!
-//! 1. Pause the parent and capture its vCPU/device state.
-//! 2. Write-protect the parent's materialized pages (its `Vm(parent)`
-//!    extents). Pages it has not materialized need no protection: a write
-//!    to them raises MISSING first, and resolving it never changes what a
-//!    child reads (the child reads that page from the same source).
+//! 1. Write-protect the parent's materialized pages (its `Vm(parent)`
+//!    extents) while it still runs. Pages it has not materialized need no
+//!    protection: a write to them raises MISSING first, and resolving it
+//!    never changes what a child reads (the child reads that page from the
+//!    same source).
+//! 2. Pause the parent and capture its vCPU/device state; re-protect the
+//!    pages it wrote or materialized since step 1 (`arm.rs`), so at the
+//!    pause every materialized page is protected.
 //! 3. Each child's table := the parent's table (shared chunks), so for the
 //!    child `Vm(parent)` means "read it from the parent".
 //! 4. Reflink the parent's disk volume for each child (still paused).
@@ -66,6 +69,14 @@ impl Core {
         }
         let _busy = self.begin_busy(parent, "fork", "a fork")?;
         let timeout = self.settings.vmm_deadline;
+        // A running parent's materialized pages are write-protected now,
+        // while it runs; the pause re-protects only what it writes
+        // meanwhile (see `arm.rs`).
+        let armed = if template {
+            None
+        } else {
+            Some(self.arm_ahead(parent, &self.materialized(parent)?)?)
+        };
         // Pause and capture are sent back to back (the VMM answers in
         // order), so the parent's pause pays one round trip, not two.
         let t_pause = Instant::now();
@@ -113,6 +124,7 @@ impl Core {
                 // answering): a resume queued behind it leaves the parent
                 // running, as it was before the fork.
                 if !template {
+                    drop(armed);
                     self.resume_in_background(parent);
                 }
                 return Err(match (p, c) {
@@ -127,7 +139,9 @@ impl Core {
             }
         };
         let t_wp = Instant::now();
-        let protected = if template && self.protected_paused(parent) {
+        let protected = if let Some(a) = &armed {
+            a.finish().map(|(n, _)| a.pages + n)
+        } else if self.protected_paused(parent) {
             Ok(0)
         } else {
             self.write_protect_materialized(parent)
@@ -173,6 +187,7 @@ impl Core {
         let resume_us = us(t_resume);
         let pause_us = us(t_pause);
         let phases = ForkPhases {
+            armed_ahead_us: armed.as_ref().map_or(0, |a| a.us),
             pause_and_capture_us: t_paused,
             write_protect_us: wp_us,
             table_fork_us: fork_us,
@@ -266,22 +281,21 @@ impl Core {
         });
     }
 
-    /// Write-protect `vm`'s materialized pages. Returns how many pages.
-    fn write_protect_materialized(&self, vm: VmId) -> Result<u64> {
+    /// The runs of pages `vm` holds itself (its `Vm(vm)` extents).
+    fn materialized(&self, vm: VmId) -> Result<Vec<(u64, u64)>> {
         let reg = self.reg.borrow();
         let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
-        let uffd = v.uffd.clone().ok_or(Error::NoUffd { vm })?;
-        let ranges = v.table.ranges_of(v.self_src);
-        v.write_protect_pages(uffd.get_ref(), &ranges, true)
-            .map_err(|(i, errno)| {
-                let (start, n) = ranges[i];
-                Error::WriteProtect {
-                    vm,
-                    start,
-                    end: start + n,
-                    source: errno,
-                }
-            })?;
+        Ok(v.table.ranges_of(v.self_src))
+    }
+
+    /// Write-protect `vm`'s materialized pages. Returns how many pages.
+    fn write_protect_materialized(&self, vm: VmId) -> Result<u64> {
+        let ranges = self.materialized(vm)?;
+        let reg = self.reg.borrow();
+        reg.vms
+            .get(&vm)
+            .ok_or(Error::NoSuchVm(vm))?
+            .protect(&ranges)?;
         Ok(ranges.iter().map(|&(_, n)| n).sum())
     }
 

@@ -6,6 +6,7 @@
 //! anywhere) talk to it through [`CoreHandle`]; VMM connection threads
 //! through [`ConnEvent`]s. No `RefCell` borrow is held across an `.await`.
 
+mod arm;
 mod error;
 pub mod fault;
 pub mod firecracker;

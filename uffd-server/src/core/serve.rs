@@ -118,6 +118,11 @@ pub(super) async fn serve_faults(
             Some((page, write_protect)) = retry_rx.recv() => {
                 let mut reg = core.reg.borrow_mut();
                 let outcome = if write_protect {
+                    // Recorded when it first came, but a snapshot or a
+                    // pause's re-protect may have come between: the write
+                    // is still to happen, so it is recorded again (the
+                    // sets are idempotent) before the protection lifts.
+                    reg.before_write(vm, page);
                     reg.resolve_write_protect(vm, page)
                 } else {
                     reg.resolve_missing(vm, page)

@@ -7,11 +7,14 @@
 //! Taking a snapshot of VM X:
 //! 1. Before the pause: reserve the name, create `memory.img` (a FICLONE of
 //!    the parent's image for `incremental` / `dirty`).
+//!    Write-protect the pages X wrote since its last snapshot (all of its
+//!    RAM for a first one) while X still runs (`arm.rs`).
 //! 2. Pause X and capture its vCPU/device state (as a fork does).
 //! 3. While paused: the pages to save (all data pages, the pages not read
-//!    from the base image, or the dirty log), write-protect all of X's RAM
-//!    (one ioctl: this re-arms dirty tracking and opens the copy-on-write
-//!    window), start a new dirty log, snapshot the volume.
+//!    from the base image, or the dirty log), re-protect the pages X wrote
+//!    since step 1 (now all of X's RAM is protected: dirty tracking is
+//!    re-armed and the copy-on-write window open), start a new dirty log,
+//!    snapshot the volume.
 //! 4. Resume X. Save the pages in order, a run at a time, yielding between
 //!    runs. A write by X to a page not yet saved raises a WP fault (or a
 //!    MISSING one) first, and the fault handler saves that page's pre-write
@@ -42,6 +45,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit};
 use tracing::{info, warn};
 use vm_memory::VolatileSlice;
 
+use super::arm::ArmedAhead;
 use super::vm::{RunState, Vm, VmParts};
 use super::{Core, Error, Registry, Result};
 use crate::pages::UNINITIALIZED;
@@ -109,7 +113,7 @@ struct Plan {
 
 impl Registry {
     /// Before `page` of `vm` changes (a write fault, a discard): record it
-    /// in the dirty log, and hand its current bytes to a snapshot that has
+    /// in the dirty log and the arming set (`arm.rs`), and hand its current bytes to a snapshot that has
     /// not saved it yet.
     ///
     /// On hugetlb the write changes the whole block as far as tracking can
@@ -122,6 +126,9 @@ impl Registry {
         let (lo, hi) = v.memory.unit_range(page, page + 1);
         if let Some(d) = v.dirty.as_mut() {
             d.pages.insert_range(lo, hi - lo);
+        }
+        if let Some(a) = v.arming.as_mut() {
+            a.insert_range(lo, hi - lo);
         }
         let Some(saving) = v.saving.clone() else {
             return;
@@ -327,6 +334,7 @@ impl Core {
         t0: Instant,
     ) -> Result<SnapshotCreated> {
         let plan = self.plan_snapshot(vm, req.mode, tmp)?;
+        let plan_us = us(t0);
         // The writer thread starts before the pause: spawning it is no
         // part of the guest's stop.
         let writer = plan
@@ -342,11 +350,15 @@ impl Core {
                 )
             })
             .map_err(SnapshotError::io("start writing", &plan.image.path))?;
+        // The pages written since the last snapshot (all of memory for a
+        // first one) are protected now, while the guest runs; the pause
+        // re-protects only what it writes meanwhile (see `arm.rs`).
+        let ahead = self.arm_ahead(vm, &self.unprotected_runs(vm)?)?;
         let t_pause = Instant::now();
         let state = self.pause_and_capture(vm).await?;
         let capture_us = us(t_pause);
         let t_arm = Instant::now();
-        let armed = self.arm_snapshot(vm, &req.name, &plan, writer);
+        let armed = self.arm_snapshot(vm, &req.name, &plan, writer, &ahead);
         let arm_us = us(t_arm);
         let t_volume = Instant::now();
         let volume_snapshot = match &armed {
@@ -473,6 +485,12 @@ impl Core {
             pages_written,
             bytes_written,
             pause_us,
+            before_pause_us: [
+                ("plan".to_owned(), plan_us),
+                ("armed_ahead".to_owned(), ahead.us),
+            ]
+            .into_iter()
+            .collect(),
             phases_us,
             after_pause_us,
             duration_us,
@@ -597,6 +615,7 @@ impl Core {
         name: &str,
         plan: &Plan,
         writer: writer::WriterHandle,
+        ahead: &ArmedAhead<'_>,
     ) -> Result<u64> {
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
@@ -635,19 +654,10 @@ impl Core {
                 .as_ref()
                 .map_or_else(|| PageSet::new(pages), |d| d.pages.clone()),
         };
-        let uffd = v.uffd.clone().ok_or(Error::NoUffd { vm })?;
-        // While tracking runs, only the pages written since the last arm
-        // lost their protection (the WP handler marks each one dirty
-        // before lifting it): re-protect those. Otherwise all of RAM (never
-        // touched pages get markers, WP_UNPOPULATED).
-        let rearm = match &v.dirty {
-            Some(d) => d.pages.runs(),
-            None => vec![(0, pages)],
-        };
-        let t_wp = Instant::now();
-        v.write_protect_pages(uffd.get_ref(), &rearm, true)
-            .map_err(|(_, source)| Error::ArmTracking { vm, source })?;
-        let write_protect_us = us(t_wp);
+        drop(reg);
+        let (_, write_protect_us) = ahead.finish()?;
+        let mut reg = self.reg.borrow_mut();
+        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         v.dirty = Some(DirtyLog {
             since: name.to_owned(),
             pages: PageSet::new(pages),
@@ -662,6 +672,19 @@ impl Core {
             saved_before_write: 0,
         })));
         Ok(write_protect_us)
+    }
+
+    /// The pages of `vm` that are not write-protected: while tracking
+    /// runs only those written since the last snapshot (the WP handler
+    /// marks each one dirty before lifting its protection), else all of
+    /// RAM (never touched pages get markers, WP_UNPOPULATED).
+    fn unprotected_runs(&self, vm: VmId) -> Result<Vec<(u64, u64)>> {
+        let reg = self.reg.borrow();
+        let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+        Ok(match &v.dirty {
+            Some(d) => d.pages.runs(),
+            None => vec![(0, v.memory.pages())],
+        })
     }
 
     /// The name of the volume snapshot taken with snapshot `name` of `vm`,

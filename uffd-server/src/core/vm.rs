@@ -126,6 +126,10 @@ pub struct Vm {
     /// A snapshot still saving pages after the guest resumed: a write to
     /// one of them first hands its pre-image to it.
     pub saving: Option<Rc<std::cell::RefCell<super::snapshot::Saving>>>,
+    /// Pages that lost their write protection since a fork or snapshot
+    /// armed it ahead of its pause (see `arm.rs`); the pause re-protects
+    /// them.
+    pub arming: Option<crate::snapshot::PageSet>,
     /// The snapshot the VM started from (restore or rollback), and the
     /// arena id of its image.
     pub base: Option<(String, SourceId)>,
@@ -205,6 +209,7 @@ impl Vm {
             busy: None,
             dirty: None,
             saving: None,
+            arming: None,
             base: None,
             owns_volume: false,
             closed: Rc::new(tokio::sync::Notify::new()),
