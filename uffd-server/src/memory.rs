@@ -46,6 +46,8 @@ pub enum MemoryError {
     Unaligned(u64, u64),
     #[error("cannot allocate a huge page (are enough reserved in /proc/sys/vm/nr_hugepages?)")]
     Allocate(#[source] nix::Error),
+    #[error("cannot read guest memory")]
+    Read(#[source] std::io::Error),
 }
 
 /// Result alias of this module.
@@ -253,6 +255,19 @@ impl GuestMemory {
         let s = self.slice(page, 1)?;
         s.copy_to(out);
         Ok(())
+    }
+
+    /// Read the pages from `page` into `out` (whole pages) with pread on
+    /// the memfd, not through the server's mapping: the server then maps
+    /// no page it only reads, so a later hole punch (a rollback) has one
+    /// mapping fewer to clear, and a hole reads as zeroes without being
+    /// allocated.
+    pub fn read_pages_at(&self, page: u64, out: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.slice(page, out.len() as u64 / PAGE_SIZE)?;
+        self.memfd
+            .read_exact_at(out, page * PAGE_SIZE)
+            .map_err(MemoryError::Read)
     }
 
     /// Drop `[page, page+pages)` from the memfd: the pages become holes and

@@ -215,6 +215,17 @@ impl Registry {
             .get(src)
             .cloned()
             .ok_or(ResolveError::UnknownSource(src))?;
+        if let PageSource::Vm(owner) = &*source {
+            // pread, not the server's mapping (see `read_pages_at`).
+            let mem = self.vms.get(owner).map(|o| Rc::clone(&o.memory)).ok_or(
+                ResolveError::SourceGone {
+                    owner: *owner,
+                    page: first,
+                },
+            )?;
+            mem.read_pages_at(first, &mut buf)?;
+            return Ok(buf);
+        }
         let dst = VolatileSlice::from(&mut buf[..]);
         let vms = &self.vms;
         let read = || {
