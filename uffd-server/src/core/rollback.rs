@@ -123,9 +123,14 @@ impl Core {
                 Some(written) => written.runs(),
                 None => vec![(0, pages)],
             };
-            // Pages other VMs read from this one go to them first.
+            // Pages other VMs read from this one go to them first (none
+            // to look at when no other table names this VM).
             let mut handed = 0;
-            for (first, n) in &reset {
+            let read_by_others = reg
+                .vms
+                .values()
+                .any(|o| o.id != vm && o.table.count_of(self_src) > 0);
+            for (first, n) in reset.iter().filter(|_| read_by_others) {
                 for p in *first..first + n {
                     let present = reg.vms.get(&vm).is_some_and(|v| v.table.get(p) == self_src);
                     if present {
@@ -163,6 +168,8 @@ impl Core {
                 v.log.reset_access();
                 Ok(())
             }?;
+            phase("drop", &mut phases);
+            let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
             match since_target {
                 Some(_) => {
                     let mut has_data = PageSet::new(pages);
