@@ -153,6 +153,16 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
     s.fill(&vm, 0, pages, 1);
     snapshot(s, &vm, "bench-base", "full");
     let mut last = "bench-base".to_owned();
+    // The pause's fixed cost: dirty snapshots of a VM that wrote nothing
+    // since the last one (capture and resume, nothing to protect).
+    let mut idle = Vec::new();
+    for rep in 0..plan.reps {
+        let name = format!("bench-d0-{rep}");
+        idle.push(num(&snapshot(s, &vm, &name, "dirty"), "pause_us"));
+        delete_snapshot(s, &last);
+        last = name;
+    }
+    let idle = med(&idle);
     for pct in [1u64, 10, 50, 100] {
         let dirty = pages * pct / 100;
         let (mut pause, mut total, mut written) = (Vec::new(), Vec::new(), Vec::new());
@@ -211,11 +221,13 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
         .goal("≤ 1.3× and < 20 ms at 1 GiB dirty (Cube: ~487 ms)")
         .note(format!(
             "pause = pause + capture vCPUs, re-protect the pages written since protection was armed, resume; \
-             medians inside it: capture {:.0} µs, re-protect {:.0} µs, resume {:.0} µs; one ioctl on one thread, \
-             in-process, on populated shmem no KVM maps: {:.0} µs",
+             medians inside it: capture {:.0} µs, re-protect {:.0} µs, resume {:.0} µs; a dirty snapshot with \
+             nothing written pauses {idle:.0} µs (the pause's fixed cost; pause / that = {:.2}); one ioctl on one \
+             thread, in-process, on populated shmem no KVM maps: {:.0} µs",
             med(&in_capture),
             med(&in_wp),
             med(&in_resume),
+            med(&pause) / idle,
             med(&floor)
         ))
         .emit();
@@ -366,9 +378,33 @@ fn rollbacks(plan: &Plan, s: &TestServer, hugepages: bool) -> Rollbacks {
     out
 }
 
+/// The kernel's part of a rollback's memory phase, in ms: dropping the
+/// first tenth of a `mib` MiB memfd whose pages are all populated and
+/// mapped by this process (no VMM, no KVM), with `fallocate(PUNCH_HOLE)`.
+fn punch_floor(mib: u64) -> f64 {
+    let bytes = mib << 20;
+    let mem = uffd_server::memory::GuestMemory::create("pagefork-bench-punch", bytes)
+        .expect("a memfd for the punch floor");
+    let pages = bytes / 4096;
+    let all = mem.slice(0, pages).expect("the whole mapping");
+    let base = all.ptr_guard_mut().as_ptr();
+    for page in 0..pages {
+        let off = usize::try_from(page * 4096).unwrap_or(0);
+        // SAFETY: `off` is inside the mapping `all` describes, which
+        // `mem` keeps alive for the loop.
+        unsafe { base.add(off).write_volatile(1) };
+    }
+    let t = Instant::now();
+    mem.punch_hole(0, pages / 10).expect("punch");
+    ms(t)
+}
+
 fn rollback_rows(plan: &Plan, s: &TestServer) {
     let mib = plan.snap_mib;
     let small = rollbacks(plan, s, false);
+    let floor: Vec<f64> = (0..plan.reps).map(|_| punch_floor(mib)).collect();
+    let floor = pagefork_benches::Stats::of(&floor).map_or(f64::NAN, |st| st.median);
+    let pause = pagefork_benches::Stats::of(&small.pause_ms).map_or(f64::NAN, |st| st.median);
     Row::new(
         BENCH,
         "snap.rollback",
@@ -382,8 +418,11 @@ fn rollback_rows(plan: &Plan, s: &TestServer) {
     .goal("≤ 10 ms (Cube 81.6 ms)")
     .note(format!(
         "to the VM's last snapshot: only the pages written since are reset; the VMM loads the saved state \
-         in place; the pause by phase (medians): {}",
-        small.phases
+         in place; the pause by phase (medians): {}; the kernel's floor for the drop, fallocate(PUNCH_HOLE) of \
+         the same 10 % of a populated {mib} MiB memfd mapped by one process, no VMM or KVM, in-process: \
+         median {floor:.1} ms (rollback / that = {:.2})",
+        small.phases,
+        pause / floor
     ))
     .emit();
     // Issue 13: the same rollback on hugepage guest RAM drops 512 times
