@@ -16,15 +16,18 @@
 //!    both pass through [`super::Registry::before_write`], which records
 //!    the page. Pages installed meanwhile go in protected
 //!    ([`Vm::tracks_writes`]).
-//! 2. In the pause, [`ArmedAhead::finish`]: write-protect the set's pages and
-//!    drop the set. Now every page of the runs, and every page installed
-//!    since step 1, is protected, exactly as if the runs had been
-//!    protected in the pause; what the guest wrote before the pause is in
-//!    memory, where the fork or snapshot reads it.
-//! 3. On a failure between the two, dropping the [`ArmedAhead`] drops the
-//!    set. The
-//!    protection left behind is harmless: a write faults once and the
-//!    fault lifts it.
+//! 2. In the pause, as soon as the vCPUs are stopped,
+//!    [`ArmedAhead::reprotect`]: write-protect the set's pages and start
+//!    the set again; at the fork's or snapshot's moment (no await after
+//!    it), [`ArmedAhead::finish`]: write-protect what the set gathered
+//!    meanwhile (a fault handled late) and drop the set. Now every page of
+//!    the runs, and every page installed since step 1, is protected,
+//!    exactly as if the runs had been protected in the pause; what the
+//!    guest wrote before the pause is in memory, where the fork or
+//!    snapshot reads it.
+//! 3. On a failure before the end of step 2, dropping the [`ArmedAhead`]
+//!    drops the set. The protection left behind is harmless: a write
+//!    faults once and the fault lifts it.
 //!
 //! Faults are handled on the core thread, as are these steps, so no fault
 //! is half handled when a step runs. A write racing the first ioctl to a
@@ -93,14 +96,33 @@ pub(super) struct ArmedAhead<'a> {
 }
 
 impl ArmedAhead<'_> {
-    /// Step 2, with the VM paused: re-protect the pages it wrote since
-    /// [`Core::arm_ahead`]. Returns how many pages and the ioctl's time
-    /// in µs.
+    /// Step 2, as soon as the VM's vCPUs are stopped: re-protect the
+    /// pages it wrote since [`Core::arm_ahead`], and go on recording.
+    /// Returns how many pages and the ioctl's time in µs.
+    pub(super) fn reprotect(&self) -> Result<(u64, u64)> {
+        self.protect_written(true)
+    }
+
+    /// Step 2's end, at the fork's or snapshot's moment (no await between
+    /// it and what depends on the protection): re-protect what lost its
+    /// protection since [`Self::reprotect`] (usually nothing: only a fault
+    /// handled late, such as one that waited for a dependent, can) and stop
+    /// recording. Returns how many pages and the ioctl's time in µs.
     pub(super) fn finish(&self) -> Result<(u64, u64)> {
+        self.protect_written(false)
+    }
+
+    fn protect_written(&self, go_on: bool) -> Result<(u64, u64)> {
         let vm = self.vm;
         let mut reg = self.core.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         let written = v.arming.take().ok_or(Error::NotArmed { vm })?;
+        if go_on {
+            v.arming = Some(PageSet::new(written.pages()));
+        }
+        if written.is_empty() {
+            return Ok((0, 0));
+        }
         Ok((written.len(), v.protect(&written.runs())?))
     }
 }

@@ -104,6 +104,15 @@ impl Core {
             Some(rx) => self.await_reply(parent, rx, timeout).await,
             None => Ok(Reply::Done),
         };
+        // The vCPUs are stopped: re-protect what the parent wrote since
+        // its protection was armed, while the capture's answer is on its
+        // way.
+        let t_wp = Instant::now();
+        let reprotected = match (&armed, &paused) {
+            (Some(a), Ok(_)) => Some(a.reprotect().map(|(n, _)| a.pages + n)),
+            _ => None,
+        };
+        let mut wp_us = us(t_wp);
         let captured = match (captured, kept) {
             (Some(Ok(rx)), _) => self
                 .await_reply(parent, rx, timeout)
@@ -139,12 +148,15 @@ impl Core {
             }
         };
         let t_wp = Instant::now();
-        let protected = if let Some(a) = &armed {
-            a.finish().map(|(n, _)| a.pages + n)
+        let protected = if let (Some(a), Some(p)) = (&armed, reprotected) {
+            // The children are made right below, with no await between.
+            p.and_then(|n| a.finish().map(|(late, _)| n + late))
         } else if self.protected_paused(parent) {
             Ok(0)
         } else {
-            self.write_protect_materialized(parent)
+            let p = self.write_protect_materialized(parent);
+            wp_us = us(t_wp);
+            p
         };
         if template && protected.is_ok() {
             if let Some(v) = self.reg.borrow_mut().vms.get_mut(&parent) {
@@ -152,7 +164,6 @@ impl Core {
                 v.paused_state = Some(state.clone());
             }
         }
-        let wp_us = us(t_wp);
         let t_fork = Instant::now();
         let created = self.create_children(parent, count, state);
         let fork_us = us(t_fork);

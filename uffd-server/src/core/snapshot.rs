@@ -366,7 +366,7 @@ impl Core {
         // re-protects only what it writes meanwhile (see `arm.rs`).
         let ahead = self.arm_ahead(vm, &self.unprotected_runs(vm)?)?;
         let t_pause = Instant::now();
-        let state = self.pause_and_capture(vm).await?;
+        let (state, write_protect_us) = self.pause_and_capture(vm, &ahead).await?;
         let capture_us = us(t_pause);
         let t_arm = Instant::now();
         let armed = self.arm_snapshot(vm, &req.name, &plan, writer, &ahead);
@@ -383,11 +383,11 @@ impl Core {
             .await;
         let resume_us = us(t_resume);
         let pause_us = us(t_pause);
-        let write_protect_us = armed?;
+        armed?;
         let phases_us = [
             ("capture", capture_us),
             ("write_protect", write_protect_us),
-            ("arm", arm_us.saturating_sub(write_protect_us)),
+            ("arm", arm_us),
             ("volume", volume_us),
             ("resume", resume_us),
         ]
@@ -584,19 +584,30 @@ impl Core {
         })
     }
 
-    /// Pause `vm` and capture its state; on failure it is resumed.
-    async fn pause_and_capture(self: &Rc<Self>, vm: VmId) -> Result<shared::VmState> {
+    /// Pause `vm`, re-protect what it wrote since `ahead` armed its
+    /// protection (as soon as its vCPUs are stopped, while the capture's
+    /// answer is on its way) and capture its state; on failure it is
+    /// resumed. Returns the state and the re-protect's time in µs.
+    async fn pause_and_capture(
+        self: &Rc<Self>,
+        vm: VmId,
+        ahead: &ArmedAhead<'_>,
+    ) -> Result<(shared::VmState, u64)> {
         let timeout = self.settings.vmm_deadline;
         let paused = self.send_request(vm, Request::Pause)?;
         let captured = self.send_request(vm, Request::CaptureState);
         let paused = self.await_reply(vm, paused, timeout).await;
+        let protected = match &paused {
+            Ok(_) => ahead.reprotect().map(|(_, took)| took),
+            Err(_) => Ok(0),
+        };
         let captured = match captured {
             Ok(rx) => self.await_reply(vm, rx, timeout).await,
             Err(e) => Err(e),
         };
-        match (paused, captured) {
-            (Ok(_), Ok(Reply::State(s))) => Ok(s),
-            (p, c) => {
+        match (paused, protected, captured) {
+            (Ok(_), Ok(took), Ok(Reply::State(s))) => Ok((s, took)),
+            (p, w, c) => {
                 if let Ok(rx) = self.send_request(vm, Request::Resume) {
                     let core = self.clone();
                     tokio::task::spawn_local(async move {
@@ -606,9 +617,9 @@ impl Core {
                         }
                     });
                 }
-                Err(match (p, c) {
-                    (Err(e), _) | (_, Err(e)) => e,
-                    (_, Ok(r)) => Error::UnexpectedReply {
+                Err(match (p, w, c) {
+                    (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => e,
+                    (_, _, Ok(r)) => Error::UnexpectedReply {
                         vm,
                         request: "capture",
                         reply: format!("{r:?}"),
@@ -618,8 +629,9 @@ impl Core {
         }
     }
 
-    /// While `vm` is paused: choose the pages to save, write-protect all
-    /// of its RAM, restart its dirty log and open the saving window.
+    /// While `vm` is paused: choose the pages to save, finish the
+    /// protection armed ahead (all of its RAM is protected then), restart
+    /// its dirty log and open the saving window.
     fn arm_snapshot(
         &self,
         vm: VmId,
@@ -627,7 +639,7 @@ impl Core {
         plan: &Plan,
         writer: writer::WriterHandle,
         ahead: &ArmedAhead<'_>,
-    ) -> Result<u64> {
+    ) -> Result<()> {
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         let pages = v.memory.pages();
@@ -665,8 +677,11 @@ impl Core {
                 .as_ref()
                 .map_or_else(|| PageSet::new(pages), |d| d.pages.clone()),
         };
+        // Faults handled since the re-protect (one that waited) may have
+        // lifted a protection: put it back, with the new log and the
+        // saving window opened in the same step.
         drop(reg);
-        let (_, write_protect_us) = ahead.finish()?;
+        ahead.finish()?;
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         v.dirty = Some(DirtyLog {
@@ -682,7 +697,7 @@ impl Core {
             pages_written: 0,
             saved_before_write: 0,
         })));
-        Ok(write_protect_us)
+        Ok(())
     }
 
     /// The pages of `vm` that are not write-protected: while tracking
