@@ -81,10 +81,11 @@ pub struct SnapshotCreated {
     /// window).
     #[serde(default)]
     pub before_pause_us: BTreeMap<String, u64>,
-    /// Where the pause went: `capture` (pausing the vCPUs and reading
-    /// their state), `write_protect` (re-protecting the pages the guest
-    /// wrote after `armed_ahead`), `arm` (the rest of opening the window),
-    /// `volume`, `resume`.
+    /// Where the pause went: `capture` (until the vCPUs are stopped, and
+    /// `write_protect` after it: re-protecting the pages the guest wrote
+    /// after `armed_ahead`), `arm` (the rest of opening the window),
+    /// `volume`, `resume` (sent behind the capture of the vCPUs' state:
+    /// both answers).
     #[serde(default)]
     pub phases_us: BTreeMap<String, u64>,
     /// Where the rest of the request went, after the guest resumed:

@@ -9,13 +9,16 @@
 //!    the parent's image for `incremental` / `dirty`).
 //!    Write-protect the pages X wrote since its last snapshot (all of its
 //!    RAM for a first one) while X still runs (`arm.rs`).
-//! 2. Pause X and capture its vCPU/device state (as a fork does).
-//! 3. While paused: the pages to save (all data pages, the pages not read
-//!    from the base image, or the dirty log), re-protect the pages X wrote
-//!    since step 1 (now all of X's RAM is protected: dirty tracking is
-//!    re-armed and the copy-on-write window open), start a new dirty log,
-//!    snapshot the volume.
-//! 4. Resume X. Save the pages in order, a run at a time, yielding between
+//! 2. Pause X, with the capture of its vCPU/device state queued behind
+//!    the pause.
+//! 3. Once the vCPUs are stopped: re-protect the pages X wrote since step
+//!    1 (now all of X's RAM is protected: dirty tracking is re-armed and
+//!    the copy-on-write window open), the pages to save (all data pages,
+//!    the pages not read from the base image, or the dirty log), start a
+//!    new dirty log, snapshot the volume.
+//! 4. Resume X: the resume goes out behind the capture (the VMM answers
+//!    in order), so the capture's answer and the resume's share one wait.
+//!    Save the pages in order, a run at a time, yielding between
 //!    runs. A write by X to a page not yet saved raises a WP fault (or a
 //!    MISSING one) first, and the fault handler saves that page's pre-write
 //!    bytes before lifting the protection ([`Registry::before_write`]).
@@ -366,7 +369,7 @@ impl Core {
         // re-protects only what it writes meanwhile (see `arm.rs`).
         let ahead = self.arm_ahead(vm, &self.unprotected_runs(vm)?)?;
         let t_pause = Instant::now();
-        let (state, write_protect_us) = self.pause_and_capture(vm, &ahead).await?;
+        let (captured, write_protect_us) = self.pause_for_snapshot(vm, &ahead).await?;
         let capture_us = us(t_pause);
         let t_arm = Instant::now();
         let armed = self.arm_snapshot(vm, &req.name, &plan, writer, &ahead);
@@ -377,13 +380,33 @@ impl Core {
             Err(_) => Ok(None),
         };
         let volume_us = us(t_volume);
+        // Nothing left needs the guest stopped: the resume goes out now,
+        // behind the capture in the VMM's queue, so the capture's answer
+        // and the resume's share one wait.
         let t_resume = Instant::now();
-        let resumed = self
-            .request(vm, Request::Resume, self.settings.vmm_deadline)
-            .await;
+        let timeout = self.settings.vmm_deadline;
+        let resume = self.send_request(vm, Request::Resume);
+        let state = match captured {
+            Ok(rx) => self.await_reply(vm, rx, timeout).await,
+            Err(e) => Err(e),
+        };
+        let resumed = match resume {
+            Ok(rx) => self.await_reply(vm, rx, timeout).await,
+            Err(e) => Err(e),
+        };
         let resume_us = us(t_resume);
         let pause_us = us(t_pause);
         armed?;
+        let state = match state? {
+            Reply::State(s) => s,
+            r => {
+                return Err(Error::UnexpectedReply {
+                    vm,
+                    request: "capture",
+                    reply: format!("{r:?}"),
+                })
+            }
+        };
         let phases_us = [
             ("capture", capture_us),
             ("write_protect", write_protect_us),
@@ -584,30 +607,29 @@ impl Core {
         })
     }
 
-    /// Pause `vm`, re-protect what it wrote since `ahead` armed its
-    /// protection (as soon as its vCPUs are stopped, while the capture's
-    /// answer is on its way) and capture its state; on failure it is
-    /// resumed. Returns the state and the re-protect's time in µs.
-    async fn pause_and_capture(
+    /// Pause `vm` and ask for its state; once its vCPUs are stopped,
+    /// re-protect what it wrote since `ahead` armed its protection (while
+    /// the capture's answer is on its way). Returns the capture's pending
+    /// answer and the re-protect's time in µs. On failure the VM is
+    /// resumed.
+    async fn pause_for_snapshot(
         self: &Rc<Self>,
         vm: VmId,
         ahead: &ArmedAhead<'_>,
-    ) -> Result<(shared::VmState, u64)> {
+    ) -> Result<(Result<super::PendingReply>, u64)> {
         let timeout = self.settings.vmm_deadline;
         let paused = self.send_request(vm, Request::Pause)?;
         let captured = self.send_request(vm, Request::CaptureState);
-        let paused = self.await_reply(vm, paused, timeout).await;
-        let protected = match &paused {
+        let protected = match self.await_reply(vm, paused, timeout).await {
             Ok(_) => ahead.reprotect().map(|(_, took)| took),
-            Err(_) => Ok(0),
-        };
-        let captured = match captured {
-            Ok(rx) => self.await_reply(vm, rx, timeout).await,
             Err(e) => Err(e),
         };
-        match (paused, protected, captured) {
-            (Ok(_), Ok(took), Ok(Reply::State(s))) => Ok((s, took)),
-            (p, w, c) => {
+        match protected {
+            Ok(took) => Ok((captured, took)),
+            Err(e) => {
+                // The pause may still land later (a VMM that stopped
+                // answering): a resume queued behind it leaves the VM
+                // running.
                 if let Ok(rx) = self.send_request(vm, Request::Resume) {
                     let core = self.clone();
                     tokio::task::spawn_local(async move {
@@ -617,14 +639,7 @@ impl Core {
                         }
                     });
                 }
-                Err(match (p, w, c) {
-                    (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => e,
-                    (_, _, Ok(r)) => Error::UnexpectedReply {
-                        vm,
-                        request: "capture",
-                        reply: format!("{r:?}"),
-                    },
-                })
+                Err(e)
             }
         }
     }
