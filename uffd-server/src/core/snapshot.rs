@@ -116,8 +116,8 @@ struct Plan {
 
 impl Registry {
     /// Before `page` of `vm` changes (a write fault, a discard): record it
-    /// in the dirty log and the arming set (`arm.rs`), and hand its current bytes to a snapshot that has
-    /// not saved it yet.
+    /// in the dirty log and the arming set (`arm.rs`), and hand its
+    /// current bytes to a snapshot that has not saved it yet.
     ///
     /// On hugetlb the write changes the whole block as far as tracking can
     /// tell (its protection is lifted whole): all of it is dirty, and its
