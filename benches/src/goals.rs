@@ -118,7 +118,7 @@ pub fn goals(plan: &Plan) -> Vec<Goal> {
     ));
     g.push(goal(
         13,
-        "live fork → child answers, pooled, minus the parent's pause",
+        "live fork → child answers, pooled, minus the parent's pause and the write-protect armed before it",
         "—",
         "pool.live",
         OverBaseline,

@@ -153,6 +153,7 @@ struct Starts {
     restore_ms: Vec<f64>,
     live_fork_ms: Vec<f64>,
     live_pause_ms: Vec<f64>,
+    live_pause_only_ms: Vec<f64>,
 }
 
 fn starts(server: &TestServer, pool: usize, n: usize) -> Starts {
@@ -198,8 +199,13 @@ fn starts(server: &TestServer, pool: usize, n: usize) -> Starts {
         let child = ids(&v, "children").remove(0);
         identity(sock, &child);
         s.live_fork_ms.push(ms(t));
-        s.live_pause_ms
-            .push(v["pause_us"].as_f64().unwrap_or(f64::NAN) / 1e3);
+        // The parent's part of the fork: its pause, and the write-protect
+        // armed just before it while it ran (inside the pause until the
+        // protection moved out of it).
+        let pause = v["pause_us"].as_f64().unwrap_or(f64::NAN);
+        let ahead = v["phases"]["armed_ahead_us"].as_f64().unwrap_or(f64::NAN);
+        s.live_pause_ms.push((pause + ahead) / 1e3);
+        s.live_pause_only_ms.push(pause / 1e3);
         delete(sock, &child);
     }
     delete(sock, &tpl);
@@ -346,13 +352,14 @@ fn main() -> ExitCode {
         &format!("live fork of a running {sz} VM → child answers identity, pooled VMM"),
         "ms",
         &with.live_fork_ms,
-        "the parent's pause in the same forks (pause_us)",
+        "the parent's part of the same forks: its pause (pause_us) and the write-protect armed before it (phases.armed_ahead_us)",
         &with.live_pause_ms,
     )
     .goal("≤ parent pause + 1 ms")
     .note(format!(
-        "median fork-to-answer minus median pause = {:.2} ms; {}",
+        "median fork-to-answer minus the median parent's part = {:.2} ms; the pause alone: median {:.2} ms; {}",
         Stats::of(&with.live_fork_ms).map_or(f64::NAN, |s| s.median) - pause,
+        Stats::of(&with.live_pause_only_ms).map_or(f64::NAN, |s| s.median),
         note_pcts(&with.live_fork_ms, &without.live_fork_ms)
     ))
     .emit();
