@@ -345,11 +345,8 @@ impl Core {
         if self.launch_from_pool(id) {
             return Ok(());
         }
-        // RAM set aside for a pooled VMM that is gone: the VMM launched
-        // now maps it like any other memfd.
-        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
-            v.pooled = None;
-        }
+        // `launch_from_pool` took any VMM set aside for this VM; RAM made
+        // for one that is gone is mapped by this VMM like any other memfd.
         let pid = self.launch_process(id, Binding::new(id), &self.log_path(id), None)?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
             v.pid = Some(pid);
