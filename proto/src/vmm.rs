@@ -89,6 +89,13 @@ pub enum Request {
     /// place: the server has already replaced guest memory); it takes
     /// effect at the next resume. An agent op in flight is abandoned.
     Restore(VmState),
+    /// Unmap these ranges of guest RAM, `(host address, bytes)` in the
+    /// VMM's address space, from the paused VMM and from KVM without
+    /// dropping their pages from the memfd (a rollback's reset pages; the
+    /// server punches them later). From now on a page present in the memfd
+    /// but not mapped faults MINOR, so the server sees every access to
+    /// them. `Unsupported` where the kernel or the memory cannot.
+    Discard(Vec<(u64, u64)>),
 }
 
 impl Request {
@@ -101,6 +108,7 @@ impl Request {
             Request::Exec(_) => "exec",
             Request::Stop => "stop",
             Request::Restore(_) => "restore the state of",
+            Request::Discard(_) => "discard pages of",
         }
     }
 }

@@ -20,6 +20,9 @@ const NR_POISON: u8 = 0x08;
 
 /// `UFFD_FEATURE_EVENT_REMOVE`: report `madvise(MADV_DONTNEED)` and friends.
 pub const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
+/// `UFFD_FEATURE_MINOR_SHMEM` (5.14): register shmem MINOR, so a page
+/// present in the memfd but not mapped faults (`UFFDIO_CONTINUE` maps it).
+pub const UFFD_FEATURE_MINOR_SHMEM: u64 = 1 << 10;
 /// `UFFD_FEATURE_WP_HUGETLBFS_SHMEM` (5.19): write-protect shmem and
 /// hugetlbfs.
 pub const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
@@ -40,7 +43,10 @@ const _: () = assert!(FeatureFlags::EVENT_REMOVE.bits() == UFFD_FEATURE_EVENT_RE
 const _: () = assert!(FeatureFlags::PAGEFAULT_FLAG_WP.bits() == 1);
 const _: () = assert!(
     FeatureFlags::all().bits()
-        & (UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_WP_UNPOPULATED | UFFD_FEATURE_POISON)
+        & (UFFD_FEATURE_MINOR_SHMEM
+            | UFFD_FEATURE_WP_HUGETLBFS_SHMEM
+            | UFFD_FEATURE_WP_UNPOPULATED
+            | UFFD_FEATURE_POISON)
         == 0
 );
 

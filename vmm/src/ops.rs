@@ -38,6 +38,8 @@ type HostJob = (u64, u64, Instant, ReplyFn);
 pub struct Dispatcher {
     machine: Machine,
     digests: mpsc::Sender<HostJob>,
+    /// Serves `Request::Discard` (server mode only).
+    discarder: Option<crate::uffd::Discarder>,
 }
 
 fn elapsed_us(start: Instant) -> u64 {
@@ -147,6 +149,7 @@ impl Dispatcher {
         Ok(Dispatcher {
             machine,
             digests: tx,
+            discarder: None,
         })
     }
 
@@ -180,6 +183,12 @@ impl Dispatcher {
         }
     }
 
+    /// Serve `Request::Discard` with `discarder`.
+    pub fn with_discarder(mut self, discarder: crate::uffd::Discarder) -> Self {
+        self.discarder = Some(discarder);
+        self
+    }
+
     /// Handle one request. Pause returns once the vCPUs are parked; Exec
     /// answers later, from the vCPU or digest thread.
     pub fn handle(&self, request: Request, reply: ReplyFn) -> Flow {
@@ -191,6 +200,10 @@ impl Dispatcher {
             }
             Request::CaptureState => reply(self.machine.capture().map(Reply::State)),
             Request::Restore(state) => reply(self.machine.restore(&state).map(|()| Reply::Done)),
+            Request::Discard(ranges) => reply(match &self.discarder {
+                Some(d) => d.discard(&ranges).map(|()| Reply::Done),
+                None => Err(RequestError::Unsupported("discard".into())),
+            }),
             Request::Exec(op) => self.exec(op, reply),
             Request::Stop => {
                 reply(Ok(Reply::Done));

@@ -22,6 +22,7 @@ use crate::devices::Disk;
 use crate::kvm::{FirstVcpu, Machine, MachineConfig, Prewarmed, VcpuEvent};
 use crate::memory::GuestRam;
 use crate::ops::{Dispatcher, Flow};
+use crate::uffd::Discarder;
 use crate::{uffd, Error, Result};
 
 /// Tell the server why we exit (best effort), then exit.
@@ -127,19 +128,20 @@ fn take_inherited_fd(fd: i32) -> Result<File> {
 
 /// The control thread, started before the Welcome: it serves the server's
 /// requests once it has the machine.
-struct Control(std::sync::mpsc::SyncSender<(Arc<Connection>, Machine)>);
+struct Control(std::sync::mpsc::SyncSender<(Arc<Connection>, Machine, Option<Discarder>)>);
 
 impl Control {
     fn spawn() -> Result<Self> {
-        let (give, take) = std::sync::mpsc::sync_channel::<(Arc<Connection>, Machine)>(1);
+        let (give, take) =
+            std::sync::mpsc::sync_channel::<(Arc<Connection>, Machine, Option<Discarder>)>(1);
         std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
                 // Without a machine (the set-up failed), the process is on
                 // its way out already.
-                if let Ok((conn, machine)) = take.recv() {
+                if let Ok((conn, machine, discarder)) = take.recv() {
                     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        control(&conn, machine)
+                        control(&conn, machine, discarder)
                     }));
                     match served {
                         Ok(Ok(())) => exit_now(0),
@@ -154,8 +156,11 @@ impl Control {
 }
 
 /// Serve requests for `machine` over `conn` until stopped.
-fn control(conn: &Arc<Connection>, machine: Machine) -> Result<()> {
-    let dispatcher = Dispatcher::new(machine)?;
+fn control(conn: &Arc<Connection>, machine: Machine, discarder: Option<Discarder>) -> Result<()> {
+    let mut dispatcher = Dispatcher::new(machine)?;
+    if let Some(d) = discarder {
+        dispatcher = dispatcher.with_discarder(d);
+    }
     release_free_heap();
     serve(conn, &dispatcher)
 }
@@ -194,6 +199,14 @@ fn setup(
     for (addr, len) in mem.ram_host_ranges() {
         guest_uffd.register(addr, len)?;
     }
+    // Without it, a rollback punches its pages out of the memfd instead.
+    let discarder = match guest_uffd.discarder(mem.ram_host_ranges()) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            tracing::warn!(error = %e, "no discard for rollbacks");
+            None
+        }
+    };
     let bases = mem
         .ram_host_ranges()
         .iter()
@@ -233,7 +246,7 @@ fn setup(
     let first = first.ok_or_else(|| Error::Guest("vCPU 0 has a thread of its own".into()))?;
     control
         .0
-        .send((conn.clone(), machine))
+        .send((conn.clone(), machine, discarder))
         .map_err(|_| Error::SpawnControl(std::io::Error::other("the control thread is gone")))?;
     Ok(first)
 }

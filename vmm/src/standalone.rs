@@ -102,6 +102,7 @@ fn print_reply(
         Request::CaptureState => "capture_state",
         Request::Stop => "stop",
         Request::Restore(_) => "restore",
+        Request::Discard(_) => "discard",
     };
     println!(
         "{}",

@@ -3,11 +3,19 @@
 //! The VMM never reads this uffd: it registers guest RAM MISSING | WP and
 //! sends the fd to the server, which resolves every fault (including those
 //! KVM takes through get_user_pages, hence `user_mode_only(false)`).
+//!
+//! A rollback in place asks for a [`Discarder`]: guest RAM is registered
+//! MINOR as well (from then on), and the reset pages are unmapped with
+//! `MADV_DONTNEED` while they stay in the memfd, so the pause does not
+//! wait for the kernel to free them; every access to one faults to the
+//! server, which drops the stale page and installs the snapshot's.
 
 use std::ffi::c_void;
 
+use proto::vmm::RequestError;
 use uffd_abi::{
-    UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED,
+    UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
+    UFFD_FEATURE_WP_UNPOPULATED,
 };
 use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
@@ -29,7 +37,11 @@ pub enum UffdError {
 pub type Result<T> = std::result::Result<T, UffdError>;
 
 /// Feature sets to try, best first.
-const FEATURE_LADDER: [u64; 3] = [
+const FEATURE_LADDER: [u64; 4] = [
+    UFFD_FEATURE_EVENT_REMOVE
+        | UFFD_FEATURE_WP_HUGETLBFS_SHMEM
+        | UFFD_FEATURE_WP_UNPOPULATED
+        | UFFD_FEATURE_MINOR_SHMEM,
     UFFD_FEATURE_EVENT_REMOVE | UFFD_FEATURE_WP_HUGETLBFS_SHMEM | UFFD_FEATURE_WP_UNPOPULATED,
     UFFD_FEATURE_EVENT_REMOVE | UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
     UFFD_FEATURE_EVENT_REMOVE,
@@ -79,17 +91,109 @@ impl GuestUffd {
     /// Register `[addr, addr + len)` MISSING, plus WP when the kernel can
     /// write-protect shmem.
     pub fn register(&self, addr: *mut u8, len: usize) -> Result<()> {
-        let mut mode = RegisterMode::MISSING;
-        if self.features & UFFD_FEATURE_WP_HUGETLBFS_SHMEM != 0 {
-            mode |= RegisterMode::WRITE_PROTECT;
+        register(&self.uffd, self.features, addr, len, false)
+    }
+
+    /// What [`Discarder::discard`] needs: a handle on this uffd (a copy of
+    /// the fd) and guest RAM's host ranges.
+    pub fn discarder(&self, ram: Vec<(*mut u8, usize)>) -> std::io::Result<Discarder> {
+        use std::os::fd::{AsFd, FromRawFd, IntoRawFd};
+        let fd = self.uffd.as_fd().try_clone_to_owned()?;
+        // SAFETY: `fd` is a fresh copy of this userfaultfd, owned by the
+        // new `Uffd` alone from here.
+        let uffd = unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) };
+        Ok(Discarder {
+            uffd,
+            features: self.features,
+            ram: ram.into_iter().map(|(a, l)| (a as usize, l)).collect(),
+            minor: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+}
+
+/// Register `[addr, addr + len)` MISSING, WP when the kernel can
+/// write-protect shmem, and MINOR when asked.
+fn register(uffd: &Uffd, features: u64, addr: *mut u8, len: usize, minor: bool) -> Result<()> {
+    let mut mode = RegisterMode::MISSING;
+    if features & UFFD_FEATURE_WP_HUGETLBFS_SHMEM != 0 {
+        mode |= RegisterMode::WRITE_PROTECT;
+    }
+    if minor {
+        mode |= RegisterMode::MINOR;
+    }
+    uffd.register_with_mode(addr.cast::<c_void>(), len, mode)
+        .map(|_| ())
+        .map_err(|source| UffdError::Register {
+            addr: addr as u64,
+            len: len as u64,
+            source,
+        })
+}
+
+/// Unmaps ranges of guest RAM for the server (`Request::Discard`).
+#[derive(Debug)]
+pub struct Discarder {
+    uffd: Uffd,
+    features: u64,
+    /// Guest RAM: (host address, bytes) of each region.
+    ram: Vec<(usize, usize)>,
+    /// Guest RAM is registered MINOR already.
+    minor: std::sync::atomic::AtomicBool,
+}
+
+impl Discarder {
+    /// Unmap `ranges` ((host address, bytes), page-aligned, inside guest
+    /// RAM) with `MADV_DONTNEED`, after registering guest RAM MINOR (once):
+    /// their pages stay in the memfd, and the next access to each faults
+    /// to the server. Each range must lie inside one RAM region.
+    pub fn discard(&self, ranges: &[(u64, u64)]) -> std::result::Result<(), RequestError> {
+        use std::sync::atomic::Ordering;
+        if self.features & UFFD_FEATURE_MINOR_SHMEM == 0 {
+            return Err(RequestError::Unsupported(
+                "discard: the kernel cannot register shmem MINOR".into(),
+            ));
         }
-        self.uffd
-            .register_with_mode(addr.cast::<c_void>(), len, mode)
-            .map(|_| ())
-            .map_err(|source| UffdError::Register {
-                addr: addr as u64,
-                len: len as u64,
-                source,
-            })
+        for &(start, len) in ranges {
+            let inside = self.ram.iter().any(|&(a, l)| {
+                start >= a as u64 && start.checked_add(len).is_some_and(|e| e <= (a + l) as u64)
+            });
+            if !inside || start % 4096 != 0 || len % 4096 != 0 {
+                return Err(RequestError::InvalidOp(format!(
+                    "discard {start:#x}+{len:#x}: not whole pages of guest RAM"
+                )));
+            }
+        }
+        if !self.minor.load(Ordering::SeqCst) {
+            for &(a, l) in &self.ram {
+                // Registering again with the same uffd only adds MINOR; it
+                // leaves every page and write protection as they are.
+                // hugetlb memory refuses it (MINOR_SHMEM covers shmem only).
+                register(&self.uffd, self.features, a as *mut u8, l, true).map_err(|e| {
+                    RequestError::Unsupported(format!("discard: {}", shared::error_chain(&e)))
+                })?;
+            }
+            self.minor.store(true, Ordering::SeqCst);
+        }
+        for &(start, len) in ranges {
+            // SAFETY: the range lies inside guest RAM (checked above), a
+            // shared mapping of the memfd: MADV_DONTNEED only drops this
+            // process's page table entries (and KVM's, by its notifier);
+            // the bytes stay in the memfd and nothing here holds a
+            // reference into them while the vCPUs are paused.
+            let r = unsafe {
+                libc::madvise(
+                    shared::geometry::usize_of(start) as *mut c_void,
+                    shared::geometry::usize_of(len),
+                    libc::MADV_DONTNEED,
+                )
+            };
+            if r != 0 {
+                return Err(RequestError::Memory(format!(
+                    "discard {start:#x}+{len:#x}: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+        }
+        Ok(())
     }
 }
