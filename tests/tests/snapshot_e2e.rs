@@ -526,6 +526,13 @@ fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
     // Back to its last snapshot: only the pages written since are reset
     // (the child already holds its own copies of those).
     assert_eq!(r["pages_handed_over"], 0, "{r}");
+    // On 4 KiB memory the VMM discards them (hugetlb memory is punched).
+    let discarded = r["pages_discarded"].as_u64().unwrap_or(0);
+    if s.unit_pages(&a) == 1 {
+        assert!(discarded >= 1000, "{r}");
+    } else {
+        assert_eq!(discarded, 0, "{r}");
+    }
     assert_eq!(s.vm(&a)["state"], "running");
     assert_eq!(all_ram_digest(&s, &a), mem_at_snap, "memory after rollback");
     assert_eq!(disk_sum(&s, &a, 2048), disk_at_snap, "disk after rollback");
@@ -578,6 +585,76 @@ fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
     );
     let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
     assert_eq!(inv["ok"], true, "{inv}");
+}
+
+/// A rollback that discards every page of a VM: the guest reads all of
+/// them at once after the resume, racing the scrub that punches them, and
+/// must see the snapshot's bytes in every one, through MINOR faults on
+/// the stale pages and missing faults on the punched ones alike.
+#[test]
+fn a_rollback_s_discarded_pages_read_as_the_snapshot_while_they_are_punched() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    let pages = pages_of(MIB);
+    s.fill(&a, 0, pages, 21);
+    let at_snap = all_ram_digest(&s, &a);
+    snapshot(&s, &a, "disc", "full");
+    let mut minor = 0;
+    for round in 0..3u64 {
+        s.fill(&a, 0, pages, 30 + round);
+        assert_ne!(all_ram_digest(&s, &a), at_snap);
+        let (st, r) = s.api(
+            "POST",
+            &format!("/v1/vms/{a}/rollback"),
+            Some(json!({"snapshot": "disc"})),
+        );
+        assert_eq!(st, 200, "{r}");
+        eprintln!("rollback {round}: {r}");
+        if s.unit_pages(&a) == 1 {
+            assert_eq!(r["pages_discarded"], pages, "{r}");
+        }
+        // Straight after the resume the guest reads every page, the top
+        // quarter first: the scrub punches from the bottom up, so those
+        // are still stale and fault MINOR.
+        let top = pages / 4 * 3;
+        assert_eq!(s.verify(&a, top, pages - top, 21), 0, "round {round}");
+        assert_eq!(s.verify(&a, 0, top, 21), 0, "round {round}");
+        assert_eq!(all_ram_digest(&s, &a), at_snap, "round {round}");
+        let vm = s.vm(&a);
+        eprintln!("faults: {}", vm["faults"]);
+        if s.unit_pages(&a) == 1 {
+            minor = vm["faults"]["minor"].as_u64().unwrap_or(0);
+        }
+        let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
+        assert_eq!(inv["ok"], true, "{inv}");
+    }
+    if s.unit_pages(&a) == 1 {
+        assert!(minor > 0, "no access ever found a stale page");
+    }
+    // Writes after the rollback stay, and a restore of a later snapshot
+    // has them.
+    s.fill(&a, 100, 50, 99);
+    let now = all_ram_digest(&s, &a);
+    snapshot(&s, &a, "disc-after", "dirty");
+    let x = restore(&s, "disc-after");
+    assert_eq!(all_ram_digest(&s, &x), now);
+    // Once the scrub is done, no stale page is left in the memfd: it
+    // holds exactly the pages the table says are the VM's own.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
+        assert_eq!(inv["ok"], true, "{inv}");
+        let vm = s.vm(&a);
+        let own = vm["pages"]["vm"].as_u64().unwrap_or(0);
+        if vm["resident_pages"].as_u64() == Some(own) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stale pages left in the memfd: {vm}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 #[test]

@@ -188,10 +188,15 @@ pub struct VmRolledBack {
     pub snapshot: String,
     /// Pages handed to VMs that still read them from this one.
     pub pages_handed_over: u64,
+    /// Pages reset by unmapping them in the pause and punching them after
+    /// the resume (or at their first access); 0 where the pause punched
+    /// them itself (hugetlb memory, a kernel without MINOR on shmem).
+    #[serde(default)]
+    pub pages_discarded: u64,
     /// How long the guest was paused.
     pub pause_us: u64,
-    /// Where the pause went (pause, handover, memory, volume, restore,
-    /// resume).
+    /// Where the pause went (pause, handover, drop, memory, volume,
+    /// restore, resume).
     #[serde(default)]
     pub phases_us: BTreeMap<String, u64>,
 }

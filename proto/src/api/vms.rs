@@ -199,6 +199,9 @@ pub struct FaultCounters {
     /// Pre-write copies this VM's writes gave to the VMs reading from it.
     #[serde(default)]
     pub wp_copies: u64,
+    /// MINOR faults: accesses to pages a rollback left unmapped.
+    #[serde(default)]
+    pub minor: u64,
     /// uffd events by the time the server spent on them: entry i counts
     /// those served in [2^i, 2^(i+1)) µs (entry 0 also under 1 µs, the
     /// last everything longer).

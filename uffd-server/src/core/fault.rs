@@ -95,11 +95,40 @@ impl Registry {
         match kind {
             FaultKind::Missing => self.resolve_missing(vm, page),
             FaultKind::WriteProtected => self.resolve_write_protect(vm, page),
-            // Minor faults are never registered; wake so nothing hangs.
-            FaultKind::Minor => {
-                let Some(v) = self.vms.get(&vm) else {
-                    return Handled::Ok;
-                };
+            FaultKind::Minor => self.resolve_minor(vm, page),
+        }
+    }
+
+    /// A page in the memfd that the VMM does not map: registered MINOR
+    /// only after a rollback discarded pages. A stale page (the table
+    /// points elsewhere) is punched and installed from the table like a
+    /// missing one; any other page is the VM's own and is mapped as it is
+    /// (UFFDIO_CONTINUE).
+    fn resolve_minor(&mut self, vm: VmId, page: u64) -> Handled {
+        let Some(v) = self.vms.get_mut(&vm) else {
+            return Handled::Ok;
+        };
+        v.stats.minor += 1;
+        if v.table.get(page) != v.self_src || v.stale.contains(page) {
+            if let Err(e) = v.scrub(page, page + 1) {
+                let e = ResolveError::Memory(e);
+                return self.unservable(vm, page, &e);
+            }
+            return self.resolve_missing(vm, page);
+        }
+        let Some(uffd) = v.uffd.clone() else {
+            return Handled::Ok;
+        };
+        let addr = v.addr_of(page);
+        match uffd
+            .get_ref()
+            .r#continue(addr.cast(), shared::geometry::usize_of(PAGE_SIZE), true)
+        {
+            Ok(_) => Handled::Ok,
+            // Mapped meanwhile, or the VMM is on its way out: a wake lets
+            // the thread retry (or find out).
+            Err(e) => {
+                debug!("{vm}: UFFDIO_CONTINUE of page {page}: {e}");
                 wake(v, page, 1)
             }
         }
@@ -165,6 +194,10 @@ impl Registry {
         let Some((src_id, source, lo, hi, window)) = self.plan(vm, page)? else {
             return Ok((page, 1, false)); // Already present: a concurrent fault.
         };
+        let v = self.vms.get_mut(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        // Stale bytes a rollback left in the run go first (UFFDIO_COPY
+        // would stop at them).
+        v.scrub(lo, hi).map_err(ResolveError::Memory)?;
         let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
         // While writes are tracked, the installed pages stay
         // write-protected like the rest of memory, so a later write is
@@ -726,6 +759,10 @@ impl Registry {
         let Some(v) = self.vms.get_mut(&vm) else {
             return Handled::Ok;
         };
+        if v.discarding {
+            // The server's own discard (a rollback), already accounted for.
+            return Handled::Ok;
+        }
         let (Some(first), Some(last)) = (v.page_of(start), v.page_of(end.saturating_sub(1))) else {
             return Handled::Ok;
         };

@@ -424,7 +424,9 @@ impl Core {
     }
 
     /// `GET /v1/debug/invariant`: for every VM and page, the table says
-    /// `Vm(self)` exactly where the memfd holds the page.
+    /// `Vm(self)` exactly where the memfd holds the page, or the page is
+    /// stale (a rollback's, in the memfd until it is punched: see
+    /// `Vm::stale`).
     pub(super) fn check_invariant(&self) -> Invariant {
         let reg = self.reg.borrow();
         let mut violations = Vec::new();
@@ -448,7 +450,8 @@ impl Core {
             }
             for (p, is_present) in present.iter().enumerate() {
                 let says = v.table.get(p as u64) == v.self_src;
-                if says != *is_present {
+                let stale = *is_present && !says && v.stale.contains(p as u64);
+                if says != *is_present && !stale {
                     violations.push(Violation {
                         id: v.id.to_string(),
                         page: p as u64,

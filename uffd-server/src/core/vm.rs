@@ -23,6 +23,9 @@ pub struct FaultStats {
     pub missing: u64,
     /// WP faults resolved.
     pub write_protect: u64,
+    /// MINOR faults resolved (pages a rollback discarded, and pages the
+    /// VMM does not map once MINOR is registered).
+    pub minor: u64,
     /// Pages installed into the memfd by the server.
     pub pages_installed: u64,
     /// REMOVE events handled.
@@ -58,6 +61,7 @@ impl FaultStats {
         self.deferred += other.deferred;
         self.frame_waits += other.frame_waits;
         self.wp_copies += other.wp_copies;
+        self.minor += other.minor;
         for (a, b) in self.service_us_log2.iter_mut().zip(other.service_us_log2) {
             *a += b;
         }
@@ -130,6 +134,19 @@ pub struct Vm {
     /// armed it ahead of its pause (see `arm.rs`); the pause re-protects
     /// them.
     pub arming: Option<crate::snapshot::PageSet>,
+    /// Stale pages: a rollback unmapped them from the VMM and pointed the
+    /// table away from them, but their old bytes are still in the memfd
+    /// (see `rollback.rs`). Each is punched before anything is installed
+    /// over it, at its first access (a MINOR fault) or by the scrub that
+    /// runs after the rollback, whichever comes first. Empty (bound 0)
+    /// until a rollback discards pages.
+    pub stale: crate::snapshot::PageSet,
+    /// A discard the server asked the VMM for is under way: the REMOVE
+    /// events it raises are the server's own, not the guest's.
+    pub discarding: bool,
+    /// The VMM cannot discard (no MINOR on this kernel or memory):
+    /// rollbacks punch instead.
+    pub no_discard: bool,
     /// The snapshot the VM started from (restore or rollback), and the
     /// arena id of its image.
     pub base: Option<(String, SourceId)>,
@@ -165,6 +182,37 @@ pub struct VmParts {
 }
 
 impl Vm {
+    /// Punch the stale pages of `[lo, hi)` out of the memfd (see
+    /// [`Vm::stale`]), so that what is installed there next is whole and
+    /// current. Nothing to do (and no scan) while no page is stale.
+    pub fn scrub(&mut self, lo: u64, hi: u64) -> Result<(), crate::memory::MemoryError> {
+        if self.stale.is_empty() || !self.stale.any_in(lo, hi) {
+            return Ok(());
+        }
+        let mut p = lo;
+        while let Some(first) = self.stale.next_from(p).filter(|&f| f < hi) {
+            let mut end = first + 1;
+            while end < hi && self.stale.contains(end) {
+                end += 1;
+            }
+            self.memory.punch_hole(first, end - first)?;
+            for x in first..end {
+                self.stale.remove(x);
+            }
+            p = end;
+        }
+        Ok(())
+    }
+
+    /// Scrub the first stale pages, at most `max`; returns how many are
+    /// left (the scrub after a rollback calls this until none are).
+    pub fn scrub_some(&mut self, max: u64) -> Result<u64, crate::memory::MemoryError> {
+        if let Some(first) = self.stale.next_from(0) {
+            self.scrub(first, first.saturating_add(max))?;
+        }
+        Ok(self.stale.len())
+    }
+
     /// The VMM is connected but its uffd has not arrived: its guest may
     /// already run (the VMM starts it right after sending the uffd), so
     /// nothing may be written into its memory through the server's
@@ -210,6 +258,9 @@ impl Vm {
             dirty: None,
             saving: None,
             arming: None,
+            stale: crate::snapshot::PageSet::new(0),
+            discarding: false,
+            no_discard: false,
             base: None,
             owns_volume: false,
             closed: Rc::new(tokio::sync::Notify::new()),

@@ -96,12 +96,17 @@ pub fn render(sample: &Sample) -> String {
     let mut reg = Registry::with_prefix("pagefork");
 
     // Per-VM and server-wide counters of the fault engine.
-    let kinds: [StatCounter; 7] = [
+    let kinds: [StatCounter; 8] = [
         ("faults_missing", "MISSING faults resolved", |s| s.missing),
         (
             "faults_write_protect",
             "write-protect faults resolved (copy-on-write steps)",
             |s| s.write_protect,
+        ),
+        (
+            "faults_minor",
+            "MINOR faults resolved (pages a rollback left unmapped)",
+            |s| s.minor,
         ),
         ("pages_installed", "pages installed by the server", |s| {
             s.pages_installed
