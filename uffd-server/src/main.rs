@@ -66,6 +66,12 @@ struct Args {
     /// the request answers 504, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     vmm_deadline_ms: u64,
+    /// After a rollback resumes its VM, wait this long, in milliseconds,
+    /// before punching the pages it discarded in the background; an access
+    /// to one meanwhile punches it (and its run) itself. The old bytes use
+    /// memory until then.
+    #[arg(long, default_value_t = 0)]
+    rollback_scrub_delay_ms: u64,
     /// Requests in flight per VM at most; beyond it that VM answers 503.
     #[arg(long, default_value_t = 64)]
     vmm_queue: usize,
@@ -347,6 +353,7 @@ fn run(args: Args) -> Result<(), StartError> {
         start_timeout: Duration::from_secs(30),
         exec_timeout: Duration::from_secs(300),
         vmm_deadline: Duration::from_millis(args.vmm_deadline_ms.max(1)),
+        rollback_scrub_delay: Duration::from_millis(args.rollback_scrub_delay_ms),
         vmm_queue: args.vmm_queue.max(1),
         keep_logs: args.keep_logs,
         memory_budget: memory_budget_mib.saturating_mul(1 << 20),

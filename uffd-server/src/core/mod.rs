@@ -60,6 +60,9 @@ pub struct Settings {
     pub exec_timeout: Duration,
     /// How long a VMM may take to pause, resume or capture its state.
     pub vmm_deadline: Duration,
+    /// How long after a rollback's resume its discarded pages start being
+    /// punched in the background (see `rollback.rs`).
+    pub rollback_scrub_delay: Duration,
     /// Requests in flight per VM at most; beyond it that VM answers 503.
     pub vmm_queue: usize,
     /// Logs of deleted VMs kept for post-mortems.

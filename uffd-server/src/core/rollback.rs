@@ -374,13 +374,17 @@ impl Core {
 
     /// Punch `vm`'s stale pages out of its memfd a few at a time, letting
     /// faults and requests run in between, until none is left (or the VM
-    /// is gone). A fault on a stale page meanwhile punches that page
-    /// itself.
+    /// is gone), after `--rollback-scrub-delay-ms`. A fault on a stale
+    /// page meanwhile punches that page itself.
     fn spawn_scrub(self: &Rc<Self>, vm: VmId) {
         /// Pages punched per step: ~0.1-0.2 ms of the core thread.
         const STEP: u64 = 256;
         let core = Rc::clone(self);
+        let delay = self.settings.rollback_scrub_delay;
         tokio::task::spawn_local(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             loop {
                 let left = {
                     let mut reg = core.reg.borrow_mut();
