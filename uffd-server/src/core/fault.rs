@@ -110,7 +110,10 @@ impl Registry {
         };
         v.stats.minor += 1;
         if v.table.get(page) != v.self_src || v.stale.contains(page) {
-            if let Err(e) = v.scrub(page, page + 1) {
+            // Whatever the memfd holds there is not the VM's page: drop it
+            // (stale or not), then install the table's.
+            v.stale.remove(page);
+            if let Err(e) = v.memory.punch_hole(page, 1) {
                 let e = ResolveError::Memory(e);
                 return self.unservable(vm, page, &e);
             }
