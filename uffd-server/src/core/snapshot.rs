@@ -929,11 +929,20 @@ impl Core {
         req: &CreateVm,
         name: &str,
     ) -> Result<(VmId, oneshot::Receiver<Result<()>>)> {
-        let (state, path) = {
+        // What a restore needs of the snapshot, not all of it (the
+        // checksums of every chunk stay in the catalog).
+        let (size, hugepages, compressed, volume_snapshot, vm_state, path) = {
             let cat = self.snapshots.borrow();
-            (cat.get(name)?.clone(), cat.image_of(name))
+            let st = cat.get(name)?;
+            (
+                st.memory_bytes,
+                st.hugepages,
+                st.files.contains_key(crate::snapshot::ZSTD_FILE),
+                st.volume_snapshot.clone(),
+                st.vm_state.clone(),
+                cat.image_of(name),
+            )
         };
-        let size = state.memory_bytes;
         if req.memory_mib != 0 && req.memory_mib << 20 != size {
             return Err(Error::BadRequest(format!(
                 "snapshot {name} has {} MiB of memory; leave memory_mib out",
@@ -955,16 +964,16 @@ impl Core {
         // Backed like the VM the snapshot was taken of, unless asked.
         let page_size = self.page_size_for(
             &CreateVm {
-                hugepages: req.hugepages.or(Some(state.hugepages)),
+                hugepages: req.hugepages.or(Some(hugepages)),
                 ..req.clone()
             },
             size,
         )?;
-        let (source, data) = self.open_snapshot_memory(name, &state, &path)?;
+        let (source, data) = self.open_snapshot_memory(name, compressed, &path)?;
         let mut reg = self.reg.borrow_mut();
         reg.admit(&self.settings, 1, size)?;
         let id = reg.alloc_id(&self.settings.state_dir);
-        let volume = match (&state.volume_snapshot, self.volumes.as_ref()) {
+        let volume = match (&volume_snapshot, self.volumes.as_ref()) {
             (Some(vs), Some(engine)) => {
                 let vol = format!("{name}-{id}");
                 engine.clone_snapshot(vs, &vol)?;
@@ -995,7 +1004,7 @@ impl Core {
             memory,
             table,
             self_src,
-            vcpus: state.vcpus(),
+            vcpus: u8::try_from(vm_state.vcpus.len()).unwrap_or(u8::MAX),
             fault_around_pages: fault_around
                 .map_or(self.settings.fault_around_pages, |f| f.pages()),
             readahead_pages: req
@@ -1003,7 +1012,7 @@ impl Core {
                 .map_or(self.settings.readahead_pages, |k| k / 4),
             ready: ready_tx,
         });
-        vm.start_state = Some(Rc::new(state.vm_state));
+        vm.start_state = Some(Rc::new(vm_state));
         vm.base = Some((name.to_owned(), src));
         vm.owns_volume = volume.is_some();
         vm.volume = volume;
@@ -1033,15 +1042,16 @@ impl Core {
     }
 
     /// The source a VM restored from snapshot `name` reads (its
-    /// `memory.zst` if it has one, else `memory.img` at `path`) and the
-    /// runs of pages that hold data in it (the rest reads as zero).
+    /// `memory.zst` if it is `compressed`, else `memory.img` at `path`)
+    /// and the runs of pages that hold data in it (the rest reads as
+    /// zero).
     pub(super) fn open_snapshot_memory(
         &self,
         name: &str,
-        state: &StateFile,
+        compressed: bool,
         path: &Path,
     ) -> Result<(PageSource, Vec<(u64, u64)>)> {
-        if state.files.contains_key(crate::snapshot::ZSTD_FILE) {
+        if compressed {
             let zpath = self
                 .snapshots
                 .borrow()

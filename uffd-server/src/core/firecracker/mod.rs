@@ -180,12 +180,17 @@ impl Core {
                 Ok((PageSource::Zstd(ZstdSource { image }), len, data))
             }
             MemorySource::Snapshot { name } => {
-                let (state, path) = {
+                let (bytes, compressed, path) = {
                     let cat = self.snapshots.borrow();
-                    (cat.get(name)?.clone(), cat.image_of(name))
+                    let st = cat.get(name)?;
+                    (
+                        st.memory_bytes,
+                        st.files.contains_key(crate::snapshot::ZSTD_FILE),
+                        cat.image_of(name),
+                    )
                 };
-                let (source, data) = self.open_snapshot_memory(name, &state, &path)?;
-                Ok((source, state.memory_bytes, data))
+                let (source, data) = self.open_snapshot_memory(name, compressed, &path)?;
+                Ok((source, bytes, data))
             }
         }
     }
