@@ -75,7 +75,8 @@ pub struct SnapshotCreated {
     /// How long the guest was paused.
     pub pause_us: u64,
     /// Before the pause, while the guest still ran: `plan` (the image
-    /// made, a reflink of the parent's), `armed_ahead` (write-protecting
+    /// made, a reflink of the parent's, and the empty state file),
+    /// `writer` (its threads started), `armed_ahead` (write-protecting
     /// the pages written since the last snapshot, or all of memory for a
     /// first one: the UFFDIO_WRITEPROTECT that opens the copy-on-write
     /// window).
@@ -89,8 +90,11 @@ pub struct SnapshotCreated {
     #[serde(default)]
     pub phases_us: BTreeMap<String, u64>,
     /// Where the rest of the request went, after the guest resumed:
-    /// `save` (pages into the image), `sync_and_checksum` (the image's
-    /// fsync and its checksums, side by side), `compress` (with
+    /// `save` (pages into the image, until the last write returned),
+    /// `handoff` (from there until the commit's thread starts),
+    /// `sync_and_checksum` (the image's fsync, which the writer starts
+    /// after its last write, and side by side the checksums and the
+    /// state file), `compress` (with
     /// `compress`), `commit` (state file, fsyncs and the rename that makes
     /// the snapshot exist).
     #[serde(default)]

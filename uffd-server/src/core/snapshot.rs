@@ -112,6 +112,8 @@ struct Plan {
     image: Rc<ImageWriter>,
     /// For `incremental`: the base image's source and its data pages.
     base: Option<(SourceId, Vec<(u64, u64)>)>,
+    /// `state.json`, created empty ([`catalog::create_state`]).
+    state_file: std::fs::File,
 }
 
 impl Registry {
@@ -367,6 +369,7 @@ impl Core {
         // The pages written since the last snapshot (all of memory for a
         // first one) are protected now, while the guest runs; the pause
         // re-protects only what it writes meanwhile (see `arm.rs`).
+        let writer_us = us(t0).saturating_sub(plan_us);
         let ahead = self.arm_ahead(vm, &self.unprotected_runs(vm)?)?;
         let t_pause = Instant::now();
         let (captured, write_protect_us) = self.pause_for_snapshot(vm, &ahead).await?;
@@ -420,8 +423,14 @@ impl Core {
         let volume_snapshot = volume_snapshot?;
         resumed?;
         let t_save = Instant::now();
-        let (saving, bytes_written, streamed) = self.save_pending(vm).await?;
+        if plan.parent.is_some() {
+            self.prefetch_kept_pages(vm);
+        }
+        let (saving, report) = self.save_pending(vm).await?;
+        let (bytes_written, streamed, synced) =
+            (report.bytes_written, report.chunk_digests, report.synced);
         let save_us = us(t_save);
+        let t_handoff = Instant::now();
         let (pages_written, early, saving_touched) = {
             let mut s = saving.borrow_mut();
             let touched = std::mem::take(&mut s.touched);
@@ -453,7 +462,8 @@ impl Core {
             .try_clone()
             .map_err(SnapshotError::io("reopen", &plan.image.path))?;
         let fallback_reason = plan.fallback_reason.clone();
-        drop(plan);
+        let state_file = plan.state_file;
+        drop(plan.image);
         drop(saving);
         let root = self.snapshots.borrow().root().to_owned();
         let tmp = tmp.to_owned();
@@ -471,8 +481,18 @@ impl Core {
             ..zst::CompressOptions::default()
         });
         let (state, extents, finished) = tokio::task::spawn_blocking(move || {
+            // The digests of the chunks written whole are waited for on
+            // the checksum's side, while the image's fsync already runs.
+            let streamed = std::cell::Cell::new(Some(streamed));
+            let digests = std::cell::OnceCell::new();
             let reuse = |c: u64| {
-                if let Some(d) = streamed.get(&c) {
+                let digests = digests.get_or_init(|| {
+                    streamed
+                        .take()
+                        .map(writer::Digests::wait)
+                        .unwrap_or_default()
+                });
+                if let Some(d) = digests.get(&c) {
                     return Some(d.clone());
                 }
                 let pages = checksum::CHUNK_BYTES / PAGE_SIZE;
@@ -482,11 +502,17 @@ impl Core {
                     .filter(|_| untouched)
                     .and_then(|ch| ch.get(shared::geometry::usize_of(c)).cloned())
             };
-            let mut phases = BTreeMap::new();
+            // From the last write to here: the commit's inputs gathered and
+            // this thread woken.
+            let mut phases = BTreeMap::from([("handoff".to_owned(), us(t_handoff))]);
             finish_files(
                 &root,
                 &tmp,
-                &file,
+                Written {
+                    image: file,
+                    synced,
+                    state_file,
+                },
                 &mut state,
                 &reuse,
                 compress,
@@ -522,6 +548,7 @@ impl Core {
             before_pause_us: [
                 ("plan".to_owned(), plan_us),
                 ("armed_ahead".to_owned(), ahead.us),
+                ("writer".to_owned(), writer_us),
             ]
             .into_iter()
             .collect(),
@@ -604,6 +631,7 @@ impl Core {
             fallback_reason: (mode != asked).then(|| reasons.join("; ")),
             image: Rc::new(image),
             base,
+            state_file: catalog::create_state(tmp)?,
         })
     }
 
@@ -754,13 +782,27 @@ impl Core {
         Ok(Some(snap))
     }
 
+    /// Have the writer of `vm`'s snapshot (a reflinked image) read ahead
+    /// what the image keeps of its parent in the chunks it writes in part.
+    fn prefetch_kept_pages(&self, vm: VmId) {
+        let reg = self.reg.borrow();
+        let Some(saving) = reg.vms.get(&vm).and_then(|v| v.saving.as_ref()) else {
+            return;
+        };
+        let s = saving.borrow();
+        if let Some(w) = &s.writer {
+            // What the checksum at the commit reads back
+            // (`checksum::sum_file_reusing`).
+            let kept = s.touched.gaps_in_chunks(CHUNK_PAGES, PREFETCH_RUNS);
+            w.prefetch(kept.unwrap_or_default());
+        }
+    }
+
     /// Save every page still pending, a run at a time, in page order.
-    /// Returns the bytes written and the digests of the checksum chunks
-    /// written whole.
-    async fn save_pending(
-        self: &Rc<Self>,
-        vm: VmId,
-    ) -> Result<(Rc<RefCell<Saving>>, u64, BTreeMap<u64, String>)> {
+    /// Returns the writer's report: the bytes written, the digests of the
+    /// checksum chunks written whole and the image's fsync (both still
+    /// under way).
+    async fn save_pending(self: &Rc<Self>, vm: VmId) -> Result<(Rc<RefCell<Saving>>, WriteReport)> {
         let saving = self
             .reg
             .borrow()
@@ -824,14 +866,14 @@ impl Core {
             return Err(Error::SaveSnapshot { vm, reason: e });
         }
         let writer = saving.borrow_mut().writer.take();
-        let report = match writer {
+        let mut report = match writer {
             Some(w) => w.finish().await,
             None => WriteReport::default(),
         };
-        if let Some(e) = report.error {
+        if let Some(e) = report.error.take() {
             return Err(e.into());
         }
-        Ok((saving, report.bytes_written, report.chunk_digests))
+        Ok((saving, report))
     }
 
     /// `GET /v1/snapshots`.
@@ -1083,52 +1125,66 @@ impl Core {
     }
 }
 
-/// After the last page is saved: fsync the image, record its checksums in
-/// `state` (`reuse` gives those of chunks the parent's image already has),
-/// and commit the snapshot directory. Returns the image's extent
-/// count. Blocking file I/O: runs off the core thread.
+/// Prefetch no more runs than this per snapshot: a scattered set of
+/// pages leaves the checksum to read its chunks back as it finds them.
+const PREFETCH_RUNS: usize = 1024;
+
+/// What the save hands to the commit.
+struct Written {
+    /// The image.
+    image: std::fs::File,
+    /// Its fsync, which the writer started.
+    synced: writer::Synced,
+    /// `state.json`, still empty.
+    state_file: std::fs::File,
+}
+
+/// After the last page is saved: wait for the image's fsync (the
+/// writer's), record its checksums in `state` (`reuse` gives those of
+/// chunks the parent's image already has), and commit the snapshot
+/// directory. Returns the image's extent count. Blocking file I/O: runs
+/// off the core thread.
 fn finish_files(
     root: &Path,
     tmp: &Path,
-    image: &std::fs::File,
+    written: Written,
     state: &mut StateFile,
     reuse: &dyn Fn(u64) -> Option<String>,
     compress: Option<zst::CompressOptions>,
     phases: &mut BTreeMap<String, u64>,
 ) -> Result<u64> {
+    let Written {
+        image,
+        synced,
+        state_file,
+    } = written;
+    let image = &image;
     let path = tmp.join(crate::snapshot::MEMORY_FILE);
     let mut t = Instant::now();
     let mut lap = |phases: &mut BTreeMap<String, u64>, name: &str| {
         phases.insert(name.to_owned(), us(t));
         t = Instant::now();
     };
-    // The checksum reads the image from the page cache while the fsync
-    // writes it to the disk: the two overlap. Without a compressed copy to
-    // make, `state.json` (which holds that checksum) is written and
-    // fsynced while the image's fsync still runs: the rename that commits
-    // the snapshot waits for both, and at 1 % dirty the fsyncs are most of
-    // a snapshot's fixed cost.
-    let (synced, written) = std::thread::scope(|sc| {
-        let sync = sc.spawn(|| image.sync_all());
-        let sum = checksum::sum_file_reusing(image, checksum::WRITE_ALGORITHM, reuse)
-            .map_err(SnapshotError::io("checksum", &path));
-        let written = sum.and_then(|sum| {
+    // The writer fsyncs the image since its last write returned; the
+    // checksum reads the image from the page cache meanwhile. Without a
+    // compressed copy to make, `state.json` (which holds that checksum) is
+    // written and fsynced while the image's fsync may still run: the
+    // rename that commits the snapshot waits for both, and at 1 % dirty
+    // the fsyncs are most of a snapshot's fixed cost.
+    let written = checksum::sum_file_reusing(image, checksum::WRITE_ALGORITHM, reuse)
+        .map_err(SnapshotError::io("checksum", &path))
+        .and_then(|sum| {
             state
                 .files
                 .insert(crate::snapshot::MEMORY_FILE.to_owned(), sum);
             match compress {
-                None => catalog::write_state(tmp, state).map(|()| true),
-                Some(_) => Ok(false),
+                None => catalog::write_state(tmp, state_file, state).map(|()| None),
+                Some(_) => Ok(Some(state_file)),
             }
         });
-        (
-            sync.join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("the fsync thread panicked"))),
-            written,
-        )
-    });
+    let synced = synced.wait(image);
     synced.map_err(SnapshotError::io("sync", &path))?;
-    let state_written = written?;
+    let state_unwritten = written?;
     lap(phases, "sync_and_checksum");
     if let Some(opts) = compress {
         let zpath = tmp.join(crate::snapshot::ZSTD_FILE);
@@ -1146,11 +1202,10 @@ fn finish_files(
         lap(phases, "compress");
     }
     let extents = image::extent_count(image);
-    if state_written {
-        catalog::publish(root, tmp, &state.name)?;
-    } else {
-        catalog::commit(root, tmp, state)?;
+    if let Some(file) = state_unwritten {
+        catalog::write_state(tmp, file, state)?;
     }
+    catalog::publish(root, tmp, &state.name)?;
     lap(phases, "commit");
     Ok(extents)
 }

@@ -304,28 +304,38 @@ impl Catalog {
 /// fsync it and the directory, rename `tmp` to its name (the commit point)
 /// and fsync the parent. `memory.img` must be fsynced already.
 pub fn commit(root: &Path, tmp: &Path, state: &StateFile) -> Result<()> {
-    write_state(tmp, state)?;
+    write_state(tmp, create_state(tmp)?, state)?;
     publish(root, tmp, &state.name)
 }
 
-/// The first half of [`commit`]: write `state.json` into `tmp` and fsync
-/// it and `tmp`. Nothing is committed yet, so this may run while the
-/// image's own fsync is still under way; [`publish`] must wait for both.
-pub fn write_state(tmp: &Path, state: &StateFile) -> Result<()> {
+/// Create `tmp`'s `state.json`, empty, for [`write_state`] to fill: a
+/// snapshot creates it before its guest pauses, so that allocating an inode
+/// and a directory entry (which waits on the filesystem's log while the
+/// image is being synced) is no part of the commit. A crash leaves the
+/// empty file in a temporary directory, which start-up removes.
+pub fn create_state(tmp: &Path) -> Result<File> {
     let path = tmp.join(STATE_FILE);
-    let text = serde_json::to_vec_pretty(state).map_err(|e| SnapshotError::BadState {
-        path: path.clone(),
-        reason: e.to_string(),
-    })?;
-    let mut f = OpenOptions::new()
+    OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&path)
-        .map_err(SnapshotError::io("create", &path))?;
-    f.write_all(&text)
-        .and_then(|()| f.sync_all())
+        .map_err(SnapshotError::io("create", &path))
+}
+
+/// The first half of [`commit`]: write `state.json` into `file` (made by
+/// [`create_state`] in `tmp`) and fsync it and `tmp`. Nothing is committed
+/// yet, so this may run while the image's own fsync is still under way;
+/// [`publish`] must wait for both.
+pub fn write_state(tmp: &Path, mut file: File, state: &StateFile) -> Result<()> {
+    let path = tmp.join(STATE_FILE);
+    let text = serde_json::to_vec_pretty(state).map_err(|e| SnapshotError::BadState {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    file.write_all(&text)
+        .and_then(|()| file.sync_all())
         .map_err(SnapshotError::io("write", &path))?;
     sync_dir(tmp)
 }

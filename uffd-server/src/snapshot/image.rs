@@ -144,6 +144,25 @@ impl ImageWriter {
     }
 
     /// Make `[first, first + pages)` a hole (reads as zero).
+    /// Start reading `runs` (`(first page, pages)`) into the page cache,
+    /// without waiting for them (best effort: a failure only costs the
+    /// later read its head start).
+    pub fn prefetch(&self, runs: &[(u64, u64)]) {
+        for &(first, pages) in runs {
+            let off = libc::off_t::try_from(first * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
+            let len = libc::off_t::try_from(pages * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
+            if let Err(e) = nix::fcntl::posix_fadvise(
+                self.file.as_raw_fd(),
+                off,
+                len,
+                nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+            ) {
+                tracing::debug!("prefetch of {}: {e}", self.path.display());
+                return;
+            }
+        }
+    }
+
     pub fn punch(&self, first: u64, pages: u64) -> Result<()> {
         let off = libc::off_t::try_from(first * PAGE_SIZE).unwrap_or(libc::off_t::MAX);
         let len = libc::off_t::try_from(pages * PAGE_SIZE).unwrap_or(libc::off_t::MAX);

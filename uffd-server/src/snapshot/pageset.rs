@@ -132,6 +132,57 @@ impl PageSet {
         false
     }
 
+    /// Whether every page of `[lo, hi)` is in the set, a word at a time.
+    pub fn all_in(&self, lo: u64, hi: u64) -> bool {
+        if lo >= hi {
+            return true;
+        }
+        if hi > self.pages {
+            return false;
+        }
+        let mut p = lo;
+        while p < hi {
+            let (w, _) = Self::at(p);
+            let left = (hi - p).min(64 - p % 64);
+            let mask = if left == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << left) - 1) << (p % 64)
+            };
+            if self.words[w] & mask != mask {
+                return false;
+            }
+            p += left;
+        }
+        true
+    }
+
+    /// The runs `(first, pages)` of pages outside the set inside the
+    /// aligned chunks of `chunk` pages that the set covers in part (chunks
+    /// it covers whole or not at all have none); `None` past `max_runs`.
+    pub fn gaps_in_chunks(&self, chunk: u64, max_runs: usize) -> Option<Vec<(u64, u64)>> {
+        let mut gaps: Vec<(u64, u64)> = Vec::new();
+        let mut from = 0;
+        while let Some(p) = self.next_from(from) {
+            let lo = p / chunk * chunk;
+            let hi = (lo + chunk).min(self.pages);
+            from = hi;
+            if self.all_in(lo, hi) {
+                continue;
+            }
+            for q in (lo..hi).filter(|q| !self.contains(*q)) {
+                match gaps.last_mut() {
+                    Some((a, n)) if *a + *n == q => *n += 1,
+                    _ => gaps.push((q, 1)),
+                }
+            }
+            if gaps.len() > max_runs {
+                return None;
+            }
+        }
+        Some(gaps)
+    }
+
     /// The first page in the set at or after `from`.
     pub fn next_from(&self, from: u64) -> Option<u64> {
         let mut p = from;
@@ -184,6 +235,21 @@ mod tests {
         assert_eq!(s.next_from(200), None);
     }
 
+    #[test]
+    fn gaps_are_found_only_in_chunks_covered_in_part() {
+        let mut s = PageSet::new(1000);
+        s.insert_range(0, 256); // chunk 0 whole
+        s.insert_range(300, 10); // chunk 1 in part
+        s.insert(600); // chunk 2 in part
+        s.insert_range(768, 232); // chunk 3 (short) whole
+        assert_eq!(
+            s.gaps_in_chunks(256, 10),
+            Some(vec![(256, 44), (310, 290), (601, 167)])
+        );
+        assert_eq!(s.gaps_in_chunks(256, 2), None);
+        assert_eq!(PageSet::new(1000).gaps_in_chunks(256, 10), Some(vec![]));
+    }
+
     proptest! {
         #[test]
         fn matches_a_btreeset(pages in proptest::collection::vec(0u64..500, 0..100)) {
@@ -203,6 +269,7 @@ mod tests {
             for lo in (0..520).step_by(37) {
                 for hi in [lo, lo + 1, lo + 63, lo + 64, lo + 200] {
                     prop_assert_eq!(s.any_in(lo, hi), m.range(lo..hi.max(lo)).next().is_some());
+                    prop_assert_eq!(s.all_in(lo, hi), (lo..hi).all(|p| m.contains(&p)));
                 }
             }
         }

@@ -11,10 +11,16 @@
 //! Written buffers pass to a second thread that digests the checksum
 //! chunks they cover whole ([`StreamSums`]), so the commit reads
 //! back only chunks written in part, and hashing overlaps the writing.
-//! Bulk buffers then go back to the handle ([`WriterHandle::buffer`]), so
-//! saving a GiB allocates a few dozen buffers, not a thousand that the
-//! kernel zeroes on the way in and unmaps on the way out. A bulk run's
-//! permit is held until its buffer is digested too.
+//! The writer reports as soon as its last write returns and goes on to
+//! fsync the image ([`Synced`]); the digests follow ([`Digests`]), so the
+//! fsync runs while the last buffers are still being hashed and while the
+//! commit prepares the rest. Bulk buffers then go back to a pool
+//! the whole server shares ([`WriterHandle::buffer`]): saving a GiB
+//! allocates a few dozen buffers, not a thousand that the kernel zeroes
+//! on the way in and unmaps on the way out, and the next snapshot finds
+//! them mapped (a small one needs no new memory at all). The pool keeps
+//! [`IN_FLIGHT`] + 1 buffers at most (17 MiB). A bulk run's permit is
+//! held until its buffer is digested too.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -35,11 +41,13 @@ pub const IN_FLIGHT: usize = 16;
 /// Bytes of a reusable bulk buffer: the largest run the core saves at once.
 pub const BUFFER_BYTES: usize = 1 << 20;
 
-/// Written bulk buffers, kept for the next full-size runs. Each is
-/// [`BUFFER_BYTES`] long; shorter runs (a run's tail, a page the fault path
-/// saves) get a buffer of their own, as before.
-#[derive(Debug, Default)]
+/// Written bulk buffers, kept for the next full-size runs of any
+/// snapshot. Each is [`BUFFER_BYTES`] long; shorter runs (a run's tail, a
+/// page the fault path saves) get a buffer of their own.
+#[derive(Debug)]
 struct Buffers(Mutex<Vec<Vec<u8>>>);
+
+static BUFFERS: Buffers = Buffers(Mutex::new(Vec::new()));
 
 impl Buffers {
     fn take(&self, len: usize) -> Vec<u8> {
@@ -71,6 +79,8 @@ enum Job {
         first: u64,
         pages: u64,
     },
+    /// Runs `(first, pages)` to read into the page cache ahead.
+    Prefetch(Vec<(u64, u64)>),
 }
 
 /// What the writer did.
@@ -80,8 +90,47 @@ pub struct WriteReport {
     pub bytes_written: u64,
     /// The first failure; later jobs were skipped.
     pub error: Option<SnapshotError>,
-    /// Digests of the checksum chunks the writes covered whole, by chunk.
-    pub chunk_digests: BTreeMap<u64, String>,
+    /// Digests of the checksum chunks the writes covered whole.
+    pub chunk_digests: Digests,
+    /// The image's fsync, started after the last write (none after a
+    /// failure).
+    pub synced: Synced,
+}
+
+/// The writer's fsync of the image, under way.
+#[derive(Debug, Default)]
+pub struct Synced(Option<mpsc::Receiver<std::io::Result<()>>>);
+
+impl Synced {
+    /// Wait for the fsync to end; if the writer did not start one, fsync
+    /// `file` (the image) here.
+    pub fn wait(self, file: &File) -> std::io::Result<()> {
+        match self.0.map(|rx| rx.recv()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(std::io::Error::other("the snapshot writer thread died")),
+            None => file.sync_all(),
+        }
+    }
+}
+
+/// The digests of the checksum chunks a writer's writes covered whole, by
+/// chunk: still being computed when the writer reports.
+#[derive(Debug, Default)]
+pub struct Digests(Option<std::thread::JoinHandle<BTreeMap<u64, String>>>);
+
+impl Digests {
+    /// Wait for them. None if the digesting thread died: nothing is lost,
+    /// the commit reads every chunk back.
+    pub fn wait(self) -> BTreeMap<u64, String> {
+        match self.0.map(std::thread::JoinHandle::join) {
+            Some(Ok(digests)) => digests,
+            Some(Err(_)) => {
+                tracing::warn!("the snapshot digest thread panicked");
+                BTreeMap::new()
+            }
+            None => BTreeMap::new(),
+        }
+    }
 }
 
 /// The core's end of a writer thread.
@@ -90,7 +139,6 @@ pub struct WriterHandle {
     tx: mpsc::Sender<Job>,
     gate: Arc<Semaphore>,
     done: oneshot::Receiver<WriteReport>,
-    buffers: Arc<Buffers>,
 }
 
 impl std::fmt::Debug for Job {
@@ -98,6 +146,7 @@ impl std::fmt::Debug for Job {
         match self {
             Job::Pages { first, bytes, .. } => write!(f, "Pages({first}, {} bytes)", bytes.len()),
             Job::Punch { first, pages } => write!(f, "Punch({first}, {pages})"),
+            Job::Prefetch(runs) => write!(f, "Prefetch({} runs)", runs.len()),
         }
     }
 }
@@ -145,8 +194,6 @@ pub fn spawn(
     let len = file.metadata()?.len();
     let (tx, rx) = mpsc::channel::<Job>();
     let (done_tx, done) = oneshot::channel();
-    let buffers = Arc::new(Buffers::default());
-    let returned = buffers.clone();
     // The digesting thread: takes each job after it is written.
     let (htx, hrx) = mpsc::channel::<Job>();
     let hasher = std::thread::Builder::new()
@@ -157,11 +204,12 @@ pub fn spawn(
                 match job {
                     Job::Pages { first, bytes, .. } => {
                         sums.feed(first * PAGE_SIZE, Piece::Bytes(&bytes));
-                        returned.give_back(bytes);
+                        BUFFERS.give_back(bytes);
                     }
                     Job::Punch { first, pages } => {
                         sums.feed(first * PAGE_SIZE, Piece::Zeroes(pages * PAGE_SIZE));
                     }
+                    Job::Prefetch(_) => {}
                 }
             }
             sums.finish()
@@ -194,6 +242,10 @@ pub fn spawn(
                         image.punch(*first, *pages).map(|()| 0)
                     }
                     Job::Punch { .. } => Ok(0),
+                    Job::Prefetch(runs) => {
+                        image.prefetch(runs);
+                        continue;
+                    }
                 };
                 match r {
                     Ok(n) => {
@@ -204,18 +256,20 @@ pub fn spawn(
                 }
             }
             drop(htx);
-            match hasher.join() {
-                Ok(digests) => report.chunk_digests = digests,
-                // Nothing is lost: the commit reads every chunk back.
-                Err(_) => tracing::warn!("the snapshot digest thread panicked"),
+            report.chunk_digests = Digests(Some(hasher));
+            if report.error.is_some() {
+                let _ = done_tx.send(report);
+                return;
             }
+            let (stx, srx) = mpsc::channel();
+            report.synced = Synced(Some(srx));
             let _ = done_tx.send(report);
+            let _ = stx.send(image.file.sync_all());
         })?;
     Ok(WriterHandle {
         tx,
         gate: Arc::new(Semaphore::new(IN_FLIGHT)),
         done,
-        buffers,
     })
 }
 
@@ -224,7 +278,7 @@ impl WriterHandle {
     /// overwrites all of it), reused from written runs when `len` is
     /// [`BUFFER_BYTES`] and one is free.
     pub fn buffer(&self, len: usize) -> Vec<u8> {
-        self.buffers.take(len)
+        BUFFERS.take(len)
     }
 
     /// Queue pages `first..` (whole pages) without waiting.
@@ -257,6 +311,17 @@ impl WriterHandle {
         });
     }
 
+    /// Have the writer start reading `runs` (`(first page, pages)`) of the
+    /// image into the page cache before anything else: the parent's bytes
+    /// that the checksum of a chunk written in part reads back at the
+    /// commit. A reflinked image shares no page cache with its parent, so
+    /// without this that read waits on the disk after the last write.
+    pub fn prefetch(&self, runs: Vec<(u64, u64)>) {
+        if !runs.is_empty() {
+            let _ = self.tx.send(Job::Prefetch(runs));
+        }
+    }
+
     /// Queue a hole for `[first, first + pages)`.
     pub fn punch(&self, first: u64, pages: u64) {
         let _ = self.tx.send(Job::Punch { first, pages });
@@ -267,7 +332,8 @@ impl WriterHandle {
         drop(self.tx);
         self.done.await.unwrap_or_else(|_| WriteReport {
             bytes_written: 0,
-            chunk_digests: BTreeMap::new(),
+            chunk_digests: Digests::default(),
+            synced: Synced::default(),
             error: Some(SnapshotError::Io {
                 what: "write",
                 path: PathBuf::from("memory.img"),
@@ -358,8 +424,9 @@ mod tests {
         let report = w.finish().await;
         assert!(report.error.is_none());
         let whole = sum_file(&img.file, WRITE_ALGORITHM).unwrap();
-        assert_eq!(report.chunk_digests.len(), 2);
-        assert_eq!(report.chunk_digests[&0], whole.chunks[0]);
-        assert_eq!(report.chunk_digests[&1], whole.chunks[1]);
+        let digests = report.chunk_digests.wait();
+        assert_eq!(digests.len(), 2);
+        assert_eq!(digests[&0], whole.chunks[0]);
+        assert_eq!(digests[&1], whole.chunks[1]);
     }
 }
