@@ -93,28 +93,52 @@ fn timed_write_fsync(dir: &std::path::Path, bytes: u64, clone_of: Option<&std::p
     let buf = vec![0x5au8; 1 << 20];
     let src = clone_of.map(|p| std::fs::File::open(p).expect("the parent snapshot's image"));
     let t = Instant::now();
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&path)
-        .expect("cannot create the baseline file");
+    let mut f = create_file(&path);
     if let Some(src) = &src {
         uffd_server::volume::ficlone(&f, src).expect("FICLONE of the parent image");
     }
-    let mut left = bytes;
-    while left > 0 {
-        let k = left.min(buf.len() as u64);
-        f.write_all(&buf[..usize::try_from(k).unwrap_or(0)])
-            .expect("baseline write");
-        left -= k;
-    }
+    write_from(&mut f, &buf, bytes);
     f.sync_all().expect("baseline fsync");
     let took = ms(t);
     drop(f);
     let _ = std::fs::remove_file(&path);
     took
+}
+
+/// Write `bytes` into a scratch file in `dir` and delete it, untimed: the
+/// page cache then holds that many pages freed a moment ago. This host
+/// hands memory the kernel has kept free for a few seconds back to its
+/// hypervisor, and the first touch of such a page costs a fault in the
+/// host (docs/performance.md, "fresh memory"). The baselines below each
+/// follow the deletion of a file as large as what they write; without
+/// this the snapshot, which follows the guest's fill (seconds), would be
+/// the only one to write into fresh memory.
+fn recycle_page_cache(dir: &std::path::Path, bytes: u64) {
+    let path = dir.join(format!("pagefork-bench-recycle-{}", std::process::id()));
+    write_from(&mut create_file(&path), &vec![0x3cu8; 1 << 20], bytes);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A new, empty file at `path`.
+fn create_file(path: &std::path::Path) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()))
+}
+
+/// Write `bytes` into `f` from its position, `buf` at a time.
+fn write_from(f: &mut std::fs::File, buf: &[u8], bytes: u64) {
+    let mut left = bytes;
+    while left > 0 {
+        let k = left.min(buf.len() as u64);
+        f.write_all(&buf[..usize::try_from(k).unwrap_or(0)])
+            .expect("write");
+        left -= k;
+    }
 }
 
 /// Time to hash `bytes` of data in 1 MiB chunks on every core, as the
@@ -178,6 +202,7 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
         .expect("write-protect floor");
         for rep in 0..plan.reps {
             s.fill(&vm, 0, dirty, 100 + rep as u64);
+            recycle_page_cache(xfs, dirty * 4096);
             let name = format!("bench-d{pct}-{rep}");
             let r = snapshot(s, &vm, &name, "dirty");
             assert!(r["mode_used"] == "dirty", "{r}");
@@ -243,7 +268,9 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
         )
         .goal("≤ 1.3×")
         .note(format!(
-            "total = pause, saving the pages, fsync, BLAKE3 of the chunks written, commit; after the pause \
+            "total = pause, saving the pages, fsync, BLAKE3 of the chunks written, commit (each snapshot and \
+             each baseline follows the deletion of a file of the same size, so all write into pages freed a \
+             moment before); after the pause \
              (medians): {}; the checksum alone, in-process on every core: {:.1} ms (SHA-256, format 1's: \
              {:.1} ms) (total / (write + fsync + checksum) = {:.2}); what the filesystem alone takes for it, \
              FICLONE of the parent image + the same write + fsync into the clone: {:.1} ms (total / that = {:.2})",
