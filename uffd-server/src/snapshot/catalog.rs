@@ -274,7 +274,7 @@ impl Catalog {
         }
     }
 
-    /// Record a snapshot [`commit`] made durable.
+    /// Record a snapshot [`publish`] made durable.
     pub fn insert(&mut self, state: StateFile) {
         self.reserved.remove(&state.name);
         self.entries.insert(state.name.clone(), state);
@@ -300,14 +300,6 @@ impl Catalog {
     }
 }
 
-/// Make the snapshot in `tmp` complete and durable: write `state.json`,
-/// fsync it and the directory, rename `tmp` to its name (the commit point)
-/// and fsync the parent. `memory.img` must be fsynced already.
-pub fn commit(root: &Path, tmp: &Path, state: &StateFile) -> Result<()> {
-    write_state(tmp, create_state(tmp)?, state)?;
-    publish(root, tmp, &state.name)
-}
-
 /// Create `tmp`'s `state.json`, empty, for [`write_state`] to fill: a
 /// snapshot creates it before its guest pauses, so that allocating an inode
 /// and a directory entry (which waits on the filesystem's log while the
@@ -324,7 +316,7 @@ pub fn create_state(tmp: &Path) -> Result<File> {
         .map_err(SnapshotError::io("create", &path))
 }
 
-/// The first half of [`commit`]: write `state.json` into `file` (made by
+/// The first half of the commit: write `state.json` into `file` (made by
 /// [`create_state`] in `tmp`) and fsync it and `tmp`. Nothing is committed
 /// yet, so this may run while the image's own fsync is still under way;
 /// [`publish`] must wait for both.
@@ -340,7 +332,7 @@ pub fn write_state(tmp: &Path, mut file: File, state: &StateFile) -> Result<()> 
     sync_dir(tmp)
 }
 
-/// The second half of [`commit`]: rename `tmp` to `name` (the commit
+/// The second half of the commit: rename `tmp` to `name` (the commit
 /// point) and fsync the parent. Every file in `tmp` must be durable.
 pub fn publish(root: &Path, tmp: &Path, name: &str) -> Result<()> {
     let dst = root.join(name);
@@ -386,7 +378,8 @@ mod tests {
         let sum = sum_file(&img.file, alg).unwrap();
         let mut st = state(name, sum);
         st.format_version = version;
-        commit(cat.root(), &tmp, &st).unwrap();
+        write_state(&tmp, create_state(&tmp).unwrap(), &st).unwrap();
+        publish(cat.root(), &tmp, name).unwrap();
         cat.insert(st);
     }
 
