@@ -384,26 +384,25 @@ mod tests {
     }
 
     #[test]
-    fn format_1_snapshots_with_sha256_still_verify() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut cat = Catalog::open(dir.path()).unwrap();
-        write_one_as(&mut cat, "old", Algorithm::Sha256, 1);
-        write_one_as(&mut cat, "old-bad", Algorithm::Sha256, 1);
-        let img = cat.image_of("old-bad");
-        let f = std::fs::OpenOptions::new().write(true).open(img).unwrap();
-        std::os::unix::fs::FileExt::write_all_at(&f, &[8], 2 * 4096 + 7).unwrap();
-        let cat = Catalog::open(dir.path()).unwrap();
-        let names: Vec<&str> = cat.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(
-            names,
-            ["old"],
-            "the intact one verifies, the changed one does not"
-        );
-        assert_eq!(
-            cat.get("old").unwrap().files[MEMORY_FILE].algorithm,
-            Algorithm::Sha256
-        );
-        assert_eq!(cat.quarantined().len(), 1);
+    fn older_formats_still_verify() {
+        for (alg, version) in [(Algorithm::Sha256, 1), (Algorithm::Blake3, 2)] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut cat = Catalog::open(dir.path()).unwrap();
+            write_one_as(&mut cat, "old", alg, version);
+            write_one_as(&mut cat, "old-bad", alg, version);
+            let img = cat.image_of("old-bad");
+            let f = std::fs::OpenOptions::new().write(true).open(img).unwrap();
+            std::os::unix::fs::FileExt::write_all_at(&f, &[8], 2 * 4096 + 7).unwrap();
+            let cat = Catalog::open(dir.path()).unwrap();
+            let names: Vec<&str> = cat.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(
+                names,
+                ["old"],
+                "format {version}: the intact one verifies, the changed one does not"
+            );
+            assert_eq!(cat.get("old").unwrap().files[MEMORY_FILE].algorithm, alg);
+            assert_eq!(cat.quarantined().len(), 1);
+        }
     }
 
     #[test]

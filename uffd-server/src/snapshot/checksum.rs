@@ -1,6 +1,7 @@
 //! File checksums: a hash per 1 MiB chunk, and a hash over the chunk
-//! digests for the whole file; BLAKE3 for new snapshots, SHA-256 read
-//! from format-1 snapshots (see [`WRITE_ALGORITHM`]). Holes are hashed as the zeroes they read as,
+//! digests for the whole file; XXH3-128 for new snapshots, BLAKE3 and
+//! SHA-256 read from format-2 and format-1 snapshots (see
+//! [`WRITE_ALGORITHM`]). Holes are hashed as the zeroes they read as,
 //! without reading or hashing them (an all-hole chunk has a known digest),
 //! and a snapshot written over its parent's reflinked image reuses the
 //! parent's digests of the chunks it did not touch: checksumming costs
@@ -14,6 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use super::image::data_ranges;
 use super::FileSum;
@@ -22,10 +24,14 @@ pub use proto::snapshot::Algorithm;
 /// Bytes per checksummed chunk.
 pub const CHUNK_BYTES: u64 = 1 << 20;
 
-/// What new snapshots are checksummed with. BLAKE3 hashes a 1 MiB chunk
-/// ~3.6 times faster than SHA-256 on one core of this kind of host, and
-/// hashing was the largest part of the server's CPU in a snapshot.
-pub const WRITE_ALGORITHM: Algorithm = Algorithm::Blake3;
+/// What new snapshots are checksummed with. BLAKE3 hashed a 1 MiB chunk
+/// ~3.6 times faster than SHA-256 on one core of this kind of host, yet at
+/// ~0.2 ms per MiB it still took as much CPU as reading the pages and
+/// competed with the writer for the second core of a small snapshot;
+/// XXH3-128 takes a few hundredths of a millisecond per MiB. The
+/// checksums detect torn and damaged files, which a 128-bit
+/// non-cryptographic hash does (see [`Algorithm::Xxh3`]).
+pub const WRITE_ALGORITHM: Algorithm = Algorithm::Xxh3;
 
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
@@ -43,17 +49,24 @@ fn digest(alg: Algorithm, bytes: &[u8]) -> String {
     match alg {
         Algorithm::Sha256 => hex(&Sha256::digest(bytes)),
         Algorithm::Blake3 => blake3::hash(bytes).to_hex().to_string(),
+        Algorithm::Xxh3 => hex128(xxh3_128(bytes)),
     }
+}
+
+/// A 128-bit XXH3 digest as hex, in its canonical (big-endian) order.
+fn hex128(d: u128) -> String {
+    format!("{d:032x}")
 }
 
 /// The digest of `n` zero bytes (cached for a whole chunk).
 fn zero_digest(alg: Algorithm, n: u64) -> String {
-    static WHOLE: [OnceLock<String>; 2] = [OnceLock::new(), OnceLock::new()];
+    static WHOLE: [OnceLock<String>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let compute = |n: u64| digest(alg, &vec![0u8; shared::geometry::usize_of(n)]);
     if n == CHUNK_BYTES {
         let slot = match alg {
             Algorithm::Sha256 => 0,
             Algorithm::Blake3 => 1,
+            Algorithm::Xxh3 => 2,
         };
         WHOLE[slot].get_or_init(|| compute(CHUNK_BYTES)).clone()
     } else {
@@ -65,6 +78,7 @@ fn zero_digest(alg: Algorithm, n: u64) -> String {
 enum Hasher {
     Sha256(Sha256),
     Blake3(Box<blake3::Hasher>),
+    Xxh3(Box<Xxh3>),
 }
 
 impl Hasher {
@@ -72,6 +86,7 @@ impl Hasher {
         match alg {
             Algorithm::Sha256 => Self::Sha256(Sha256::new()),
             Algorithm::Blake3 => Self::Blake3(Box::default()),
+            Algorithm::Xxh3 => Self::Xxh3(Box::default()),
         }
     }
 
@@ -81,6 +96,7 @@ impl Hasher {
             Self::Blake3(h) => {
                 h.update(bytes);
             }
+            Self::Xxh3(h) => h.update(bytes),
         }
     }
 
@@ -88,6 +104,7 @@ impl Hasher {
         match self {
             Self::Sha256(h) => hex(&h.finalize()),
             Self::Blake3(h) => h.finalize().to_hex().to_string(),
+            Self::Xxh3(h) => hex128(h.digest128()),
         }
     }
 }
@@ -299,7 +316,7 @@ mod tests {
         let sparse = tempfile::tempfile().unwrap();
         sparse.set_len(3 << 20).unwrap();
         sparse.write_all_at(&[7], (2 << 20) + 5).unwrap();
-        for alg in [Algorithm::Sha256, Algorithm::Blake3] {
+        for alg in [Algorithm::Sha256, Algorithm::Blake3, Algorithm::Xxh3] {
             let a = sum_file(&dense, alg).unwrap();
             let b = sum_file(&sparse, alg).unwrap();
             assert_eq!(a, b);
@@ -371,5 +388,7 @@ mod tests {
             "6437b3ac38465133ffb63b75273a8db548c558465d79db03fd359c6cd5bd9d85"
         );
         assert_eq!(b3.algorithm, Algorithm::Blake3);
+        let x = sum_file(&f, Algorithm::Xxh3).unwrap();
+        assert_eq!(x.chunks[0], "06b05ab6733a618578af5f94892f3950");
     }
 }

@@ -16,9 +16,9 @@
 //!                            device state, memory size, page size, mode,
 //!                            parent, volume snapshot, and memory.img's size,
 //!                            hash of each 1 MiB chunk and a hash over
-//!                            those, named by `algorithm` (BLAKE3 from
-//!                            format 2; format 1's SHA-256 is still read;
-//!                            [`checksum`])
+//!                            those, named by `algorithm` (XXH3-128 from
+//!                            format 3; format 2's BLAKE3 and format 1's
+//!                            SHA-256 are still read; [`checksum`])
 //!   .tmp-<name>/             a snapshot being written (never listed)
 //!   .quarantine/<name>.<t>/  a snapshot that did not verify (never served)
 //! ```

@@ -5,12 +5,15 @@
 //! Messages are written in the order they were sent; all-zero pages become
 //! holes. Bulk runs take a permit from a small gate first (at most
 //! [`IN_FLIGHT`] runs queued), so memory in flight stays bounded; single
-//! pages from the fault path never wait. Every 8 MiB written, the writer
-//! starts their writeback (`sync_file_range`), so the disk works while
-//! pages are still being saved and the commit's fsync has little left.
-//! Written buffers pass to a second thread that digests the checksum
-//! chunks they cover whole ([`StreamSums`]), so the commit reads
-//! back only chunks written in part, and hashing overlaps the writing.
+//! pages from the fault path never wait. Written buffers pass to a second
+//! thread that starts their writeback (`sync_file_range`, every MiB), so
+//! the disk works while pages are still being saved and the commit's
+//! fsync has little left, and digests the checksum chunks they cover
+//! whole ([`StreamSums`]), so the commit reads back only chunks written
+//! in part. Submitting writeback costs CPU (a reflinked image allocates
+//! its new blocks then): on that thread it overlaps the writes instead of
+//! delaying them, and a MiB at a time leaves the fsync after the last
+//! write one MiB to start, not up to eight.
 //! The writer reports as soon as its last write returns and goes on to
 //! fsync the image ([`Synced`]); the digests follow ([`Digests`]), so the
 //! fsync runs while the last buffers are still being hashed and while the
@@ -160,8 +163,8 @@ struct Unsynced {
     pages: u64,
 }
 
-/// Start writing back after this many pages (8 MiB) were written.
-const WRITEBACK_PAGES: u64 = (8 << 20) / PAGE_SIZE;
+/// Start writing back after this many pages (1 MiB) were written.
+const WRITEBACK_PAGES: u64 = (1 << 20) / PAGE_SIZE;
 
 impl Unsynced {
     /// Count `pages` at `first`; the range to write back once enough were
@@ -194,15 +197,32 @@ pub fn spawn(
     let len = file.metadata()?.len();
     let (tx, rx) = mpsc::channel::<Job>();
     let (done_tx, done) = oneshot::channel();
-    // The digesting thread: takes each job after it is written.
+    // The digesting thread: takes each job after it is written, starts
+    // its writeback and digests it.
     let (htx, hrx) = mpsc::channel::<Job>();
+    let flushed = ImageWriter {
+        path: path.clone(),
+        file: file.try_clone()?,
+    };
     let hasher = std::thread::Builder::new()
         .name("snapshot-digest".into())
         .spawn(move || {
             let mut sums = StreamSums::new(alg, len);
+            let mut unsynced = Unsynced::default();
             for job in hrx {
                 match job {
                     Job::Pages { first, bytes, .. } => {
+                        let pages = bytes.len() as u64 / PAGE_SIZE;
+                        if let Some((lo, n)) = unsynced.add(first, pages) {
+                            // Best effort: the fsync at the commit reports
+                            // what failed.
+                            if let Err(e) = flushed.start_writeback(lo, n) {
+                                tracing::debug!(
+                                    "early writeback of {}: {e}",
+                                    flushed.path.display()
+                                );
+                            }
+                        }
                         sums.feed(first * PAGE_SIZE, Piece::Bytes(&bytes));
                         BUFFERS.give_back(bytes);
                     }
@@ -219,25 +239,12 @@ pub fn spawn(
         .spawn(move || {
             let image = ImageWriter { path, file };
             let mut report = WriteReport::default();
-            let mut unsynced = Unsynced::default();
             for job in rx {
                 if report.error.is_some() {
                     continue;
                 }
                 let r = match &job {
-                    Job::Pages { first, bytes, .. } => {
-                        let r = write_sparse(&image, fresh, *first, bytes);
-                        if let Some((lo, pages)) =
-                            unsynced.add(*first, bytes.len() as u64 / PAGE_SIZE)
-                        {
-                            // Best effort: the fsync at the commit reports
-                            // what failed.
-                            if let Err(e) = image.start_writeback(lo, pages) {
-                                tracing::debug!("early writeback of {}: {e}", image.path.display());
-                            }
-                        }
-                        r
-                    }
+                    Job::Pages { first, bytes, .. } => write_sparse(&image, fresh, *first, bytes),
                     Job::Punch { first, pages } if !fresh => {
                         image.punch(*first, *pages).map(|()| 0)
                     }
