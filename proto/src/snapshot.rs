@@ -28,7 +28,7 @@ pub enum Algorithm {
     /// Format 2's: several times faster per core than SHA-256.
     Blake3,
     /// What this server writes (format 3): XXH3 with a 128-bit result,
-    /// about ten times faster again than BLAKE3 on this kind of host. The
+    /// ~2.5 times faster again than BLAKE3 on this kind of host. The
     /// checksums guard against torn and corrupted files in a state
     /// directory only the server writes, not against someone forging one:
     /// a non-cryptographic hash with 128 bits misses a random change with

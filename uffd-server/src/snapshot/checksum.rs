@@ -28,7 +28,8 @@ pub const CHUNK_BYTES: u64 = 1 << 20;
 /// ~3.6 times faster than SHA-256 on one core of this kind of host, yet at
 /// ~0.2 ms per MiB it still took as much CPU as reading the pages and
 /// competed with the writer for the second core of a small snapshot;
-/// XXH3-128 takes a few hundredths of a millisecond per MiB. The
+/// XXH3-128 takes under a tenth of a millisecond per MiB (~12 GB/s a
+/// core, built for plain x86-64: SSE2). The
 /// checksums detect torn and damaged files, which a 128-bit
 /// non-cryptographic hash does (see [`Algorithm::Xxh3`]).
 pub const WRITE_ALGORITHM: Algorithm = Algorithm::Xxh3;
