@@ -328,6 +328,44 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
     assert_eq!(s.digest(&y, 0, pages), want);
 }
 
+#[test]
+fn guest_writes_to_pages_still_being_copied_keep_the_snapshot_at_its_moment() {
+    // The writer copies runs of the VM's own pages out of its memory
+    // itself, after the guest has resumed. Held before its first run, it
+    // has the first MiBs queued but not copied when the guest writes them:
+    // each write must save the page's bytes again first, or the copy
+    // would take the guest's new bytes.
+    let Some(s) = server_on_xfs(&["--snapshot-copy-hold-ms", "1500"]) else {
+        return;
+    };
+    let mib = 32;
+    let pages = pages_of(mib);
+    let a = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&a, 0, pages, 1);
+    let want = s.digest(&a, 0, pages);
+    let n = 64;
+    let r = std::thread::scope(|sc| {
+        let writer = sc.spawn(|| {
+            while s.vm(&a).get("snapshot_saving").is_none() {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            s.fill(&a, 0, n, 9);
+        });
+        let r = snapshot(&s, &a, "held", "full");
+        writer.join().unwrap();
+        r
+    });
+    eprintln!("snapshot with its copies held: {r}");
+    assert_eq!(s.verify(&a, 0, n, 9), 0);
+    let x = restore(&s, "held");
+    assert_eq!(
+        s.digest(&x, 0, pages),
+        want,
+        "the snapshot took later bytes"
+    );
+    assert_eq!(r["pages_saved_ahead"], n, "{r}");
+}
+
 /// Start a VM for a crash round: from an earlier snapshot when there is
 /// one (so incremental snapshots have a base), else empty.
 fn crash_round_vm(s: &TestServer, from: Option<&str>) -> String {

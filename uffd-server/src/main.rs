@@ -42,6 +42,11 @@ struct Args {
     /// reflinks fragments; FICLONE and reads cost per extent). 0 = never.
     #[arg(long, default_value_t = 4096)]
     snapshot_rewrite_extents: u64,
+    /// For tests: a snapshot's writer waits this many ms before the first
+    /// run it copies out of guest memory, so that guest writes meet runs
+    /// still in flight. Not for production use.
+    #[arg(long, default_value_t = 0, hide = true)]
+    snapshot_copy_hold_ms: u64,
     /// After serving a VM's page faults, keep polling its uffd for this
     /// long, in µs, before waiting for it in the event loop again: a
     /// thread that faulted usually faults again within microseconds, and
@@ -360,6 +365,7 @@ fn run(args: Args) -> Result<(), StartError> {
         max_vms: args.max_vms.max(1),
         compress_threads: args.zstd_workers.max(1),
         rewrite_extents: args.snapshot_rewrite_extents,
+        snapshot_copy_hold: Duration::from_millis(args.snapshot_copy_hold_ms),
         vmm_pool: args.vmm_pool,
         vmm_pool_memory_mib: args.vmm_pool_memory_mib,
         hugepages: args.hugepages,

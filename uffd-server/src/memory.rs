@@ -208,6 +208,11 @@ impl GuestMemory {
         &self.memfd
     }
 
+    /// The memfd, shared (for a thread of its own to map).
+    pub fn shared_memfd(&self) -> Arc<File> {
+        Arc::clone(&self.memfd)
+    }
+
     /// Size in bytes.
     pub fn size(&self) -> u64 {
         self.size

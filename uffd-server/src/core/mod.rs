@@ -78,6 +78,9 @@ pub struct Settings {
     /// A snapshot image with more extents than this is rewritten
     /// sequentially in the background (0 = never).
     pub rewrite_extents: u64,
+    /// For tests: how long a snapshot's writer waits before the first run
+    /// it copies out of guest memory (`writer::Memory::hold`).
+    pub snapshot_copy_hold: Duration,
     /// VMM processes kept started and connected, waiting for a VM.
     pub vmm_pool: usize,
     /// Guest RAM size (MiB) pooled VMMs prepare their KVM slot for.

@@ -22,8 +22,15 @@
 //!    runs. A write by X to a page not yet saved raises a WP fault (or a
 //!    MISSING one) first, and the fault handler saves that page's pre-write
 //!    bytes before lifting the protection ([`Registry::before_write`]).
-//!    Both run on the core thread, so a page is saved exactly once, with
-//!    the bytes it had at the pause.
+//!    Both run on the core thread, so a page leaves the pending set
+//!    exactly once, with the bytes it had at the pause.
+//!    Runs of X's own pages (4 KiB memory) are not read here: the writer
+//!    thread copies them out of X's memfd itself, later. Until it reports
+//!    a run copied, its pages are in flight: a write to one first saves
+//!    the page's bytes again (still those of the pause, as the page is
+//!    still protected), queued behind the run, so the image ends with
+//!    them whatever the copy took. The saving window closes only once
+//!    every copy is done.
 //! 5. fsync the image, checksum it (chunks written whole were digested as
 //!    they were written; only the others are read back), write
 //!    `state.json`, rename: committed.
@@ -92,6 +99,30 @@ pub struct Saving {
     pub pages_written: u64,
     /// Pages saved by the fault handler ahead of the writer.
     pub saved_before_write: u64,
+    /// Pages queued for the writer to copy out of the VM's memory itself
+    /// and maybe not copied yet: a write to one first saves its bytes
+    /// again, behind the copy ([`Registry::before_write`]).
+    pub in_flight: PageSet,
+    /// Those copy runs, `(number, first, end)`, oldest first.
+    pub copying: std::collections::VecDeque<(u64, u64, u64)>,
+}
+
+impl Saving {
+    /// Forget the copy runs the writer has finished.
+    fn prune_copies(&mut self) {
+        let Some(copied) = self.writer.as_ref().map(WriterHandle::copied) else {
+            return;
+        };
+        while let Some(&(seq, lo, hi)) = self.copying.front() {
+            if seq > copied {
+                break;
+            }
+            for p in lo..hi {
+                self.in_flight.remove(p);
+            }
+            self.copying.pop_front();
+        }
+    }
 }
 
 fn us(t: Instant) -> u64 {
@@ -153,6 +184,45 @@ impl Registry {
             self.save_run(vm, &saving, a, n, None);
             saving.borrow_mut().saved_before_write += n;
         }
+        // A page the writer may still be copying out of the memory: its
+        // bytes now (still protected) go again, behind the copy, whose
+        // bytes may come from after this write.
+        let again: Vec<u64> = {
+            let mut s = saving.borrow_mut();
+            if s.copying.is_empty() || !s.in_flight.any_in(lo, hi) {
+                return;
+            }
+            s.prune_copies();
+            (lo..hi).filter(|p| s.in_flight.contains(*p)).collect()
+        };
+        for p in again {
+            self.save_again(vm, &saving, p);
+        }
+    }
+
+    /// Save page `p` of `vm` once more, from the VM's memory now, behind
+    /// the copy run that holds it; the page leaves the in-flight set (the
+    /// bytes saved now are its bytes at the pause).
+    fn save_again(&self, vm: VmId, saving: &RefCell<Saving>, p: u64) {
+        let Some(v) = self.vms.get(&vm) else {
+            return;
+        };
+        let mut s = saving.borrow_mut();
+        s.in_flight.remove(p);
+        let Some(w) = &s.writer else {
+            return;
+        };
+        let mut buf = w.buffer(shared::geometry::usize_of(PAGE_SIZE));
+        match v.memory.read_pages_at(p, &mut buf) {
+            Ok(()) => {
+                w.pages(p, buf);
+                s.saved_before_write += 1;
+            }
+            Err(e) => {
+                s.error
+                    .get_or_insert(format!("page {p}: {}", shared::error_chain(&e)));
+            }
+        }
     }
 
     /// Save pages `[lo, lo + n)` of `vm` (all pending): read them through
@@ -171,6 +241,9 @@ impl Registry {
             return;
         };
         let mut s = saving.borrow_mut();
+        // A bulk run of the VM's own pages: the writer copies them out of
+        // the memory itself (one copy, off this thread).
+        let bulk = permit.is_some();
         let end = lo + n;
         let mut p = lo;
         while p < end {
@@ -180,7 +253,14 @@ impl Registry {
                 q += 1;
             }
             let cnt = q - p;
-            if let Some(w) = &s.writer {
+            let copy =
+                bulk && src == v.self_src && s.writer.as_ref().is_some_and(WriterHandle::copies);
+            if copy {
+                if let Some(seq) = s.writer.as_ref().map(|w| w.copy(p, cnt, permit.take())) {
+                    s.copying.push_back((seq, p, q));
+                    s.in_flight.insert_range(p, cnt);
+                }
+            } else if let Some(w) = &s.writer {
                 if src == UNINITIALIZED {
                     w.punch(p, cnt);
                 } else {
@@ -351,6 +431,15 @@ impl Core {
     ) -> Result<SnapshotCreated> {
         let plan = self.plan_snapshot(vm, req.mode, tmp)?;
         let plan_us = us(t0);
+        // The writer copies runs of the VM's own pages out of its memory
+        // itself (4 KiB pages; hugetlb memory is read by the core).
+        let memory = self.reg.borrow().vms.get(&vm).and_then(|v| {
+            (v.memory.unit_pages() == 1).then(|| writer::Memory {
+                memfd: v.memory.shared_memfd(),
+                len: v.memory.size(),
+                hold: self.settings.snapshot_copy_hold,
+            })
+        });
         // The writer thread starts before the pause: spawning it is no
         // part of the guest's stop.
         let writer = plan
@@ -363,6 +452,7 @@ impl Core {
                     plan.image.path.clone(),
                     plan.parent.is_none(),
                     checksum::WRITE_ALGORITHM,
+                    memory,
                 )
             })
             .map_err(SnapshotError::io("start writing", &plan.image.path))?;
@@ -739,6 +829,8 @@ impl Core {
             error: None,
             pages_written: 0,
             saved_before_write: 0,
+            in_flight: PageSet::new(pages),
+            copying: Default::default(),
         })));
         Ok(())
     }
@@ -858,6 +950,17 @@ impl Core {
             cursor = hi;
             // Faults and other requests run between runs.
             tokio::task::yield_now().await;
+        }
+        // The window stays open until the writer has copied every run it
+        // copies itself: until then a write to one of its pages must save
+        // that page again.
+        let copies = saving
+            .borrow()
+            .writer
+            .as_ref()
+            .map(|w| w.copies_done_waiter());
+        if let Some(done) = copies {
+            done.await;
         }
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
             v.saving = None;

@@ -206,6 +206,21 @@ impl StreamSums {
         }
     }
 
+    /// Bytes `[at, at + len)` were written but cannot be digested: the
+    /// chunks they touch are left to be read back.
+    pub fn forget(&mut self, at: u64, len: u64) {
+        let end = at.saturating_add(len).min(self.len);
+        if end <= at {
+            return;
+        }
+        for c in at / CHUNK_BYTES..=(end - 1) / CHUNK_BYTES {
+            self.done.remove(&c);
+            if matches!(&self.open, Some((oc, _, _)) if *oc == c) {
+                self.open = None;
+            }
+        }
+    }
+
     /// The digests of the chunks the writes covered whole.
     pub fn finish(self) -> std::collections::BTreeMap<u64, String> {
         self.done

@@ -124,6 +124,46 @@ impl ImageWriter {
             .map_err(SnapshotError::io("write", &self.path))
     }
 
+    /// Write `bytes` (whole pages of memory another process may be
+    /// writing) at `first`'s offset: the kernel copies them straight from
+    /// the mapping, with no buffer between.
+    pub fn write_volatile(&self, first: u64, bytes: &vm_memory::VolatileSlice<'_>) -> Result<()> {
+        let guard = bytes.ptr_guard();
+        let (ptr, len) = (guard.as_ptr(), bytes.len());
+        let mut done = 0;
+        while done < len {
+            let off =
+                libc::off_t::try_from(first * PAGE_SIZE + done as u64).unwrap_or(libc::off_t::MAX);
+            // SAFETY: `[ptr + done, ptr + len)` lies in a live mapping the
+            // guard keeps; the kernel only reads it. Concurrent changes to
+            // those bytes give a torn copy, which the caller re-saves
+            // (`writer::Memory`).
+            let n = unsafe {
+                libc::pwrite(self.file.as_raw_fd(), ptr.add(done).cast(), len - done, off)
+            };
+            match n {
+                n if n > 0 => done += n.unsigned_abs(),
+                0 => {
+                    return Err(SnapshotError::io("write", &self.path)(
+                        std::io::ErrorKind::WriteZero.into(),
+                    ))
+                }
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(SnapshotError::io("write", &self.path)(e));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Read pages from `first` into all of `buf` (whole pages).
+    pub fn read_pages(&self, first: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.file.read_exact_at(buf, first * PAGE_SIZE)
+    }
+
     /// Start writing `[first, first + pages)` back to the disk without
     /// waiting for it, so the fsync that commits the snapshot finds most
     /// of the image already written instead of starting all of it then.
