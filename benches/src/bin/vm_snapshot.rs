@@ -26,6 +26,11 @@
 //!    cold-starting as many empty VMs, 50 at a time; server RSS per clone;
 //!    the same clone on a second server keeping n VMMs ready (`--vmm-pool`).
 //! 5. A chain of 20 dirty snapshots: extents of the last image.
+//! 6. A neighbour's page faults while a snapshot is saved: a fork child of
+//!    a VM (512 MiB; quick: 256 MiB) reads 1,000 of its parent's pages
+//!    (one fault each, served from the parent's memory) while the parent's
+//!    full snapshot is being saved, against the same read with no
+//!    snapshot under way.
 //!
 //! Usage: `vm_snapshot [XFS_DIR] [--quick]`. Prints JSON rows.
 
@@ -656,6 +661,63 @@ fn chain_row(plan: &Plan, s: &TestServer) {
     delete_vm(s, &vm);
 }
 
+/// A fork child's page faults while its parent's full snapshot is saved,
+/// against the same faults with nothing else under way.
+fn neighbour_row(plan: &Plan, s: &TestServer) {
+    let mib = if plan.quick { 256 } else { 512 };
+    let pages = pages_of(mib);
+    let parent = s.create_vm(json!({ "memory_mib": mib }));
+    s.fill(&parent, 0, pages, 1);
+    let (st, f) = s.api("POST", &format!("/v1/vms/{parent}/fork"), Some(json!({})));
+    assert!(st == 201, "fork: {f}");
+    let child = f["children"][0].as_str().expect("a child").to_owned();
+    const READ: u64 = 1000;
+    let (mut alone, mut during, mut overlapped) = (Vec::new(), Vec::new(), 0);
+    for i in 0..plan.reps as u64 {
+        // Each read faults on pages the child has not read before.
+        let t = Instant::now();
+        s.checksum(&child, 2 * i * READ, READ);
+        alone.push(ms(t));
+        let name = format!("bench-neighbour-{i}");
+        std::thread::scope(|sc| {
+            let snap = sc.spawn(|| snapshot(s, &parent, &name, "full"));
+            while s.vm(&parent).get("snapshot_saving").is_none() && !snap.is_finished() {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            let t = Instant::now();
+            s.checksum(&child, (2 * i + 1) * READ, READ);
+            during.push(ms(t));
+            if s.vm(&parent).get("snapshot_saving").is_some() {
+                overlapped += 1;
+            }
+            snap.join().expect("the snapshot thread");
+        });
+        delete_snapshot(s, &name);
+    }
+    Row::new(
+        BENCH,
+        "snap.neighbour_faults",
+        T_RESTORE,
+        &format!(
+            "a fork child faulting on {READ} of its parent's pages while the parent's \
+             {mib} MiB full snapshot is saved"
+        ),
+        "ms",
+        &during,
+        "the same reads with no snapshot under way",
+        &alone,
+    )
+    .goal("report")
+    .note(format!(
+        "the fault path's thread only queues runs of the parent's own pages; the snapshot's \
+         writer copies them out of guest memory; {overlapped} of {} reads ended with the save still under way",
+        plan.reps
+    ))
+    .emit();
+    delete_vm(s, &child);
+    delete_vm(s, &parent);
+}
+
 fn main() -> ExitCode {
     let plan = Plan::from_args();
     let xfs = pagefork_benches::sys::xfs_dir_arg();
@@ -686,6 +748,9 @@ fn main() -> ExitCode {
     let without_pool = runs("clone").then(|| clone_rows(&plan, &s));
     if runs("chain") {
         chain_row(&plan, &s);
+    }
+    if runs("neighbour") {
+        neighbour_row(&plan, &s);
     }
     if let Some(without_pool) = without_pool {
         clone_pool_row(&plan, &without_pool);
