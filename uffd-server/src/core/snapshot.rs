@@ -24,8 +24,9 @@
 //!    bytes before lifting the protection ([`Registry::before_write`]).
 //!    Both run on the core thread, so a page leaves the pending set
 //!    exactly once, with the bytes it had at the pause.
-//!    Runs of X's own pages (4 KiB memory) are not read here: the writer
-//!    thread copies them out of X's memfd itself, later. Until it reports
+//!    In a save of [`COPY_MIN_PAGES`] or more, runs of X's own pages
+//!    (4 KiB memory) are not read here: the writer thread copies them out
+//!    of X's memfd itself, later. Until it reports
 //!    a run copied, its pages are in flight: a write to one first saves
 //!    the page's bytes again (still those of the pause, as the page is
 //!    still protected), queued behind the run, so the image ends with

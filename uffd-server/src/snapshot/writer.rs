@@ -2,13 +2,15 @@
 //! `memory.img` being made, so the core thread (which must never block on
 //! a file, and serves every VM's faults) does as little as it can.
 //!
-//! Runs of pages the VM holds in its own memfd are copied by the writer
-//! itself, straight from a read-only mapping of that memfd into the
-//! image's page cache ([`WriterHandle::copy`], [`Memory`]): one copy, off
-//! the core thread. Pages from elsewhere (a fork parent, an image) and
-//! pages the fault path saves come as bytes the core read
-//! ([`WriterHandle::pages`]). Copied runs are digested from the image,
-//! read back, since the guest may have changed the memory by then.
+//! In a large save, runs of pages the VM holds in its own memfd are
+//! copied by the writer itself, straight from a read-only mapping of that
+//! memfd into the image's page cache ([`WriterHandle::copy`], [`Memory`]):
+//! one copy, off the core thread. Everything else (a small save, where
+//! the core's reads overlapping these writes finish sooner; pages from a
+//! fork parent or an image; pages the fault path saves) comes as bytes
+//! the core read ([`WriterHandle::pages`]). Copied runs are digested from
+//! the image, read back, since the guest may have changed the memory by
+//! then.
 //!
 //! Messages are written in the order they were sent; all-zero pages become
 //! holes. Bulk runs take a permit from a small gate first (at most
