@@ -110,7 +110,10 @@ impl Core {
             self.discard_vms(&[id]);
             return Err(e);
         }
-        info!("{id}: running");
+        match &req.from_snapshot {
+            Some(name) => info!("{id}: running, restored from snapshot {name}"),
+            None => info!("{id}: running"),
+        }
         self.info(id)
     }
 

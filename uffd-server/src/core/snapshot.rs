@@ -53,7 +53,7 @@ use proto::api::{
 use proto::vmm::{Reply, Request};
 use shared::{VmId, PAGE_SIZE};
 use tokio::sync::{oneshot, OwnedSemaphorePermit};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use vm_memory::VolatileSlice;
 
 use super::arm::ArmedAhead;
@@ -1179,7 +1179,8 @@ impl Core {
         vm.volume = volume;
         vm.pooled = pooled;
         reg.vms.insert(id, vm);
-        info!("{id}: restoring from snapshot {name}");
+        // Logged with the start (`create_vm`): one line per VM started.
+        debug!("{id}: restoring from snapshot {name}");
         Ok((id, ready_rx))
     }
 }

@@ -89,27 +89,36 @@ impl PageTable {
     }
 
     /// Set `[start, start + pages)` to `source`: one copy-on-write check
-    /// per chunk and one count update per source replaced, not per page
-    /// (a restore points a whole table at its image this way).
+    /// per chunk and one count update per run of equal entries replaced,
+    /// not per page. Chunks the range covers whole all take one shared
+    /// chunk of `source` instead of a copy each (a restore points a whole
+    /// table at its image this way; the first write to one of them copies
+    /// it, as after a fork).
     pub fn set_range(&mut self, start: u64, pages: u64, source: SourceId) {
         let end = start.saturating_add(pages).min(self.pages);
         let mut p = start;
         let mut replaced: Vec<(SourceId, u64)> = Vec::new();
+        let mut whole: Option<Rc<[SourceId; CHUNK_PAGES]>> = None;
         while p < end {
             let (c, i) = Self::split(p);
             let n = shared::geometry::usize_of((end - p).min((CHUNK_PAGES - i) as u64));
             let slots = &self.chunks[c][i..i + n];
             if slots.iter().any(|s| *s != source) {
-                let chunk = Rc::make_mut(&mut self.chunks[c]);
-                for slot in &mut chunk[i..i + n] {
-                    let old = std::mem::replace(slot, source);
+                for run in slots.chunk_by(|a, b| a == b) {
+                    let (old, k) = (run[0], run.len() as u64);
                     if old == source {
                         continue;
                     }
                     match replaced.iter_mut().find(|(s, _)| *s == old) {
-                        Some((_, k)) => *k += 1,
-                        None => replaced.push((old, 1)),
+                        Some((_, sum)) => *sum += k,
+                        None => replaced.push((old, k)),
                     }
+                }
+                if n == CHUNK_PAGES {
+                    let chunk = whole.get_or_insert_with(|| Rc::new([source; CHUNK_PAGES]));
+                    self.chunks[c] = Rc::clone(chunk);
+                } else {
+                    Rc::make_mut(&mut self.chunks[c])[i..i + n].fill(source);
                 }
             }
             p += n as u64;
@@ -251,8 +260,9 @@ mod tests {
     proptest! {
         #[test]
         fn set_range_matches_setting_each_page(
-            pages in 1u64..5_000,
-            ranges in proptest::collection::vec((0u64..5_000, 0u64..3_000, 0u32..4), 0..20),
+            pages in 1u64..14_000,
+            ranges in proptest::collection::vec((0u64..14_000, 0u64..10_000, 0u32..4), 0..20),
+            writes in proptest::collection::vec((0u64..14_000, 0u32..4), 0..20),
         ) {
             let mut fast = PageTable::new(pages, 0);
             let mut slow = PageTable::new(pages, 0);
@@ -262,6 +272,13 @@ mod tests {
                 for p in *start..start.saturating_add(*n).min(pages) {
                     slow.set(p, *src);
                 }
+            }
+            // Chunks set whole share one allocation: a later write to
+            // one of them changes that page alone.
+            for (p, src) in &writes {
+                let p = p % pages;
+                fast.set(p, *src);
+                slow.set(p, *src);
             }
             for p in 0..pages {
                 prop_assert_eq!(fast.get(p), slow.get(p));
