@@ -188,6 +188,17 @@ struct CopyProgress {
     notify: Notify,
 }
 
+impl CopyProgress {
+    /// Copy jobs finished, or `u64::MAX` once the writer thread is gone
+    /// (nothing queued is still to come).
+    fn copied(&self) -> u64 {
+        if self.gone.load(Ordering::Acquire) {
+            return u64::MAX;
+        }
+        self.copied.load(Ordering::Acquire)
+    }
+}
+
 /// Marks the writer thread gone when it ends, by return or by panic, so
 /// the core never waits on copies that will not come.
 struct Departure(Arc<CopyProgress>);
@@ -552,10 +563,7 @@ impl WriterHandle {
     /// Copy runs finished: every run numbered up to this is in the image
     /// (`u64::MAX` once the writer is gone).
     pub fn copied(&self) -> u64 {
-        if self.progress.gone.load(Ordering::Acquire) {
-            return u64::MAX;
-        }
-        self.progress.copied.load(Ordering::Acquire)
+        self.progress.copied()
     }
 
     /// A future that ends when every copy run queued so far is finished
@@ -566,9 +574,7 @@ impl WriterHandle {
         async move {
             loop {
                 let notified = progress.notify.notified();
-                if progress.gone.load(Ordering::Acquire)
-                    || progress.copied.load(Ordering::Acquire) >= queued
-                {
+                if progress.copied() >= queued {
                     return;
                 }
                 notified.await;
