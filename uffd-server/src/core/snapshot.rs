@@ -571,14 +571,18 @@ impl Core {
         drop(saving);
         let root = self.snapshots.borrow().root().to_owned();
         let tmp = tmp.to_owned();
-        let parent_chunks = state
-            .parent
-            .as_deref()
-            .and_then(|p| self.snapshots.borrow().get(p).ok().cloned())
-            .and_then(|p| p.files.get(crate::snapshot::MEMORY_FILE).cloned())
-            // A parent checksummed with another hash has no digests to lend.
-            .filter(|f| f.algorithm == checksum::WRITE_ALGORITHM)
-            .map(|f| f.chunks);
+        // Only the parent image's chunk digests, not the whole entry.
+        let parent_chunks = state.parent.as_deref().and_then(|p| {
+            let cat = self.snapshots.borrow();
+            cat.get(p)
+                .ok()?
+                .files
+                .get(crate::snapshot::MEMORY_FILE)
+                // A parent checksummed with another hash has no digests
+                // to lend.
+                .filter(|f| f.algorithm == checksum::WRITE_ALGORITHM)
+                .map(|f| f.chunks.clone())
+        });
         let touched = saving_touched;
         let compress = req.compress.then(|| zst::CompressOptions {
             threads: self.settings.compress_threads,
