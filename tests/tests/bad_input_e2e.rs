@@ -18,8 +18,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use pagefork_tests::{
-    bin, expected_digest, open_fds, pages_of, request_within, require_kvm_uffd, require_root,
-    xfs_dir, RandomImage, ScratchXfs, ServerOptions, TestServer,
+    bin, expected_digest, open_fds, pages_of, request_within, require_hugepages, require_kvm_uffd,
+    require_root, xfs_dir, RandomImage, ScratchXfs, ServerOptions, TestServer,
 };
 use serde_json::{json, Value};
 
@@ -507,9 +507,29 @@ fn a_truncated_image_fails_its_vm_instead_of_serving_zeroes() {
     if !require_kvm_uffd() {
         return;
     }
+    truncated_image_fails_its_vm(false);
+}
+
+/// The same on 2 MiB hugetlb guest RAM, whose blocks the server copies
+/// straight out of the image's mapped page cache.
+#[test]
+fn a_truncated_image_fails_its_hugepage_vm_instead_of_serving_zeroes() {
+    if !require_hugepages(4) {
+        return;
+    }
+    truncated_image_fails_its_vm(true);
+}
+
+fn truncated_image_fails_its_vm(hugepages: bool) {
     let s = TestServer::start();
     let image = RandomImage::new(8, 0x7c);
-    let id = image_vm(&s, 8, &image.path());
+    let id = s.create_vm(json!({
+        "memory_mib": 8,
+        "memory_source": image.source(),
+        "fault_around_kib": 0,
+        "readahead_kib": 0,
+        "hugepages": hugepages,
+    }));
     let other = s.create_vm(json!({"memory_mib": 4}));
     assert_eq!(s.digest(&id, 0, 16), expected_digest(&image.bytes, 0, 16));
     image.file.as_file().set_len(16 * 4096).expect("truncate");

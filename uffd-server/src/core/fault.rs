@@ -278,10 +278,7 @@ impl Registry {
         }
         let mode = v.copy_mode();
         let to = v.addr_of(lo) as u64;
-        let res = self.with_block(vm, lo, hi, |bytes| {
-            // SAFETY: `bytes` is the whole block, borrowed for the call.
-            unsafe { uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode) }
-        })?;
+        let res = self.copy_block(vm, lo, hi, uffd, to, mode)?;
         phases::lap(Phase::Install);
         let how = Installed {
             fault: page,
@@ -343,12 +340,7 @@ impl Registry {
                 return;
             }
             let to = v.addr_of(at) as u64;
-            let res = self.with_block(vm, at, end, |bytes| {
-                // SAFETY: `bytes` is the whole block, borrowed for the call.
-                unsafe {
-                    uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode)
-                }
-            });
+            let res = self.copy_block(vm, at, end, uffd, to, mode);
             let Ok(Install::Done | Install::Exists { .. }) = res else {
                 return;
             };
@@ -362,6 +354,85 @@ impl Registry {
                 v.readahead.next = end;
             }
         }
+    }
+
+    /// UFFDIO_COPY the hugetlb block `[lo, hi)` of `vm` to `to`. A block
+    /// that is all data of one image file goes straight from the file's
+    /// page cache ([`crate::pages::FileSource::mapped`]): the `pread`
+    /// into the staging buffer was half the copying of a block. Any
+    /// other block, or one whose copy from the mapping faults (the file
+    /// changed under it), is read into the staging buffer as before,
+    /// which also names what went wrong.
+    fn copy_block(
+        &self,
+        vm: VmId,
+        lo: u64,
+        hi: u64,
+        uffd: &AsyncFd<Uffd>,
+        to: u64,
+        mode: u64,
+    ) -> Result<Install, ResolveError> {
+        if let Some(from) = self.mapped_block(vm, lo, hi)? {
+            phases::lap(Phase::Resolve);
+            let len = (hi - lo) * PAGE_SIZE;
+            // SAFETY: `from` is `len` bytes inside a mapping that the
+            // source (held by the arena, which this borrows) keeps alive
+            // for the call; only the kernel reads it. Mapping the block's
+            // page cache first (best effort) spares the copy its slow
+            // path, which starts again after a fault on its source.
+            let res = unsafe {
+                libc::madvise(
+                    from.cast_mut().cast(),
+                    shared::geometry::usize_of(len),
+                    libc::MADV_POPULATE_READ,
+                );
+                uffd_abi::copy(uffd.get_ref(), from, to, len, mode)
+            };
+            // The copy mapped the block's page cache into this process:
+            // unmap it again, so the server's own memory does not grow by
+            // every image block it serves (the page cache stays).
+            // SAFETY: as above; MADV_DONTNEED on a shared file mapping
+            // only drops page-table entries.
+            unsafe {
+                libc::madvise(
+                    from.cast_mut().cast(),
+                    shared::geometry::usize_of(len),
+                    libc::MADV_DONTNEED,
+                );
+            }
+            if !matches!(res, Install::Failed(uffd_abi::Errno::EFAULT)) {
+                return Ok(res);
+            }
+        }
+        self.with_block(vm, lo, hi, |bytes| {
+            // SAFETY: `bytes` is the whole block, borrowed for the call.
+            unsafe { uffd_abi::copy(uffd.get_ref(), bytes.as_ptr(), to, bytes.len() as u64, mode) }
+        })
+    }
+
+    /// Where block `[lo, hi)` of `vm` lies in its image's mapping, if the
+    /// whole block is data of one `File` or `Image` source inside the
+    /// file's length and the file can be mapped.
+    fn mapped_block(&self, vm: VmId, lo: u64, hi: u64) -> Result<Option<*const u8>, ResolveError> {
+        let v = self.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+        let src = v.table.get(lo);
+        if (lo + 1..hi).any(|p| v.table.get(p) != src) {
+            return Ok(None);
+        }
+        let Some(f) = self.arena.get(src).and_then(|s| s.file()) else {
+            return Ok(None);
+        };
+        if hi * PAGE_SIZE > f.len {
+            return Ok(None);
+        }
+        crate::pages::resolve::check_unchanged(f)?;
+        let Some(map) = f.mapped() else {
+            return Ok(None);
+        };
+        let off = shared::geometry::usize_of(lo * PAGE_SIZE);
+        // SAFETY: `off + (hi - lo) * PAGE_SIZE` is within the file's
+        // length when opened, which is the mapping's size.
+        Ok(Some(unsafe { map.as_ptr().add(off).cast_const() }))
     }
 
     /// Read pages `[lo, hi)` of `vm` as its table describes them (run by

@@ -550,12 +550,7 @@ fn open_image(path: &str, size: u64, settings: &super::Settings) -> Result<FileS
             source,
         })
     })?;
-    Ok(FileSource {
-        path: path.into(),
-        file,
-        len,
-        pin,
-    })
+    Ok(FileSource::new(path.into(), file, len, pin))
 }
 
 impl Core {

@@ -226,12 +226,7 @@ impl Core {
             let mut reg = self.reg.borrow_mut();
             let src = reg.arena.insert(PageSource::Image(ImageSource {
                 snapshot: name.clone(),
-                file: FileSource {
-                    path: path.clone(),
-                    file,
-                    len,
-                    pin,
-                },
+                file: FileSource::new(path.clone(), file, len, pin),
             }));
             let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
             let pages = v.memory.pages();

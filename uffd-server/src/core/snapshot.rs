@@ -1238,12 +1238,7 @@ impl Core {
         );
         let source = PageSource::Image(ImageSource {
             snapshot: name.to_owned(),
-            file: FileSource {
-                path: path.to_owned(),
-                file,
-                len,
-                pin,
-            },
+            file: FileSource::new(path.to_owned(), file, len, pin),
         });
         Ok((source, data))
     }

@@ -172,14 +172,7 @@ pub fn read_pages(
         }
         PageSource::File(f) | PageSource::Image(super::source::ImageSource { file: f, .. }) => {
             let offset = first * PAGE_SIZE;
-            if let crate::images::Pin::Stamp(stamp) = &f.pin {
-                stamp
-                    .check(&f.file)
-                    .map_err(|source| ResolveError::ImageChanged {
-                        path: f.path.clone(),
-                        source,
-                    })?;
-            }
+            check_unchanged(f)?;
             let mut done = 0usize;
             while done < len {
                 let off = libc::off_t::try_from(offset + done as u64).unwrap_or(libc::off_t::MAX);
@@ -249,6 +242,20 @@ pub fn read_pages(
             Ok(())
         }
     }
+}
+
+/// Fail if the client's image `f` changed since it was opened (a private
+/// clone cannot change).
+pub fn check_unchanged(f: &super::FileSource) -> Result<()> {
+    if let crate::images::Pin::Stamp(stamp) = &f.pin {
+        stamp
+            .check(&f.file)
+            .map_err(|source| ResolveError::ImageChanged {
+                path: f.path.clone(),
+                source,
+            })?;
+    }
+    Ok(())
 }
 
 /// A page of zeroes.
@@ -338,12 +345,8 @@ mod tests {
         let mut f = tempfile::tempfile().unwrap();
         let img: Vec<u8> = [1u8, 2, 3].iter().flat_map(|b| [*b; PAGE]).collect();
         f.write_all(&img).unwrap();
-        let src = PageSource::File(FileSource {
-            path: "img".into(),
-            len: img.len() as u64,
-            pin: crate::images::Pin::Stamp(crate::images::Stamp::of(&f).unwrap()),
-            file: f,
-        });
+        let pin = crate::images::Pin::Stamp(crate::images::Stamp::of(&f).unwrap());
+        let src = PageSource::File(FileSource::new("img".into(), f, img.len() as u64, pin));
         let mut buf = vec![0xeeu8; 3 * PAGE];
         read_pages(&src, 1, &VolatileSlice::from(&mut buf[..]), &no_vms).unwrap();
         assert!(buf[..PAGE].iter().all(|b| *b == 2));

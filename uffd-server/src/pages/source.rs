@@ -12,6 +12,8 @@ use std::path::PathBuf;
 use std::rc::Rc;
 
 use shared::VmId;
+use vm_memory::mmap::MmapRegion;
+use vm_memory::FileOffset;
 
 /// Index of a source in the arena; what a table entry stores.
 pub type SourceId = u32;
@@ -30,6 +32,47 @@ pub struct FileSource {
     pub len: u64,
     /// How the file is kept from changing under its readers.
     pub pin: crate::images::Pin,
+    /// The whole file mapped read-only, made at the first 2 MiB block
+    /// installed from it (see [`FileSource::mapped`]).
+    pub map: std::cell::OnceCell<Option<MmapRegion>>,
+}
+
+impl FileSource {
+    /// A source reading `file` (`len` bytes when opened) at `path`.
+    pub fn new(path: PathBuf, file: File, len: u64, pin: crate::images::Pin) -> Self {
+        FileSource {
+            path,
+            file,
+            len,
+            pin,
+            map: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// The file mapped whole (`MAP_SHARED`, read-only), for UFFDIO_COPY to
+    /// take a hugetlb block straight out of the page cache instead of out
+    /// of a buffer `pread` filled first: one copy of 2 MiB instead of two.
+    /// `None` if it cannot be mapped (the caller reads instead).
+    ///
+    /// Only the kernel may read through it: a file truncated under its
+    /// readers makes an access past its end fail, which UFFDIO_COPY
+    /// reports as EFAULT where a read by the server itself would be a
+    /// SIGBUS.
+    pub fn mapped(&self) -> Option<&MmapRegion> {
+        self.map
+            .get_or_init(|| {
+                let len = usize::try_from(self.len).ok().filter(|l| *l > 0)?;
+                let file = self.file.try_clone().ok()?;
+                MmapRegion::build(
+                    Some(FileOffset::new(file, 0)),
+                    len,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED | libc::MAP_NORESERVE,
+                )
+                .ok()
+            })
+            .as_ref()
+    }
 }
 
 /// A snapshot's reflinked `memory.img`, opened read-only.

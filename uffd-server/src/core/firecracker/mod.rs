@@ -165,12 +165,7 @@ impl Core {
                             source,
                         })
                     })?;
-                let source = PageSource::File(FileSource {
-                    path: PathBuf::from(path),
-                    file,
-                    len,
-                    pin,
-                });
+                let source = PageSource::File(FileSource::new(PathBuf::from(path), file, len, pin));
                 Ok((source, len, vec![(0, len / PAGE_SIZE)]))
             }
             MemorySource::Zstd { path } => {
