@@ -343,6 +343,26 @@ impl GuestMemory {
     }
 }
 
+/// Whether the host has no 2 MiB huge page left to give guest RAM: free
+/// pages minus those reserved for other mappings (guest RAM is mapped
+/// without a reservation).
+///
+/// Needed because, on hugetlb memory, a UFFDIO_COPY the kernel cannot
+/// allocate a page for fails with EEXIST, not ENOMEM, once the block's
+/// page table exists (measured on this kernel): taken for "already
+/// there", the block would be marked present and its fault woken forever.
+pub fn hugepages_exhausted() -> bool {
+    let read = |what: &str| {
+        std::fs::read_to_string(format!("/sys/kernel/mm/hugepages/hugepages-2048kB/{what}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    match (read("free_hugepages"), read("resv_hugepages")) {
+        (Some(free), Some(resv)) => free <= resv,
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

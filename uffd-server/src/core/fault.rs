@@ -291,6 +291,11 @@ impl Registry {
                 self.block_ahead(vm, lo, hi, uffd, mode);
                 Ok((lo, hi - lo, true))
             }
+            // No page to put there: the kernel says EEXIST (see
+            // `hugepages_exhausted`).
+            Install::Exists { .. } if crate::memory::hugepages_exhausted() => {
+                Err(ResolveError::HugePagesExhausted { first: lo })
+            }
             // Present already (the kernel installs hugetlb blocks whole).
             Install::Exists { .. } => {
                 self.mark_present(vm, lo, hi - lo, how);
@@ -341,9 +346,11 @@ impl Registry {
             }
             let to = v.addr_of(at) as u64;
             let res = self.copy_block(vm, at, end, uffd, to, mode);
-            let Ok(Install::Done | Install::Exists { .. }) = res else {
-                return;
-            };
+            match res {
+                Ok(Install::Done) => {}
+                Ok(Install::Exists { .. }) if !crate::memory::hugepages_exhausted() => {}
+                _ => return,
+            }
             let how = Installed {
                 fault: lo,
                 by: By::FaultAround,
@@ -811,7 +818,26 @@ impl Registry {
                 .map_err(PreserveError::from)
                 .and_then(|r| r);
             if let Err(e) = done {
-                warn!("{id}: cannot preserve block {lo}..{hi} from {vm}: {e}");
+                let exhausted = matches!(e, PreserveError::AlreadyPresent)
+                    && crate::memory::hugepages_exhausted();
+                if !exhausted {
+                    warn!("{id}: cannot preserve block {lo}..{hi} from {vm}: {e}");
+                    continue;
+                }
+                // The block's pre-write copy has nowhere to go: this VM
+                // can no longer be given its memory as it was. Say so
+                // rather than let it read what `vm` writes next.
+                let reason = format!(
+                    "the block at page {lo} could not be kept when {vm} wrote it: {}",
+                    ResolveError::HugePagesExhausted { first: lo }
+                );
+                if let Some(dep) = self.vms.get_mut(&id) {
+                    if dep.failure.is_none() {
+                        error!("{id}: failed: {reason}");
+                        dep.failure = Some(reason);
+                        dep.state = RunState::Failed;
+                    }
+                }
                 continue;
             }
             if let Some(dep) = self.vms.get_mut(&id) {

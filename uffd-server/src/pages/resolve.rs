@@ -49,6 +49,11 @@ pub enum ResolveError {
     },
     #[error("the destination of pages from {first} is not a whole number of pages")]
     PartialPage { first: u64 },
+    #[error(
+        "no 2 MiB huge page is free for the block at page {first}: the host's hugetlb pool \
+         is used up (raise /proc/sys/vm/nr_hugepages)"
+    )]
+    HugePagesExhausted { first: u64 },
     #[error("cannot access guest memory")]
     Memory(#[from] MemoryError),
     /// Not an error of the page: frames of a compressed image are being
