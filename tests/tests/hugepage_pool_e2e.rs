@@ -8,43 +8,68 @@
 //! after another, and nothing else takes huge pages meanwhile.
 
 use pagefork_tests::{free_hugepages, require_hugepages, TestServer};
-use serde_json::json;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
 
 /// 4 KiB pages per block.
 const BLOCK: u64 = 512;
 
-/// The kernel answers a UFFDIO_COPY it finds no huge page for with EEXIST
-/// (not ENOMEM) once the block's page table exists. Taken for "already
-/// there", the block was marked present and its fault woken again and
-/// again: the guest spun on one page and its request never returned.
+/// Write one page per block of hugepage VM `id` until a write is refused.
+/// Returns the block it failed at and the answer.
+fn write_until_refused(s: &TestServer, id: &str, blocks: u64) -> (u64, Value) {
+    for b in 0..blocks {
+        let (status, v) = s.try_exec(
+            id,
+            json!({"op": "fill", "start_page": b * BLOCK, "pages": 1, "seed": 1}),
+        );
+        if status != 200 {
+            return (b, v);
+        }
+    }
+    panic!(
+        "{id} wrote {blocks} blocks with {} huge pages free: {}",
+        free_hugepages(),
+        s.vm(id)
+    );
+}
+
+/// Wait until the host has `free` huge pages free again.
+fn wait_free(free: u64, after: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while free_hugepages() < free {
+        assert!(
+            Instant::now() < deadline,
+            "{} huge pages free 10 s after {after}, {free} before",
+            free_hugepages()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Both cases in one test: each uses up the whole pool for a moment.
+///
+/// 1. The kernel answers a UFFDIO_COPY it finds no huge page for with
+///    EEXIST (not ENOMEM) once the block's page table exists. Taken for
+///    "already there", the block was marked present and its fault woken
+///    again and again: the guest spun on one page and its request never
+///    returned. Now the VM fails and says why.
+/// 2. A fork child whose pre-write block cannot be kept (no huge page to
+///    copy it into) is marked failed, instead of reading its parent's
+///    write from then on.
 #[test]
-fn a_hugepage_vm_beyond_the_free_pool_fails_clearly_and_others_go_on() {
-    if !require_hugepages(8) {
+fn a_used_up_hugepage_pool_fails_the_vm_that_needs_a_page_and_nobody_else() {
+    if !require_hugepages(16) {
         return;
     }
     let s = TestServer::start();
     let other = s.create_vm(json!({"memory_mib": 4}));
+
+    // 1. A VM larger than the pool touches a block too many.
     let free = free_hugepages();
     let blocks = free + 4;
     let id = s.create_vm(json!({"memory_mib": blocks * 2, "hugepages": true}));
-    // One write per block, until one finds no page.
-    let mut failed = None;
-    for b in 0..blocks {
-        let (status, v) = s.try_exec(
-            &id,
-            json!({"op": "fill", "start_page": b * BLOCK, "pages": 1, "seed": 1}),
-        );
-        if status != 200 {
-            failed = Some((b, v));
-            break;
-        }
-    }
-    let (b, answer) = failed.unwrap_or_else(|| {
-        panic!(
-            "{id} wrote {blocks} blocks with {free} huge pages free: {}",
-            s.vm(&id)
-        )
-    });
+    let (b, answer) = write_until_refused(&s, &id, blocks);
     assert!(
         b >= free.saturating_sub(8),
         "{id} failed at block {b} with {free} huge pages free: {answer}"
@@ -56,19 +81,40 @@ fn a_hugepage_vm_beyond_the_free_pool_fails_clearly_and_others_go_on() {
         failure.contains("huge page") && failure.contains("nr_hugepages"),
         "the failure does not say the pool is used up: {v}"
     );
-    // Everyone else is served as before.
     s.fill(&other, 0, 1024, 3);
     assert_eq!(s.verify(&other, 0, 1024, 3), 0);
-    // Deleting the VM gives its huge pages back.
     let (st, body) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
     assert!(st < 300, "DELETE {id}: {body}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while free_hugepages() < free {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} huge pages free 10 s after deleting {id}, {free} before it",
-            free_hugepages()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
+    wait_free(free, &format!("deleting {id}"));
+
+    // 2. A parent writes a block its child still reads, with no page left
+    //    for the child's copy.
+    let parent = s.create_vm(json!({"memory_mib": 8, "hugepages": true}));
+    s.fill(&parent, 0, 4 * BLOCK, 1);
+    let (st, v) = s.api("POST", &format!("/v1/vms/{parent}/fork"), None);
+    assert_eq!(st, 201, "fork: {v}");
+    let child = v["children"][0].as_str().expect("a child").to_owned();
+    let free = free_hugepages();
+    let hog = s.create_vm(json!({"memory_mib": (free + 4) * 2, "hugepages": true}));
+    let _ = write_until_refused(&s, &hog, free + 4);
+    s.fill(&parent, 0, 1, 2);
+    let v = s.vm(&child);
+    assert_eq!(
+        v["state"], "failed",
+        "{child} still runs on a block it lost: {v}"
+    );
+    let failure = v["failure"].as_str().unwrap_or_default();
+    assert!(
+        failure.contains("could not be kept") && failure.contains("nr_hugepages"),
+        "the child's failure does not say why: {v}"
+    );
+    // The parent wrote, and keeps its memory; everyone else goes on.
+    assert_eq!(s.verify(&parent, 0, 1, 2), 0);
+    assert_eq!(s.verify(&parent, 1, 4 * BLOCK - 1, 1), 0);
+    s.fill(&other, 0, 1024, 4);
+    assert_eq!(s.verify(&other, 0, 1024, 4), 0);
+    for id in [&hog, &child, &parent] {
+        let (st, body) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
+        assert!(st < 300, "DELETE {id}: {body}");
     }
 }

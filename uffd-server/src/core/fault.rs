@@ -818,19 +818,16 @@ impl Registry {
                 .map_err(PreserveError::from)
                 .and_then(|r| r);
             if let Err(e) = done {
-                let exhausted = matches!(e, PreserveError::AlreadyPresent)
-                    && crate::memory::hugepages_exhausted();
-                if !exhausted {
-                    warn!("{id}: cannot preserve block {lo}..{hi} from {vm}: {e}");
-                    continue;
-                }
                 // The block's pre-write copy has nowhere to go: this VM
                 // can no longer be given its memory as it was. Say so
                 // rather than let it read what `vm` writes next.
-                let reason = format!(
-                    "the block at page {lo} could not be kept when {vm} wrote it: {}",
-                    ResolveError::HugePagesExhausted { first: lo }
-                );
+                let why = if crate::memory::hugepages_exhausted() {
+                    ResolveError::HugePagesExhausted { first: lo }.to_string()
+                } else {
+                    shared::error_chain(&e)
+                };
+                let reason =
+                    format!("its block at page {lo} could not be kept when {vm} wrote it: {why}");
                 if let Some(dep) = self.vms.get_mut(&id) {
                     if dep.failure.is_none() {
                         error!("{id}: failed: {reason}");
