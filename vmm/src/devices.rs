@@ -76,9 +76,9 @@ impl Devices {
 /// agent with another mailbox layout and code, which this VMM cannot resume.
 const DEVICE_STATE_V2: u32 = 2;
 /// The private pages that hold agent state: mailbox, a reserved page, stack.
-const STATE_START: u64 = MAILBOX;
+pub const STATE_START: u64 = MAILBOX;
 const STATE_END: u64 = STACK_TOP;
-const STATE_LEN: usize = 0x4000;
+pub const STATE_LEN: usize = 0x4000;
 const _: () = assert!(STATE_END - STATE_START == STATE_LEN as u64);
 const HEADER: usize = 4;
 

@@ -18,13 +18,6 @@ use crate::memory::GuestRam;
 /// Callback that receives a request's answer.
 pub type ReplyFn = Box<dyn FnOnce(Result<Reply, RequestError>) + Send>;
 
-/// Errors of starting the dispatcher.
-#[derive(Debug, thiserror::Error)]
-pub enum OpsError {
-    #[error("cannot start the digest worker thread")]
-    SpawnWorker(#[source] std::io::Error),
-}
-
 /// Whether the caller should keep serving requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flow {
@@ -37,7 +30,11 @@ type HostJob = (u64, u64, Instant, ReplyFn);
 /// Dispatches server requests to the VM.
 pub struct Dispatcher {
     machine: Machine,
-    digests: mpsc::Sender<HostJob>,
+    /// The digest worker's queue, made with the worker at the first
+    /// digest: most VMs never ask for one, and a thread started with the
+    /// machine competed with vCPU 0's first run for the host's CPUs and
+    /// kept its own pages in every VMM.
+    digests: std::sync::Mutex<Option<mpsc::Sender<HostJob>>>,
     /// Serves `Request::Discard` (server mode only).
     discarder: Option<crate::uffd::Discarder>,
 }
@@ -139,18 +136,29 @@ pub fn encode(op: &GuestOp) -> Option<(u32, [u64; 4])> {
 
 impl Dispatcher {
     /// Dispatcher over a started VM.
-    pub fn new(machine: Machine) -> Result<Self, OpsError> {
-        let (tx, rx) = mpsc::channel();
-        let mem = machine.memory().clone();
-        std::thread::Builder::new()
-            .name("digest".into())
-            .spawn(move || digest_worker(mem, rx))
-            .map_err(OpsError::SpawnWorker)?;
-        Ok(Dispatcher {
+    pub fn new(machine: Machine) -> Self {
+        Dispatcher {
             machine,
-            digests: tx,
+            digests: std::sync::Mutex::new(None),
             discarder: None,
-        })
+        }
+    }
+
+    /// The digest worker's queue; the worker starts on first use.
+    fn digest_queue(&self) -> Option<mpsc::Sender<HostJob>> {
+        let mut queue = self.digests.lock().unwrap_or_else(|e| e.into_inner());
+        if queue.is_none() {
+            let (tx, rx) = mpsc::channel();
+            let mem = self.machine.memory().clone();
+            match std::thread::Builder::new()
+                .name("digest".into())
+                .spawn(move || digest_worker(mem, rx))
+            {
+                Ok(_) => *queue = Some(tx),
+                Err(e) => tracing::error!(error = %e, "cannot start the digest worker thread"),
+            }
+        }
+        queue.clone()
     }
 
     /// Run one op; `reply` gets its result.
@@ -160,13 +168,16 @@ impl Dispatcher {
             return reply(Err(e));
         }
         match (op, encode(&op)) {
-            (GuestOp::Digest { start_page, pages }, _) => {
-                if let Err(mpsc::SendError((_, _, _, reply))) =
-                    self.digests.send((start_page, pages, t0, reply))
-                {
-                    reply(Err(RequestError::WorkerGone("digest".into())));
+            (GuestOp::Digest { start_page, pages }, _) => match self.digest_queue() {
+                Some(queue) => {
+                    if let Err(mpsc::SendError((_, _, _, reply))) =
+                        queue.send((start_page, pages, t0, reply))
+                    {
+                        reply(Err(RequestError::WorkerGone("digest".into())));
+                    }
                 }
-            }
+                None => reply(Err(RequestError::WorkerGone("digest".into()))),
+            },
             (_, Some((opcode, args))) => self.machine.queue(Job {
                 opcode,
                 args,

@@ -20,7 +20,7 @@ use proto::vmm::{ServerMsg, VmmMsg};
 use crate::connection::{Connection, ConnectionError};
 use crate::devices::Disk;
 use crate::kvm::{FirstVcpu, Machine, MachineConfig, Prewarmed, VcpuEvent};
-use crate::memory::GuestRam;
+use crate::memory::{GuestRam, RamMapping};
 use crate::ops::{Dispatcher, Flow};
 use crate::uffd::Discarder;
 use crate::{uffd, Error, Result};
@@ -79,7 +79,17 @@ pub fn run(
     let pre = Prewarmed::new(1, ram_hint, ram_file.as_ref(), true, pooled)?;
     // Mapped: the file itself is not needed any more.
     drop(ram_file);
-    let guest_uffd = uffd::create()?;
+    let mut guest_uffd = uffd::create()?;
+    // Guest RAM mapped ahead is registered now too, off the start's path
+    // (UFFDIO_REGISTER of 256 MiB took ~0.02 ms here). Nothing touches
+    // guest RAM before the server holds the uffd: the vCPU's warm-up run
+    // above stays in the private region.
+    if let Some(r) = pre.ram().filter(|r| r.file.is_some()) {
+        let len = usize::try_from(r.size).unwrap_or(usize::MAX);
+        if let Err(e) = guest_uffd.register_ahead(r.host as *mut u8, len) {
+            tracing::debug!(error = %crate::error_chain(&e), "guest RAM is registered at the Welcome instead");
+        }
+    }
     let control = Control::spawn()?;
     release_free_heap();
     let (conn, welcome) = Connection::connect(socket, token)?;
@@ -157,7 +167,7 @@ impl Control {
 
 /// Serve requests for `machine` over `conn` until stopped.
 fn control(conn: &Arc<Connection>, machine: Machine, discarder: Option<Discarder>) -> Result<()> {
-    let mut dispatcher = Dispatcher::new(machine)?;
+    let mut dispatcher = Dispatcher::new(machine);
     if let Some(d) = discarder {
         dispatcher = dispatcher.with_discarder(d);
     }
@@ -192,12 +202,13 @@ fn setup(
         None => None,
     };
     let mem = Arc::new(GuestRam::from_memfds(&config.regions, fds, pre.ram())?);
-    tracing::info!(
-        features = format_args!("{:#x}", guest_uffd.features),
-        "userfaultfd created"
-    );
     for (addr, len) in mem.ram_host_ranges() {
-        guest_uffd.register(addr, len)?;
+        // The mapping made ahead and registered before the hello is the
+        // one guest RAM uses; any other mapping is new and unregistered.
+        let ahead = mem.mapping == RamMapping::Ahead && guest_uffd.registered_ahead(addr, len);
+        if !ahead {
+            guest_uffd.register(addr, len)?;
+        }
     }
     // Without it, a rollback punches its pages out of the memfd instead.
     let discarder = match guest_uffd.discarder(mem.ram_host_ranges()) {
@@ -217,6 +228,7 @@ fn setup(
     let events_conn = conn.clone();
     let announced = Arc::new(AtomicBool::new(false));
     let (regions, vcpus, ram) = (config.regions.len(), config.vcpus, mem.mapping);
+    let features = guest_uffd.features;
     let events = Arc::new(move |e| match e {
         VcpuEvent::Ready => {
             if !announced.swap(true, Ordering::SeqCst) {
@@ -230,6 +242,7 @@ fn setup(
                     regions,
                     vcpus,
                     ?ram,
+                    uffd_features = format_args!("{features:#x}"),
                     "welcomed by the server; running"
                 );
             }

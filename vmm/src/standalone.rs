@@ -79,7 +79,7 @@ impl Session {
             }
         }
         println!("{}", json!({"event": "Running"}));
-        Ok(Dispatcher::new(machine)?)
+        Ok(Dispatcher::new(machine))
     }
 
     fn reply_fn(&self, step: usize) -> crate::ops::ReplyFn {

@@ -54,6 +54,8 @@ pub struct GuestUffd {
     pub uffd: Uffd,
     /// Features the kernel granted.
     pub features: u64,
+    /// The range [`GuestUffd::register_ahead`] registered.
+    ahead: Option<(usize, usize)>,
 }
 
 /// Create the uffd, trying the feature ladder until the kernel agrees.
@@ -74,7 +76,11 @@ pub fn create() -> Result<GuestUffd> {
                         "userfaultfd: reduced feature set"
                     );
                 }
-                return Ok(GuestUffd { uffd, features });
+                return Ok(GuestUffd {
+                    uffd,
+                    features,
+                    ahead: None,
+                });
             }
             Err(e) => {
                 tracing::debug!(features = format_args!("{features:#x}"), error = %e, "UFFDIO_API refused");
@@ -92,6 +98,22 @@ impl GuestUffd {
     /// write-protect shmem.
     pub fn register(&self, addr: *mut u8, len: usize) -> Result<()> {
         register(&self.uffd, self.features, addr, len, false)
+    }
+
+    /// Register guest RAM mapped before the Welcome (a pooled VMM's),
+    /// and remember it: [`Self::registered_ahead`] then tells the start
+    /// that this mapping needs no registration.
+    pub fn register_ahead(&mut self, addr: *mut u8, len: usize) -> Result<()> {
+        self.register(addr, len)?;
+        self.ahead = Some((addr as usize, len));
+        Ok(())
+    }
+
+    /// Whether `[addr, addr + len)` is the range [`Self::register_ahead`]
+    /// registered. Only the same mapping is still registered: a new one
+    /// at the same address (MAP_FIXED) is not.
+    pub fn registered_ahead(&self, addr: *mut u8, len: usize) -> bool {
+        self.ahead == Some((addr as usize, len))
     }
 
     /// What [`Discarder::discard`] needs: a handle on this uffd (a copy of

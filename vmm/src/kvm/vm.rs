@@ -197,6 +197,31 @@ pub struct Prewarmed {
     first_here: bool,
 }
 
+/// Give the private region at `host` its own copies of the agent's state
+/// pages now. The region maps the fixed content copy-on-write from the
+/// executable; loading a VM's device state writes those pages, and copying
+/// them there cost ~0.015 ms of a pooled start. Every start writes them,
+/// so a pooled VMM holds no more memory once started. Only a speed-up: a
+/// kernel without MADV_POPULATE_WRITE copies them at the start as before.
+fn own_state_pages(host: u64) {
+    let at = host + (devices::STATE_START - layout::PRIV_BASE);
+    // SAFETY: the state pages lie inside the private region, a live
+    // read-write mapping of this process; populating writes no byte.
+    let r = unsafe {
+        libc::madvise(
+            at as *mut c_void,
+            devices::STATE_LEN,
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    if r != 0 {
+        tracing::debug!(
+            "cannot populate the agent's state pages ahead: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// A thread started ahead for a vCPU, which runs it once it arrives.
 struct Waiting {
     handle: JoinHandle<()>,
@@ -272,6 +297,7 @@ impl Prewarmed {
             }?;
             pre.private = Some(host);
             if pooled {
+                own_state_pages(host);
                 pre.warm_up_first_vcpu();
             }
         }
