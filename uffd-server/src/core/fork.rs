@@ -29,7 +29,7 @@ use proto::api::{ForkPhases, ForkResponse, MAX_FORK_COUNT};
 use proto::vmm::{Reply, Request};
 use shared::VmId;
 use tokio::sync::oneshot;
-use tracing::{info, warn};
+use tracing::warn;
 
 use super::vm::{RunState, Vm, VmParts};
 use super::{Core, Error, Result};
@@ -251,7 +251,9 @@ impl Core {
                 return Err(e);
             }
         }
-        info!("{parent}: forked into {ids:?} (pause {pause_us} us, table fork {fork_us} us)");
+        self.log_after_answer(format!(
+            "{parent}: forked into {ids:?} (pause {pause_us} us, table fork {fork_us} us)"
+        ));
         Ok(ForkResponse {
             parent: parent.to_string(),
             children: ids.iter().map(ToString::to_string).collect(),

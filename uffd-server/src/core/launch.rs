@@ -110,10 +110,10 @@ impl Core {
             self.discard_vms(&[id]);
             return Err(e);
         }
-        match &req.from_snapshot {
-            Some(name) => info!("{id}: running, restored from snapshot {name}"),
-            None => info!("{id}: running"),
-        }
+        self.log_after_answer(match &req.from_snapshot {
+            Some(name) => format!("{id}: running, restored from snapshot {name}"),
+            None => format!("{id}: running"),
+        });
         self.info(id)
     }
 
