@@ -768,12 +768,21 @@ impl Registry {
             return self.preserve_block(vm, src, page);
         }
         let mut given = 0;
+        let mut lost = Vec::new();
         for (id, dep) in self.vms.iter_mut() {
-            if *id == vm || dep.table.get(page) != src {
+            // A VM failed for a copy it lost has everything it read from
+            // `vm` poisoned (see `fail_dependent`).
+            if *id == vm || dep.failure.is_some() || dep.table.get(page) != src {
                 continue;
             }
             if let Err(e) = install_copy(dep, &mem, page) {
-                warn!("{id}: cannot preserve page {page} from {vm}: {e}");
+                lost.push((
+                    *id,
+                    format!(
+                        "its page {page} could not be kept when {vm} wrote it: {}",
+                        shared::error_chain(&e)
+                    ),
+                ));
                 continue;
             }
             let me = dep.self_src;
@@ -782,11 +791,43 @@ impl Registry {
             dep.log.installed_run(page, 1, page, By::WpCopy, src);
             given += 1;
         }
+        for (id, reason) in lost {
+            self.fail_dependent(id, src, reason);
+        }
         self.installed += given;
         if let Some(v) = self.vms.get_mut(&vm) {
             v.stats.wp_copies += given;
         }
         given
+    }
+
+    /// A page's pre-write copy had nowhere to go in `id`: it can no longer
+    /// be given its memory as it was. Fail it, saying why, rather than let
+    /// it read what the VM it shared the page with writes next: every page
+    /// it still reads from that VM (`src`) is poisoned, so an access to one
+    /// ends its VMM instead of fetching the new bytes (as for a page that
+    /// cannot be served), and later writes of that VM skip it.
+    fn fail_dependent(&mut self, id: VmId, src: SourceId, reason: String) {
+        let Some(dep) = self.vms.get_mut(&id) else {
+            return;
+        };
+        if dep.failure.is_some() {
+            return;
+        }
+        error!("{id}: failed: {reason}");
+        dep.failure = Some(reason);
+        dep.state = RunState::Failed;
+        let Some(uffd) = dep.uffd.clone() else {
+            return;
+        };
+        for (first, n) in dep.table.ranges_of(src) {
+            let (lo, hi) = dep.memory.unit_range(first, first + n);
+            let len = (hi - lo) * PAGE_SIZE;
+            match uffd_abi::poison(uffd.get_ref(), dep.addr_of(lo) as u64, len) {
+                Install::Done | Install::Gone => {}
+                other => warn!("{id}: cannot poison pages {lo}..{hi}: {other:?}"),
+            }
+        }
     }
 
     /// [`Self::preserve_for_dependents`] on hugetlb: every VM that reads a
@@ -804,7 +845,9 @@ impl Registry {
         let deps: Vec<VmId> = self
             .vms
             .iter()
-            .filter(|(id, d)| **id != vm && (lo..hi).any(|p| d.table.get(p) == src))
+            .filter(|(id, d)| {
+                **id != vm && d.failure.is_none() && (lo..hi).any(|p| d.table.get(p) == src)
+            })
             .map(|(id, _)| *id)
             .collect();
         let mut given = 0;
@@ -818,23 +861,16 @@ impl Registry {
                 .map_err(PreserveError::from)
                 .and_then(|r| r);
             if let Err(e) = done {
-                // The block's pre-write copy has nowhere to go: this VM
-                // can no longer be given its memory as it was. Say so
-                // rather than let it read what `vm` writes next.
                 let why = if crate::memory::hugepages_exhausted() {
                     ResolveError::HugePagesExhausted { first: lo }.to_string()
                 } else {
                     shared::error_chain(&e)
                 };
-                let reason =
-                    format!("its block at page {lo} could not be kept when {vm} wrote it: {why}");
-                if let Some(dep) = self.vms.get_mut(&id) {
-                    if dep.failure.is_none() {
-                        error!("{id}: failed: {reason}");
-                        dep.failure = Some(reason);
-                        dep.state = RunState::Failed;
-                    }
-                }
+                self.fail_dependent(
+                    id,
+                    src,
+                    format!("its block at page {lo} could not be kept when {vm} wrote it: {why}"),
+                );
                 continue;
             }
             if let Some(dep) = self.vms.get_mut(&id) {
