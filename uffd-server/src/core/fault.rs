@@ -770,9 +770,9 @@ impl Registry {
         let mut given = 0;
         let mut lost = Vec::new();
         for (id, dep) in self.vms.iter_mut() {
-            // A VM failed for a copy it lost has everything it read from
+            // A VM that lost a copy from `vm` has everything it read from
             // `vm` poisoned (see `fail_dependent`).
-            if *id == vm || dep.failure.is_some() || dep.table.get(page) != src {
+            if *id == vm || dep.lost_from.contains(&src) || dep.table.get(page) != src {
                 continue;
             }
             if let Err(e) = install_copy(dep, &mem, page) {
@@ -811,12 +811,17 @@ impl Registry {
         let Some(dep) = self.vms.get_mut(&id) else {
             return;
         };
-        if dep.failure.is_some() {
+        if dep.lost_from.contains(&src) {
             return;
         }
-        error!("{id}: failed: {reason}");
-        dep.failure = Some(reason);
-        dep.state = RunState::Failed;
+        dep.lost_from.push(src);
+        if dep.failure.is_none() {
+            error!("{id}: failed: {reason}");
+            dep.failure = Some(reason);
+            dep.state = RunState::Failed;
+        } else {
+            warn!("{id}: {reason}");
+        }
         let Some(uffd) = dep.uffd.clone() else {
             return;
         };
@@ -846,7 +851,7 @@ impl Registry {
             .vms
             .iter()
             .filter(|(id, d)| {
-                **id != vm && d.failure.is_none() && (lo..hi).any(|p| d.table.get(p) == src)
+                **id != vm && !d.lost_from.contains(&src) && (lo..hi).any(|p| d.table.get(p) == src)
             })
             .map(|(id, _)| *id)
             .collect();

@@ -102,6 +102,9 @@ pub struct Vm {
     pub exit_reason: Option<String>,
     /// Why the VM failed (state `Failed`).
     pub failure: Option<String>,
+    /// VMs (their sources) this VM lost a pre-write copy from: every page
+    /// it read from them is poisoned, and their writes skip it.
+    pub lost_from: Vec<SourceId>,
     /// Pages installed around a file-backed fault, at most.
     pub fault_around_pages: u64,
     pub readahead: Readahead,
@@ -241,6 +244,7 @@ impl Vm {
             ready: Some(p.ready),
             exit_reason: None,
             failure: None,
+            lost_from: Vec::new(),
             fault_around_pages: p.fault_around_pages,
             readahead: Readahead {
                 next: u64::MAX,
