@@ -13,7 +13,10 @@
 //!      checksum, commit) against one sequential write + fsync of the same
 //!      bytes into a file on the same filesystem (the note adds the
 //!      XXH3-128 checksum the format requires, timed in-process, and
-//!      BLAKE3 beside it: format 2's hash);
+//!      BLAKE3 beside it: format 2's hash; and two floors with nothing of
+//!      the server: FICLONE of the parent image, the write and the fsync,
+//!      and the same with the bytes read out of a memfd first, as a
+//!      snapshot reads them out of guest memory);
 //!    - bytes written against the dirty bytes.
 //! 2. Restore: `POST /v1/vms {from_snapshot}` until the guest answers
 //!    `identity`, for 256 MiB, 1 GiB and 4 GiB (quick: 256 MiB, 1 GiB),
@@ -110,6 +113,73 @@ fn timed_write_fsync(dir: &std::path::Path, bytes: u64, clone_of: Option<&std::p
     took
 }
 
+/// Guest-like memory for the floor that reads what it writes out of
+/// memory, as a snapshot does: a memfd as large as the VM's RAM, whose
+/// pages the floor rewrites (untimed) before it reads them, as the guest
+/// rewrites its pages before each snapshot.
+struct GuestLike {
+    memfd: std::fs::File,
+}
+
+impl GuestLike {
+    fn new(mib: u64) -> GuestLike {
+        let memfd = memfd::MemfdOptions::default()
+            .create("pagefork-bench-guest")
+            .expect("memfd for the read floor")
+            .into_file();
+        memfd
+            .set_len(mib << 20)
+            .expect("size the read floor's memfd");
+        GuestLike { memfd }
+    }
+
+    /// What a dirty snapshot asks of the filesystem and of memory, with
+    /// nothing of the server: the first `bytes` of this memory rewritten
+    /// with `stamp` (untimed), then, timed: FICLONE of `image` into a new
+    /// file in `dir`, the bytes read out of the memfd with `pread` into
+    /// one reused 1 MiB buffer and written at the same offsets, fsync. On
+    /// one thread (the server reads and writes on two). In ms.
+    fn reflink_read_write_fsync(
+        &self,
+        image: &std::path::Path,
+        dir: &std::path::Path,
+        bytes: u64,
+        stamp: u8,
+    ) -> f64 {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![stamp; 1 << 20];
+        let mut at = 0;
+        while at < bytes {
+            let k = (bytes - at).min(buf.len() as u64);
+            let k = usize::try_from(k).unwrap_or(0);
+            self.memfd
+                .write_all_at(&buf[..k], at)
+                .expect("fill the read floor's memfd");
+            at += k as u64;
+        }
+        buf.fill(0);
+        let path = dir.join(format!("pagefork-bench-read-{}", std::process::id()));
+        let src = std::fs::File::open(image).expect("the parent snapshot's image");
+        let t = Instant::now();
+        let f = create_file(&path);
+        uffd_server::volume::ficlone(&f, &src).expect("FICLONE of the parent image");
+        let mut at = 0;
+        while at < bytes {
+            let k = usize::try_from((bytes - at).min(buf.len() as u64)).unwrap_or(0);
+            self.memfd
+                .read_exact_at(&mut buf[..k], at)
+                .expect("read the memfd");
+            f.write_all_at(&buf[..k], at).expect("write");
+            at += k as u64;
+        }
+        f.sync_all().expect("fsync");
+        let took = ms(t);
+        drop(f);
+        let _ = std::fs::remove_file(&path);
+        took
+    }
+}
+
 /// Write `bytes` into a scratch file in `dir` and delete it, untimed: the
 /// page cache then holds that many pages freed a moment ago. This host
 /// hands memory the kernel has kept free for a few seconds back to its
@@ -180,6 +250,7 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
     let vm = s.create_vm(json!({ "memory_mib": mib }));
     s.fill(&vm, 0, pages, 1);
     snapshot(s, &vm, "bench-base", "full");
+    let guest = GuestLike::new(mib);
     let mut last = "bench-base".to_owned();
     // The pause's fixed cost: dirty snapshots of a VM that wrote nothing
     // since the last one (capture and resume, nothing to protect).
@@ -194,8 +265,14 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
     for pct in [1u64, 10, 50, 100] {
         let dirty = pages * pct / 100;
         let (mut pause, mut total, mut written) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut floor, mut seq, mut sum, mut b3, mut cow) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut floor, mut seq, mut sum, mut b3, mut cow, mut read) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
         let (mut ahead, mut in_wp, mut in_capture, mut in_resume) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut after: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
@@ -240,6 +317,13 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
                 .join(&name)
                 .join("memory.img");
             cow.push(reflink_write_fsync(&image, xfs, dirty * 4096));
+            recycle_page_cache(xfs, dirty * 4096);
+            read.push(guest.reflink_read_write_fsync(
+                &image,
+                xfs,
+                dirty * 4096,
+                u8::try_from(rep % 250).unwrap_or(0) + 1,
+            ));
             last = name;
             floor.push(wp.measure().map_or(f64::NAN, |d| d.as_secs_f64() * 1e6));
             seq.push(sequential_write_fsync(xfs, dirty * 4096));
@@ -287,7 +371,10 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
              moment before); before the pause (medians): {}; after the pause \
              (medians): {}; the checksum alone, in-process on every core: {:.1} ms (BLAKE3, format 2's: \
              {:.1} ms) (total / (write + fsync + checksum) = {:.2}); what the filesystem alone takes for it, \
-             FICLONE of the parent image + the same write + fsync into the clone: {:.1} ms (total / that = {:.2})",
+             FICLONE of the parent image + the same write + fsync into the clone: {:.1} ms (total / that = {:.2}); \
+             the same with the bytes read out of a memfd first, as the snapshot reads guest memory (pread into one \
+             reused 1 MiB buffer, then the write, on one thread): {:.1} ms (that / baseline = {:.2}, total / that = \
+             {:.2})",
             before
                 .iter()
                 .map(|(k, v)| format!("{k} {:.2} ms", med(v)))
@@ -302,7 +389,10 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
             med(&b3),
             med(&total) / (med(&seq) + med(&sum)),
             med(&cow),
-            med(&total) / med(&cow)
+            med(&total) / med(&cow),
+            med(&read),
+            med(&read) / med(&seq),
+            med(&total) / med(&read)
         ))
         .emit();
         let dirty_bytes = vec![(dirty * 4096) as f64; written.len()];
