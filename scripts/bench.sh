@@ -113,6 +113,7 @@ fi
 
 run fc_restore "${QUICK_ARG[@]}"
 run zstd_image "${QUICK_ARG[@]}"
+run minor_fault "${QUICK_ARG[@]}"
 
 COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if ! git diff --quiet HEAD 2>/dev/null; then

@@ -1,6 +1,7 @@
 //! Owned memory mappings for the in-process baselines: a shared memfd (as
-//! pagefork's guest RAM), anonymous private memory (as Firecracker's guest
-//! RAM) and a private read-only file mapping (as Firecracker's example
+//! pagefork's guest RAM), a private read-write mapping of a memfd (guest
+//! RAM over a shared base), anonymous private memory (as Firecracker's
+//! guest RAM) and a private read-only file mapping (as Firecracker's example
 //! handler maps the snapshot file). Unmapped on drop.
 
 use std::fs::File;
@@ -29,6 +30,8 @@ pub enum MappingError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot duplicate the base memfd's descriptor")]
+    DupBase(#[source] io::Error),
     #[error("cannot map {len} bytes")]
     Map {
         len: usize,
@@ -81,6 +84,24 @@ impl Mapping {
             memfd::MemfdOptions::default().hugetlb(Some(memfd::HugetlbSize::Huge2MB)),
             libc::MAP_SHARED | libc::MAP_NORESERVE,
         )
+    }
+
+    /// The first `len` bytes of the memfd `base` mapped MAP_PRIVATE
+    /// read-write: reads see the base's pages, writes copy them into
+    /// private anonymous pages. Keeps its own handle on `base`.
+    pub fn private_memfd(base: &File, len: usize) -> Result<Mapping> {
+        let file = base.try_clone().map_err(MappingError::DupBase)?;
+        let ptr = mmap(
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE,
+            file.as_raw_fd(),
+        )?;
+        Ok(Mapping {
+            ptr,
+            len,
+            _file: Some(file),
+        })
     }
 
     fn memfd(len: usize, options: memfd::MemfdOptions, flags: libc::c_int) -> Result<Mapping> {

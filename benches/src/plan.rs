@@ -30,6 +30,8 @@ pub struct Plan {
     pub restore_mib: Vec<u64>,
     /// Clones of one clone request.
     pub clone_count: u32,
+    /// Memory each mode of the fault-cost bench touches, MiB.
+    pub minor_mib: u64,
 }
 
 impl Plan {
@@ -45,6 +47,7 @@ impl Plan {
                 snap_mib: 256,
                 restore_mib: vec![256, 1024],
                 clone_count: 10,
+                minor_mib: 8,
             }
         } else {
             Plan {
@@ -56,6 +59,7 @@ impl Plan {
                 snap_mib: 1024,
                 restore_mib: vec![256, 1024, 4096],
                 clone_count: 100,
+                minor_mib: 64,
             }
         }
     }
@@ -181,13 +185,23 @@ impl Plan {
             ]
             .map(|m| format!("pool.{m}"))
             .to_vec(),
+            "minor_fault" => [
+                "continue",
+                "copy_private",
+                "continue16",
+                "continue512",
+                "continue_write",
+                "ioctl",
+            ]
+            .map(|m| format!("minor.{m}"))
+            .to_vec(),
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 9] = [
+pub const BENCHES: [&str; 10] = [
     "lazy_restore",
     "fork",
     "vmm_pool",
@@ -197,6 +211,7 @@ pub const BENCHES: [&str; 9] = [
     "disk_throughput",
     "fc_restore",
     "zstd_image",
+    "minor_fault",
 ];
 
 #[cfg(test)]
