@@ -31,7 +31,7 @@ use proto::api::{
     ForkRequest, ForkResponse, Health, ImportVolume, ImportedVolume, Invariant, ListenerDeleted,
     ListenerInfo, ListenerList, MemorySource, PageInfo, PageMap, RollbackVm, RollbackVolume,
     RunState, SnapshotCreated, SnapshotDeleted, SnapshotInfo, SnapshotList, SnapshotMode, Sources,
-    Tree, TreeNode, VmDeleted, VmInfo, VmList, VmRolledBack, VolumeInfo, VolumeRollback,
+    Tree, TreeNode, VmDeleted, VmInfo, VmKind, VmList, VmRolledBack, VolumeInfo, VolumeRollback,
     VolumeSnapshotInfo,
 };
 use serde::de::DeserializeOwned;
@@ -474,6 +474,41 @@ impl Api {
         } else {
             1
         }
+    }
+
+    /// Firecracker VMs listed by `GET /v1/vms`.
+    pub fn firecracker_vms(&self) -> Vec<VmInfo> {
+        self.vms()
+            .into_iter()
+            .filter(|vm| vm.kind == VmKind::Firecracker)
+            .collect()
+    }
+
+    /// The Firecracker VM of client process `pid`, if listed.
+    pub fn firecracker_vm(&self, pid: u32) -> Option<VmInfo> {
+        self.firecracker_vms()
+            .into_iter()
+            .find(|vm| vm.pid == Some(pid))
+    }
+
+    /// Wait until client process `pid` shows up as a Firecracker VM;
+    /// panics after `within`. Returns the VM.
+    pub fn wait_firecracker_vm(&self, pid: u32, within: Duration) -> VmInfo {
+        crate::host::wait_until(
+            &format!("fc_client pid {pid} in GET /v1/vms"),
+            within,
+            || self.firecracker_vm(pid),
+        )
+    }
+
+    /// Wait until no Firecracker VM of client process `pid` is listed;
+    /// panics after `within`.
+    pub fn wait_firecracker_vm_gone(&self, pid: u32, within: Duration) {
+        crate::host::wait_until(
+            &format!("fc_client pid {pid} to leave GET /v1/vms"),
+            within,
+            || self.firecracker_vm(pid).is_none().then_some(()),
+        );
     }
 
     // ------------------------------------------------------- guest ops --

@@ -168,6 +168,22 @@ pub fn wait_for<T>(within: Duration, mut f: impl FnMut() -> Option<T>) -> Option
     }
 }
 
+/// Call `f` every 10 ms until it gives a value; panics after `within`,
+/// saying it was waiting for `what`.
+pub fn wait_until<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(x) = f() {
+            return x;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Whether process `pid` exists (`kill(pid, 0)` succeeds).
 pub fn process_exists(pid: u32) -> bool {
     let Ok(pid) = i32::try_from(pid) else {

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::api::Api;
+use proto::api::{CreateListener, MemorySource};
+
+use crate::api::{new_listener, Api};
 use crate::host::{bin, process_exists, signal, tail};
 
 /// A running `uffd-server` on its own temporary state directory.
@@ -79,6 +81,12 @@ impl TestServer {
     /// Path of the REST API socket.
     pub fn api_sock(&self) -> PathBuf {
         self.state_dir.join("api.sock")
+    }
+
+    /// A listener request for a socket `<state dir>/<name>.sock` serving
+    /// `memory_source`, everything else the server's default.
+    pub fn listener_request(&self, name: &str, memory_source: MemorySource) -> CreateListener {
+        new_listener(self.state_dir.join(format!("{name}.sock")), memory_source)
     }
 
     /// The server process's pid.
