@@ -85,6 +85,16 @@ impl FcClient {
         }
     }
 
+    /// The next JSON line if one was printed, as text, without waiting.
+    pub fn try_line(&self) -> Option<String> {
+        self.lines.try_recv().ok()
+    }
+
+    /// The client's exit status if it has ended.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
     /// Close stdin: a `hold` returns.
     pub fn release(&mut self) {
         self.stdin.take();
