@@ -19,11 +19,16 @@ pub fn uffdctl(s: &TestServer, args: &[&str]) -> Output {
 
 /// Run `uffdctl ARGS`; panics unless it succeeds. Returns its stdout.
 pub fn uffdctl_ok(s: &TestServer, args: &[&str]) -> String {
-    let out = uffdctl(s, args);
+    ok_stdout(&uffdctl(s, args), &format!("uffdctl {args:?}"))
+}
+
+/// The stdout of a finished command `what`; panics (with both outputs)
+/// unless it succeeded.
+pub fn ok_stdout(out: &Output, what: &str) -> String {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "uffdctl {args:?} failed: {text}\n{}",
+        "{what} failed: {text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     text
