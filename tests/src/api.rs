@@ -466,6 +466,12 @@ impl Api {
         }
     }
 
+    /// The pid of VM `id`'s VMM; panics if it has none.
+    pub fn vmm_pid(&self, id: &str) -> u32 {
+        let vm = self.vm(id);
+        vm.pid.unwrap_or_else(|| panic!("no pid in {vm:?}"))
+    }
+
     /// 4 KiB pages per unit the server installs, protects and tracks for
     /// VM `id`: 512 on hugepage guest RAM, else 1.
     pub fn unit_pages(&self, id: &str) -> u64 {

@@ -21,9 +21,7 @@ use pagefork_tests::{
     require_hugepages, require_kvm_uffd, require_root, vm_num, xfs_dir, Answer, FcClient,
     RandomImage, ScratchXfs, ServerOptions, TestServer,
 };
-use proto::api::{
-    CreateListener, CreateVm, ExecRequest, ExecResponse, ListenerInfo, RunState, VmInfo,
-};
+use proto::api::{CreateListener, CreateVm, ExecRequest, ExecResponse, ListenerInfo, RunState};
 
 /// A server whose state directory is on the XFS mount.
 fn server_on_xfs(args: &[&str]) -> Option<(TestServer, PathBuf)> {
@@ -69,22 +67,6 @@ fn exec_detached(
         let _ = tx.send(request_within(&sock, "POST", &path, Some(&op), timeout));
     });
     rx
-}
-
-/// Poll `id` until it is `failed`; panics after `within` with what it is.
-fn wait_failed(s: &TestServer, id: &str, within: Duration) -> VmInfo {
-    let deadline = Instant::now() + within;
-    loop {
-        let v = s.vm(id);
-        if v.state == RunState::Failed {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{id} is not failed {within:?} after touching a page that cannot be served: {v:?}"
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Lines of the server log (warnings or not) that mention any of `needles`.
@@ -374,7 +356,7 @@ fn an_image_failing_with_eio_fails_its_vm_and_is_released() {
         &op::touch(1000, 100, false),
         Duration::from_secs(30),
     );
-    let v = wait_failed(&s, &id, Duration::from_secs(10));
+    let v = s.wait_state(&id, RunState::Failed, Duration::from_secs(10));
     let failure = v.failure.as_deref().unwrap_or_default();
     assert!(
         failure.contains("image.raw"),

@@ -16,10 +16,6 @@ use pagefork_tests::{
 use proto::api::{CreateVm, RunState, VmInfo};
 use serde_json::{json, Value};
 
-fn pid_of(vm: &VmInfo) -> u32 {
-    vm.pid.unwrap_or_else(|| panic!("no pid in {vm:?}"))
-}
-
 #[test]
 fn image_backed_vm_checksum_and_digest_match_the_image_file() {
     if !require_kvm_uffd() {
@@ -349,7 +345,7 @@ fn four_vms_run_at_once_without_interference() {
             }
         }
     }
-    let pids: Vec<u32> = ids.iter().map(|id| pid_of(&s.vm(id))).collect();
+    let pids: Vec<u32> = ids.iter().map(|id| s.vmm_pid(id)).collect();
     let mut distinct = pids.clone();
     distinct.sort_unstable();
     distinct.dedup();
@@ -377,7 +373,7 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
         memory_source: Some(image.source()),
         ..new_vm(mib)
     });
-    let victim_pid = pid_of(&s.vm(&victim));
+    let victim_pid = s.vmm_pid(&victim);
     assert!(process_exists(victim_pid));
 
     std::thread::scope(|sc| {
@@ -661,7 +657,7 @@ fn deleted_vm_has_no_process_and_is_not_listed() {
     let keep = s.create_vm(&new_vm(16));
     let gone = s.create_vm(&new_vm(16));
     s.fill(&keep, 0, 64, 1);
-    let pid = pid_of(&s.vm(&gone));
+    let pid = s.vmm_pid(&gone);
     assert!(process_exists(pid));
 
     s.delete_vm(&gone);
@@ -688,7 +684,7 @@ fn sigterm_stops_the_server_and_its_vmms() {
     let mut s = TestServer::start();
     let a = s.create_vm(&new_vm(16));
     let b = s.create_vm(&new_vm(16));
-    let pids = [pid_of(&s.vm(&a)), pid_of(&s.vm(&b))];
+    let pids = [s.vmm_pid(&a), s.vmm_pid(&b)];
 
     let status = s.stop(Duration::from_secs(15));
 

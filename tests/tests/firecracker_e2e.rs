@@ -27,7 +27,8 @@ use pagefork_tests::{
     RandomImage, TestServer,
 };
 use proto::api::{CreateListener, MemorySource, RunState, SourceExtent};
-use serde_json::{json, Value};
+use proto::firecracker::GuestRegionUffdMapping;
+use serde_json::Value;
 
 const PAGE: u64 = 4096;
 const HUGE_PAGE: u64 = 2 << 20;
@@ -273,8 +274,21 @@ fn assert_closed_by_server(mut stream: UnixStream, what: &str) {
     }
 }
 
-fn region_json(base: u64, size: u64, offset: u64, page_size: u64) -> Value {
-    json!({ "base_host_virt_addr": base, "size": size, "offset": offset, "page_size": page_size, "page_size_kib": page_size })
+/// A handshake region as current Firecrackers send it (both page size
+/// fields).
+fn region(base: u64, size: u64, offset: u64, page_size: u64) -> GuestRegionUffdMapping {
+    GuestRegionUffdMapping {
+        base_host_virt_addr: base,
+        size,
+        offset,
+        page_size: Some(page_size),
+        page_size_kib: Some(page_size),
+    }
+}
+
+/// A handshake's bytes: the regions as JSON.
+fn handshake(regions: &[GuestRegionUffdMapping]) -> Vec<u8> {
+    serde_json::to_vec(regions).expect("regions encode")
 }
 
 // ---------------------------------------------------------------------------
@@ -767,13 +781,13 @@ fn each_malformed_handshake_is_refused_without_affecting_other_clients() {
     let devnull = std::fs::File::open("/dev/null").expect("open /dev/null");
     let (u, n) = (uffd.as_raw_fd(), devnull.as_raw_fd());
     let base: u64 = 0x7f00_0000_0000;
-    let ok = json!([region_json(base, 16 << 20, 0, PAGE)]).to_string();
-    let overlap = json!([
-        region_json(base, 8 << 20, 0, PAGE),
-        region_json(base + (4 << 20), 8 << 20, 16 << 20, PAGE)
+    let ok = handshake(&[region(base, 16 << 20, 0, PAGE)]);
+    let overlap = handshake(&[
+        region(base, 8 << 20, 0, PAGE),
+        region(base + (4 << 20), 8 << 20, 16 << 20, PAGE),
     ]);
-    let past = json!([region_json(base, 16 << 20, 56 << 20, PAGE)]);
-    let big_page = json!([region_json(base, 16 << 20, 0, 65536)]);
+    let past = handshake(&[region(base, 16 << 20, 56 << 20, PAGE)]);
+    let big_page = handshake(&[region(base, 16 << 20, 0, 65536)]);
     let cases: Vec<(&str, Vec<u8>, Vec<RawFd>, &str)> = vec![
         (
             "bytes that are not JSON, with a uffd",
@@ -783,31 +797,31 @@ fn each_malformed_handshake_is_refused_without_affecting_other_clients() {
         ),
         (
             "valid regions without an fd",
-            ok.clone().into_bytes(),
+            ok.clone(),
             vec![],
             "carries 0 fds",
         ),
         (
             "valid regions with two fds",
-            ok.clone().into_bytes(),
+            ok.clone(),
             vec![u, n],
             "carries 2 fds",
         ),
         (
             "overlapping regions",
-            overlap.to_string().into_bytes(),
+            overlap,
             vec![u],
             "regions 0 and 1 overlap",
         ),
         (
             "a region past the end of the source",
-            past.to_string().into_bytes(),
+            past,
             vec![u],
             "region 0 ends at byte 75497472 of the memory source, which has only 67108864 bytes",
         ),
         (
             "an unsupported page size",
-            big_page.to_string().into_bytes(),
+            big_page,
             vec![u],
             "region 0 has page size 65536",
         ),
@@ -1073,11 +1087,18 @@ fn two_regions_with_only_page_size_kib_are_served_from_their_offsets() {
     let uffd = test_uffd();
     uffd.register(mem, len).expect("register the test mapping");
     let base = mem as u64;
-    let body = json!([
-        { "base_host_virt_addr": base + a_pages * PAGE, "size": b_pages * PAGE, "offset": b_off, "page_size_kib": 4 },
-        { "base_host_virt_addr": base, "size": a_pages * PAGE, "offset": a_off, "page_size_kib": 4 },
+    let old = |base_host_virt_addr, size, offset| GuestRegionUffdMapping {
+        base_host_virt_addr,
+        size,
+        offset,
+        page_size: None,
+        page_size_kib: Some(4),
+    };
+    let body = handshake(&[
+        old(base + a_pages * PAGE, b_pages * PAGE, b_off),
+        old(base, a_pages * PAGE, a_off),
     ]);
-    let stream = send_handshake(&sock, body.to_string().as_bytes(), &[uffd.as_raw_fd()]);
+    let stream = send_handshake(&sock, &body, &[uffd.as_raw_fd()]);
     let id = s.wait_firecracker_vm(std::process::id(), TIMEOUT).id;
     // Fault page by page in address order, on another thread so a server
     // that never answers fails the test instead of hanging it.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use pagefork_tests::{
     child_pids, new_vm, op, pages_of, process_exists, require_kvm_uffd, signal, vm_num, TestServer,
 };
-use proto::api::{CreateVm, RunState, VmInfo};
+use proto::api::{CreateVm, RunState};
 
 /// `vmm` processes the server started.
 fn vmm_children(server: &TestServer) -> Vec<u32> {
@@ -20,10 +20,6 @@ fn vmm_children(server: &TestServer) -> Vec<u32> {
             std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "vmm")
         })
         .collect()
-}
-
-fn pid_of(vm: &VmInfo) -> u32 {
-    vm.pid.expect("a pid")
 }
 
 #[test]
@@ -42,7 +38,7 @@ fn new_vms_run_on_pooled_vmms_and_the_pool_refills() {
         ..new_vm(64)
     });
     for id in [&a, &b] {
-        let pid = pid_of(&server.vm(id));
+        let pid = server.vmm_pid(id);
         assert!(
             pooled.contains(&pid),
             "{id} runs on pid {pid}, not a pooled vmm {pooled:?}"
@@ -233,7 +229,7 @@ fn forks_of_a_paused_template_stay_exact_when_it_runs_again() {
     );
     server.assert_invariant("at the end");
     for c in children.iter().chain([&late]) {
-        assert!(process_exists(pid_of(&server.vm(c))));
+        assert!(process_exists(server.vmm_pid(c)));
     }
 }
 
@@ -300,7 +296,7 @@ fn pooled_vmms_map_guest_ram_of_the_prepared_size_into_their_ready_kvm_slot() {
             "the parent keeps its own"
         );
         for id in [&a, &child] {
-            let pid = pid_of(&server.vm(id));
+            let pid = server.vmm_pid(id);
             assert!(
                 pooled.contains(&pid),
                 "{id} runs on a pooled vmm: {pid}, {pooled:?}"

@@ -27,21 +27,6 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// page.
 const PATTERN: [(u64, u64); 5] = [(0, 600), (1005, 40), (590, 60), (4076, 20), (2051, 1)];
 
-/// Start a Firecracker listener serving `image`; returns its socket.
-fn listen(
-    s: &TestServer,
-    image: &RandomImage,
-    fault_around_kib: u64,
-    readahead_kib: u64,
-) -> std::path::PathBuf {
-    let l = s.add_listener(&CreateListener {
-        fault_around_kib: Some(fault_around_kib),
-        readahead_kib: Some(readahead_kib),
-        ..s.listener_request("fc", image.source())
-    });
-    l.socket.into()
-}
-
 /// The Firecracker VM of client `pid` as `GET /v1/vms/{id}` shows it.
 fn fc_vm(s: &TestServer, pid: u32) -> VmInfo {
     s.vm(&s.wait_firecracker_vm(pid, TIMEOUT).id)
@@ -85,7 +70,12 @@ fn pagefork_and_firecracker_vms_install_the_same_pages_for_the_same_reads() {
             readahead_kib: Some(readahead_kib),
             ..new_vm(mib)
         });
-        let socket = listen(&s, &image, fault_around_kib, readahead_kib);
+        let listener = s.add_listener(&CreateListener {
+            fault_around_kib: Some(fault_around_kib),
+            readahead_kib: Some(readahead_kib),
+            ..s.listener_request("fc", image.source())
+        });
+        let socket = std::path::PathBuf::from(listener.socket);
         let mut commands: Vec<String> = PATTERN
             .iter()
             .map(|(start, n)| format!("zero:{start}:{n}"))

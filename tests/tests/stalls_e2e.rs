@@ -71,11 +71,6 @@ impl Drop for Stopped {
     }
 }
 
-fn vmm_pid(s: &TestServer, id: &str) -> u32 {
-    let v = s.vm(id);
-    v.pid.unwrap_or_else(|| panic!("no pid in {v:?}"))
-}
-
 fn missing_faults(s: &TestServer, id: &str) -> u64 {
     s.vm(id).faults.missing
 }
@@ -326,7 +321,7 @@ fn requests_to_a_stopped_vmm_answer_504_and_the_state_stays_true() {
     let mib = 512;
     let pages = pages_of(mib);
     let id = s.create_vm(&new_vm(mib));
-    let pid = vmm_pid(&s, &id);
+    let pid = s.vmm_pid(&id);
     thread::scope(|sc| {
         let filler = sc.spawn(|| s.fill(&id, 0, pages, 3));
         thread::sleep(Duration::from_millis(300));
@@ -395,7 +390,7 @@ fn requests_whose_clients_left_do_not_take_effect_unseen() {
     let mib = 256;
     let pages = pages_of(mib);
     let id = s.create_vm(&new_vm(mib));
-    let pid = vmm_pid(&s, &id);
+    let pid = s.vmm_pid(&id);
     thread::scope(|sc| {
         let filler = sc.spawn(|| s.fill(&id, 0, pages, 4));
         thread::sleep(Duration::from_millis(200));
@@ -451,7 +446,7 @@ fn one_stopped_vmm_does_not_stop_health_or_other_vms() {
     let stuck = s.create_vm(&new_vm(4));
     let other = s.create_vm(&new_vm(64));
     let other_pages = pages_of(64);
-    let pid = vmm_pid(&s, &stuck);
+    let pid = s.vmm_pid(&stuck);
     let stopped = Stopped::new(pid);
     let sock = s.api_sock();
     let requests = 400;

@@ -14,9 +14,7 @@ use pagefork_tests::{
     bin, expected_digest, from_snapshot, new_vm, op, pages_by, pages_of, realistic_memory,
     require_kvm_uffd, server_on_xfs, zstd_source, FcClient, RandomImage, TestServer,
 };
-use proto::api::{
-    CreateListener, CreateSnapshot, CreateVm, MemorySource, RunState, SnapshotMode, VmInfo,
-};
+use proto::api::{CreateListener, CreateSnapshot, CreateVm, MemorySource, RunState, SnapshotMode};
 use serde_json::Value;
 
 /// `uffdctl image compress` of `raw` into `out`.
@@ -51,18 +49,6 @@ fn zstd_vm(s: &TestServer, mib: u64, path: &Path) -> String {
         memory_source: Some(zstd_source(path)),
         ..new_vm(mib)
     })
-}
-
-fn wait_failed(s: &TestServer, id: &str) -> VmInfo {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let v = s.vm(id);
-        if v.state == RunState::Failed {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{id} did not fail: {v:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -359,7 +345,7 @@ fn corrupt_compressed_images_fail_only_the_vm_that_reads_them() {
         let page = bad as u64 * frame_pages + 1;
         let r = s.try_exec(&id, &op::touch(page, 1, false)).unwrap_err();
         assert!(r.status >= 400, "touching a corrupt frame answered {r}");
-        let v = wait_failed(&s, &id);
+        let v = s.wait_state(&id, RunState::Failed, Duration::from_secs(20));
         let failure = v.failure.as_deref().unwrap_or_default();
         assert!(
             failure.contains(&format!("frame {bad}"))
