@@ -15,7 +15,7 @@
 //!   memory images and compute what the guest must report, with the
 //!   reference implementations in [`shared::pattern`].
 //! - [`ScratchXfs`] ([`xfs`]) is a small XFS of a test's own;
-//!   [`FcClient`] ([`fc`]) runs the Firecracker stand-in; [`uffdctl`]
+//!   [`FcClient`] ([`fc`]) runs the Firecracker stand-in; [`uffdctl()`]
 //!   ([`cli`]) runs the CLI against a server.
 //!
 //! The binaries are not built here: the test command runs
