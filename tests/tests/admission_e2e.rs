@@ -2,8 +2,8 @@
 //! its memory budget or VM limit with a clear 507, before allocating
 //! anything, and keeps serving the VMs it has.
 
-use pagefork_tests::{require_kvm_uffd, TestServer};
-use serde_json::json;
+use pagefork_tests::{from_snapshot, new_vm, require_kvm_uffd, TestServer};
+use proto::api::{ForkRequest, RunState, SnapshotMode};
 
 #[test]
 fn create_and_fork_beyond_the_memory_budget_answer_507() {
@@ -11,38 +11,25 @@ fn create_and_fork_beyond_the_memory_budget_answer_507() {
         return;
     }
     let s = TestServer::start_with_args(&["--memory-budget-mib", "64"]);
-    let a = s.create_vm(json!({"memory_mib": 32}));
+    let a = s.create_vm(&new_vm(32));
     s.fill(&a, 0, 64, 7);
 
-    let (status, body) = s.api("POST", "/v1/vms", Some(json!({"memory_mib": 48})));
-    assert_eq!(status, 507, "{body}");
-    let msg = body["error"].as_str().unwrap_or_default();
+    let r = s.try_create_vm(&new_vm(48)).unwrap_err();
+    assert_eq!(r.status, 507, "{r}");
+    let msg = r.error();
     assert!(msg.contains("--memory-budget-mib"), "{msg}");
 
-    let (status, body) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/fork"),
-        Some(json!({"count": 2})),
-    );
-    assert_eq!(status, 507, "{body}");
+    let r = s.try_fork(&a, &ForkRequest { count: 2 }).unwrap_err();
+    assert_eq!(r.status, 507, "{r}");
     assert_eq!(s.vm_ids(), vec![a.clone()], "a refused fork made no child");
 
     // What fits still works, and the first VM is untouched.
-    let b = s.create_vm(json!({"memory_mib": 16}));
-    let (status, body) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/fork"),
-        Some(json!({"count": 1})),
-    );
-    assert_eq!(status, 507, "{body}");
+    let b = s.create_vm(&new_vm(16));
+    let r = s.try_fork(&a, &ForkRequest { count: 1 }).unwrap_err();
+    assert_eq!(r.status, 507, "{r}");
     assert_eq!(s.verify(&a, 0, 64, 7), 0);
-    s.api("DELETE", &format!("/v1/vms/{b}"), None);
-    let (status, body) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/fork"),
-        Some(json!({"count": 1})),
-    );
-    assert_eq!(status, 201, "{body}");
+    s.delete_vm(&b);
+    s.fork(&a, 1);
 }
 
 #[test]
@@ -51,14 +38,11 @@ fn vms_beyond_max_vms_answer_507() {
         return;
     }
     let s = TestServer::start_with_args(&["--max-vms", "2"]);
-    s.create_vm(json!({"memory_mib": 4}));
-    s.create_vm(json!({"memory_mib": 4}));
-    let (status, body) = s.api("POST", "/v1/vms", Some(json!({"memory_mib": 4})));
-    assert_eq!(status, 507, "{body}");
-    assert!(body["error"]
-        .as_str()
-        .unwrap_or_default()
-        .contains("--max-vms"));
+    s.create_vm(&new_vm(4));
+    s.create_vm(&new_vm(4));
+    let r = s.try_create_vm(&new_vm(4)).unwrap_err();
+    assert_eq!(r.status, 507, "{r}");
+    assert!(r.error().contains("--max-vms"));
 }
 
 #[test]
@@ -71,7 +55,7 @@ fn oversized_request_bodies_are_refused() {
         "{{\"memory_mib\": 4, \"volume\": \"{}\"}}",
         "x".repeat(1 << 20)
     );
-    let (status, _) = s.api_raw("POST", "/v1/vms", big.as_bytes());
+    let (status, _) = s.raw_bytes("POST", "/v1/vms", big.as_bytes());
     assert_eq!(status, 413);
     s.assert_healthy();
 }
@@ -81,26 +65,21 @@ fn restore_beyond_the_memory_budget_answers_507_and_what_fits_restores() {
     let Some(s) = pagefork_tests::server_on_xfs(&["--memory-budget-mib", "80"]) else {
         return;
     };
-    let a = s.create_vm(json!({"memory_mib": 32}));
+    let a = s.create_vm(&new_vm(32));
     s.fill(&a, 0, 256, 11);
-    let (status, body) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/snapshots"),
-        Some(json!({"name": "budget", "mode": "full"})),
-    );
-    assert_eq!(status, 201, "{body}");
-    let b = s.create_vm(json!({"memory_mib": 32}));
+    s.snapshot(&a, "budget", SnapshotMode::Full);
+    let b = s.create_vm(&new_vm(32));
 
     // 32 + 32 + 32 MiB would pass the 80 MiB budget.
-    let (status, body) = s.api("POST", "/v1/vms", Some(json!({"from_snapshot": "budget"})));
-    assert_eq!(status, 507, "{body}");
-    let msg = body["error"].as_str().unwrap_or_default();
+    let r = s.try_create_vm(&from_snapshot("budget")).unwrap_err();
+    assert_eq!(r.status, 507, "{r}");
+    let msg = r.error();
     assert!(msg.contains("--memory-budget-mib"), "{msg}");
     assert_eq!(s.vm_ids().len(), 2, "a refused restore made no VM");
 
     // With room again, the same restore works and is exact.
-    s.api("DELETE", &format!("/v1/vms/{b}"), None);
-    let r = s.create_vm(json!({"from_snapshot": "budget"}));
+    s.delete_vm(&b);
+    let r = s.create_vm(&from_snapshot("budget"));
     assert_eq!(s.verify(&r, 0, 256, 11), 0);
     assert_eq!(s.verify(&a, 0, 256, 11), 0);
 }
@@ -111,19 +90,15 @@ fn fork_counts_outside_1_to_1024_are_refused_before_anything_is_made() {
         return;
     }
     let s = TestServer::start();
-    let a = s.create_vm(json!({"memory_mib": 4}));
+    let a = s.create_vm(&new_vm(4));
     for count in [0, 1025, 100_000] {
-        let (status, body) = s.api(
-            "POST",
-            &format!("/v1/vms/{a}/fork"),
-            Some(json!({ "count": count })),
-        );
-        assert_eq!(status, 400, "count {count}: {body}");
-        let msg = body["error"].as_str().unwrap_or_default();
+        let r = s.try_fork(&a, &ForkRequest { count }).unwrap_err();
+        assert_eq!(r.status, 400, "count {count}: {r}");
+        let msg = r.error();
         assert!(msg.contains("between 1 and 1024"), "count {count}: {msg}");
     }
     assert_eq!(s.vm_ids(), vec![a.clone()]);
-    assert_eq!(s.vm(&a)["state"], "running");
+    assert_eq!(s.vm(&a).state, RunState::Running);
 }
 
 /// Whether this process may lower an oom_score_adj (CAP_SYS_RESOURCE,
@@ -164,7 +139,7 @@ fn the_server_lowers_its_oom_score_and_its_vmms_keep_the_default() {
             "no warning in the log"
         );
     }
-    let id = s.create_vm(json!({"memory_mib": 4}));
-    let vmm = s.vm(&id)["pid"].as_u64().expect("the VM's vmm pid");
+    let id = s.create_vm(&new_vm(4));
+    let vmm = u64::from(s.vm(&id).pid.expect("the VM's vmm pid"));
     assert_eq!(score(vmm), 0, "the vmm's");
 }

@@ -9,19 +9,19 @@
 //! reflink=1); the test that shuts a filesystem down makes its own small
 //! one (needs root).
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::Command;
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use pagefork_tests::{
-    bin, expected_digest, open_fds, pages_of, request_within, require_hugepages, require_kvm_uffd,
-    require_root, xfs_dir, RandomImage, ScratchXfs, ServerOptions, TestServer,
+    bin, body, expected_digest, file_source, new_vm, op, open_fds, pages_of, request_within,
+    require_hugepages, require_kvm_uffd, require_root, vm_num, xfs_dir, Answer, FcClient,
+    RandomImage, ScratchXfs, ServerOptions, TestServer,
 };
-use serde_json::{json, Value};
+use proto::api::{CreateListener, CreateVm, ExecRequest, ExecResponse, ListenerInfo, RunState};
 
 /// A server whose state directory is on the XFS mount.
 fn server_on_xfs(args: &[&str]) -> Option<(TestServer, PathBuf)> {
@@ -39,38 +39,15 @@ fn server_on_xfs(args: &[&str]) -> Option<(TestServer, PathBuf)> {
     Some((s, dir))
 }
 
-fn assert_error(status: u16, body: &Value, want: u16, needle: &str, what: &str) -> String {
-    assert_eq!(
-        status, want,
-        "{what}: expected {want}, got {status}: {body}"
-    );
-    let msg = body["error"]
-        .as_str()
-        .unwrap_or_else(|| panic!("{what}: no error message in {body}"))
-        .to_owned();
-    assert!(
-        msg.to_lowercase().contains(&needle.to_lowercase()),
-        "{what}: {msg:?} does not mention {needle:?}"
-    );
-    msg
-}
-
-/// Numeric part of `vm-N`.
-fn num(id: &str) -> u64 {
-    id.strip_prefix("vm-")
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("not a VM id: {id}"))
-}
-
 /// An image-backed VM that reads exactly the pages it touches (no
 /// fault-around, no readahead).
 fn image_vm(s: &TestServer, mib: u64, path: &str) -> String {
-    s.create_vm(json!({
-        "memory_mib": mib,
-        "memory_source": {"kind": "file", "path": path},
-        "fault_around_kib": 0,
-        "readahead_kib": 0,
-    }))
+    s.create_vm(&CreateVm {
+        memory_source: Some(file_source(path)),
+        fault_around_kib: Some(0),
+        readahead_kib: Some(0),
+        ..new_vm(mib)
+    })
 }
 
 /// Start `op` on `id` in a thread the test does not wait for (it may never
@@ -79,32 +56,17 @@ fn image_vm(s: &TestServer, mib: u64, path: &str) -> String {
 fn exec_detached(
     s: &TestServer,
     id: &str,
-    op: Value,
+    op: &ExecRequest,
     timeout: Duration,
 ) -> mpsc::Receiver<Option<(u16, String)>> {
     let (tx, rx) = mpsc::channel();
     let sock = s.api_sock();
     let path = format!("/v1/vms/{id}/exec");
+    let op = body(op);
     thread::spawn(move || {
         let _ = tx.send(request_within(&sock, "POST", &path, Some(&op), timeout));
     });
     rx
-}
-
-/// Poll `id` until it is `failed`; panics after `within` with what it is.
-fn wait_failed(s: &TestServer, id: &str, within: Duration) -> Value {
-    let deadline = Instant::now() + within;
-    loop {
-        let v = s.vm(id);
-        if v["state"] == "failed" {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{id} is not failed {within:?} after touching a page that cannot be served: {v}"
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Lines of the server log (warnings or not) that mention any of `needles`.
@@ -124,13 +86,13 @@ fn a_disk_op_on_a_vm_without_a_disk_answers_400() {
         return;
     }
     let s = TestServer::start();
-    let id = s.create_vm(json!({"memory_mib": 4}));
-    for op in [
-        json!({"op": "disk_fill", "sector": 0, "count": 8, "seed": 1}),
-        json!({"op": "disk_checksum", "sector": 0, "count": 8}),
-    ] {
-        let (status, v) = s.try_exec(&id, op.clone());
-        assert_error(status, &v, 400, "disk", &format!("{op} without a disk"));
+    let id = s.create_vm(&new_vm(4));
+    for op in [op::disk_fill(0, 8, 1), op::disk_checksum(0, 8)] {
+        s.try_exec(&id, &op).unwrap_err().assert_error(
+            400,
+            "disk",
+            &format!("{op:?} without a disk"),
+        );
     }
     s.fill(&id, 0, 8, 2);
     assert_eq!(s.verify(&id, 0, 8, 2), 0);
@@ -157,11 +119,10 @@ fn image_paths_must_name_regular_files_and_errors_reveal_no_size() {
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
     let create = |path: &Path| {
         let t = Instant::now();
-        let r = s.api(
-            "POST",
-            "/v1/vms",
-            Some(json!({"memory_mib": 4, "memory_source": {"kind": "file", "path": path}})),
-        );
+        let r = s.try_create_vm(&CreateVm {
+            memory_source: Some(file_source(path)),
+            ..new_vm(4)
+        });
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "create from {} took {:?}",
@@ -178,8 +139,9 @@ fn image_paths_must_name_regular_files_and_errors_reveal_no_size() {
         (&PathBuf::from("/dev/zero"), "device"),
         (&secret, "smaller"),
     ] {
-        let (status, v) = create(path);
-        let msg = assert_error(status, &v, 400, needle, &path.display().to_string());
+        let msg = create(path)
+            .unwrap_err()
+            .assert_error(400, needle, &path.display().to_string());
         for size in &sizes {
             assert!(
                 !msg.contains(size.as_str()),
@@ -194,7 +156,10 @@ fn image_paths_must_name_regular_files_and_errors_reveal_no_size() {
     let image = RandomImage::new(4, 0x12);
     std::fs::set_permissions(image.file.path(), std::fs::Permissions::from_mode(0o400))
         .expect("chmod");
-    let id = s.create_vm(json!({"memory_mib": 4, "memory_source": image.source()}));
+    let id = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        ..new_vm(4)
+    });
     let pages = pages_of(4);
     assert_eq!(
         s.digest(&id, 0, pages),
@@ -203,8 +168,9 @@ fn image_paths_must_name_regular_files_and_errors_reveal_no_size() {
     // The same file through a link is refused.
     let link2 = dir.path().join("link2");
     std::os::unix::fs::symlink(image.file.path(), &link2).expect("symlink");
-    let (status, v) = create(&link2);
-    assert_error(status, &v, 400, "link", "a link to a readable image");
+    create(&link2)
+        .unwrap_err()
+        .assert_error(400, "link", "a link to a readable image");
 }
 
 // ---------------------------------------------------------------------------
@@ -218,24 +184,12 @@ fn vm_ids_never_repeat_across_restarts_on_one_state_directory() {
     let mut s = TestServer::start();
     let mut used = Vec::new();
     for _ in 0..3 {
-        used.push(s.create_vm(json!({"memory_mib": 4})));
+        used.push(s.create_vm(&new_vm(4)));
     }
-    let (status, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{}/fork", used[0]),
-        Some(json!({"count": 2})),
-    );
-    assert_eq!(status, 201, "{v}");
-    used.extend(
-        v["children"]
-            .as_array()
-            .expect("children")
-            .iter()
-            .map(|c| c.as_str().expect("id").to_owned()),
-    );
-    let (status, v) = s.api("DELETE", &format!("/v1/vms/{}", used[1]), None);
-    assert_eq!(status, 200, "{v}");
-    let highest = used.iter().map(|id| num(id)).max().expect("ids");
+    let children = s.fork(&used[0], 2).children;
+    used.extend(children);
+    s.delete_vm(&used[1]);
+    let highest = used.iter().map(|id| vm_num(id)).max().expect("ids");
     for round in 0..2 {
         s.restart(&[]);
         assert!(
@@ -243,15 +197,15 @@ fn vm_ids_never_repeat_across_restarts_on_one_state_directory() {
             "VMs survived a restart: {:?}",
             s.vm_ids()
         );
-        let id = s.create_vm(json!({"memory_mib": 4}));
+        let id = s.create_vm(&new_vm(4));
         assert!(
-            num(&id) > highest,
+            vm_num(&id) > highest,
             "restart {round}: new VM {id} reuses an id of {used:?}"
         );
         s.fill(&id, 0, 4, 1);
         used.push(id);
     }
-    let highest_now = used.iter().map(|id| num(id)).max().expect("ids");
+    let highest_now = used.iter().map(|id| vm_num(id)).max().expect("ids");
     assert_eq!(
         used.len(),
         used.iter().collect::<std::collections::BTreeSet<_>>().len(),
@@ -268,39 +222,19 @@ fn a_fork_whose_child_volume_name_is_taken_leaves_no_debris() {
     let Some((s, _)) = server_on_xfs(&[]) else {
         return;
     };
-    let (status, v) = s.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "d", "size_mib": 4})),
-    );
-    assert_eq!(status, 201, "{v}");
-    let parent = s.create_vm(json!({"memory_mib": 8, "volume": "d"}));
+    s.create_volume("d", 4);
+    let parent = s.create_vm(&CreateVm {
+        volume: Some("d".into()),
+        ..new_vm(8)
+    });
     s.fill(&parent, 0, 64, 3);
-    s.exec(
-        &parent,
-        json!({"op": "disk_fill", "sector": 0, "count": 64, "seed": 3}),
-    );
-    let disk_sum = s.exec(
-        &parent,
-        json!({"op": "disk_checksum", "sector": 0, "count": 64}),
-    );
+    s.exec(&parent, &op::disk_fill(0, 64, 3));
+    let disk_sum = s.exec(&parent, &op::disk_checksum(0, 64));
     // The child of the next fork is vm-(parent + 1): take its volume name.
-    let taken = format!("d-vm-{}", num(&parent) + 1);
-    let (status, v) = s.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": taken, "size_mib": 1})),
-    );
-    assert_eq!(status, 201, "{v}");
+    let taken = format!("d-vm-{}", vm_num(&parent) + 1);
+    s.create_volume(&taken, 1);
     let volumes = |s: &TestServer| -> Vec<String> {
-        let (status, v) = s.api("GET", "/v1/volumes", None);
-        assert_eq!(status, 200, "{v}");
-        let mut names: Vec<String> = v
-            .as_array()
-            .unwrap_or_else(|| panic!("no volumes in {v}"))
-            .iter()
-            .map(|x| x["name"].as_str().expect("name").to_owned())
-            .collect();
+        let mut names: Vec<String> = s.volumes().into_iter().map(|v| v.name).collect();
         names.sort();
         names
     };
@@ -312,18 +246,14 @@ fn a_fork_whose_child_volume_name_is_taken_leaves_no_debris() {
     let children_before = pagefork_tests::child_pids(pid).len();
     let held_before = pagefork_tests::Holdings::of(pid);
 
-    let (status, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{parent}/fork"),
-        Some(json!({"count": 1})),
-    );
-    eprintln!("fork onto a taken volume name: {status} {v}");
+    let v = s.try_fork(&parent, &Default::default()).unwrap_err();
+    eprintln!("fork onto a taken volume name: {v}");
     assert!(
-        (400..500).contains(&status),
-        "a name collision is not the server's failure: {status} {v}"
+        (400..500).contains(&v.status),
+        "a name collision is not the server's failure: {v}"
     );
     assert!(
-        v["error"].as_str().unwrap_or_default().contains(&taken),
+        v.error().contains(&taken),
         "the error does not name the volume: {v}"
     );
     assert_eq!(
@@ -361,12 +291,14 @@ fn a_fork_whose_child_volume_name_is_taken_leaves_no_debris() {
         pagefork_tests::Holdings::of(pid),
         pagefork_tests::open_fds(pid)
     );
-    let (_, tree) = s.api("GET", "/v1/tree", None);
+    let tree = s.tree();
+    let failed_child = format!("vm-{}", vm_num(&parent) + 1);
     assert!(
-        !tree
-            .to_string()
-            .contains(&format!("vm-{}\"", num(&parent) + 1)),
-        "the failed child is in the tree: {tree}"
+        !tree.vms.iter().any(|n| n.id == failed_child
+            || n.parent.as_ref() == Some(&failed_child)
+            || n.children.contains(&failed_child)
+            || n.reads_from.contains_key(&failed_child)),
+        "the failed child is in the tree: {tree:?}"
     );
     s.fill(&parent, 0, 2048, 9);
     let held = pagefork_tests::Holdings::of(pid);
@@ -377,32 +309,14 @@ fn a_fork_whose_child_volume_name_is_taken_leaves_no_debris() {
     );
     s.fill(&parent, 0, 64, 3);
     // The parent keeps working, memory and disk.
-    assert_eq!(s.vm(&parent)["state"], "running");
+    assert_eq!(s.vm(&parent).state, RunState::Running);
     assert_eq!(s.verify(&parent, 0, 64, 3), 0);
-    assert_eq!(
-        s.exec(
-            &parent,
-            json!({"op": "disk_checksum", "sector": 0, "count": 64})
-        ),
-        disk_sum
-    );
+    assert_eq!(s.exec(&parent, &op::disk_checksum(0, 64)), disk_sum);
     s.fill(&parent, 64, 64, 4);
     // The next fork takes a fresh id and works.
-    let (status, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{parent}/fork"),
-        Some(json!({"count": 1})),
-    );
-    assert_eq!(status, 201, "{v}");
-    let child = v["children"][0].as_str().expect("child").to_owned();
+    let child = s.fork_one(&parent);
     assert_eq!(s.verify(&child, 0, 64, 3), 0);
-    assert_eq!(
-        s.exec(
-            &child,
-            json!({"op": "disk_checksum", "sector": 0, "count": 64})
-        ),
-        disk_sum
-    );
+    assert_eq!(s.exec(&child, &op::disk_checksum(0, 64)), disk_sum);
 }
 
 // ---------------------------------------------------------------------------
@@ -426,7 +340,7 @@ fn an_image_failing_with_eio_fails_its_vm_and_is_released() {
     let pid = s.pid();
     let path = image_path.to_str().expect("utf-8").to_owned();
     let id = image_vm(&s, 8, &path);
-    let other = s.create_vm(json!({"memory_mib": 16}));
+    let other = s.create_vm(&new_vm(16));
     assert_eq!(
         s.digest(&id, 0, 16),
         expected_digest(&image.bytes, 0, 16),
@@ -439,14 +353,14 @@ fn an_image_failing_with_eio_fails_its_vm_and_is_released() {
     let answer = exec_detached(
         &s,
         &id,
-        json!({"op": "touch", "start_page": 1000, "pages": 100}),
+        &op::touch(1000, 100, false),
         Duration::from_secs(30),
     );
-    let v = wait_failed(&s, &id, Duration::from_secs(10));
-    let failure = v["failure"].as_str().unwrap_or_default();
+    let v = s.wait_state(&id, RunState::Failed, Duration::from_secs(10));
+    let failure = v.failure.as_deref().unwrap_or_default();
     assert!(
         failure.contains("image.raw"),
-        "the failure does not name the image: {v}"
+        "the failure does not name the image: {v:?}"
     );
     // The touch gets an answer (an error), not a hang.
     match answer.recv_timeout(Duration::from_secs(30)) {
@@ -473,8 +387,7 @@ fn an_image_failing_with_eio_fails_its_vm_and_is_released() {
     assert_eq!(s.verify(&other, 0, pages_of(16), 5), 0);
     s.assert_healthy();
 
-    let (status, v) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert_eq!(status, 200, "{v}");
+    s.delete_vm(&id);
     let deadline = Instant::now() + Duration::from_secs(10);
     let held = loop {
         let held: Vec<PathBuf> = open_fds(pid)
@@ -523,42 +436,37 @@ fn a_truncated_image_fails_its_hugepage_vm_instead_of_serving_zeroes() {
 fn truncated_image_fails_its_vm(hugepages: bool) {
     let s = TestServer::start();
     let image = RandomImage::new(8, 0x7c);
-    let id = s.create_vm(json!({
-        "memory_mib": 8,
-        "memory_source": image.source(),
-        "fault_around_kib": 0,
-        "readahead_kib": 0,
-        "hugepages": hugepages,
-    }));
-    let other = s.create_vm(json!({"memory_mib": 4}));
+    let id = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(0),
+        readahead_kib: Some(0),
+        hugepages: Some(hugepages),
+        ..new_vm(8)
+    });
+    let other = s.create_vm(&new_vm(4));
     assert_eq!(s.digest(&id, 0, 16), expected_digest(&image.bytes, 0, 16));
     image.file.as_file().set_len(16 * 4096).expect("truncate");
-    let answer = exec_detached(
-        &s,
-        &id,
-        json!({"op": "digest", "start_page": 1000, "pages": 10}),
-        Duration::from_secs(30),
-    );
+    let answer = exec_detached(&s, &id, &op::digest(1000, 10), Duration::from_secs(30));
     let deadline = Instant::now() + Duration::from_secs(10);
     let v = loop {
         let v = s.vm(&id);
-        if v["state"] == "failed" {
+        if v.state == RunState::Failed {
             break v;
         }
         if let Ok(Some((200, body))) = answer.try_recv() {
-            panic!("pages past the end of a truncated image were served: {body}; {v}");
+            panic!("pages past the end of a truncated image were served: {body}; {v:?}");
         }
         assert!(
             Instant::now() < deadline,
-            "{id} is not failed 10 s after touching pages past the end of its truncated image: {v}"
+            "{id} is not failed 10 s after touching pages past the end of its truncated image: {v:?}"
         );
         thread::sleep(Duration::from_millis(50));
     };
     assert!(
-        v["failure"]
-            .as_str()
+        v.failure
+            .as_deref()
             .is_some_and(|f| f.contains(&image.path())),
-        "the failure does not name the image: {v}"
+        "the failure does not name the image: {v:?}"
     );
     s.fill(&other, 0, 64, 1);
     assert_eq!(s.verify(&other, 0, 64, 1), 0);
@@ -587,40 +495,36 @@ fn an_image_on_the_state_filesystem_is_served_from_a_private_clone() {
         &s.api_sock(),
         "POST",
         &format!("/v1/vms/{id}/exec"),
-        Some(&json!({"op": "digest", "start_page": 0, "pages": pages})),
+        Some(&body(&op::digest(0, pages))),
         Duration::from_secs(30),
     );
     let Some((200, body)) = answer else {
         panic!(
-            "digest after truncating the image: {answer:?}; {}",
+            "digest after truncating the image: {answer:?}; {:?}",
             s.vm(&id)
         );
     };
-    let v: Value = serde_json::from_str(&body).expect("JSON");
+    let v: ExecResponse = serde_json::from_str(&body).expect("an ExecResponse");
     assert_eq!(
-        v["result"].as_u64(),
-        Some(expected_digest(&image.bytes, 0, pages)),
+        v.result,
+        expected_digest(&image.bytes, 0, pages),
         "the VM does not read the image as it was when the VM was created"
     );
-    assert_eq!(s.vm(&id)["state"], "running");
+    assert_eq!(s.vm(&id).state, RunState::Running);
 }
 
 // ---------------------------------------------------------------------------
 // Item 11: Firecracker listeners
 
-fn add_listener(s: &TestServer, name: &str, image: &Path) -> (u16, Value, PathBuf) {
-    let socket = s.state_dir().join(format!("{name}.sock"));
-    let (status, v) = s.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(json!({
-            "socket": socket,
-            "memory_source": {"kind": "file", "path": image},
-            "fault_around_kib": 0,
-            "readahead_kib": 0,
-        })),
-    );
-    (status, v, socket)
+/// Try a listener on `<state dir>/<name>.sock` serving `image` page by
+/// page; returns the answer and the socket.
+fn listen(s: &TestServer, name: &str, image: &Path) -> (Answer<ListenerInfo>, PathBuf) {
+    let req = CreateListener {
+        fault_around_kib: Some(0),
+        readahead_kib: Some(0),
+        ..s.listener_request(name, file_source(image))
+    };
+    (s.try_add_listener(&req), PathBuf::from(req.socket))
 }
 
 #[test]
@@ -630,9 +534,10 @@ fn a_fifo_as_a_listeners_memory_file_is_refused_at_once() {
     let fifo = dir.path().join("memory");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).expect("mkfifo");
     let t = Instant::now();
-    let (status, v, socket) = add_listener(&s, "fifo", &fifo);
+    let (v, socket) = listen(&s, "fifo", &fifo);
     let took = t.elapsed();
-    assert_error(status, &v, 400, "FIFO", "a FIFO as memory file");
+    v.unwrap_err()
+        .assert_error(400, "FIFO", "a FIFO as memory file");
     assert!(
         took < Duration::from_secs(10),
         "refusing a FIFO took {took:?}"
@@ -642,59 +547,14 @@ fn a_fifo_as_a_listeners_memory_file_is_refused_at_once() {
     let image = RandomImage::new(4, 3);
     let link = dir.path().join("link");
     std::os::unix::fs::symlink(image.file.path(), &link).expect("symlink");
-    let (status, v, _) = add_listener(&s, "link", &link);
-    assert_error(status, &v, 400, "link", "a symlink as memory file");
-    let (status, v, _) = add_listener(&s, "ok", image.file.path());
-    assert_eq!(status, 201, "{v}");
+    let (v, _) = listen(&s, "link", &link);
+    v.unwrap_err()
+        .assert_error(400, "link", "a symlink as memory file");
+    let (v, _) = listen(&s, "ok", image.file.path());
+    if let Err(v) = v {
+        panic!("{v}");
+    }
     s.assert_healthy();
-}
-
-/// A stand-in Firecracker process (`fc_client`) whose commands start when
-/// its stdin closes (`hold` first).
-struct HeldClient {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl HeldClient {
-    fn spawn(socket: &Path, mib: u64, then: &str) -> Self {
-        let mut child = Command::new(bin("fc_client"))
-            .arg("--socket")
-            .arg(socket)
-            .args(["--mib", &mib.to_string(), "hold", then])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("cannot start fc_client");
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        HeldClient {
-            child,
-            stdin,
-            lines,
-        }
-    }
-
-    fn release(&mut self) {
-        self.stdin.take();
-    }
-}
-
-impl Drop for HeldClient {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The memory file of a listener is truncated while a client is connected:
@@ -712,27 +572,24 @@ fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
     }
     let s = TestServer::start();
     let image = RandomImage::new(16, 0xfc);
-    let (status, v, socket) = add_listener(&s, "fc", image.file.path());
-    assert_eq!(status, 201, "{v}");
+    let (v, socket) = listen(&s, "fc", image.file.path());
+    if let Err(v) = v {
+        panic!("{v}");
+    }
     let good = RandomImage::new(4, 0xfd);
-    let (status, v, good_socket) = add_listener(&s, "good", good.file.path());
-    assert_eq!(status, 201, "{v}");
+    let (v, good_socket) = listen(&s, "good", good.file.path());
+    if let Err(v) = v {
+        panic!("{v}");
+    }
 
     // What the image held before it was cut: the client checks every page
     // against it.
     let before = tempfile::NamedTempFile::new().expect("temp file");
     std::fs::copy(image.file.path(), before.path()).expect("copy the image");
     let check = format!("check:{}", before.path().display());
-    let mut client = HeldClient::spawn(&socket, 16, &check);
-    let pid = client.child.id();
-    let fc_vm = |s: &TestServer| -> Option<Value> {
-        let (_, v) = s.api("GET", "/v1/vms", None);
-        v["vms"]
-            .as_array()?
-            .iter()
-            .find(|vm| vm["pid"].as_u64() == Some(u64::from(pid)))
-            .cloned()
-    };
+    let mut client = FcClient::spawn(&socket, &["--mib", "16"], &["hold", &check]);
+    let pid = client.pid();
+    let fc_vm = |s: &TestServer| s.firecracker_vm(pid);
     let deadline = Instant::now() + Duration::from_secs(20);
     while fc_vm(&s).is_none() {
         assert!(Instant::now() < deadline, "the client never connected");
@@ -745,13 +602,13 @@ fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
     let mut seen_failed = None;
     let outcome = loop {
         if let Some(vm) = fc_vm(&s) {
-            if vm["state"] == "failed" {
+            if vm.state == RunState::Failed {
                 seen_failed.get_or_insert(vm);
             }
         }
-        if let Ok(line) = client.lines.try_recv() {
+        if let Some(line) = client.try_line() {
             if line.contains("mismatched_pages") {
-                let v: Value = serde_json::from_str(&line).expect("JSON");
+                let v: serde_json::Value = serde_json::from_str(&line).expect("JSON");
                 assert_eq!(
                     v["mismatched_pages"], 0,
                     "the client finished but read other bytes than the image had: {line}"
@@ -759,7 +616,7 @@ fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
                 break format!("the client read the image as it was: {line}");
             }
         }
-        if let Ok(Some(st)) = client.child.try_wait() {
+        if let Some(st) = client.try_wait() {
             // It died on the poisoned page: the failure must be visible.
             let log = s.server_log_text();
             assert!(
@@ -786,8 +643,8 @@ fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
     );
     if let Some(vm) = &seen_failed {
         assert!(
-            vm["failure"].as_str().is_some_and(|f| !f.is_empty()),
-            "failed without a reason: {vm}"
+            vm.failure.as_deref().is_some_and(|f| !f.is_empty()),
+            "failed without a reason: {vm:?}"
         );
     }
     s.assert_healthy();
@@ -803,7 +660,7 @@ fn faults_on_a_truncated_firecracker_memory_file_do_not_hang() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let line: Value =
+    let line: serde_json::Value =
         serde_json::from_slice(out.stdout.split(|b| *b == b'\n').next().expect("a line"))
             .expect("JSON");
     assert_eq!(line["mismatched_pages"], 0, "{line}");

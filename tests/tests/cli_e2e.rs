@@ -1,33 +1,12 @@
 //! `uffdctl` end to end: the CLI's commands against a real server, and the
 //! demo (the README's main job) from start to finish.
 
-use std::process::{Command, Output};
+use std::process::Command;
 
-use pagefork_tests::{bin, require_kvm_uffd, TestServer};
-use serde_json::Value;
-
-fn uffdctl(server: &TestServer, args: &[&str]) -> Output {
-    Command::new(bin("uffdctl"))
-        .arg("--socket")
-        .arg(server.api_sock())
-        .args(args)
-        .output()
-        .expect("cannot run uffdctl")
-}
-
-fn ok_stdout(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "uffdctl failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn json_of(out: &Output) -> Value {
-    serde_json::from_str(&ok_stdout(out)).expect("uffdctl --json printed no JSON")
-}
+use pagefork_tests::{
+    bin, ok_stdout, require_kvm_uffd, uffdctl, uffdctl_json, uffdctl_ok, TestServer,
+};
+use proto::api::{ExecResponse, ForkResponse, VmInfo};
 
 #[test]
 fn uffdctl_drives_a_vm_through_create_exec_fork_and_inspection() {
@@ -35,43 +14,38 @@ fn uffdctl_drives_a_vm_through_create_exec_fork_and_inspection() {
         return;
     }
     let s = TestServer::start();
-    let vm = json_of(&uffdctl(
-        &s,
-        &["--json", "vm", "create", "--memory-mib", "64"],
-    ));
-    let id = vm["id"].as_str().expect("id").to_owned();
-    ok_stdout(&uffdctl(
+    let vm: VmInfo = uffdctl_json(&s, &["vm", "create", "--memory-mib", "64"]);
+    let id = vm.id;
+    uffdctl_ok(
         &s,
         &["vm", "exec", &id, "fill", "--seed", "3", "--pages", "100"],
-    ));
-    let v = json_of(&uffdctl(
+    );
+    let v: ExecResponse = uffdctl_json(
         &s,
-        &[
-            "--json", "vm", "exec", &id, "verify", "--seed", "3", "--pages", "100",
-        ],
-    ));
-    assert_eq!(v["result"], 0, "{v}");
+        &["vm", "exec", &id, "verify", "--seed", "3", "--pages", "100"],
+    );
+    assert_eq!(v.result, 0, "{v:?}");
 
-    let list = ok_stdout(&uffdctl(&s, &["vm", "list"]));
+    let list = uffdctl_ok(&s, &["vm", "list"]);
     assert!(list.starts_with("ID"), "{list}");
     assert!(list.contains(&id) && list.contains("running"), "{list}");
 
-    let fork = json_of(&uffdctl(&s, &["--json", "vm", "fork", &id, "--count", "1"]));
-    let child = fork["children"][0].as_str().expect("child").to_owned();
-    let sources = ok_stdout(&uffdctl(&s, &["sources", &child]));
+    let fork: ForkResponse = uffdctl_json(&s, &["vm", "fork", &id, "--count", "1"]);
+    let child = fork.children[0].clone();
+    let sources = uffdctl_ok(&s, &["sources", &child]);
     assert!(
         sources.contains(&format!("{id}  ")) || sources.contains(&id),
         "{sources}"
     );
-    let page = ok_stdout(&uffdctl(&s, &["page", &child, "0"]));
+    let page = uffdctl_ok(&s, &["page", &child, "0"]);
     assert!(page.contains(&format!("source {id}")), "{page}");
-    let tree = ok_stdout(&uffdctl(&s, &["tree"]));
+    let tree = uffdctl_ok(&s, &["tree"]);
     assert!(
         tree.contains(&format!("  {child}")),
         "child not indented under its parent: {tree}"
     );
 
-    let listeners = ok_stdout(&uffdctl(&s, &["firecracker", "list"]));
+    let listeners = uffdctl_ok(&s, &["firecracker", "list"]);
     assert!(listeners.starts_with("ID"), "{listeners}");
 
     // Errors: a clear message and a failing exit status.
@@ -80,8 +54,8 @@ fn uffdctl_drives_a_vm_through_create_exec_fork_and_inspection() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("no VM vm-999") && err.contains("404"), "{err}");
 
-    ok_stdout(&uffdctl(&s, &["vm", "delete", &child]));
-    ok_stdout(&uffdctl(&s, &["vm", "delete", &id]));
+    uffdctl_ok(&s, &["vm", "delete", &child]);
+    uffdctl_ok(&s, &["vm", "delete", &id]);
 }
 
 #[test]
@@ -112,7 +86,7 @@ fn the_demo_runs_a_vm_a_fork_and_a_snapshot_end_to_end() {
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .output()
         .expect("cannot run uffdctl demo");
-    let text = ok_stdout(&out);
+    let text = ok_stdout(&out, "uffdctl demo");
     for want in [
         "[1] create",
         "[3] fork",

@@ -9,31 +9,12 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    apply_fill, expected_checksum, expected_digest, fault_counter, filled_zero_memory, pages_by,
-    pages_of, pages_total, process_exists, require_kvm_uffd, signal, RandomImage, TestServer,
+    apply_fill, expected_checksum, expected_digest, filled_zero_memory, new_vm, op, pages_by,
+    pages_of, pages_total, process_exists, require_kvm_uffd, signal, RandomImage, Reply,
+    TestServer,
 };
+use proto::api::{CreateVm, RunState, VmInfo};
 use serde_json::{json, Value};
-
-fn pid_of(vm: &Value) -> u32 {
-    vm["pid"]
-        .as_u64()
-        .and_then(|p| u32::try_from(p).ok())
-        .unwrap_or_else(|| panic!("no pid in {vm}"))
-}
-
-fn assert_error(status: u16, body: &Value, want_status: u16, needle: &str, what: &str) {
-    assert_eq!(
-        status, want_status,
-        "{what}: expected {want_status}, got {status}: {body}"
-    );
-    let msg = body["error"]
-        .as_str()
-        .unwrap_or_else(|| panic!("{what}: error body without \"error\": {body}"));
-    assert!(
-        msg.to_lowercase().contains(&needle.to_lowercase()),
-        "{what}: error message {msg:?} does not mention {needle:?}"
-    );
-}
 
 #[test]
 fn image_backed_vm_checksum_and_digest_match_the_image_file() {
@@ -47,31 +28,34 @@ fn image_backed_vm_checksum_and_digest_match_the_image_file() {
     let s = TestServer::start();
 
     // Act: create the VM from it.
-    let id = s.create_vm(json!({"memory_mib": mib, "vcpus": 1, "memory_source": image.source()}));
+    let id = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        ..new_vm(mib)
+    });
 
     // Assert: every page starts out served from the file.
     let vm = s.vm(&id);
-    assert_eq!(vm["state"], "running", "{vm}");
-    assert_eq!(vm["memory_mib"], mib, "{vm}");
-    assert_eq!(pages_by(&vm, "file"), pages, "fresh image VM: {vm}");
-    assert_eq!(pages_total(&vm), pages, "{vm}");
+    assert_eq!(vm.state, RunState::Running, "{vm:?}");
+    assert_eq!(vm.memory_mib, mib, "{vm:?}");
+    assert_eq!(pages_by(&vm, "file"), pages, "fresh image VM: {vm:?}");
+    assert_eq!(pages_total(&vm), pages, "{vm:?}");
 
     // Touching pages moves them from the file to the VM's own memory.
     s.touch(&id, 0, 1024, false);
     let vm = s.vm(&id);
     assert!(
         pages_by(&vm, "file") <= pages - 1024,
-        "after touching 1024 pages: {vm}"
+        "after touching 1024 pages: {vm:?}"
     );
     assert!(
         pages_by(&vm, "vm") >= 1024,
-        "after touching 1024 pages: {vm}"
+        "after touching 1024 pages: {vm:?}"
     );
-    assert_eq!(pages_total(&vm), pages, "{vm}");
+    assert_eq!(pages_total(&vm), pages, "{vm:?}");
     assert_eq!(
         pages_by(&vm, "vm"),
-        vm["resident_pages"].as_u64().unwrap(),
-        "table and memfd agree: {vm}"
+        vm.resident_pages,
+        "table and memfd agree: {vm:?}"
     );
 
     // The guest's checksum (one word per page) and the VMM's digest (every
@@ -96,9 +80,9 @@ fn image_backed_vm_checksum_and_digest_match_the_image_file() {
 
     // Every page has been read: all are now the VM's own.
     let vm = s.vm(&id);
-    assert_eq!(pages_by(&vm, "file"), 0, "after reading all RAM: {vm}");
-    assert_eq!(pages_by(&vm, "vm"), pages, "after reading all RAM: {vm}");
-    assert_eq!(vm["resident_pages"], pages, "{vm}");
+    assert_eq!(pages_by(&vm, "file"), 0, "after reading all RAM: {vm:?}");
+    assert_eq!(pages_by(&vm, "vm"), pages, "after reading all RAM: {vm:?}");
+    assert_eq!(vm.resident_pages, pages, "{vm:?}");
 }
 
 #[test]
@@ -109,9 +93,9 @@ fn untouched_pages_of_a_vm_without_image_read_as_zero() {
     let mib = 64;
     let pages = pages_of(mib);
     let s = TestServer::start();
-    let id = s.create_vm(json!({"memory_mib": mib, "vcpus": 1, "memory_source": null}));
+    let id = s.create_vm(&new_vm(mib));
     let vm = s.vm(&id);
-    assert_eq!(pages_by(&vm, "uninitialized"), pages, "fresh VM: {vm}");
+    assert_eq!(pages_by(&vm, "uninitialized"), pages, "fresh VM: {vm:?}");
 
     let sum = s.checksum(&id, 0, pages);
     let dig = s.digest(&id, 0, pages);
@@ -120,10 +104,10 @@ fn untouched_pages_of_a_vm_without_image_read_as_zero() {
     assert_eq!(dig, 0, "digest of untouched memory");
     let vm = s.vm(&id);
     assert!(
-        fault_counter(&vm, "missing") > 0,
-        "reads were served through missing faults: {vm}"
+        vm.faults.missing > 0,
+        "reads were served through missing faults: {vm:?}"
     );
-    assert_eq!(pages_total(&vm), pages, "{vm}");
+    assert_eq!(pages_total(&vm), pages, "{vm:?}");
 }
 
 #[test]
@@ -134,7 +118,7 @@ fn verify_after_fill_reports_no_mismatches_and_checksum_matches_host_model() {
     let mib = 64;
     let pages = pages_of(mib);
     let s = TestServer::start();
-    let id = s.create_vm(json!({"memory_mib": mib, "vcpus": 1}));
+    let id = s.create_vm(&new_vm(mib));
 
     s.fill(&id, 0, pages, 42);
 
@@ -188,7 +172,10 @@ fn fill_over_an_image_changes_only_the_pattern_words() {
     let pages = pages_of(mib);
     let image = RandomImage::new(mib, 0x5eed_0002);
     let s = TestServer::start();
-    let id = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source()}));
+    let id = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        ..new_vm(mib)
+    });
 
     s.fill(&id, 2000, 3000, 5);
 
@@ -216,9 +203,11 @@ fn touch_read_and_write_leave_image_contents_unchanged() {
     let pages = pages_of(mib);
     let image = RandomImage::new(mib, 0x5eed_0003);
     let s = TestServer::start();
-    let id = s.create_vm(
-        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
-    );
+    let id = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(0),
+        ..new_vm(mib)
+    });
 
     s.touch(&id, 0, 256, false);
     let after_read = s.vm(&id);
@@ -228,12 +217,12 @@ fn touch_read_and_write_leave_image_contents_unchanged() {
     assert_eq!(
         pages_by(&after_read, "vm"),
         256,
-        "read touch installs the touched pages: {after_read}"
+        "read touch installs the touched pages: {after_read:?}"
     );
     assert_eq!(
         pages_by(&after_write, "vm"),
         512,
-        "write touch installs the touched pages: {after_write}"
+        "write touch installs the touched pages: {after_write:?}"
     );
     assert_eq!(
         s.checksum(&id, 0, pages),
@@ -253,19 +242,21 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
     let mib = 32;
     let image = RandomImage::new(mib, 0x5eed_0004);
     let s = TestServer::start();
-    let off = s.create_vm(
-        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
-    );
+    let off = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(0),
+        ..new_vm(mib)
+    });
     // Readahead off: this test is about the fault-around block alone.
-    let on = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(),
-                                "fault_around_kib": 64, "readahead_kib": 0}));
+    let on = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(64),
+        readahead_kib: Some(0),
+        ..new_vm(mib)
+    });
     let before_off = s.vm(&off);
     let before_on = s.vm(&on);
-    assert_eq!(
-        fault_counter(&before_on, "fault_around_kib"),
-        64,
-        "{before_on}"
-    );
+    assert_eq!(before_on.faults.fault_around_kib, 64, "{before_on:?}");
 
     // 256 pages from an aligned start, then 20 pages from an unaligned one.
     s.touch(&off, 1024, 256, false);
@@ -277,30 +268,19 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
     let end_off = s.vm(&off);
     let end_on = s.vm(&on);
 
-    let delta = |a: &Value, b: &Value, k: &str| fault_counter(b, k) - fault_counter(a, k);
+    let installed = |a: &VmInfo, b: &VmInfo| b.faults.pages_installed - a.faults.pages_installed;
+    let missing = |a: &VmInfo, b: &VmInfo| b.faults.missing - a.faults.missing;
     // Without fault-around: one fault and one page per touched page.
-    assert_eq!(
-        delta(&before_off, &mid_off, "pages_installed"),
-        256,
-        "{mid_off}"
-    );
-    assert_eq!(delta(&before_off, &mid_off, "missing"), 256, "{mid_off}");
-    assert_eq!(
-        delta(&mid_off, &end_off, "pages_installed"),
-        20,
-        "{end_off}"
-    );
-    assert_eq!(delta(&mid_off, &end_off, "missing"), 20, "{end_off}");
+    assert_eq!(installed(&before_off, &mid_off), 256, "{mid_off:?}");
+    assert_eq!(missing(&before_off, &mid_off), 256, "{mid_off:?}");
+    assert_eq!(installed(&mid_off, &end_off), 20, "{end_off:?}");
+    assert_eq!(missing(&mid_off, &end_off), 20, "{end_off:?}");
     // With 64 KiB (16 pages): one fault per aligned block touched.
-    assert_eq!(
-        delta(&before_on, &mid_on, "pages_installed"),
-        256,
-        "{mid_on}"
-    );
-    assert_eq!(delta(&before_on, &mid_on, "missing"), 16, "{mid_on}");
+    assert_eq!(installed(&before_on, &mid_on), 256, "{mid_on:?}");
+    assert_eq!(missing(&before_on, &mid_on), 16, "{mid_on:?}");
     // Pages 3006..3026 lie in the blocks 2992..3008, 3008..3024, 3024..3040.
-    assert_eq!(delta(&mid_on, &end_on, "pages_installed"), 48, "{end_on}");
-    assert_eq!(delta(&mid_on, &end_on, "missing"), 3, "{end_on}");
+    assert_eq!(installed(&mid_on, &end_on), 48, "{end_on:?}");
+    assert_eq!(missing(&mid_on, &end_on), 3, "{end_on:?}");
     // And the pages installed around the fault carry the image's bytes.
     assert_eq!(
         s.checksum(&on, 2992, 48),
@@ -329,7 +309,7 @@ fn four_vms_run_at_once_without_interference() {
             .map(|&seed| {
                 let s = &s;
                 sc.spawn(move || {
-                    let id = s.create_vm(json!({"memory_mib": mib, "vcpus": 1}));
+                    let id = s.create_vm(&new_vm(mib));
                     for round in 0..3 {
                         s.fill(&id, 0, pages, seed + round);
                         assert_eq!(
@@ -365,7 +345,7 @@ fn four_vms_run_at_once_without_interference() {
             }
         }
     }
-    let pids: Vec<u32> = ids.iter().map(|id| pid_of(&s.vm(id))).collect();
+    let pids: Vec<u32> = ids.iter().map(|id| s.vmm_pid(id)).collect();
     let mut distinct = pids.clone();
     distinct.sort_unstable();
     distinct.dedup();
@@ -383,12 +363,17 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
     let s = TestServer::start();
     // The victim reads its image one page per fault, so the kill lands
     // while faults are in flight.
-    let victim = s.create_vm(
-        json!({"memory_mib": mib, "memory_source": image.source(), "fault_around_kib": 0}),
-    );
-    let a = s.create_vm(json!({"memory_mib": 64}));
-    let b = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source()}));
-    let victim_pid = pid_of(&s.vm(&victim));
+    let victim = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(0),
+        ..new_vm(mib)
+    });
+    let a = s.create_vm(&new_vm(64));
+    let b = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        ..new_vm(mib)
+    });
+    let victim_pid = s.vmm_pid(&victim);
     assert!(process_exists(victim_pid));
 
     std::thread::scope(|sc| {
@@ -397,12 +382,8 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
             // Keeps working until the kill makes exec fail.
             let started = Instant::now();
             loop {
-                let (status, v) = s.try_exec(
-                    &victim,
-                    json!({"op": "checksum", "start_page": 0, "pages": pages}),
-                );
-                if status != 200 {
-                    return (status, v);
+                if let Err(r) = s.try_exec(&victim, &op::checksum(0, pages)) {
+                    return r;
                 }
                 assert!(
                     started.elapsed() < Duration::from_secs(60),
@@ -418,15 +399,12 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
         });
         // Let the victim get going, then kill it.
         std::thread::sleep(Duration::from_millis(300));
-        let faults_before_kill = fault_counter(&s.vm(&victim), "missing");
+        let faults_before_kill = s.vm(&victim).faults.missing;
         signal(victim_pid, Signal::SIGKILL);
 
-        let (status, body) = dying.join().expect("victim thread panicked");
-        assert!(
-            status >= 400,
-            "exec on the killed VM fails: {status} {body}"
-        );
-        assert!(body["error"].is_string(), "with an error message: {body}");
+        let r = dying.join().expect("victim thread panicked");
+        assert!(r.status >= 400, "exec on the killed VM fails: {r}");
+        assert!(r.body["error"].is_string(), "with an error message: {r}");
         worker_a.join().expect("worker thread panicked");
         assert!(
             faults_before_kill > 0 && faults_before_kill < pages,
@@ -435,19 +413,16 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
     });
 
     // The dead VM is reported as exited, soon.
-    let dead = s.wait_state(&victim, "exited", Duration::from_secs(10));
-    assert!(
-        dead["exit_reason"].is_string(),
-        "exited VM says why: {dead}"
-    );
+    let dead = s.wait_state(&victim, RunState::Exited, Duration::from_secs(10));
+    assert!(dead.exit_reason.is_some(), "exited VM says why: {dead:?}");
     assert!(
         !process_exists(victim_pid) || is_zombie(victim_pid),
         "victim pid {victim_pid} is gone"
     );
-    let (status, body) = s.try_exec(&victim, json!({"op": "identity"}));
+    let r = s.try_exec(&victim, &op::identity()).unwrap_err();
     assert!(
-        (400..500).contains(&status),
-        "exec on an exited VM is a client error: {status} {body}"
+        (400..500).contains(&r.status),
+        "exec on an exited VM is a client error: {r}"
     );
 
     // The others answer correctly, after the kill too.
@@ -458,10 +433,10 @@ fn sigkill_of_one_vmm_mid_work_leaves_the_others_answering() {
     );
     s.fill(&a, 0, pages_of(64), 77);
     assert_eq!(s.verify(&a, 0, pages_of(64), 77), 0, "{a}");
-    assert_eq!(s.vm(&a)["state"], "running");
-    assert_eq!(s.vm(&b)["state"], "running");
+    assert_eq!(s.vm(&a).state, RunState::Running);
+    assert_eq!(s.vm(&b).state, RunState::Running);
     // And the server still starts new VMs.
-    let c = s.create_vm(json!({"memory_mib": 16}));
+    let c = s.create_vm(&new_vm(16));
     assert_eq!(s.checksum(&c, 0, pages_of(16)), 0);
 }
 
@@ -481,27 +456,25 @@ fn exec_on_a_paused_vm_conflicts_until_resumed() {
         return;
     }
     let s = TestServer::start();
-    let id = s.create_vm(json!({"memory_mib": 16}));
+    let id = s.create_vm(&new_vm(16));
     s.fill(&id, 0, 100, 3);
 
-    let (status, v) = s.api("POST", &format!("/v1/vms/{id}/pause"), None);
-    assert_eq!(status, 200, "pause: {v}");
-    assert_eq!(v["state"], "paused", "{v}");
-    assert_eq!(s.vm(&id)["state"], "paused");
+    let v = s.pause(&id);
+    assert_eq!(v.state, RunState::Paused, "{v:?}");
+    assert_eq!(s.vm(&id).state, RunState::Paused);
 
-    let (status, v) = s.try_exec(
-        &id,
-        json!({"op": "verify", "start_page": 0, "pages": 100, "seed": 3}),
-    );
-    assert_error(status, &v, 409, "paused", "exec on a paused VM");
-    let (status, v) = s.api("POST", &format!("/v1/vms/{id}/pause"), None);
-    assert_error(status, &v, 409, "paused", "pause of a paused VM");
+    s.try_exec(&id, &op::verify(0, 100, 3))
+        .unwrap_err()
+        .assert_error(409, "paused", "exec on a paused VM");
+    s.try_pause(&id)
+        .unwrap_err()
+        .assert_error(409, "paused", "pause of a paused VM");
 
-    let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
-    assert_eq!(status, 200, "resume: {v}");
-    assert_eq!(v["state"], "running", "{v}");
-    let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
-    assert_error(status, &v, 409, "running", "resume of a running VM");
+    let v = s.resume(&id);
+    assert_eq!(v.state, RunState::Running, "{v:?}");
+    s.try_resume(&id)
+        .unwrap_err()
+        .assert_error(409, "running", "resume of a running VM");
 
     assert_eq!(
         s.verify(&id, 0, 100, 3),
@@ -602,8 +575,7 @@ fn bad_create_requests_get_4xx_that_say_what_to_fix() {
     ];
     for (what, route, body, want, needle) in cases {
         let (method, path) = route.split_once(' ').unwrap();
-        let (status, v) = s.api(method, path, body);
-        assert_error(status, &v, want, needle, what);
+        s.raw(method, path, body).assert_error(want, needle, what);
     }
 
     // Bodies that are not JSON at all.
@@ -611,10 +583,10 @@ fn bad_create_requests_get_4xx_that_say_what_to_fix() {
         ("invalid JSON", &b"{\"memory_mib\": 16,"[..]),
         ("empty body", b""),
     ] {
-        let (status, text) = s.api_raw("POST", "/v1/vms", body);
-        let v: Value = serde_json::from_str(&text)
+        let (status, text) = s.raw_bytes("POST", "/v1/vms", body);
+        let body: Value = serde_json::from_str(&text)
             .unwrap_or_else(|e| panic!("{what}: body {text:?} not JSON: {e}"));
-        assert_error(status, &v, 400, "body", what);
+        Reply { status, body }.assert_error(400, "body", what);
     }
 
     assert!(s.vm_ids().is_empty(), "no VM was created by a bad request");
@@ -628,7 +600,7 @@ fn bad_exec_requests_get_4xx_and_leave_the_vm_working() {
     }
     let s = TestServer::start();
     let pages = pages_of(16);
-    let id = s.create_vm(json!({"memory_mib": 16}));
+    let id = s.create_vm(&new_vm(16));
     let cases: Vec<(&str, Value, &str)> = vec![
         (
             "unknown op",
@@ -662,13 +634,13 @@ fn bad_exec_requests_get_4xx_and_leave_the_vm_working() {
         ),
     ];
     for (what, body, needle) in cases {
-        let (status, v) = s.try_exec(&id, body);
-        assert_error(status, &v, 400, needle, what);
+        s.raw("POST", &format!("/v1/vms/{id}/exec"), Some(body))
+            .assert_error(400, needle, what);
     }
-    let (status, text) = s.api_raw("POST", &format!("/v1/vms/{id}/exec"), b"op=fill");
-    let v: Value =
+    let (status, text) = s.raw_bytes("POST", &format!("/v1/vms/{id}/exec"), b"op=fill");
+    let body: Value =
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("body {text:?} not JSON: {e}"));
-    assert_error(status, &v, 400, "body", "non-JSON exec body");
+    Reply { status, body }.assert_error(400, "body", "non-JSON exec body");
 
     // The whole of memory is a valid range, and the VM still works.
     assert_eq!(s.checksum(&id, 0, pages), 0);
@@ -682,24 +654,25 @@ fn deleted_vm_has_no_process_and_is_not_listed() {
         return;
     }
     let s = TestServer::start();
-    let keep = s.create_vm(json!({"memory_mib": 16}));
-    let gone = s.create_vm(json!({"memory_mib": 16}));
+    let keep = s.create_vm(&new_vm(16));
+    let gone = s.create_vm(&new_vm(16));
     s.fill(&keep, 0, 64, 1);
-    let pid = pid_of(&s.vm(&gone));
+    let pid = s.vmm_pid(&gone);
     assert!(process_exists(pid));
 
-    let (status, v) = s.api("DELETE", &format!("/v1/vms/{gone}"), None);
+    s.delete_vm(&gone);
 
-    assert_eq!(status, 200, "delete: {v}");
     assert!(
         !process_exists(pid),
         "vmm pid {pid} of {gone} still exists after DELETE returned"
     );
     assert_eq!(s.vm_ids(), vec![keep.clone()]);
-    let (status, v) = s.api("GET", &format!("/v1/vms/{gone}"), None);
-    assert_error(status, &v, 404, &gone, "GET of a deleted VM");
-    let (status, v) = s.api("DELETE", &format!("/v1/vms/{gone}"), None);
-    assert_error(status, &v, 404, &gone, "second DELETE");
+    s.try_vm(&gone)
+        .unwrap_err()
+        .assert_error(404, &gone, "GET of a deleted VM");
+    s.try_delete_vm(&gone)
+        .unwrap_err()
+        .assert_error(404, &gone, "second DELETE");
     assert_eq!(s.verify(&keep, 0, 64, 1), 0, "the other VM is untouched");
 }
 
@@ -709,9 +682,9 @@ fn sigterm_stops_the_server_and_its_vmms() {
         return;
     }
     let mut s = TestServer::start();
-    let a = s.create_vm(json!({"memory_mib": 16}));
-    let b = s.create_vm(json!({"memory_mib": 16}));
-    let pids = [pid_of(&s.vm(&a)), pid_of(&s.vm(&b))];
+    let a = s.create_vm(&new_vm(16));
+    let b = s.create_vm(&new_vm(16));
+    let pids = [s.vmm_pid(&a), s.vmm_pid(&b)];
 
     let status = s.stop(Duration::from_secs(15));
 
@@ -735,17 +708,21 @@ fn sequential_faults_grow_the_readahead_window_up_to_its_limit() {
     let image = RandomImage::new(mib, 0x5eed_0005);
     let s = TestServer::start();
     // Fault-around 64 KiB (16 pages), readahead up to 2 MiB (512 pages).
-    let vm = s.create_vm(json!({"memory_mib": mib, "memory_source": image.source(),
-                                "fault_around_kib": 64, "readahead_kib": 2048}));
+    let vm = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(64),
+        readahead_kib: Some(2048),
+        ..new_vm(mib)
+    });
     s.touch(&vm, 0, 4096, false);
     let v = s.vm(&vm);
     // Windows 16, 32, 64, 128, 256, 512, then 512 each: 0..16, 16..48,
     // 48..112, 112..240, 240..496, 496..1008, and seven more of 512 pages.
     // (Each window goes in 64 KiB pieces, the faulting one first; a
     // fault in a piece not yet installed is woken by that piece's copy.)
-    assert_eq!(fault_counter(&v, "missing"), 13, "{v}");
-    assert_eq!(fault_counter(&v, "pages_installed"), 4592, "{v}");
-    assert_eq!(v["faults"]["phases"]["service"]["count"], 13, "{v}");
+    assert_eq!(v.faults.missing, 13, "{v:?}");
+    assert_eq!(v.faults.pages_installed, 4592, "{v:?}");
+    assert_eq!(v.faults.phases.service.count, 13, "{v:?}");
     assert_eq!(
         s.digest(&vm, 0, 4592),
         expected_digest(&image.bytes, 0, 4592)
@@ -753,6 +730,6 @@ fn sequential_faults_grow_the_readahead_window_up_to_its_limit() {
     // A jump elsewhere starts again from one aligned block.
     s.touch(&vm, 6000 + 3, 1, false);
     let w = s.vm(&vm);
-    assert_eq!(fault_counter(&w, "missing"), 14, "{w}");
-    assert_eq!(fault_counter(&w, "pages_installed"), 4592 + 16, "{w}");
+    assert_eq!(w.faults.missing, 14, "{w:?}");
+    assert_eq!(w.faults.pages_installed, 4592 + 16, "{w:?}");
 }

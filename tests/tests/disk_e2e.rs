@@ -6,8 +6,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use pagefork_tests::{server_on_xfs, RandomImage, TestServer};
-use serde_json::json;
+use pagefork_tests::{new_vm, op, server_on_xfs, RandomImage, TestServer};
+use proto::api::{CreateVm, ExecRequest, RollbackVolume};
 use shared::pattern::{disk_checksum, disk_word, SECTOR_SIZE};
 
 /// What `disk_fill` leaves in sectors [s, s+n) of `disk`.
@@ -16,6 +16,14 @@ fn apply_disk_fill(disk: &mut [u8], s: u64, n: u64, seed: u64) {
         let b = usize::try_from(sec * SECTOR_SIZE).unwrap();
         disk[b..b + 512].fill(0);
         disk[b..b + 8].copy_from_slice(&disk_word(seed, sec).to_le_bytes());
+    }
+}
+
+/// Roll a volume back to `snapshot`, keeping newer snapshots.
+fn rollback_to(snapshot: &str) -> RollbackVolume {
+    RollbackVolume {
+        snapshot: snapshot.to_owned(),
+        delete_newer: false,
     }
 }
 
@@ -29,26 +37,18 @@ fn forked_vm_disks_are_isolated_and_match_the_volume_files() {
     let Some(server) = server_on_xfs(&[]) else {
         return;
     };
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "d1", "size_mib": 4})),
-    );
-    assert_eq!(st, 201, "{v}");
+    server.create_volume("d1", 4);
     let sectors = 4 * 2048;
-    let parent = server.create_vm(json!({"memory_mib": 64, "volume": "d1"}));
+    let parent = server.create_vm(&CreateVm {
+        volume: Some("d1".into()),
+        ..new_vm(64)
+    });
 
     // The parent fills the whole disk with seed 1.
-    server.exec(
-        &parent,
-        json!({"op": "disk_fill", "sector": 0, "count": sectors, "seed": 1}),
-    );
+    server.exec(&parent, &op::disk_fill(0, sectors, 1));
     let mut want_parent = vec![0u8; 4 << 20];
     apply_disk_fill(&mut want_parent, 0, sectors, 1);
-    let sum = server.exec(
-        &parent,
-        json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
-    );
+    let sum = server.exec(&parent, &op::disk_checksum(0, sectors));
     assert_eq!(sum, disk_checksum(&want_parent, 0, sectors));
     assert_eq!(
         disk_checksum(&volume_file(&server, "d1"), 0, sectors),
@@ -57,41 +57,20 @@ fn forked_vm_disks_are_isolated_and_match_the_volume_files() {
     );
 
     // Fork: the child gets a reflink of the disk taken while paused.
-    let (st, f) = server.api(
-        "POST",
-        &format!("/v1/vms/{parent}/fork"),
-        Some(json!({"count": 1})),
-    );
-    assert_eq!(st, 201, "{f}");
-    let child = f["children"][0].as_str().unwrap().to_owned();
-    let child_vol = server.vm(&child)["volume"]
-        .as_str()
-        .expect("child has a volume")
-        .to_owned();
+    let child = server.fork_one(&parent);
+    let child_vol = server.vm(&child).volume.expect("child has a volume");
     assert_ne!(child_vol, "d1");
 
     // Parent and child write different halves.
     let half = sectors / 2;
-    server.exec(
-        &parent,
-        json!({"op": "disk_fill", "sector": 0, "count": half, "seed": 2}),
-    );
-    server.exec(
-        &child,
-        json!({"op": "disk_fill", "sector": half, "count": half, "seed": 3}),
-    );
+    server.exec(&parent, &op::disk_fill(0, half, 2));
+    server.exec(&child, &op::disk_fill(half, half, 3));
     let mut want_child = want_parent.clone();
     apply_disk_fill(&mut want_parent, 0, half, 2);
     apply_disk_fill(&mut want_child, half, half, 3);
 
-    let p = server.exec(
-        &parent,
-        json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
-    );
-    let c = server.exec(
-        &child,
-        json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
-    );
+    let p = server.exec(&parent, &op::disk_checksum(0, sectors));
+    let c = server.exec(&child, &op::disk_checksum(0, sectors));
     assert_eq!(
         p,
         disk_checksum(&want_parent, 0, sectors),
@@ -120,51 +99,28 @@ fn volume_rolled_back_to_a_snapshot_reads_back_the_snapshot() {
     let Some(server) = server_on_xfs(&[]) else {
         return;
     };
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "r1", "size_mib": 2})),
-    );
-    assert_eq!(st, 201, "{v}");
+    server.create_volume("r1", 2);
     let sectors = 2 * 2048;
-    let vm = server.create_vm(json!({"memory_mib": 64, "volume": "r1"}));
-    server.exec(
-        &vm,
-        json!({"op": "disk_fill", "sector": 0, "count": sectors, "seed": 10}),
-    );
-    let at_snapshot = server.exec(
-        &vm,
-        json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
-    );
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes/r1/snapshots",
-        Some(json!({"name": "r1-s1"})),
-    );
-    assert_eq!(st, 201, "{v}");
-    server.exec(
-        &vm,
-        json!({"op": "disk_fill", "sector": 0, "count": sectors / 4, "seed": 11}),
-    );
-    let changed = server.exec(
-        &vm,
-        json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
-    );
+    let vm = server.create_vm(&CreateVm {
+        volume: Some("r1".into()),
+        ..new_vm(64)
+    });
+    server.exec(&vm, &op::disk_fill(0, sectors, 10));
+    let at_snapshot = server.exec(&vm, &op::disk_checksum(0, sectors));
+    server.snapshot_volume("r1", "r1-s1");
+    server.exec(&vm, &op::disk_fill(0, sectors / 4, 11));
+    let changed = server.exec(&vm, &op::disk_checksum(0, sectors));
     assert_ne!(changed, at_snapshot);
-    let (st, _) = server.api("DELETE", &format!("/v1/vms/{vm}"), None);
-    assert_eq!(st, 200);
+    server.delete_vm(&vm);
 
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes/r1/rollback",
-        Some(json!({"snapshot": "r1-s1", "delete_newer": false})),
-    );
-    assert_eq!(st, 200, "{v}");
-    let vm2 = server.create_vm(json!({"memory_mib": 64, "volume": "r1"}));
-    let after = server.exec(
-        &vm2,
-        json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
-    );
+    if let Err(v) = server.try_rollback_volume("r1", &rollback_to("r1-s1")) {
+        panic!("{v}");
+    }
+    let vm2 = server.create_vm(&CreateVm {
+        volume: Some("r1".into()),
+        ..new_vm(64)
+    });
+    let after = server.exec(&vm2, &op::disk_checksum(0, sectors));
     assert_eq!(
         after, at_snapshot,
         "rolled-back volume does not read back the snapshot"
@@ -179,16 +135,14 @@ fn vm_with_unknown_volume_is_refused_with_a_clear_error() {
     let Some(server) = server_on_xfs(&[]) else {
         return;
     };
-    let (st, v) = server.api(
-        "POST",
-        "/v1/vms",
-        Some(json!({"memory_mib": 64, "volume": "nope"})),
-    );
-    assert_eq!(st, 400, "{v}");
-    assert!(
-        v["error"].as_str().unwrap_or_default().contains("nope"),
-        "{v}"
-    );
+    let v = server
+        .try_create_vm(&CreateVm {
+            volume: Some("nope".into()),
+            ..new_vm(64)
+        })
+        .unwrap_err();
+    assert_eq!(v.status, 400, "{v}");
+    assert!(v.error().contains("nope"), "{v}");
 }
 
 #[test]
@@ -196,38 +150,26 @@ fn a_volume_in_use_cannot_be_rolled_back_or_deleted_until_its_vm_is_gone() {
     let Some(server) = server_on_xfs(&[]) else {
         return;
     };
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "busy", "size_mib": 1})),
-    );
-    assert_eq!(st, 201, "{v}");
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes/busy/snapshots",
-        Some(json!({"name": "busy-s"})),
-    );
-    assert_eq!(st, 201, "{v}");
-    let vm = server.create_vm(json!({"memory_mib": 64, "volume": "busy"}));
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes/busy/rollback",
-        Some(json!({"snapshot": "busy-s", "delete_newer": false})),
-    );
-    assert_eq!(st, 409, "{v}");
-    assert!(v["error"].as_str().unwrap_or_default().contains(&vm), "{v}");
-    let (st, v) = server.api("DELETE", "/v1/volumes/busy", None);
-    assert_eq!(st, 409, "{v}");
-    let (st, _) = server.api("DELETE", &format!("/v1/vms/{vm}"), None);
-    assert_eq!(st, 200);
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes/busy/rollback",
-        Some(json!({"snapshot": "busy-s", "delete_newer": false})),
-    );
-    assert_eq!(st, 200, "{v}");
-    let (st, v) = server.api("DELETE", "/v1/volumes/busy", None);
-    assert!(st < 300, "{v}");
+    server.create_volume("busy", 1);
+    server.snapshot_volume("busy", "busy-s");
+    let vm = server.create_vm(&CreateVm {
+        volume: Some("busy".into()),
+        ..new_vm(64)
+    });
+    let v = server
+        .try_rollback_volume("busy", &rollback_to("busy-s"))
+        .unwrap_err();
+    assert_eq!(v.status, 409, "{v}");
+    assert!(v.error().contains(&vm), "{v}");
+    let v = server.try_delete_volume("busy").unwrap_err();
+    assert_eq!(v.status, 409, "{v}");
+    server.delete_vm(&vm);
+    if let Err(v) = server.try_rollback_volume("busy", &rollback_to("busy-s")) {
+        panic!("{v}");
+    }
+    if let Err(v) = server.try_delete_volume("busy") {
+        panic!("{v}");
+    }
 }
 
 #[test]
@@ -235,14 +177,12 @@ fn multi_sector_requests_fill_and_fold_exactly_what_the_volume_file_holds() {
     let Some(server) = server_on_xfs(&[]) else {
         return;
     };
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "m1", "size_mib": 8})),
-    );
-    assert_eq!(st, 201, "{v}");
+    server.create_volume("m1", 8);
     let sectors = 8 * 2048;
-    let vm = server.create_vm(json!({"memory_mib": 64, "volume": "m1"}));
+    let vm = server.create_vm(&CreateVm {
+        volume: Some("m1".into()),
+        ..new_vm(64)
+    });
     let mut want = vec![0u8; 8 << 20];
     // Requests of the default 2048 sectors, starting off a boundary and
     // ending in a short one; an even size that is no multiple of the
@@ -254,11 +194,13 @@ fn multi_sector_requests_fill_and_fold_exactly_what_the_volume_file_holds() {
         (12000, 10, 10, Some(1)),
         (16383, 1, 11, None),
     ] {
-        let mut op = json!({"op": "disk_fill", "sector": sector, "count": count, "seed": seed});
-        if let Some(n) = per_io {
-            op["sectors_per_io"] = json!(n);
-        }
-        server.exec(&vm, op);
+        let op = ExecRequest::DiskFill {
+            sector,
+            count,
+            seed,
+            sectors_per_io: per_io,
+        };
+        server.exec(&vm, &op);
         apply_disk_fill(&mut want, sector, count, seed);
     }
     assert_eq!(volume_file(&server, "m1"), want, "volume file");
@@ -269,22 +211,29 @@ fn multi_sector_requests_fill_and_fold_exactly_what_the_volume_file_holds() {
         (5, 16000, Some(17)),
         (6099, 1300, Some(64)),
     ] {
-        let mut op = json!({"op": "disk_checksum", "sector": sector, "count": count});
-        if let Some(n) = per_io {
-            op["sectors_per_io"] = json!(n);
-        }
+        let op = ExecRequest::DiskChecksum {
+            sector,
+            count,
+            sectors_per_io: per_io,
+        };
         assert_eq!(
-            server.exec(&vm, op.clone()),
+            server.exec(&vm, &op),
             disk_checksum(&want, sector, count),
-            "{op}"
+            "{op:?}"
         );
     }
     for bad in [0, 2049] {
-        let (st, v) = server.try_exec(
+        let v = server.try_exec(
             &vm,
-            json!({"op": "disk_fill", "count": 1, "seed": 1, "sectors_per_io": bad}),
+            &ExecRequest::DiskFill {
+                sector: 0,
+                count: 1,
+                seed: 1,
+                sectors_per_io: Some(bad),
+            },
         );
-        assert_eq!(st, 400, "sectors_per_io {bad}: {v}");
+        let v = v.unwrap_err();
+        assert_eq!(v.status, 400, "sectors_per_io {bad}: {v}");
     }
 }
 
@@ -300,50 +249,34 @@ fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
     // Long enough that a fork (whose volume reflink first flushes what the
     // fill wrote) can land inside it.
     let mib = 256u64;
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "f1", "size_mib": mib})),
-    );
-    assert_eq!(st, 201, "{v}");
+    server.create_volume("f1", mib);
     let sectors = mib * 2048;
-    let parent = server.create_vm(json!({"memory_mib": 64, "volume": "f1"}));
-    server.exec(
-        &parent,
-        json!({"op": "disk_fill", "sector": 0, "count": sectors, "seed": 1}),
-    );
+    let parent = server.create_vm(&CreateVm {
+        volume: Some("f1".into()),
+        ..new_vm(64)
+    });
+    server.exec(&parent, &op::disk_fill(0, sectors, 1));
     let mut delay = Duration::from_millis(40);
     for attempt in 0..12u64 {
         let seed = 20 + attempt;
         let done = AtomicBool::new(false);
         let (fork, fill_done_first) = std::thread::scope(|sc| {
             let filler = sc.spawn(|| {
-                server.exec(
-                    &parent,
-                    json!({"op": "disk_fill", "sector": 0, "count": sectors, "seed": seed}),
-                );
+                server.exec(&parent, &op::disk_fill(0, sectors, seed));
                 done.store(true, Ordering::SeqCst);
             });
             std::thread::sleep(delay);
             // The fill cannot end while the fork holds the parent paused,
             // so whether it ended is judged before the fork is asked for.
             let first = done.load(Ordering::SeqCst);
-            let (st, f) = server.api(
-                "POST",
-                &format!("/v1/vms/{parent}/fork"),
-                Some(json!({"count": 1})),
-            );
-            assert_eq!(st, 201, "{f}");
+            let f = server.fork(&parent, 1);
             filler.join().expect("fill thread panicked");
             (f, first)
         });
-        let child = fork["children"][0].as_str().unwrap().to_owned();
-        let child_vol = server.vm(&child)["volume"].as_str().unwrap().to_owned();
+        let child = fork.children[0].clone();
+        let child_vol = server.vm(&child).volume.unwrap();
         // An op on the child runs after the fill it inherited, if any.
-        let sum = server.exec(
-            &child,
-            json!({"op": "disk_checksum", "sector": 0, "count": sectors}),
-        );
+        let sum = server.exec(&child, &op::disk_checksum(0, sectors));
         let mut want = vec![0u8; usize::try_from(mib << 20).unwrap()];
         apply_disk_fill(&mut want, 0, sectors, seed);
         let child_disk = volume_file(&server, &child_vol);
@@ -354,8 +287,7 @@ fn fork_during_a_long_disk_fill_gives_the_child_the_whole_fill() {
              {fill_done_first}, child disk starts with the old seed: {before_start}"
         );
         assert_eq!(volume_file(&server, "f1"), want, "parent volume");
-        let (st, _) = server.api("DELETE", &format!("/v1/vms/{child}"), None);
-        assert_eq!(st, 200);
+        server.delete_vm(&child);
         if fill_done_first {
             delay /= 2;
             continue;
@@ -384,26 +316,18 @@ fn pages_written_from_guest_ram_reach_the_volume_byte_for_byte() {
     let Some(server) = server_on_xfs(&[]) else {
         return;
     };
-    let (st, v) = server.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "p1", "size_mib": 8})),
-    );
-    assert_eq!(st, 201, "{v}");
+    server.create_volume("p1", 8);
     let mib = 16u64;
     let image = RandomImage::new(mib, 0x9e37_79b9_7f4a_7c15);
-    let vm = server.create_vm(json!({
-        "memory_mib": mib,
-        "volume": "p1",
-        "memory_source": image.source(),
-        "fault_around_kib": 0,
-        "readahead_kib": 0,
-    }));
+    let vm = server.create_vm(&CreateVm {
+        volume: Some("p1".into()),
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(0),
+        readahead_kib: Some(0),
+        ..new_vm(mib)
+    });
     // The guest rewrites two words of pages 300..310.
-    server.exec(
-        &vm,
-        json!({"op": "fill", "start_page": 300, "pages": 10, "seed": 4}),
-    );
+    server.exec(&vm, &op::fill(300, 10, 4));
     let mut ram = image.bytes.clone();
     for p in 300..310u64 {
         let b = usize::try_from(p * 4096).unwrap();
@@ -419,12 +343,13 @@ fn pages_written_from_guest_ram_reach_the_volume_byte_for_byte() {
         (2000, 3, 12000, Some(1)),
         (4095, 1, 16376, None),
     ] {
-        let mut op = json!({"op": "disk_write_pages", "start_page": start, "pages": pages,
-                            "sector": sector});
-        if let Some(n) = per_io {
-            op["sectors_per_io"] = json!(n);
-        }
-        assert_eq!(server.exec(&vm, op), 0);
+        let op = ExecRequest::DiskWritePages {
+            start_page: Some(start),
+            pages: Some(pages),
+            sector,
+            sectors_per_io: per_io,
+        };
+        assert_eq!(server.exec(&vm, &op), 0);
         let (from, to) = (
             usize::try_from(start * 4096).unwrap(),
             usize::try_from(sector * SECTOR_SIZE).unwrap(),
@@ -438,20 +363,17 @@ fn pages_written_from_guest_ram_reach_the_volume_byte_for_byte() {
     );
     // The guest reads back what the device wrote from its RAM.
     assert_eq!(
-        server.exec(
-            &vm,
-            json!({"op": "disk_checksum", "sector": 0, "count": 16384})
-        ),
+        server.exec(&vm, &op::disk_checksum(0, 16384)),
         disk_checksum(&want, 0, 16384)
     );
     // Past the end of memory, past the end of the disk: refused, nothing
     // written.
     for bad in [
-        json!({"op": "disk_write_pages", "start_page": 4090, "pages": 7}),
-        json!({"op": "disk_write_pages", "start_page": 0, "pages": 2, "sector": 16380}),
+        op::disk_write_pages(4090, 7, 0),
+        op::disk_write_pages(0, 2, 16380),
     ] {
-        let (st, v) = server.try_exec(&vm, bad.clone());
-        assert_eq!(st, 400, "{bad}: {v}");
+        let v = server.try_exec(&vm, &bad).unwrap_err();
+        assert_eq!(v.status, 400, "{bad:?}: {v}");
     }
     assert!(
         volume_file(&server, "p1") == want,
@@ -459,7 +381,13 @@ fn pages_written_from_guest_ram_reach_the_volume_byte_for_byte() {
     );
     // Memory still answers exactly: writing pages out changed none.
     assert_eq!(
-        server.exec(&vm, json!({"op": "digest"})),
+        server.exec(
+            &vm,
+            &ExecRequest::Digest {
+                start_page: None,
+                pages: None
+            }
+        ),
         shared::pattern::digest(&ram, 0, 0, mib << 8)
     );
 }

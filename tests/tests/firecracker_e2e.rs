@@ -11,6 +11,7 @@
 //! These tests need /dev/userfaultfd (no KVM): without it they skip with a
 //! printed reason, and fail under `CI=true`.
 
+use std::collections::BTreeMap;
 use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
@@ -22,9 +23,12 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use pagefork_tests::{
-    fault_counter, pages_by, process_exists, signal, FcClient, RandomImage, TestServer,
+    file_source, new_listener, open_fds, pages_by, process_exists, signal, wait_until, FcClient,
+    RandomImage, TestServer,
 };
-use serde_json::{json, Value};
+use proto::api::{CreateListener, MemorySource, RunState, SourceExtent};
+use proto::firecracker::GuestRegionUffdMapping;
+use serde_json::Value;
 
 const PAGE: u64 = 4096;
 const HUGE_PAGE: u64 = 2 << 20;
@@ -123,140 +127,24 @@ impl Drop for HugePages {
 // ---------------------------------------------------------------------------
 // Listeners and VMs through the API
 
-/// Create a listener on `<state dir>/<name>.sock`; returns its id and socket.
-fn add_listener(
+/// A listener on `<state dir>/<name>.sock` serving `image` with
+/// `fault_around_kib` and no readahead (these tests count faults of the
+/// fault-around block alone; readahead has its own test); returns its id
+/// and socket.
+fn listen(
     s: &TestServer,
     name: &str,
     image: &str,
     fault_around_kib: u64,
     working_set: bool,
 ) -> (String, PathBuf) {
-    let socket = s.state_dir().join(format!("{name}.sock"));
-    let body = json!({
-        "socket": socket,
-        "memory_source": { "kind": "file", "path": image },
-        "fault_around_kib": fault_around_kib,
-        // These tests count faults of the fault-around block alone;
-        // readahead has its own test.
-        "readahead_kib": 0,
-        "working_set": working_set,
+    let l = s.add_listener(&CreateListener {
+        fault_around_kib: Some(fault_around_kib),
+        readahead_kib: Some(0),
+        working_set,
+        ..s.listener_request(name, file_source(image))
     });
-    let (status, v) = s.api("POST", "/v1/firecracker/listeners", Some(body.clone()));
-    assert_eq!(
-        status, 201,
-        "POST /v1/firecracker/listeners {body} failed: {v}"
-    );
-    let id = v["id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no id in {v}"))
-        .to_owned();
-    (id, socket)
-}
-
-/// The listener `id` as listed by `GET /v1/firecracker/listeners`.
-fn listener(s: &TestServer, id: &str) -> Value {
-    let (status, v) = s.api("GET", "/v1/firecracker/listeners", None);
-    assert_eq!(status, 200, "GET /v1/firecracker/listeners failed: {v}");
-    v["listeners"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no listeners array in {v}"))
-        .iter()
-        .find(|l| l["id"] == id)
-        .unwrap_or_else(|| panic!("listener {id} not listed in {v}"))
-        .clone()
-}
-
-fn counter(v: &Value, name: &str) -> u64 {
-    v[name]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no numeric {name} in {v}"))
-}
-
-/// Firecracker VMs listed by `GET /v1/vms`.
-fn fc_vms(s: &TestServer) -> Vec<Value> {
-    let (status, v) = s.api("GET", "/v1/vms", None);
-    assert_eq!(status, 200, "GET /v1/vms failed: {v}");
-    v["vms"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no vms array in {v}"))
-        .iter()
-        .filter(|vm| vm["kind"] == "firecracker")
-        .cloned()
-        .collect()
-}
-
-fn fc_vm_of(s: &TestServer, pid: u32) -> Option<Value> {
-    fc_vms(s)
-        .into_iter()
-        .find(|vm| vm["pid"].as_u64() == Some(u64::from(pid)))
-}
-
-/// Poll `f` until it returns `Some`, failing after `within`.
-fn wait_for<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(x) = f() {
-            return x;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {within:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Wait until the client `pid` shows up as a Firecracker VM; returns it.
-fn wait_vm(s: &TestServer, pid: u32) -> Value {
-    wait_for(
-        &format!("fc_client pid {pid} in GET /v1/vms"),
-        TIMEOUT,
-        || fc_vm_of(s, pid),
-    )
-}
-
-/// Wait until no Firecracker VM of `pid` is listed.
-fn wait_vm_gone(s: &TestServer, pid: u32) {
-    wait_for(
-        &format!("fc_client pid {pid} to leave GET /v1/vms"),
-        Duration::from_secs(10),
-        || fc_vm_of(s, pid).is_none().then_some(()),
-    );
-}
-
-fn vm_id(vm: &Value) -> String {
-    vm["id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no id in {vm}"))
-        .to_owned()
-}
-
-fn page_info(s: &TestServer, id: &str, page: u64) -> Value {
-    let (status, v) = s.api("GET", &format!("/v1/vms/{id}/pages/{page}"), None);
-    assert_eq!(status, 200, "GET /v1/vms/{id}/pages/{page} failed: {v}");
-    v
-}
-
-fn sources(s: &TestServer, id: &str) -> Value {
-    let (status, v) = s.api("GET", &format!("/v1/vms/{id}/sources"), None);
-    assert_eq!(status, 200, "GET /v1/vms/{id}/sources failed: {v}");
-    v
-}
-
-/// Links of the open fds of process `pid`.
-fn fds_of(pid: u32) -> Vec<PathBuf> {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| std::fs::read_link(e.path()).ok())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// Number of open fds of process `pid`.
-fn fd_count(pid: u32) -> usize {
-    fds_of(pid).len()
+    (l.id, PathBuf::from(l.socket))
 }
 
 /// Wait until the server holds exactly `uffds` userfaultfds and at most
@@ -269,7 +157,7 @@ fn wait_fds_released(s: &TestServer, baseline: usize, uffds: usize) {
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let fds = fds_of(s.pid());
+        let fds = open_fds(s.pid());
         if fds.len() <= baseline && uffds_of(&fds) == uffds {
             return;
         }
@@ -386,8 +274,21 @@ fn assert_closed_by_server(mut stream: UnixStream, what: &str) {
     }
 }
 
-fn region_json(base: u64, size: u64, offset: u64, page_size: u64) -> Value {
-    json!({ "base_host_virt_addr": base, "size": size, "offset": offset, "page_size": page_size, "page_size_kib": page_size })
+/// A handshake region as current Firecrackers send it (both page size
+/// fields).
+fn region(base: u64, size: u64, offset: u64, page_size: u64) -> GuestRegionUffdMapping {
+    GuestRegionUffdMapping {
+        base_host_virt_addr: base,
+        size,
+        offset,
+        page_size: Some(page_size),
+        page_size_kib: Some(page_size),
+    }
+}
+
+/// A handshake's bytes: the regions as JSON.
+fn handshake(regions: &[GuestRegionUffdMapping]) -> Vec<u8> {
+    serde_json::to_vec(regions).expect("regions encode")
 }
 
 // ---------------------------------------------------------------------------
@@ -405,31 +306,35 @@ fn every_page_read_equals_the_source_file_without_fault_around() {
     let pages = (mib << 20) / PAGE;
     let image = RandomImage::new(mib, 0xf1c0_0001);
     let s = TestServer::start();
-    let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, false);
-    assert_eq!(listener(&s, &lid)["fault_around_kib"], 0);
+    let (lid, sock) = listen(&s, "fc", &image.path(), 0, false);
+    assert_eq!(s.listener(&lid).fault_around_kib, 0);
     let mib_arg = mib.to_string();
 
     // Before any touch, every page comes from the file.
     let idle = FcClient::spawn(&sock, &["--mib", &mib_arg], &["hold"]);
-    let v = wait_vm(&s, idle.pid());
-    let id = vm_id(&v);
-    assert_eq!(v["state"], "running", "{v}");
-    assert_eq!(v["memory_mib"], mib, "{v}");
-    assert_eq!(fault_counter(&v, "missing"), 0, "{v}");
-    assert_eq!(fault_counter(&v, "fault_around_kib"), 0, "{v}");
-    let src = sources(&s, &id);
+    let v = s.wait_firecracker_vm(idle.pid(), TIMEOUT);
+    let id = v.id.clone();
+    assert_eq!(v.state, RunState::Running, "{v:?}");
+    assert_eq!(v.memory_mib, mib, "{v:?}");
+    assert_eq!(v.faults.missing, 0, "{v:?}");
+    assert_eq!(v.faults.fault_around_kib, 0, "{v:?}");
+    let src = s.sources(&id);
     let file = format!("file:{}", image.path());
-    assert_eq!(src["pages"], pages, "{src}");
-    assert_eq!(src["by_source"], json!({ file.clone(): pages }), "{src}");
-    let p = page_info(&s, &id, 77);
+    assert_eq!(src.pages, pages, "{src:?}");
     assert_eq!(
-        (p["source"].as_str(), p["present"].as_bool()),
-        (Some(file.as_str()), Some(false)),
-        "{p}"
+        src.by_source,
+        BTreeMap::from([(file.clone(), pages)]),
+        "{src:?}"
+    );
+    let p = s.page(&id, 77);
+    assert_eq!(
+        (p.source.as_deref(), p.present),
+        (Some(file.as_str()), false),
+        "{p:?}"
     );
     let idle_pid = idle.pid();
     idle.finish();
-    wait_vm_gone(&s, idle_pid);
+    s.wait_firecracker_vm_gone(idle_pid, Duration::from_secs(10));
 
     // A random-order touch then a full compare.
     let check = check_cmd(&image.path());
@@ -439,32 +344,31 @@ fn every_page_read_equals_the_source_file_without_fault_around() {
         &["touch-random:42", &check, "hold"],
     );
     assert_clean(&c.until(&check));
-    let v = wait_vm(&s, c.pid());
-    let id = vm_id(&v);
+    let v = s.wait_firecracker_vm(c.pid(), TIMEOUT);
+    let id = v.id.clone();
     assert_eq!(
-        fault_counter(&v, "missing"),
-        pages,
-        "one fault per page without fault-around: {v}"
+        v.faults.missing, pages,
+        "one fault per page without fault-around: {v:?}"
     );
-    assert_eq!(fault_counter(&v, "pages_installed"), pages, "{v}");
-    assert_eq!(pages_by(&v, "vm"), pages, "{v}");
-    let src = sources(&s, &id);
-    assert_eq!(src["by_source"], json!({ id.clone(): pages }), "{src}");
-    let p = page_info(&s, &id, 77);
+    assert_eq!(v.faults.pages_installed, pages, "{v:?}");
+    assert_eq!(pages_by(&v, "vm"), pages, "{v:?}");
+    let src = s.sources(&id);
     assert_eq!(
-        (p["source"].as_str(), p["present"].as_bool()),
-        (Some(id.as_str()), Some(true)),
-        "{p}"
+        src.by_source,
+        BTreeMap::from([(id.clone(), pages)]),
+        "{src:?}"
+    );
+    let p = s.page(&id, 77);
+    assert_eq!(
+        (p.source.as_deref(), p.present),
+        (Some(id.as_str()), true),
+        "{p:?}"
     );
     let pid = c.pid();
     c.finish();
-    wait_vm_gone(&s, pid);
-    let l = listener(&s, &lid);
-    assert_eq!(
-        (counter(&l, "accepted"), counter(&l, "refused")),
-        (2, 0),
-        "{l}"
-    );
+    s.wait_firecracker_vm_gone(pid, Duration::from_secs(10));
+    let l = s.listener(&lid);
+    assert_eq!((l.accepted, l.refused), (2, 0), "{l:?}");
     s.assert_healthy();
 }
 
@@ -480,32 +384,31 @@ fn every_page_read_equals_the_source_file_with_fault_around() {
     let pages = (mib << 20) / PAGE;
     let image = RandomImage::new(mib, 0xf1c0_0002);
     let s = TestServer::start();
-    let (lid, sock) = add_listener(&s, "fc", &image.path(), 64, false);
-    assert_eq!(listener(&s, &lid)["fault_around_kib"], 64);
+    let (lid, sock) = listen(&s, "fc", &image.path(), 64, false);
+    assert_eq!(s.listener(&lid).fault_around_kib, 64);
     let mib_arg = mib.to_string();
     let check = check_cmd(&image.path());
 
     for (order, exact_faults) in [("touch-seq", Some(pages / 16)), ("touch-random:9", None)] {
         let mut c = FcClient::spawn(&sock, &["--mib", &mib_arg], &[order, &check, "hold"]);
         assert_clean(&c.until(&check));
-        let v = wait_vm(&s, c.pid());
-        assert_eq!(v["faults"]["fault_around_kib"], 64, "{v}");
+        let v = s.wait_firecracker_vm(c.pid(), TIMEOUT);
+        assert_eq!(v.faults.fault_around_kib, 64, "{v:?}");
         assert_eq!(
-            fault_counter(&v, "pages_installed"),
-            pages,
-            "{order}: every page installed once: {v}"
+            v.faults.pages_installed, pages,
+            "{order}: every page installed once: {v:?}"
         );
-        let missing = fault_counter(&v, "missing");
+        let missing = v.faults.missing;
         match exact_faults {
-            Some(n) => assert_eq!(missing, n, "{order}: one fault per 64 KiB block: {v}"),
+            Some(n) => assert_eq!(missing, n, "{order}: one fault per 64 KiB block: {v:?}"),
             None => assert!(
                 missing >= pages / 16 && missing < pages,
-                "{order}: fault-around saves no faults: {v}"
+                "{order}: fault-around saves no faults: {v:?}"
             ),
         }
         let pid = c.pid();
         c.finish();
-        wait_vm_gone(&s, pid);
+        s.wait_firecracker_vm_gone(pid, Duration::from_secs(10));
     }
     s.assert_healthy();
 }
@@ -521,17 +424,13 @@ fn sequential_faults_grow_the_readahead_window() {
     let pages = (mib << 20) / PAGE;
     let image = RandomImage::new(mib, 0xf1c0_0012);
     let s = TestServer::start();
-    let socket = s.state_dir().join("ra.sock");
-    let (status, v) = s.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(
-            json!({"socket": socket, "memory_source": {"kind": "file", "path": image.path()},
-                    "fault_around_kib": 64, "readahead_kib": 2048}),
-        ),
-    );
-    assert_eq!(status, 201, "{v}");
-    assert_eq!(v["readahead_kib"], 2048, "{v}");
+    let v = s.add_listener(&CreateListener {
+        fault_around_kib: Some(64),
+        readahead_kib: Some(2048),
+        ..s.listener_request("ra", image.source())
+    });
+    assert_eq!(v.readahead_kib, 2048, "{v:?}");
+    let socket = PathBuf::from(&v.socket);
     let check = check_cmd(&image.path());
     let mut c = FcClient::spawn(
         &socket,
@@ -539,14 +438,14 @@ fn sequential_faults_grow_the_readahead_window() {
         &["touch-seq", &check, "hold"],
     );
     assert_clean(&c.until(&check));
-    let v = wait_vm(&s, c.pid());
+    let v = s.wait_firecracker_vm(c.pid(), TIMEOUT);
     // 16 + 32 + 64 + 128 + 256 + 512 = 1008 pages in 6 faults, then 31
     // windows of 512 for the remaining 15376 pages (the last one clipped).
-    assert_eq!(fault_counter(&v, "missing"), 37, "{v}");
-    assert_eq!(fault_counter(&v, "pages_installed"), pages, "{v}");
+    assert_eq!(v.faults.missing, 37, "{v:?}");
+    assert_eq!(v.faults.pages_installed, pages, "{v:?}");
     let pid = c.pid();
     c.finish();
-    wait_vm_gone(&s, pid);
+    s.wait_firecracker_vm_gone(pid, Duration::from_secs(10));
     s.assert_healthy();
 }
 
@@ -568,7 +467,7 @@ fn zero_pages_from_sparse_regions_read_zero() {
         meta.blocks()
     );
     let s = TestServer::start();
-    let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let (_, sock) = listen(&s, "fc", &image.path(), 64, false);
     let check = check_cmd(&image.path());
     let holes = [(100, 903), (1080, 7110), (8195, pages - 3 - 8195)];
     let mut cmds: Vec<String> = vec![check.clone()];
@@ -607,25 +506,33 @@ fn a_region_offset_serves_that_part_of_the_file() {
     let mib = 64;
     let image = RandomImage::new(mib, 0xf1c0_0004);
     let s = TestServer::start();
-    let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let (_, sock) = listen(&s, "fc", &image.path(), 64, false);
     let check = check_cmd(&image.path());
     for offset in [(40 << 20) + 3 * PAGE, 48 << 20] {
         let off = offset.to_string();
         let c = FcClient::spawn(&sock, &["--mib", "16", "--offset", &off], &["hold", &check]);
-        let v = wait_vm(&s, c.pid());
-        let id = vm_id(&v);
-        assert_eq!(v["memory_mib"], 16, "{v}");
+        let v = s.wait_firecracker_vm(c.pid(), TIMEOUT);
+        let id = v.id.clone();
+        assert_eq!(v.memory_mib, 16, "{v:?}");
         // The table spans the file up to the region's end; only the
         // region's pages come from the file.
-        let src = sources(&s, &id);
+        let src = s.sources(&id);
         let first = offset / PAGE;
         assert_eq!(
-            src["extents"],
-            json!([
-                { "start_page": 0, "pages": first, "source": "uninitialized" },
-                { "start_page": first, "pages": 4096, "source": format!("file:{}", image.path()) },
-            ]),
-            "{src}"
+            src.extents,
+            vec![
+                SourceExtent {
+                    start_page: 0,
+                    pages: first,
+                    source: "uninitialized".into()
+                },
+                SourceExtent {
+                    start_page: first,
+                    pages: 4096,
+                    source: format!("file:{}", image.path())
+                },
+            ],
+            "{src:?}"
         );
         let out = c.finish();
         assert_clean(line_of(&out, &check));
@@ -642,34 +549,32 @@ fn two_clients_on_one_listener_are_served_at_once() {
     let mib = 128;
     let image = RandomImage::new(mib, 0xf1c0_0005);
     let s = TestServer::start();
-    let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, false);
+    let (lid, sock) = listen(&s, "fc", &image.path(), 0, false);
     let check = check_cmd(&image.path());
     let mib_arg = mib.to_string();
-    let baseline = fd_count(s.pid());
+    let baseline = open_fds(s.pid()).len();
     let mut a = FcClient::spawn(
         &sock,
         &["--mib", &mib_arg],
         &["hold", "touch-random:1", &check],
     );
     let mut b = FcClient::spawn(&sock, &["--mib", &mib_arg], &["hold", "touch-seq", &check]);
-    let (va, vb) = (wait_vm(&s, a.pid()), wait_vm(&s, b.pid()));
-    let (ia, ib) = (vm_id(&va), vm_id(&vb));
+    let (va, vb) = (
+        s.wait_firecracker_vm(a.pid(), TIMEOUT),
+        s.wait_firecracker_vm(b.pid(), TIMEOUT),
+    );
+    let (ia, ib) = (va.id, vb.id);
     assert_ne!(ia, ib);
-    let listed: Vec<String> = fc_vms(&s).iter().map(vm_id).collect();
+    let listed: Vec<String> = s.firecracker_vms().into_iter().map(|v| v.id).collect();
     assert_eq!(listed.len(), 2, "{listed:?}");
     assert!(listed.contains(&ia) && listed.contains(&ib), "{listed:?}");
-    let l = listener(&s, &lid);
-    assert_eq!(counter(&l, "accepted"), 2, "{l}");
-    let mut lvms: Vec<String> = l["vms"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no vms in {l}"))
-        .iter()
-        .map(|x| x.as_str().unwrap_or("").to_owned())
-        .collect();
+    let l = s.listener(&lid);
+    assert_eq!(l.accepted, 2, "{l:?}");
+    let mut lvms = l.vms.clone();
     lvms.sort();
     let mut want = vec![ia.clone(), ib.clone()];
     want.sort();
-    assert_eq!(lvms, want, "{l}");
+    assert_eq!(lvms, want, "{l:?}");
 
     a.release();
     b.release();
@@ -679,9 +584,9 @@ fn two_clients_on_one_listener_are_served_at_once() {
     let oa = oa.join().expect("client a");
     assert_clean(line_of(&oa, &check));
     assert_clean(line_of(&ob, &check));
-    wait_vm_gone(&s, pa);
-    wait_vm_gone(&s, pb);
-    assert_eq!(listener(&s, &lid)["vms"], json!([]));
+    s.wait_firecracker_vm_gone(pa, Duration::from_secs(10));
+    s.wait_firecracker_vm_gone(pb, Duration::from_secs(10));
+    assert_eq!(s.listener(&lid).vms, Vec::<String>::new());
     wait_fds_released(&s, baseline, 0);
     s.assert_healthy();
 }
@@ -701,7 +606,7 @@ fn faults_racing_removes_read_image_or_zero_and_never_hang() {
     let mib = 16;
     let image = RandomImage::new(mib, 0xf1c0_0016);
     let s = TestServer::start();
-    let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let (_, sock) = listen(&s, "fc", &image.path(), 64, false);
     let race = format!("race-remove:{}:100:64:400", image.path());
     let check = check_cmd(&image.path());
     let mut c = FcClient::spawn(
@@ -712,10 +617,10 @@ fn faults_racing_removes_read_image_or_zero_and_never_hang() {
     let r = c.until(&race);
     let zero = c.until("zero:100:64");
     let checked = c.until(&check);
-    let v = wait_vm(&s, c.pid());
+    let v = s.wait_firecracker_vm(c.pid(), TIMEOUT);
     let pid = c.pid();
     c.finish();
-    wait_vm_gone(&s, pid);
+    s.wait_firecracker_vm_gone(pid, Duration::from_secs(10));
     assert_eq!(
         r["bad_reads"], 0,
         "a read saw neither the image nor zeroes: {r}"
@@ -724,7 +629,7 @@ fn faults_racing_removes_read_image_or_zero_and_never_hang() {
     assert_eq!(zero["nonzero_pages"], 0, "{zero}");
     // Only the 64 discarded pages differ from the image at the end.
     assert_eq!(checked["mismatched_pages"], 64, "{checked}");
-    eprintln!("race: {r}; server: {}", v["faults"]);
+    eprintln!("race: {r}; server: {:?}", v.faults);
     s.assert_healthy();
 }
 
@@ -736,7 +641,7 @@ fn madvise_dontneed_makes_a_range_read_zero() {
     let mib = 64;
     let image = RandomImage::new(mib, 0xf1c0_0006);
     let s = TestServer::start();
-    let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let (_, sock) = listen(&s, "fc", &image.path(), 64, false);
     let check = check_cmd(&image.path());
     // 5000..5007 is removed before it is ever touched (inside a 16-page
     // fault-around block); 1003..1303 after the whole memory was read.
@@ -754,33 +659,33 @@ fn madvise_dontneed_makes_a_range_read_zero() {
         ],
     );
     c.until("remove:1003:300");
-    let v = wait_vm(&s, c.pid());
-    let id = vm_id(&v);
-    assert_eq!(fault_counter(&v, "removes"), 2, "{v}");
-    assert_eq!(pages_by(&v, "uninitialized"), 300, "{v}");
+    let v = s.wait_firecracker_vm(c.pid(), TIMEOUT);
+    let id = v.id.clone();
+    assert_eq!(v.faults.removes, 2, "{v:?}");
+    assert_eq!(pages_by(&v, "uninitialized"), 300, "{v:?}");
     for p in [1003, 1150, 1302] {
-        let i = page_info(&s, &id, p);
+        let i = s.page(&id, p);
         assert_eq!(
-            (i["source"].as_str(), i["present"].as_bool()),
-            (Some("uninitialized"), Some(false)),
-            "page {p}: {i}"
+            (i.source.as_deref(), i.present),
+            (Some("uninitialized"), false),
+            "page {p}: {i:?}"
         );
     }
     for p in [1002, 1303] {
-        let i = page_info(&s, &id, p);
+        let i = s.page(&id, p);
         assert_eq!(
-            i["source"].as_str(),
+            i.source.as_deref(),
             Some(id.as_str()),
-            "page {p} was not removed: {i}"
+            "page {p} was not removed: {i:?}"
         );
     }
     // Removed before the touch: installed as zero pages by the touch.
     for p in [5000, 5006] {
-        let i = page_info(&s, &id, p);
+        let i = s.page(&id, p);
         assert_eq!(
-            (i["source"].as_str(), i["present"].as_bool()),
-            (Some(id.as_str()), Some(true)),
-            "page {p}: {i}"
+            (i.source.as_deref(), i.present),
+            (Some(id.as_str()), true),
+            "page {p}: {i:?}"
         );
     }
     let out = c.finish();
@@ -810,21 +715,21 @@ fn a_client_killed_mid_run_leaves_the_server_healthy() {
     let pages = (mib << 20) / PAGE;
     let image = RandomImage::new(mib, 0xf1c0_0007);
     let s = TestServer::start();
-    let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, false);
-    let baseline = fd_count(s.pid());
+    let (lid, sock) = listen(&s, "fc", &image.path(), 0, false);
+    let baseline = open_fds(s.pid()).len();
     let c = FcClient::spawn(
         &sock,
         &["--mib", &mib.to_string()],
         &["touch-random:5", "sleep:60000"],
     );
     let pid = c.pid();
-    let missing = wait_for("the client's first faults", TIMEOUT, || {
-        fc_vm_of(&s, pid)
-            .map(|v| fault_counter(&v, "missing"))
+    let missing = wait_until("the client's first faults", TIMEOUT, || {
+        s.firecracker_vm(pid)
+            .map(|v| v.faults.missing)
             .filter(|m| *m > 0)
     });
     signal(pid, Signal::SIGKILL);
-    let after = fc_vm_of(&s, pid).map(|v| fault_counter(&v, "missing"));
+    let after = s.firecracker_vm(pid).map(|v| v.faults.missing);
     eprintln!(
         "killed the client after {missing} of {pages} faults (server saw {after:?} at the kill)"
     );
@@ -834,9 +739,9 @@ fn a_client_killed_mid_run_leaves_the_server_healthy() {
             || std::fs::read_to_string(format!("/proc/{pid}/stat"))
                 .is_ok_and(|t| t.contains(") Z"))
     );
-    wait_vm_gone(&s, pid);
+    s.wait_firecracker_vm_gone(pid, Duration::from_secs(10));
     s.assert_healthy();
-    assert_eq!(listener(&s, &lid)["vms"], json!([]));
+    assert_eq!(s.listener(&lid).vms, Vec::<String>::new());
     wait_fds_released(&s, baseline, 0);
 
     let check = check_cmd(&image.path());
@@ -866,23 +771,23 @@ fn each_malformed_handshake_is_refused_without_affecting_other_clients() {
     let mib = 64;
     let image = RandomImage::new(mib, 0xf1c0_0008);
     let s = TestServer::start();
-    let (lid, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let (lid, sock) = listen(&s, "fc", &image.path(), 64, false);
     let check = check_cmd(&image.path());
     let good = FcClient::spawn(&sock, &["--mib", "64"], &["hold", &check]);
-    let good_vm = vm_id(&wait_vm(&s, good.pid()));
-    let baseline = fd_count(s.pid());
+    let good_vm = s.wait_firecracker_vm(good.pid(), TIMEOUT).id;
+    let baseline = open_fds(s.pid()).len();
 
     let uffd = test_uffd();
     let devnull = std::fs::File::open("/dev/null").expect("open /dev/null");
     let (u, n) = (uffd.as_raw_fd(), devnull.as_raw_fd());
     let base: u64 = 0x7f00_0000_0000;
-    let ok = json!([region_json(base, 16 << 20, 0, PAGE)]).to_string();
-    let overlap = json!([
-        region_json(base, 8 << 20, 0, PAGE),
-        region_json(base + (4 << 20), 8 << 20, 16 << 20, PAGE)
+    let ok = handshake(&[region(base, 16 << 20, 0, PAGE)]);
+    let overlap = handshake(&[
+        region(base, 8 << 20, 0, PAGE),
+        region(base + (4 << 20), 8 << 20, 16 << 20, PAGE),
     ]);
-    let past = json!([region_json(base, 16 << 20, 56 << 20, PAGE)]);
-    let big_page = json!([region_json(base, 16 << 20, 0, 65536)]);
+    let past = handshake(&[region(base, 16 << 20, 56 << 20, PAGE)]);
+    let big_page = handshake(&[region(base, 16 << 20, 0, 65536)]);
     let cases: Vec<(&str, Vec<u8>, Vec<RawFd>, &str)> = vec![
         (
             "bytes that are not JSON, with a uffd",
@@ -892,31 +797,31 @@ fn each_malformed_handshake_is_refused_without_affecting_other_clients() {
         ),
         (
             "valid regions without an fd",
-            ok.clone().into_bytes(),
+            ok.clone(),
             vec![],
             "carries 0 fds",
         ),
         (
             "valid regions with two fds",
-            ok.clone().into_bytes(),
+            ok.clone(),
             vec![u, n],
             "carries 2 fds",
         ),
         (
             "overlapping regions",
-            overlap.to_string().into_bytes(),
+            overlap,
             vec![u],
             "regions 0 and 1 overlap",
         ),
         (
             "a region past the end of the source",
-            past.to_string().into_bytes(),
+            past,
             vec![u],
             "region 0 ends at byte 75497472 of the memory source, which has only 67108864 bytes",
         ),
         (
             "an unsupported page size",
-            big_page.to_string().into_bytes(),
+            big_page,
             vec![u],
             "region 0 has page size 65536",
         ),
@@ -930,15 +835,16 @@ fn each_malformed_handshake_is_refused_without_affecting_other_clients() {
     for (i, (what, body, fds, needle)) in cases.iter().enumerate() {
         let stream = send_handshake(&sock, body, fds);
         assert_closed_by_server(stream, what);
-        let l = listener(&s, &lid);
+        let l = s.listener(&lid);
         assert_eq!(
-            counter(&l, "refused"),
+            l.refused,
             i as u64 + 1,
-            "{what}: not counted as refused: {l}"
+            "{what}: not counted as refused: {l:?}"
         );
-        let why = l["last_refusal"]
-            .as_str()
-            .unwrap_or_else(|| panic!("{what}: no last_refusal in {l}"));
+        let why = l
+            .last_refusal
+            .as_deref()
+            .unwrap_or_else(|| panic!("{what}: no last_refusal in {l:?}"));
         assert!(
             why.contains(needle),
             "{what}: last_refusal {why:?} does not say {needle:?}"
@@ -950,19 +856,19 @@ fn each_malformed_handshake_is_refused_without_affecting_other_clients() {
         .shutdown(std::net::Shutdown::Write)
         .expect("shutdown");
     assert_closed_by_server(silent, "a peer that sends nothing");
-    let l = listener(&s, &lid);
-    assert_eq!(counter(&l, "refused"), cases.len() as u64 + 1, "{l}");
+    let l = s.listener(&lid);
+    assert_eq!(l.refused, cases.len() as u64 + 1, "{l:?}");
     assert!(
-        l["last_refusal"]
-            .as_str()
+        l.last_refusal
+            .as_deref()
             .is_some_and(|w| w.contains("without a handshake")),
-        "{l}"
+        "{l:?}"
     );
 
     // Nothing of the refused connections stays; the good client is intact.
-    assert_eq!(counter(&l, "accepted"), 1, "{l}");
-    assert_eq!(l["vms"], json!([good_vm]), "{l}");
-    let listed: Vec<String> = fc_vms(&s).iter().map(vm_id).collect();
+    assert_eq!(l.accepted, 1, "{l:?}");
+    assert_eq!(l.vms, vec![good_vm.clone()], "{l:?}");
+    let listed: Vec<String> = s.firecracker_vms().into_iter().map(|v| v.id).collect();
     assert_eq!(
         listed,
         vec![good_vm],
@@ -986,16 +892,16 @@ fn a_recorded_working_set_is_prefetched_into_later_clients() {
     let pages = (mib << 20) / PAGE;
     let image = RandomImage::new(mib, 0xf1c0_0009);
     let s = TestServer::start();
-    let (lid, sock) = add_listener(&s, "fc", &image.path(), 0, true);
-    assert_eq!(listener(&s, &lid)["working_set"], true);
+    let (lid, sock) = listen(&s, "fc", &image.path(), 0, true);
+    assert!(s.listener(&lid).working_set);
     let check = check_cmd(&image.path());
 
     // Record: a random-order touch of all pages, then hang up.
     run_client(&sock, &["--mib", "64"], &["touch-random:11"]);
-    let recorded = wait_for(
+    let recorded = wait_until(
         "the working set to be recorded",
         Duration::from_secs(10),
-        || Some(counter(&listener(&s, &lid), "recorded_pages")).filter(|n| *n > 0),
+        || Some(s.listener(&lid).recorded_pages).filter(|n| *n > 0),
     );
     assert_eq!(recorded, pages, "one fault per page was recorded");
 
@@ -1003,40 +909,43 @@ fn a_recorded_working_set_is_prefetched_into_later_clients() {
     // faults.
     let mut c = FcClient::spawn(&sock, &["--mib", "64"], &["sleep:1000", &check, "hold"]);
     let pid = c.pid();
-    let early = wait_for("prefetched pages", Duration::from_secs(10), || {
-        fc_vm_of(&s, pid).filter(|v| fault_counter(v, "pages_installed") > 0)
+    let early = wait_until("prefetched pages", Duration::from_secs(10), || {
+        s.firecracker_vm(pid)
+            .filter(|v| v.faults.pages_installed > 0)
     });
     assert_eq!(
-        fault_counter(&early, "missing"),
-        0,
-        "pages installed before any touch come from the prefetch: {early}"
+        early.faults.missing, 0,
+        "pages installed before any touch come from the prefetch: {early:?}"
     );
     assert_clean(&c.until(&check));
-    let v = wait_vm(&s, pid);
-    let missing = fault_counter(&v, "missing");
+    let v = s.wait_firecracker_vm(pid, TIMEOUT);
+    let missing = v.faults.missing;
     eprintln!("after prefetch, the full check took {missing} faults for {pages} pages");
     assert!(
         missing < pages / 10,
-        "most pages should have been prefetched: {v}"
+        "most pages should have been prefetched: {v:?}"
     );
-    assert_eq!(fault_counter(&v, "pages_installed"), pages, "{v}");
+    assert_eq!(v.faults.pages_installed, pages, "{v:?}");
     c.finish();
-    wait_vm_gone(&s, pid);
+    s.wait_firecracker_vm_gone(pid, Duration::from_secs(10));
 
     // A smaller client gets exactly the recorded pages inside its region,
     // with no fault at all; the recording stays the first client's.
     let mut c = FcClient::spawn(&sock, &["--mib", "32"], &["hold", &check]);
     let pid = c.pid();
-    let v = wait_for(
+    let v = wait_until(
         "the 32 MiB client to be prefetched",
         Duration::from_secs(10),
-        || fc_vm_of(&s, pid).filter(|v| fault_counter(v, "pages_installed") >= pages / 2),
+        || {
+            s.firecracker_vm(pid)
+                .filter(|v| v.faults.pages_installed >= pages / 2)
+        },
     );
-    assert_eq!(fault_counter(&v, "pages_installed"), pages / 2, "{v}");
-    assert_eq!(fault_counter(&v, "missing"), 0, "{v}");
+    assert_eq!(v.faults.pages_installed, pages / 2, "{v:?}");
+    assert_eq!(v.faults.missing, 0, "{v:?}");
     c.release();
     assert_clean(line_of(&c.finish(), &check));
-    assert_eq!(counter(&listener(&s, &lid), "recorded_pages"), pages);
+    assert_eq!(s.listener(&lid).recorded_pages, pages);
 }
 
 /// 2 MiB pages (hugetlbfs memory): served one huge page per fault from a
@@ -1057,7 +966,7 @@ fn two_mib_pages_are_served_and_removed_whole() {
     let mib = 64;
     let image = RandomImage::new(mib, 0xf1c0_000a);
     let s = TestServer::start();
-    let (_, sock) = add_listener(&s, "fc", &image.path(), 0, false);
+    let (_, sock) = listen(&s, "fc", &image.path(), 0, false);
     let check = check_cmd(&image.path());
     let huge = HUGE_PAGE.to_string();
     let mut c = FcClient::spawn(
@@ -1072,17 +981,9 @@ fn two_mib_pages_are_served_and_removed_whole() {
         ],
     );
     assert_clean(&c.until(&check));
-    let v = wait_vm(&s, c.pid());
-    assert_eq!(
-        fault_counter(&v, "missing"),
-        16,
-        "one fault per 2 MiB page: {v}"
-    );
-    assert_eq!(
-        fault_counter(&v, "pages_installed"),
-        (32 << 20) / PAGE,
-        "{v}"
-    );
+    let v = s.wait_firecracker_vm(c.pid(), TIMEOUT);
+    assert_eq!(v.faults.missing, 16, "one fault per 2 MiB page: {v:?}");
+    assert_eq!(v.faults.pages_installed, (32 << 20) / PAGE, "{v:?}");
     let out = c.finish();
     assert_eq!(
         line_of(&out, "zero:512:1024")["nonzero_pages"],
@@ -1107,14 +1008,14 @@ fn a_listener_given_on_the_command_line_serves_clients() {
     let sock = dir.path().join("fc.sock");
     let spec = format!("{}={}", sock.display(), image.path());
     let s = TestServer::start_with_args(&["--firecracker", &spec, "--working-set"]);
-    let l = listener(&s, "fc-1");
-    assert_eq!(l["socket"], json!(sock), "{l}");
+    let l = s.listener("fc-1");
+    assert_eq!(Path::new(&l.socket), sock, "{l:?}");
     assert_eq!(
-        l["memory_source"],
-        json!({"kind": "file", "path": image.path()}),
-        "{l}"
+        l.memory_source,
+        MemorySource::File { path: image.path() },
+        "{l:?}"
     );
-    assert_eq!(l["working_set"], true, "{l}");
+    assert!(l.working_set, "{l:?}");
     let mode = std::fs::metadata(&sock)
         .expect("the listener socket exists")
         .mode()
@@ -1134,17 +1035,16 @@ fn deleting_a_listener_keeps_its_connected_clients_served() {
     }
     let image = RandomImage::new(32, 0xf1c0_000c);
     let s = TestServer::start();
-    let (lid, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let (lid, sock) = listen(&s, "fc", &image.path(), 64, false);
     let check = check_cmd(&image.path());
     let c = FcClient::spawn(&sock, &["--mib", "32"], &["hold", &check]);
-    wait_vm(&s, c.pid());
-    let (status, v) = s.api("DELETE", &format!("/v1/firecracker/listeners/{lid}"), None);
-    assert_eq!(status, 200, "{v}");
+    s.wait_firecracker_vm(c.pid(), TIMEOUT);
+    s.delete_listener(&lid);
     assert!(!sock.exists(), "the listener socket outlives its listener");
-    let (_, all) = s.api("GET", "/v1/firecracker/listeners", None);
-    assert_eq!(all["listeners"], json!([]), "{all}");
-    let (status, v) = s.api("DELETE", &format!("/v1/firecracker/listeners/{lid}"), None);
-    assert_eq!(status, 404, "{v}");
+    let all = s.listeners();
+    assert!(all.is_empty(), "{all:?}");
+    let v = s.try_delete_listener(&lid).unwrap_err();
+    assert_eq!(v.status, 404, "{v}");
     let out = c.finish();
     assert_clean(line_of(&out, &check));
     s.assert_healthy();
@@ -1162,7 +1062,7 @@ fn two_regions_with_only_page_size_kib_are_served_from_their_offsets() {
     }
     let image = RandomImage::new(16, 0xf1c0_000d);
     let s = TestServer::start();
-    let (_, sock) = add_listener(&s, "fc", &image.path(), 64, false);
+    let (_, sock) = listen(&s, "fc", &image.path(), 64, false);
     // Region A: 259 pages from file offset 8 MiB + 4 KiB; region B right
     // after it in memory: 64 pages from file offset 2 MiB.
     let (a_pages, a_off, b_pages, b_off) = (259u64, (8u64 << 20) + PAGE, 64u64, 2u64 << 20);
@@ -1187,12 +1087,19 @@ fn two_regions_with_only_page_size_kib_are_served_from_their_offsets() {
     let uffd = test_uffd();
     uffd.register(mem, len).expect("register the test mapping");
     let base = mem as u64;
-    let body = json!([
-        { "base_host_virt_addr": base + a_pages * PAGE, "size": b_pages * PAGE, "offset": b_off, "page_size_kib": 4 },
-        { "base_host_virt_addr": base, "size": a_pages * PAGE, "offset": a_off, "page_size_kib": 4 },
+    let old = |base_host_virt_addr, size, offset| GuestRegionUffdMapping {
+        base_host_virt_addr,
+        size,
+        offset,
+        page_size: None,
+        page_size_kib: Some(4),
+    };
+    let body = handshake(&[
+        old(base + a_pages * PAGE, b_pages * PAGE, b_off),
+        old(base, a_pages * PAGE, a_off),
     ]);
-    let stream = send_handshake(&sock, body.to_string().as_bytes(), &[uffd.as_raw_fd()]);
-    let id = vm_id(&wait_vm(&s, std::process::id()));
+    let stream = send_handshake(&sock, &body, &[uffd.as_raw_fd()]);
+    let id = s.wait_firecracker_vm(std::process::id(), TIMEOUT).id;
     // Fault page by page in address order, on another thread so a server
     // that never answers fails the test instead of hanging it.
     let addr = mem as usize;
@@ -1226,14 +1133,10 @@ fn two_regions_with_only_page_size_kib_are_served_from_their_offsets() {
     let v = s.vm(&id);
     // 64 KiB blocks counted from each region's start: 17 for A's 259
     // pages (the last one clipped), 4 for B's 64.
-    assert_eq!(fault_counter(&v, "missing"), 17 + 4, "{v}");
-    assert_eq!(
-        fault_counter(&v, "pages_installed"),
-        a_pages + b_pages,
-        "{v}"
-    );
+    assert_eq!(v.faults.missing, 17 + 4, "{v:?}");
+    assert_eq!(v.faults.pages_installed, a_pages + b_pages, "{v:?}");
     drop(stream);
-    wait_vm_gone(&s, std::process::id());
+    s.wait_firecracker_vm_gone(std::process::id(), Duration::from_secs(10));
     drop(uffd);
     // SAFETY: the mapping made above; no reference into it remains.
     unsafe { libc::munmap(mem, len) };
@@ -1255,13 +1158,11 @@ fn a_listener_refuses_to_replace_an_existing_file_that_is_not_a_socket() {
     let link = s.state_dir().join("link.sock");
     std::os::unix::fs::symlink(&file, &link).expect("symlink");
     for socket in [&file, &link] {
-        let body = json!({
-            "socket": socket,
-            "memory_source": { "kind": "file", "path": image.path() },
-        });
-        let (status, v) = s.api("POST", "/v1/firecracker/listeners", Some(body));
-        assert_eq!(status, 409, "{}: {v}", socket.display());
-        let msg = v["error"].as_str().unwrap_or_default();
+        let v = s
+            .try_add_listener(&new_listener(socket, image.source()))
+            .unwrap_err();
+        assert_eq!(v.status, 409, "{}: {v}", socket.display());
+        let msg = v.error();
         assert!(msg.contains("already exists"), "{msg}");
     }
     assert_eq!(std::fs::read(&file).expect("read"), b"keep me");
@@ -1306,9 +1207,9 @@ fn a_kill_and_stop_storm_of_firecracker_clients_leaves_the_rest_exact() {
     let mib = 128;
     let image = RandomImage::new(mib, 0xf1c0_0051);
     let s = TestServer::start();
-    let (la, sock_a) = add_listener(&s, "storm-a", &image.path(), 0, false);
-    let (lb, sock_b) = add_listener(&s, "storm-b", &image.path(), 64, false);
-    let baseline = fd_count(s.pid());
+    let (la, sock_a) = listen(&s, "storm-a", &image.path(), 0, false);
+    let (lb, sock_b) = listen(&s, "storm-b", &image.path(), 64, false);
+    let baseline = open_fds(s.pid()).len();
     let check = check_cmd(&image.path());
     let opts = ["--mib", "128"];
     let sock = |i: usize| {
@@ -1321,9 +1222,9 @@ fn a_kill_and_stop_storm_of_firecracker_clients_leaves_the_rest_exact() {
     let touch = |i: usize| format!("touch-random:{i}");
     let spawn_victim = |i: usize| FcClient::spawn(sock(i), &opts, &[&touch(i), "sleep:60000"]);
     let faulting = |c: &FcClient| {
-        wait_for("a client's first faults", TIMEOUT, || {
-            fc_vm_of(&s, c.pid())
-                .map(|v| fault_counter(&v, "missing"))
+        wait_until("a client's first faults", TIMEOUT, || {
+            s.firecracker_vm(c.pid())
+                .map(|v| v.faults.missing)
                 .filter(|m| *m > 0)
         })
     };
@@ -1344,7 +1245,7 @@ fn a_kill_and_stop_storm_of_firecracker_clients_leaves_the_rest_exact() {
     for c in stopped.iter().chain(std::iter::once(&continued)) {
         faulting(c);
         signal(c.pid(), Signal::SIGSTOP);
-        let at = fc_vm_of(&s, c.pid()).map(|v| fault_counter(&v, "missing"));
+        let at = s.firecracker_vm(c.pid()).map(|v| v.faults.missing);
         eprintln!("stopped client {} after {at:?} faults", c.pid());
     }
     // Stopped clients hold their faults; everyone else is served.
@@ -1361,15 +1262,15 @@ fn a_kill_and_stop_storm_of_firecracker_clients_leaves_the_rest_exact() {
     drop(killed);
     drop(stopped);
     for pid in &gone {
-        wait_vm_gone(&s, *pid);
+        s.wait_firecracker_vm_gone(*pid, Duration::from_secs(10));
     }
     drop(left_alone);
     drop(continued);
-    wait_for("every client's VM to go", Duration::from_secs(10), || {
-        fc_vms(&s).is_empty().then_some(())
+    wait_until("every client's VM to go", Duration::from_secs(10), || {
+        s.firecracker_vms().is_empty().then_some(())
     });
-    assert_eq!(listener(&s, &la)["vms"], json!([]));
-    assert_eq!(listener(&s, &lb)["vms"], json!([]));
+    assert_eq!(s.listener(&la).vms, Vec::<String>::new());
+    assert_eq!(s.listener(&lb).vms, Vec::<String>::new());
     wait_fds_released(&s, baseline, 0);
     s.assert_healthy();
 

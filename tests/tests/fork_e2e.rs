@@ -16,8 +16,10 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use pagefork_tests::{counts_4k_pages_only, pages_of, require_kvm_uffd, TestServer};
-use serde_json::{json, Value};
+use pagefork_tests::{
+    counts_4k_pages_only, new_vm, pages_of, require_kvm_uffd, vm_num, TestServer,
+};
+use proto::api::RunState;
 use shared::pattern::{digest_page, fill_page, fold, pattern_word};
 use shared::PAGE_SIZE;
 
@@ -85,130 +87,29 @@ fn idx(n: u64) -> usize {
 
 // -------------------------------------------------------------- helpers --
 
-/// Numeric id of `vm-N`.
-fn num(id: &str) -> u64 {
-    id.strip_prefix("vm-")
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("not a VM id: {id}"))
-}
-
 fn create(s: &TestServer, mib: u64) -> String {
-    let id = s.create_vm(json!({ "memory_mib": mib }));
-    s.wait_state(&id, "running", Duration::from_secs(30));
+    let id = s.create_vm(&new_vm(mib));
+    s.wait_state(&id, RunState::Running, Duration::from_secs(30));
     id
-}
-
-fn identity(s: &TestServer, id: &str) -> u64 {
-    s.exec(id, json!({ "op": "identity" }))
-}
-
-/// Fork `id` into `count` children; returns the whole answer.
-fn fork(s: &TestServer, id: &str, count: u32) -> Value {
-    let (status, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{id}/fork"),
-        Some(json!({ "count": count })),
-    );
-    assert_eq!(status, 201, "fork of {id} (count {count}) failed: {v}");
-    let children = v["children"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no children in {v}"));
-    assert_eq!(children.len(), idx(u64::from(count)), "fork answer: {v}");
-    assert!(
-        v["pause_us"].is_u64() && v["fork_us"].is_u64(),
-        "fork answer lacks timings: {v}"
-    );
-    v
-}
-
-fn children_of(fork_answer: &Value) -> Vec<String> {
-    fork_answer["children"]
-        .as_array()
-        .expect("children")
-        .iter()
-        .map(|c| c.as_str().expect("id").to_owned())
-        .collect()
-}
-
-fn delete(s: &TestServer, id: &str) -> Value {
-    let (status, v) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert_eq!(status, 200, "DELETE {id} failed: {v}");
-    assert_eq!(v["deleted"], true, "DELETE {id}: {v}");
-    v
-}
-
-fn sources(s: &TestServer, id: &str) -> Value {
-    let (status, v) = s.api("GET", &format!("/v1/vms/{id}/sources"), None);
-    assert_eq!(status, 200, "sources of {id} failed: {v}");
-    v
-}
-
-/// `by_source` of `id` as a map (absent sources are simply missing).
-fn by_source(s: &TestServer, id: &str) -> BTreeMap<String, u64> {
-    let v = sources(s, id);
-    serde_json::from_value(v["by_source"].clone())
-        .unwrap_or_else(|e| panic!("bad by_source in {v}: {e}"))
-}
-
-/// The coalesced extents of `id` as `(start, pages, source)`.
-fn extents(s: &TestServer, id: &str) -> Vec<(u64, u64, String)> {
-    let v = sources(s, id);
-    v["extents"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no extents in {v}"))
-        .iter()
-        .map(|e| {
-            (
-                e["start_page"].as_u64().expect("start_page"),
-                e["pages"].as_u64().expect("pages"),
-                e["source"].as_str().expect("source").to_owned(),
-            )
-        })
-        .collect()
-}
-
-fn page(s: &TestServer, id: &str, p: u64) -> Value {
-    let (status, v) = s.api("GET", &format!("/v1/vms/{id}/pages/{p}"), None);
-    assert_eq!(status, 200, "page {p} of {id} failed: {v}");
-    v
 }
 
 /// Assert page `p` of `id` comes from `source` and whether it is present
 /// in `id`'s memfd (by the kernel and by the table alike).
 fn assert_page(s: &TestServer, id: &str, p: u64, source: &str, present: bool) {
-    let v = page(s, id, p);
-    assert_eq!(v["source"], source, "source of page {p} of {id}: {v}");
+    let v = s.page(id, p);
     assert_eq!(
-        v["present"], present,
-        "page {p} of {id} present in its memfd: {v}"
+        v.source.as_deref(),
+        Some(source),
+        "source of page {p} of {id}: {v:?}"
     );
     assert_eq!(
-        v["table_says_present"], present,
-        "page {p} of {id} table_says_present: {v}"
+        v.present, present,
+        "page {p} of {id} present in its memfd: {v:?}"
     );
-}
-
-/// The `/v1/tree` node of `id`, if listed.
-fn tree_node(s: &TestServer, id: &str) -> Option<Value> {
-    let (status, v) = s.api("GET", "/v1/tree", None);
-    assert_eq!(status, 200, "tree failed: {v}");
-    v["vms"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no vms in {v}"))
-        .iter()
-        .find(|n| n["id"] == id)
-        .cloned()
-}
-
-fn reads_from(node: &Value) -> BTreeMap<String, u64> {
-    serde_json::from_value(node["reads_from"].clone())
-        .unwrap_or_else(|e| panic!("bad reads_from in {node}: {e}"))
-}
-
-fn assert_invariant(s: &TestServer, when: &str) {
-    let (status, v) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(status, 200, "invariant check failed ({when}): {v}");
-    assert_eq!(v["ok"], true, "table invariant violated {when}: {v}");
+    assert_eq!(
+        v.table_says_present, present,
+        "page {p} of {id} table_says_present: {v:?}"
+    );
 }
 
 /// Assert `id` answers the model exactly over all `pages`.
@@ -260,10 +161,9 @@ fn settled_shmem_kib() -> u64 {
 /// mapping).
 /// The name of `id`'s guest RAM memfd, as the API gives it.
 fn memfd_of(s: &TestServer, id: &str) -> String {
-    s.vm(id)["memfd"]
-        .as_str()
+    s.vm(id)
+        .memfd
         .unwrap_or_else(|| panic!("{id} names no memfd"))
-        .to_owned()
 }
 
 /// Whether the server has the memfd named `memfd` open or mapped.
@@ -320,14 +220,14 @@ fn fork_children_see_parent_memory_as_at_fork_time() {
     assert_eq!(sum, model.checksum(0, total), "parent checksum before fork");
     assert_eq!(dig, model.digest(0, total), "parent digest before fork");
 
-    let kids = children_of(&fork(&s, &a, 2));
+    let kids = s.fork(&a, 2).children;
     for k in &kids {
         assert_eq!(s.checksum(k, 0, total), sum, "checksum of child {k}");
         assert_eq!(s.digest(k, 0, total), dig, "digest of child {k}");
         assert_eq!(s.verify(k, 0, total, 1), 0, "verify(seed 1) of child {k}");
     }
     assert_eq!(s.checksum(&a, 0, total), sum, "parent checksum after fork");
-    assert_invariant(&s, "after the children read all memory");
+    s.assert_invariant("after the children read all memory");
 }
 
 /// A fork write-protects a large materialized set from several threads
@@ -348,7 +248,7 @@ fn fork_of_a_large_vm_protects_every_part_of_its_memory() {
     s.fill(&a, 0, total, 1);
     let mut child_model = Model::new(total);
     child_model.fill(0, total, 1);
-    let kids = children_of(&fork(&s, &a, 1));
+    let kids = s.fork(&a, 1).children;
     let kid = &kids[0];
     // The parent rewrites 64 pages in each sixteenth, and the last ones.
     let mut parent_model = child_model.clone();
@@ -376,7 +276,7 @@ fn fork_of_a_large_vm_protects_every_part_of_its_memory() {
         parent_model.digest(0, total),
         "parent digest"
     );
-    assert_invariant(&s, "after parent writes across a large fork");
+    s.assert_invariant("after parent writes across a large fork");
 }
 
 #[test]
@@ -390,14 +290,14 @@ fn writes_after_fork_are_isolated_between_parent_and_children() {
     let part = total / 8; // 2048
     let a = create(&s, MIB_64);
     s.fill(&a, 0, total, 1);
-    let kids = children_of(&fork(&s, &a, 2));
+    let kids = s.fork(&a, 2).children;
 
     // Writers: the parent (seed 2) and each child (seed 100 + its
     // identity), each on its own part; and all of them on a common part.
     let mut writers: Vec<(String, u64)> = vec![(a.clone(), 2)];
     for k in &kids {
-        let me = identity(&s, k);
-        assert_eq!(me, num(k), "identity of {k}");
+        let me = s.identity(k);
+        assert_eq!(me, vm_num(k), "identity of {k}");
         writers.push((k.clone(), 100 + me));
     }
     let own_part = |i: usize| (u64::try_from(i).expect("small") + 1) * part; // parts 1..=3
@@ -406,7 +306,7 @@ fn writes_after_fork_are_isolated_between_parent_and_children() {
         s.fill(id, own_part(i), part, *seed);
         s.fill(id, common, part, *seed);
     }
-    assert_invariant(&s, "after the isolated writes");
+    s.assert_invariant("after the isolated writes");
 
     for (i, (id, seed)) in writers.iter().enumerate() {
         // Own writes, exactly.
@@ -460,7 +360,7 @@ fn writes_after_fork_are_isolated_between_parent_and_children() {
         model.fill(common, part, *seed);
         assert_matches_model(&s, id, &model, total);
     }
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }
 
 #[test]
@@ -472,49 +372,41 @@ fn fork_keeps_parent_vmm_process_and_guest_running() {
     let s = TestServer::start();
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
-    let pid = s.vm(&a)["pid"].as_u64().expect("parent pid");
+    let pid = s.vm(&a).pid.expect("parent pid");
     s.fill(&a, 0, total, 1);
 
-    let kids = children_of(&fork(&s, &a, 1));
+    let kids = s.fork(&a, 1).children;
     let info = s.vm(&a);
+    assert_eq!(info.pid, Some(pid), "parent pid after fork: {info:?}");
     assert_eq!(
-        info["pid"].as_u64(),
-        Some(pid),
-        "parent pid after fork: {info}"
+        info.state,
+        RunState::Running,
+        "parent state after fork: {info:?}"
     );
-    assert_eq!(info["state"], "running", "parent state after fork: {info}");
     assert!(
-        pagefork_tests::process_exists(u32::try_from(pid).expect("pid")),
+        pagefork_tests::process_exists(pid),
         "parent vmm {pid} is gone"
     );
     let child = s.vm(&kids[0]);
-    assert_ne!(
-        child["pid"].as_u64(),
-        Some(pid),
-        "child runs in its own vmm: {child}"
-    );
-    assert_eq!(child["parent"], a.as_str(), "child's parent: {child}");
+    assert_ne!(child.pid, Some(pid), "child runs in its own vmm: {child:?}");
+    assert_eq!(child.parent.as_ref(), Some(&a), "child's parent: {child:?}");
 
     // The parent's guest keeps working: identity, writes and reads.
-    assert_eq!(identity(&s, &a), num(&a));
+    assert_eq!(s.identity(&a), vm_num(&a));
     s.fill(&a, 100, 1000, 3);
     assert_eq!(s.verify(&a, 100, 1000, 3), 0);
     assert_eq!(s.verify(&a, 0, 100, 1), 0);
     assert_eq!(s.verify(&a, 1100, total - 1100, 1), 0);
     // A second fork of the same parent works too.
-    let more = children_of(&fork(&s, &a, 1));
-    assert_eq!(
-        s.vm(&a)["pid"].as_u64(),
-        Some(pid),
-        "parent pid after a second fork"
-    );
+    let more = s.fork(&a, 1).children;
+    assert_eq!(s.vm(&a).pid, Some(pid), "parent pid after a second fork");
     assert_eq!(
         s.verify(&more[0], 100, 1000, 3),
         0,
         "second child sees the parent's post-fork writes"
     );
     assert_eq!(s.verify(&kids[0], 100, 1000, 1), 0, "first child does not");
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }
 
 /// A forks B, B forks C. B reads p (materializing it from A), then A
@@ -530,13 +422,13 @@ fn grandchild_keeps_pre_write_page_when_parent_reads_then_grandparent_writes() {
     let total = pages_of(MIB_64);
     let a = create(&s, MIB_64);
     s.fill(&a, 0, total, 1);
-    let b = children_of(&fork(&s, &a, 1)).remove(0);
+    let b = s.fork(&a, 1).children.remove(0);
     // s_: B materializes it before forking C (so it is Vm(B), protected).
     let (p, q, r, s_) = (1000, 2000, 3000, 4000);
     s.touch(&b, s_, 1, false);
     assert_page(&s, &b, s_, &b, true);
-    let c = children_of(&fork(&s, &b, 1)).remove(0);
-    assert_eq!(s.vm(&c)["parent"], b.as_str());
+    let c = s.fork(&b, 1).children.remove(0);
+    assert_eq!(s.vm(&c).parent, Some(b.clone()));
     assert_page(&s, &c, p, &a, false);
     assert_page(&s, &b, p, &a, false);
     assert_page(&s, &a, p, &a, true);
@@ -547,7 +439,7 @@ fn grandchild_keeps_pre_write_page_when_parent_reads_then_grandparent_writes() {
     assert_page(&s, &b, p, &b, true);
     assert_page(&s, &c, p, &a, false);
     assert_page(&s, &a, p, &a, true);
-    assert_invariant(&s, "after B read p");
+    s.assert_invariant("after B read p");
 
     // A writes p (seed 9): C gets A's pre-write page, B keeps its copy.
     s.fill(&a, p, 1, 9);
@@ -556,7 +448,7 @@ fn grandchild_keeps_pre_write_page_when_parent_reads_then_grandparent_writes() {
     assert_eq!(s.verify(&a, p, 1, 9), 0, "A sees its new data on p");
     assert_eq!(s.verify(&b, p, 1, 1), 0, "B sees p as at its fork");
     assert_eq!(s.verify(&c, p, 1, 1), 0, "C sees p as at B's fork");
-    assert_invariant(&s, "after A wrote p");
+    s.assert_invariant("after A wrote p");
 
     // B writes p (seed 11): C is unaffected.
     s.fill(&b, p, 1, 11);
@@ -586,7 +478,7 @@ fn grandchild_keeps_pre_write_page_when_parent_reads_then_grandparent_writes() {
     assert_page(&s, &c, s_, &c, true);
     assert_eq!(s.verify(&c, s_, 1, 1), 0);
     assert_eq!(s.verify(&b, s_, 1, 13), 0);
-    assert_invariant(&s, "after all the writes");
+    s.assert_invariant("after all the writes");
 
     // Whole-memory check of each VM against its model.
     let mut ma = Model::new(total);
@@ -601,7 +493,7 @@ fn grandchild_keeps_pre_write_page_when_parent_reads_then_grandparent_writes() {
     for (id, m) in [(&a, &ma), (&b, &mb), (&c, &mc)] {
         assert_matches_model(&s, id, m, total);
     }
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }
 
 /// The parent is deleted right after forking; its memory stays as a frozen
@@ -619,27 +511,25 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
     let a_memfd = memfd_of(&s, &a);
     s.fill(&a, 0, total, 1);
     let dig = s.digest(&a, 0, total);
-    let kids = children_of(&fork(&s, &a, 2));
-    let d = delete(&s, &a);
-    assert_eq!(
-        d["frozen"], true,
-        "parent with readers must be kept frozen: {d}"
-    );
+    let kids = s.fork(&a, 2).children;
+    let d = s.delete_vm(&a);
+    assert!(d.frozen, "parent with readers must be kept frozen: {d:?}");
     assert!(
         !s.vm_ids().contains(&a),
         "a deleted parent is not listed in /v1/vms"
     );
-    let node = tree_node(&s, &a).expect("frozen parent stays in /v1/tree");
+    let node = s.tree_node(&a).expect("frozen parent stays in /v1/tree");
     assert_eq!(
-        node["state"], "deleted",
-        "frozen parent in the tree: {node}"
+        node.state,
+        RunState::Deleted,
+        "frozen parent in the tree: {node:?}"
     );
     for k in &kids {
-        let n = tree_node(&s, k).expect("child in tree");
+        let n = s.tree_node(k).expect("child in tree");
         assert_eq!(
-            reads_from(&n),
+            n.reads_from.clone(),
             BTreeMap::from([(a.clone(), total)]),
-            "child {k} reads all from {a}: {n}"
+            "child {k} reads all from {a}: {n:?}"
         );
     }
     assert!(
@@ -660,9 +550,11 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
         "child {} digest",
         kids[0]
     );
-    let n = tree_node(&s, &a).expect("parent still frozen while the second child reads from it");
-    assert_eq!(n["state"], "deleted");
-    assert_invariant(&s, "with a frozen parent");
+    let n = s
+        .tree_node(&a)
+        .expect("parent still frozen while the second child reads from it");
+    assert_eq!(n.state, RunState::Deleted);
+    s.assert_invariant("with a frozen parent");
 
     // The second child reads everything: the last reference goes.
     assert_eq!(
@@ -678,7 +570,7 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
         kids[1]
     );
     assert!(
-        tree_node(&s, &a).is_none(),
+        s.tree_node(&a).is_none(),
         "parent released once no table reads from it"
     );
     assert!(
@@ -686,14 +578,14 @@ fn children_read_every_page_of_a_parent_deleted_right_after_fork() {
         "released parent's memfd must be closed and unmapped"
     );
     for k in &kids {
-        let n = tree_node(&s, k).expect("child in tree");
-        assert_eq!(n["own_pages"], total, "child {k} owns every page: {n}");
+        let n = s.tree_node(k).expect("child in tree");
+        assert_eq!(n.own_pages, total, "child {k} owns every page: {n:?}");
         assert!(
-            reads_from(&n).is_empty(),
-            "child {k} reads from nobody: {n}"
+            n.reads_from.clone().is_empty(),
+            "child {k} reads from nobody: {n:?}"
         );
     }
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }
 
 /// A forks B, B writes page x and forks C, then A and B are deleted (both
@@ -713,19 +605,19 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
     let a = create(&s, MIB_64);
     let a_memfd = memfd_of(&s, &a);
     s.fill(&a, 0, total, 1);
-    let b = children_of(&fork(&s, &a, 1)).remove(0);
+    let b = s.fork(&a, 1).children.remove(0);
     let b_memfd = memfd_of(&s, &b);
     s.fill(&b, x, 1, 7);
-    let c = children_of(&fork(&s, &b, 1)).remove(0);
+    let c = s.fork(&b, 1).children.remove(0);
     // B's one-page write made its unit (a 2 MiB block on hugepages) its own.
     let unit = s.unit_pages(&b);
     assert_eq!(
-        by_source(&s, &c),
+        s.by_source(&c),
         BTreeMap::from([(a.clone(), total - unit), (b.clone(), unit)])
     );
-    assert_eq!(delete(&s, &a)["frozen"], true);
-    assert_eq!(delete(&s, &b)["frozen"], true);
-    assert_eq!(tree_node(&s, &b).expect("frozen B")["state"], "deleted");
+    assert!(s.delete_vm(&a).frozen);
+    assert!(s.delete_vm(&b).frozen);
+    assert_eq!(s.tree_node(&b).expect("frozen B").state, RunState::Deleted);
     if unit > 1 && counts_4k_pages_only("C reading page 1 takes B's page x with its block") {
         return;
     }
@@ -733,17 +625,17 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
     // C reads every page it holds from A.
     assert_eq!(s.verify(&c, 1, total - 1, 1), 0);
     assert_eq!(
-        by_source(&s, &c),
+        s.by_source(&c),
         BTreeMap::from([(c.clone(), total - 1), (b.clone(), 1)])
     );
     assert!(
-        tree_node(&s, &a).is_none(),
+        s.tree_node(&a).is_none(),
         "no live VM reads from {a} any more, yet it is kept: {:?}",
-        tree_node(&s, &a)
+        s.tree_node(&a)
     );
     assert!(!server_holds_memfd(&s, &a_memfd));
-    assert!(tree_node(&s, &b).is_some(), "C still reads x from {b}");
-    assert_invariant(&s, "with only B frozen");
+    assert!(s.tree_node(&b).is_some(), "C still reads x from {b}");
+    s.assert_invariant("with only B frozen");
 
     // C reads x from B: B goes too.
     assert_eq!(
@@ -752,7 +644,7 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
         "C sees B's write made before C's fork"
     );
     assert!(
-        tree_node(&s, &b).is_none(),
+        s.tree_node(&b).is_none(),
         "{b} released with its last reader"
     );
     assert!(!server_holds_memfd(&s, &b_memfd));
@@ -760,7 +652,7 @@ fn frozen_grandparent_is_released_once_no_live_vm_reads_from_it() {
     model.fill(0, total, 1);
     model.fill(x, 1, 7);
     assert_matches_model(&s, &c, &model, total);
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }
 
 /// Memory accounting of a frozen parent: released only when its last child
@@ -784,8 +676,8 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
         filled + slack_kib >= baseline + mib * 1024,
         "a filled {mib} MiB VM should add ~{mib} MiB of Shmem: {baseline} -> {filled} KiB"
     );
-    let kids = children_of(&fork(&s, &a, 2));
-    assert_eq!(delete(&s, &a)["frozen"], true);
+    let kids = s.fork(&a, 2).children;
+    assert!(s.delete_vm(&a).frozen);
     // Each child reads a little (correctly) and keeps reading the rest from
     // the frozen parent.
     let k = 1024;
@@ -793,21 +685,23 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
         let start = u64::try_from(i).expect("small") * k;
         assert_eq!(s.verify(kid, start, k, 1), 0);
         assert_eq!(
-            by_source(&s, kid),
+            s.by_source(kid),
             BTreeMap::from([(kid.clone(), k), (a.clone(), total - k)])
         );
     }
-    let d = delete(&s, &kids[0]);
-    assert_eq!(d["frozen"], false, "nobody reads from {}: {d}", kids[0]);
-    let node = tree_node(&s, &a).expect("parent still frozen for the second child");
-    assert_eq!(node["state"], "deleted");
+    let d = s.delete_vm(&kids[0]);
+    assert!(!d.frozen, "nobody reads from {}: {d:?}", kids[0]);
+    let node = s
+        .tree_node(&a)
+        .expect("parent still frozen for the second child");
+    assert_eq!(node.state, RunState::Deleted);
     assert!(server_holds_memfd(&s, &a_memfd));
-    assert_invariant(&s, "with one child left");
+    s.assert_invariant("with one child left");
 
     let before = shmem_kib();
-    delete(&s, &kids[1]);
+    s.delete_vm(&kids[1]);
     assert!(
-        tree_node(&s, &a).is_none(),
+        s.tree_node(&a).is_none(),
         "parent must be released with its last child"
     );
     assert!(
@@ -828,7 +722,7 @@ fn deleted_parent_memory_is_released_when_its_last_child_is_deleted() {
     );
     // Not asserted: other processes on the host may allocate meanwhile.
     eprintln!("Shmem: baseline {baseline}, filled {filled}, before the last delete {before}, after {after} KiB");
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }
 
 #[test]
@@ -846,36 +740,31 @@ fn ten_children_forked_in_one_request_all_answer() {
     model.fill(0, total, 1);
     assert_eq!(sum, model.checksum(0, total));
 
-    let answer = fork(&s, &a, 10);
-    let kids = children_of(&answer);
+    let answer = s.fork(&a, 10);
+    let kids = answer.children.clone();
     eprintln!(
         "fork of 10: pause {} us, table fork {} us",
-        answer["pause_us"], answer["fork_us"]
+        answer.pause_us, answer.fork_us
     );
     let distinct: BTreeSet<&String> = kids.iter().collect();
     assert_eq!(distinct.len(), 10, "distinct child ids: {kids:?}");
     let mut ids = BTreeSet::new();
     for k in &kids {
-        let me = identity(&s, k);
-        assert_eq!(me, num(k), "identity of {k}");
+        let me = s.identity(k);
+        assert_eq!(me, vm_num(k), "identity of {k}");
         ids.insert(me);
         assert_eq!(s.checksum(k, 0, total), sum, "checksum of child {k}");
     }
     assert_eq!(ids.len(), 10, "identities distinct: {ids:?}");
-    assert!(!ids.contains(&num(&a)));
-    let node = tree_node(&s, &a).expect("parent in tree");
-    let listed: BTreeSet<String> = node["children"]
-        .as_array()
-        .expect("children")
-        .iter()
-        .map(|c| c.as_str().expect("id").to_owned())
-        .collect();
+    assert!(!ids.contains(&vm_num(&a)));
+    let node = s.tree_node(&a).expect("parent in tree");
+    let listed: BTreeSet<String> = node.children.iter().cloned().collect();
     assert_eq!(
         listed,
         kids.iter().cloned().collect::<BTreeSet<_>>(),
         "tree children of {a}"
     );
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }
 
 /// Fork while the parent's guest is in the middle of a 256 MiB fill. The
@@ -905,25 +794,25 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
                 t.elapsed().as_micros()
             });
             thread::sleep(delay);
-            let answer = fork(&s, &a, 2);
+            let answer = s.fork(&a, 2);
             (answer, filler.join().expect("fill thread panicked"))
         });
-        let kids = children_of(&answer);
+        let kids = answer.children.clone();
         // Before any read by the test: where does each child's memory come from?
-        let ext = extents(&s, &kids[0]);
+        let ext = s.extents(&kids[0]);
         let k = match ext.first() {
             Some((0, n, src)) if *src == a => *n,
             _ => 0,
         };
         eprintln!(
-            "attempt {attempt}: delay {delay:?}, fill {fill_us} us, pause {} us ({}), child {} extents {ext:?}",
-            answer["pause_us"], answer["phases"], kids[0]
+            "attempt {attempt}: delay {delay:?}, fill {fill_us} us, pause {} us ({:?}), child {} extents {ext:?}",
+            answer.pause_us, answer.phases, kids[0]
         );
         if k == 0 || k == total {
             // The fork fell before the fill started or after it ended.
             let started = s.verify(&kids[0], 0, 1, seed) == 0;
             for kid in &kids {
-                delete(&s, kid);
+                s.delete_vm(kid);
             }
             delay = if started {
                 delay / 2
@@ -937,12 +826,12 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
         // child itself after the fork.
         for kid in &kids {
             assert_eq!(
-                extents(&s, kid),
+                s.extents(kid),
                 vec![(0, k, a.clone()), (k, total - k, kid.clone())],
                 "child {kid} after a fork at page {k} (previous seed {old})"
             );
         }
-        assert_invariant(&s, "right after the mid-fill fork");
+        s.assert_invariant("right after the mid-fill fork");
         let mut model = Model::new(total);
         model.fill(0, total, seed);
         assert_eq!(s.verify(&a, 0, total, seed), 0, "parent finished its fill");
@@ -968,11 +857,11 @@ fn fork_during_a_long_fill_loses_and_tears_no_page() {
                 model.digest(0, total),
                 "child {kid} digest (no torn page)"
             );
-            assert_eq!(by_source(&s, kid), BTreeMap::from([(kid.clone(), total)]));
+            assert_eq!(s.by_source(kid), BTreeMap::from([(kid.clone(), total)]));
         }
-        assert_eq!(by_source(&s, &a), BTreeMap::from([(a.clone(), total)]));
+        assert_eq!(s.by_source(&a), BTreeMap::from([(a.clone(), total)]));
         assert_eq!(s.verify(&a, 0, total, seed + 100), 0, "parent's rewrite");
-        assert_invariant(&s, "at the end");
+        s.assert_invariant("at the end");
         return;
     }
     panic!("no fork landed in the middle of the fill in 6 attempts");
@@ -992,20 +881,20 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
     let a = create(&s, MIB_64);
     s.fill(&a, 0, half, 1);
     assert_eq!(
-        by_source(&s, &a),
+        s.by_source(&a),
         BTreeMap::from([(a.clone(), half), ("uninitialized".into(), half)])
     );
 
-    let c = children_of(&fork(&s, &a, 1)).remove(0);
+    let c = s.fork(&a, 1).children.remove(0);
     assert_eq!(
-        by_source(&s, &c),
+        s.by_source(&c),
         BTreeMap::from([(a.clone(), half), ("uninitialized".into(), half)])
     );
-    let node = tree_node(&s, &c).expect("child in tree");
-    assert_eq!(node["parent"], a.as_str());
-    assert_eq!(node["own_pages"], 0);
-    assert_eq!(reads_from(&node), BTreeMap::from([(a.clone(), half)]));
-    assert_eq!(tree_node(&s, &a).expect("parent")["children"], json!([c]));
+    let node = s.tree_node(&c).expect("child in tree");
+    assert_eq!(node.parent, Some(a.clone()));
+    assert_eq!(node.own_pages, 0);
+    assert_eq!(node.reads_from.clone(), BTreeMap::from([(a.clone(), half)]));
+    assert_eq!(s.tree_node(&a).expect("parent").children, vec![c.clone()]);
 
     // The child reads k pages the parent holds and z never-written pages.
     let (k_start, k) = (100, 1000);
@@ -1013,7 +902,7 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
     s.touch(&c, k_start, k, false);
     s.touch(&c, z_start, z, false);
     assert_eq!(
-        by_source(&s, &c),
+        s.by_source(&c),
         BTreeMap::from([
             (c.clone(), k + z),
             (a.clone(), half - k),
@@ -1021,7 +910,7 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
         ])
     );
     assert_eq!(
-        extents(&s, &c),
+        s.extents(&c),
         vec![
             (0, k_start, a.clone()),
             (k_start, k, c.clone()),
@@ -1033,40 +922,46 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
     );
     let info = s.vm(&c);
     assert_eq!(
-        info["pages"],
-        json!({ "vm": half - k + k + z, "uninitialized": half - z }),
-        "{info}"
+        info.pages,
+        BTreeMap::from([
+            ("vm".to_owned(), half - k + k + z),
+            ("uninitialized".to_owned(), half - z)
+        ]),
+        "{info:?}"
     );
-    assert_eq!(info["resident_pages"], k + z, "{info}");
+    assert_eq!(info.resident_pages, k + z, "{info:?}");
     assert_page(&s, &c, k_start, &c, true);
     assert_page(&s, &c, k_start + k, &a, false);
     assert_page(&s, &c, z_start, &c, true);
     assert_page(&s, &c, total - 1, "uninitialized", false);
-    let node = tree_node(&s, &c).expect("child in tree");
-    assert_eq!(node["own_pages"], k + z);
-    assert_eq!(reads_from(&node), BTreeMap::from([(a.clone(), half - k)]));
+    let node = s.tree_node(&c).expect("child in tree");
+    assert_eq!(node.own_pages, k + z);
+    assert_eq!(
+        node.reads_from.clone(),
+        BTreeMap::from([(a.clone(), half - k)])
+    );
     // The parent is unaffected by its child's reads.
     assert_eq!(
-        by_source(&s, &a),
+        s.by_source(&a),
         BTreeMap::from([(a.clone(), half), ("uninitialized".into(), half)])
     );
-    assert_invariant(&s, "after the child's reads");
+    s.assert_invariant("after the child's reads");
 
     // The parent writes w pages its child still reads from it (WP faults:
     // each is copied to the child first) and u never-written pages (the
     // child reads those as zero still, no copy).
-    let wp_before = pagefork_tests::fault_counter(&s.vm(&a), "write_protect");
+    let wp_before = s.vm(&a).faults.write_protect;
     let w = 50;
     let (u_start, u) = (12_000, 100);
     s.fill(&a, 0, w, 3);
     s.fill(&a, u_start, u, 3);
     assert_eq!(
-        pagefork_tests::fault_counter(&s.vm(&a), "write_protect") - wp_before,
+        s.vm(&a).faults.write_protect - wp_before,
         w,
         "one WP fault per protected page the parent wrote"
     );
     assert_eq!(
-        by_source(&s, &c),
+        s.by_source(&c),
         BTreeMap::from([
             (c.clone(), k + z + w),
             (a.clone(), half - k - w),
@@ -1074,13 +969,13 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
         ])
     );
     assert_eq!(
-        by_source(&s, &a),
+        s.by_source(&a),
         BTreeMap::from([(a.clone(), half + u), ("uninitialized".into(), half - u)])
     );
     assert_page(&s, &c, 0, &c, true);
     assert_page(&s, &c, u_start, "uninitialized", false);
     assert_eq!(
-        reads_from(&tree_node(&s, &c).expect("child")),
+        s.tree_node(&c).expect("child").reads_from,
         BTreeMap::from([(a.clone(), half - k - w)])
     );
     assert_eq!(s.verify(&c, 0, w, 1), 0, "child kept the pre-write pages");
@@ -1089,5 +984,5 @@ fn sources_pages_and_tree_count_exactly_what_each_vm_touched() {
         0,
         "child still reads the parent's new pages as zero"
     );
-    assert_invariant(&s, "at the end");
+    s.assert_invariant("at the end");
 }

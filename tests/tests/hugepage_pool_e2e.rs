@@ -7,28 +7,24 @@
 //! binary of its own: `scripts/test.sh` (`cargo test`) runs binaries one
 //! after another, and nothing else takes huge pages meanwhile.
 
-use pagefork_tests::{free_hugepages, require_hugepages, TestServer};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use pagefork_tests::{free_hugepages, new_vm, op, require_hugepages, Reply, TestServer};
+use proto::api::{CreateVm, RunState};
 
 /// 4 KiB pages per block.
 const BLOCK: u64 = 512;
 
 /// Write one page per block of hugepage VM `id` until a write is refused.
 /// Returns the block it failed at and the answer.
-fn write_until_refused(s: &TestServer, id: &str, blocks: u64) -> (u64, Value) {
+fn write_until_refused(s: &TestServer, id: &str, blocks: u64) -> (u64, Reply) {
     for b in 0..blocks {
-        let (status, v) = s.try_exec(
-            id,
-            json!({"op": "fill", "start_page": b * BLOCK, "pages": 1, "seed": 1}),
-        );
-        if status != 200 {
+        if let Err(v) = s.try_exec(id, &op::fill(b * BLOCK, 1, 1)) {
             return (b, v);
         }
     }
     panic!(
-        "{id} wrote {blocks} blocks with {} huge pages free: {}",
+        "{id} wrote {blocks} blocks with {} huge pages free: {:?}",
         free_hugepages(),
         s.vm(id)
     );
@@ -63,50 +59,57 @@ fn a_used_up_hugepage_pool_fails_the_vm_that_needs_a_page_and_nobody_else() {
         return;
     }
     let s = TestServer::start();
-    let other = s.create_vm(json!({"memory_mib": 4}));
+    let other = s.create_vm(&new_vm(4));
 
     // 1. A VM larger than the pool touches a block too many.
     let free = free_hugepages();
     let blocks = free + 4;
-    let id = s.create_vm(json!({"memory_mib": blocks * 2, "hugepages": true}));
+    let id = s.create_vm(&CreateVm {
+        hugepages: Some(true),
+        ..new_vm(blocks * 2)
+    });
     let (b, answer) = write_until_refused(&s, &id, blocks);
     assert!(
         b >= free.saturating_sub(8),
         "{id} failed at block {b} with {free} huge pages free: {answer}"
     );
     let v = s.vm(&id);
-    assert_eq!(v["state"], "failed", "{v}");
-    let failure = v["failure"].as_str().unwrap_or_default();
+    assert_eq!(v.state, RunState::Failed, "{v:?}");
+    let failure = v.failure.as_deref().unwrap_or_default();
     assert!(
         failure.contains("huge page") && failure.contains("nr_hugepages"),
-        "the failure does not say the pool is used up: {v}"
+        "the failure does not say the pool is used up: {v:?}"
     );
     s.fill(&other, 0, 1024, 3);
     assert_eq!(s.verify(&other, 0, 1024, 3), 0);
-    let (st, body) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert!(st < 300, "DELETE {id}: {body}");
+    s.delete_vm(&id);
     wait_free(free, &format!("deleting {id}"));
 
     // 2. A parent writes a block its child still reads, with no page left
     //    for the child's copy.
-    let parent = s.create_vm(json!({"memory_mib": 8, "hugepages": true}));
+    let parent = s.create_vm(&CreateVm {
+        hugepages: Some(true),
+        ..new_vm(8)
+    });
     s.fill(&parent, 0, 4 * BLOCK, 1);
-    let (st, v) = s.api("POST", &format!("/v1/vms/{parent}/fork"), None);
-    assert_eq!(st, 201, "fork: {v}");
-    let child = v["children"][0].as_str().expect("a child").to_owned();
+    let child = s.fork_one(&parent);
     let free = free_hugepages();
-    let hog = s.create_vm(json!({"memory_mib": (free + 4) * 2, "hugepages": true}));
+    let hog = s.create_vm(&CreateVm {
+        hugepages: Some(true),
+        ..new_vm((free + 4) * 2)
+    });
     let _ = write_until_refused(&s, &hog, free + 4);
     s.fill(&parent, 0, 1, 2);
     let v = s.vm(&child);
     assert_eq!(
-        v["state"], "failed",
-        "{child} still runs on a block it lost: {v}"
+        v.state,
+        RunState::Failed,
+        "{child} still runs on a block it lost: {v:?}"
     );
-    let failure = v["failure"].as_str().unwrap_or_default();
+    let failure = v.failure.as_deref().unwrap_or_default();
     assert!(
         failure.contains("could not be kept") && failure.contains("nr_hugepages"),
-        "the child's failure does not say why: {v}"
+        "the child's failure does not say why: {v:?}"
     );
     // The parent wrote, and keeps its memory; everyone else goes on.
     assert_eq!(s.verify(&parent, 0, 1, 2), 0);
@@ -114,7 +117,6 @@ fn a_used_up_hugepage_pool_fails_the_vm_that_needs_a_page_and_nobody_else() {
     s.fill(&other, 0, 1024, 4);
     assert_eq!(s.verify(&other, 0, 1024, 4), 0);
     for id in [&hog, &child, &parent] {
-        let (st, body) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-        assert!(st < 300, "DELETE {id}: {body}");
+        s.delete_vm(id);
     }
 }

@@ -5,10 +5,10 @@
 //! memory is a `digest` over every byte, compared with a model.
 
 use pagefork_tests::{
-    apply_fill, expected_digest, pages_of, realistic_memory, require_hugepages, server_on_xfs,
-    TestServer,
+    apply_fill, expected_digest, file_source, from_snapshot, new_vm, op, pages_of,
+    realistic_memory, require_hugepages, server_on_xfs, TestServer,
 };
-use serde_json::{json, Value};
+use proto::api::{CreateVm, MemorySource, SnapshotMode};
 
 /// Guest RAM of most VMs here: 8 blocks of 2 MiB.
 const MIB: u64 = 16;
@@ -27,33 +27,19 @@ fn assert_exact(s: &TestServer, id: &str, model: &[u8], what: &str) {
     );
 }
 
-fn assert_invariant(s: &TestServer, what: &str) {
-    let (st, v) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(st, 200, "{v}");
-    assert_eq!(v["ok"], true, "invariant {what}: {v}");
-}
-
-fn huge_vm(s: &TestServer, extra: Value) -> String {
-    let mut body = json!({"memory_mib": MIB, "hugepages": true});
-    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
-        b.extend(e.clone());
-    }
-    let id = s.create_vm(body);
-    assert_eq!(s.vm(&id)["hugepages"], true, "{}", s.vm(&id));
+/// A VM of `MIB` on hugepages, its memory from `memory_source`.
+fn huge_vm(s: &TestServer, memory_source: Option<MemorySource>) -> String {
+    let id = s.create_vm(&CreateVm {
+        hugepages: Some(true),
+        memory_source,
+        ..new_vm(MIB)
+    });
+    assert!(s.vm(&id).hugepages, "{:?}", s.vm(&id));
     id
 }
 
-fn children(v: &Value) -> Vec<String> {
-    v["children"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no children in {v}"))
-        .iter()
-        .map(|c| c.as_str().expect("child id").to_owned())
-        .collect()
-}
-
 fn resident(s: &TestServer, id: &str) -> u64 {
-    s.vm(id)["resident_pages"].as_u64().expect("resident_pages")
+    s.vm(id).resident_pages
 }
 
 #[test]
@@ -62,7 +48,7 @@ fn hugepage_memory_is_served_whole_blocks_at_a_time_and_exactly() {
         return;
     }
     let s = TestServer::start();
-    let id = huge_vm(&s, json!({}));
+    let id = huge_vm(&s, None);
     let mut model = vec![0u8; usize::try_from(MIB << 20).unwrap()];
     // Writes that start mid-block and cross a block boundary.
     s.fill(&id, 300, 400, 1);
@@ -75,18 +61,16 @@ fn hugepage_memory_is_served_whole_blocks_at_a_time_and_exactly() {
     assert!(r >= 2 * BLOCK, "{r}");
     assert_exact(&s, &id, &model, "after a fill across a block boundary");
     assert_eq!(resident(&s, &id), pages_of(MIB), "digest read every block");
-    assert_invariant(&s, "after reading every block");
+    s.assert_invariant("after reading every block");
     // A size that is no whole number of huge pages is refused clearly.
-    let (st, v) = s.api(
-        "POST",
-        "/v1/vms",
-        Some(json!({"memory_mib": 3, "hugepages": true})),
-    );
-    assert_eq!(st, 400, "{v}");
-    assert!(
-        v["error"].as_str().unwrap().contains("multiple of 2"),
-        "{v}"
-    );
+    let v = s
+        .try_create_vm(&CreateVm {
+            hugepages: Some(true),
+            ..new_vm(3)
+        })
+        .unwrap_err();
+    assert_eq!(v.status, 400, "{v}");
+    assert!(v.error().contains("multiple of 2"), "{v}");
 }
 
 #[test]
@@ -107,15 +91,12 @@ fn hugepage_vm_reads_an_image_file_exactly() {
         .open(&path)
         .and_then(|f| f.set_len(MIB << 20))
         .unwrap();
-    let id = huge_vm(
-        &s,
-        json!({"memory_source": {"kind": "file", "path": path.to_str().unwrap()}}),
-    );
+    let id = huge_vm(&s, Some(file_source(&path)));
     assert_exact(&s, &id, &model, "read from the image");
     s.fill(&id, 1000, 30, 4);
     apply_fill(&mut model, 1000, 30, 4);
     assert_exact(&s, &id, &model, "after a write over image pages");
-    assert_invariant(&s, "after image reads");
+    s.assert_invariant("after image reads");
 }
 
 #[test]
@@ -124,31 +105,21 @@ fn hugepage_fork_copies_whole_blocks_on_write_and_keeps_everyone_exact() {
         return;
     }
     let s = TestServer::start();
-    let a = huge_vm(&s, json!({}));
+    let a = huge_vm(&s, None);
     let mut pa = vec![0u8; usize::try_from(MIB << 20).unwrap()];
     // Blocks 0-3 written, 4-7 never touched before the fork.
     s.fill(&a, 0, 4 * BLOCK, 1);
     apply_fill(&mut pa, 0, 4 * BLOCK, 1);
-    let (st, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/fork"),
-        Some(json!({"count": 2})),
-    );
-    assert_eq!(st, 201, "{v}");
-    let kids = children(&v);
+    let kids = s.fork(&a, 2).children;
     for k in &kids {
-        assert_eq!(s.vm(k)["hugepages"], true, "{}", s.vm(k));
+        assert!(s.vm(k).hugepages, "{:?}", s.vm(k));
     }
     let (mut k0, mut k1) = (pa.clone(), pa.clone());
     // The parent writes a few pages of block 1: the children get the
     // block's pre-write copy, whole.
     s.fill(&a, BLOCK + 7, 3, 2);
     apply_fill(&mut pa, BLOCK + 7, 3, 2);
-    assert!(
-        s.vm(&a)["faults"]["wp_copies"].as_u64().unwrap_or(0) >= 1,
-        "{}",
-        s.vm(&a)
-    );
+    assert!(s.vm(&a).faults.wp_copies >= 1, "{:?}", s.vm(&a));
     // A child writes into a block it reads from the parent and into one
     // nobody touched.
     s.fill(&kids[0], 2 * BLOCK + 100, 50, 3);
@@ -156,27 +127,20 @@ fn hugepage_fork_copies_whole_blocks_on_write_and_keeps_everyone_exact() {
     s.fill(&kids[0], 6 * BLOCK + 1, 1, 5);
     apply_fill(&mut k0, 6 * BLOCK + 1, 1, 5);
     // A grandchild of a child, then the child writes the block again.
-    let (st, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{}/fork", kids[1]),
-        Some(json!({"count": 1})),
-    );
-    assert_eq!(st, 201, "{v}");
-    let g = children(&v).remove(0);
+    let g = s.fork_one(&kids[1]);
     let pg = k1.clone();
     s.fill(&kids[1], BLOCK, BLOCK, 6);
     apply_fill(&mut k1, BLOCK, BLOCK, 6);
-    assert_invariant(&s, "after the writes");
+    s.assert_invariant("after the writes");
     assert_exact(&s, &a, &pa, "(parent)");
     assert_exact(&s, &kids[0], &k0, "(child 0)");
     assert_exact(&s, &kids[1], &k1, "(child 1)");
     assert_exact(&s, &g, &pg, "(grandchild)");
     // The parent goes; its children keep reading its blocks.
-    let (st, v) = s.api("DELETE", &format!("/v1/vms/{a}"), None);
-    assert!(st == 200 || st == 204, "{st} {v}");
+    s.delete_vm(&a);
     assert_exact(&s, &kids[0], &k0, "after the parent was deleted");
     assert_exact(&s, &g, &pg, "(grandchild) after the parent was deleted");
-    assert_invariant(&s, "after the parent was deleted");
+    s.assert_invariant("after the parent was deleted");
 }
 
 #[test]
@@ -185,56 +149,38 @@ fn hugepage_snapshots_restore_and_roll_back_exactly() {
         return;
     }
     let Some(s) = server_on_xfs(&[]) else { return };
-    let id = huge_vm(&s, json!({}));
+    let id = huge_vm(&s, None);
     let mut model = vec![0u8; usize::try_from(MIB << 20).unwrap()];
     s.fill(&id, 0, 3 * BLOCK + 10, 1);
     apply_fill(&mut model, 0, 3 * BLOCK + 10, 1);
     let want = model.clone();
-    let (st, full) = s.api(
-        "POST",
-        &format!("/v1/vms/{id}/snapshots"),
-        Some(json!({"name": "h-full", "mode": "full"})),
-    );
-    assert_eq!(st, 201, "{full}");
+    s.snapshot(&id, "h-full", SnapshotMode::Full);
     // After the snapshot, writes are tracked per block: 5 pages in one
     // block make the whole block dirty.
     s.fill(&id, 5 * BLOCK + 3, 5, 2);
     apply_fill(&mut model, 5 * BLOCK + 3, 5, 2);
-    let (st, dirty) = s.api(
-        "POST",
-        &format!("/v1/vms/{id}/snapshots"),
-        Some(json!({"name": "h-dirty", "mode": "dirty"})),
-    );
-    assert_eq!(st, 201, "{dirty}");
-    assert_eq!(dirty["mode_used"], "dirty", "{dirty}");
-    assert_eq!(dirty["pages_written"], BLOCK, "{dirty}");
+    let dirty = s.snapshot(&id, "h-dirty", SnapshotMode::Dirty);
+    assert_eq!(dirty.mode_used, SnapshotMode::Dirty, "{dirty:?}");
+    assert_eq!(dirty.pages_written, BLOCK, "{dirty:?}");
 
     // Restores are hugepage VMs like their original, and exact.
-    let r1 = s.create_vm(json!({"from_snapshot": "h-full"}));
-    assert_eq!(s.vm(&r1)["hugepages"], true, "{}", s.vm(&r1));
+    let r1 = s.restore("h-full");
+    assert!(s.vm(&r1).hugepages, "{:?}", s.vm(&r1));
     assert_exact(&s, &r1, &want, "restored from the full snapshot");
-    let r2 = s.create_vm(json!({"from_snapshot": "h-dirty"}));
+    let r2 = s.restore("h-dirty");
     assert_exact(&s, &r2, &model, "restored from the dirty snapshot");
     // A 4 KiB restore of the same snapshot reads the same bytes.
-    let r3 = s.create_vm(json!({"from_snapshot": "h-dirty", "hugepages": false}));
-    assert_eq!(s.vm(&r3)["hugepages"], false);
+    let r3 = s.create_vm(&CreateVm {
+        hugepages: Some(false),
+        ..from_snapshot("h-dirty")
+    });
+    assert!(!s.vm(&r3).hugepages);
     assert_exact(&s, &r3, &model, "restored on 4 KiB pages");
 
     // A fork child of the VM keeps its memory through the rollback.
-    let (st, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{id}/fork"),
-        Some(json!({"count": 1})),
-    );
-    assert_eq!(st, 201, "{v}");
-    let kid = children(&v).remove(0);
+    let kid = s.fork_one(&id);
     s.fill(&id, 7 * BLOCK, 20, 3);
-    let (st, rb) = s.api(
-        "POST",
-        &format!("/v1/vms/{id}/rollback"),
-        Some(json!({"snapshot": "h-full"})),
-    );
-    assert_eq!(st, 200, "{rb}");
+    s.rollback(&id, "h-full");
     assert_exact(&s, &id, &want, "after the rollback");
     assert_exact(&s, &kid, &model, "(fork child) after its parent's rollback");
     // The rolled-back VM runs on: its writes land.
@@ -242,7 +188,7 @@ fn hugepage_snapshots_restore_and_roll_back_exactly() {
     let mut after = want.clone();
     apply_fill(&mut after, 100, 10, 9);
     assert_exact(&s, &id, &after, "after a write following the rollback");
-    assert_invariant(&s, "after the rollback");
+    s.assert_invariant("after the rollback");
 }
 
 /// A guest reading an image in order on hugepages finds the blocks after
@@ -263,31 +209,21 @@ fn hugepage_sequential_reader_faults_on_few_blocks_only() {
     let pages = pages_of(RA_MIB);
     let mut missing = Vec::new();
     for readahead_kib in [None, Some(0)] {
-        let mut body = json!({
-            "memory_mib": RA_MIB,
-            "hugepages": true,
-            "memory_source": {"kind": "file", "path": path.to_str().unwrap()},
+        let id = s.create_vm(&CreateVm {
+            hugepages: Some(true),
+            memory_source: Some(file_source(&path)),
+            readahead_kib,
+            ..new_vm(RA_MIB)
         });
-        if let Some(kib) = readahead_kib {
-            body["readahead_kib"] = json!(kib);
-        }
-        let id = s.create_vm(body);
-        s.exec(
-            &id,
-            json!({"op": "touch", "start_page": 0, "pages": pages, "write": false}),
-        );
-        missing.push(
-            s.vm(&id)["faults"]["missing"]
-                .as_u64()
-                .expect("faults.missing"),
-        );
+        s.exec(&id, &op::touch(0, pages, false));
+        missing.push(s.vm(&id).faults.missing);
         assert_eq!(
             s.digest(&id, 0, pages),
             expected_digest(&model, 0, pages),
             "{id}: memory differs from the image (readahead {readahead_kib:?})"
         );
         assert_eq!(resident(&s, &id), pages, "{id}: every block present");
-        s.api("DELETE", &format!("/v1/vms/{id}"), None);
+        s.delete_vm(&id);
     }
     let (ahead, off) = (missing[0], missing[1]);
     let blocks = pages / BLOCK;
@@ -300,5 +236,5 @@ fn hugepage_sequential_reader_faults_on_few_blocks_only() {
         ahead <= off / 3 + 1,
         "readahead on: {ahead} faults, off: {off} (expected about a quarter)"
     );
-    assert_invariant(&s, "after sequential reads");
+    s.assert_invariant("after sequential reads");
 }

@@ -11,58 +11,34 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    bin, files_under, open_fds, require_kvm_uffd, server_start_failure, signal, Holdings,
-    RandomImage, ServerOptions, TestServer,
+    bin, files_under, new_vm, open_fds, require_kvm_uffd, server_start_failure, signal, vm_num,
+    Holdings, RandomImage, ServerOptions, TestServer,
 };
-use serde_json::{json, Value};
-
-/// Fork `id` once; returns the child's id.
-fn fork_one(s: &TestServer, id: &str) -> String {
-    let (status, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{id}/fork"),
-        Some(json!({"count": 1})),
-    );
-    assert_eq!(status, 201, "fork of {id}: {v}");
-    v["children"][0]
-        .as_str()
-        .unwrap_or_else(|| panic!("no child in {v}"))
-        .to_owned()
-}
-
-fn delete(s: &TestServer, id: &str) -> Value {
-    let (status, v) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert_eq!(status, 200, "DELETE {id}: {v}");
-    v
-}
-
-/// Numeric part of `vm-N`.
-fn num(id: &str) -> u64 {
-    id.strip_prefix("vm-")
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("not a VM id: {id}"))
-}
+use proto::api::CreateVm;
 
 /// One life cycle: create (from `image` or zeroes), fault some pages in,
 /// fork, check the child, delete both (parent first every other time, so
 /// it stays frozen for its child a while).
 fn cycle(s: &TestServer, image: &RandomImage, i: u64) {
     let body = if i.is_multiple_of(2) {
-        json!({"memory_mib": 4, "memory_source": image.source()})
+        CreateVm {
+            memory_source: Some(image.source()),
+            ..new_vm(4)
+        }
     } else {
-        json!({"memory_mib": 4})
+        new_vm(4)
     };
-    let a = s.create_vm(body);
+    let a = s.create_vm(&body);
     s.fill(&a, 0, 16, i);
-    let b = fork_one(s, &a);
+    let b = s.fork_one(&a);
     assert_eq!(s.verify(&b, 0, 16, i), 0, "child {b} of {a} (cycle {i})");
     s.touch(&b, 16, 16, false);
     if i % 4 < 2 {
-        delete(s, &a);
-        delete(s, &b);
+        s.delete_vm(&a);
+        s.delete_vm(&b);
     } else {
-        delete(s, &b);
-        delete(s, &a);
+        s.delete_vm(&b);
+        s.delete_vm(&a);
     }
 }
 
@@ -215,9 +191,7 @@ fn the_soft_fd_limit_is_raised_to_the_hard_limit_at_start() {
     let nums: Vec<&str> = line.split_whitespace().skip(3).take(2).collect();
     assert_eq!(nums, ["4096", "4096"], "{line}");
     // 64 fds would not even hold this many VMs.
-    let ids: Vec<String> = (0..24)
-        .map(|_| s.create_vm(json!({"memory_mib": 4})))
-        .collect();
+    let ids: Vec<String> = (0..24).map(|_| s.create_vm(&new_vm(4))).collect();
     for id in &ids {
         s.fill(id, 0, 4, 1);
     }
@@ -244,7 +218,7 @@ fn running_low_on_fds_is_logged_before_anything_fails() {
     let mut ids = Vec::new();
     while (Holdings::of(pid).fds as u64) * 100 < limit * 85 {
         assert!(ids.len() < 40, "{} VMs and still few fds", ids.len());
-        ids.push(s.create_vm(json!({"memory_mib": 4})));
+        ids.push(s.create_vm(&new_vm(4)));
     }
     let open = Holdings::of(pid).fds;
     let logged = pagefork_tests::wait_for(Duration::from_secs(10), || {
@@ -267,7 +241,7 @@ fn running_low_on_fds_is_logged_before_anything_fails() {
         s.fill(id, 0, 4, 3);
     }
     for id in &ids {
-        delete(&s, id);
+        s.delete_vm(id);
     }
     let back = pagefork_tests::wait_for(Duration::from_secs(10), || {
         s.server_log_text()
@@ -294,7 +268,7 @@ fn vm_logs_are_private_and_the_state_directory_is_0700() {
         return;
     }
     let s = TestServer::start();
-    let id = s.create_vm(json!({"memory_mib": 4}));
+    let id = s.create_vm(&new_vm(4));
     let log = s.state_dir().join("logs").join(format!("{id}.log"));
     assert_eq!(mode(&log), 0o600, "{}", log.display());
     assert_eq!(mode(&s.state_dir().join("logs")), 0o700);
@@ -336,8 +310,8 @@ fn a_planted_log_symlink_is_not_followed() {
     }
     let s = TestServer::start();
     // The next VM id: one VM tells where the ids are.
-    let first = s.create_vm(json!({"memory_mib": 4}));
-    let next = num(&first) + 1;
+    let first = s.create_vm(&new_vm(4));
+    let next = vm_num(&first) + 1;
     let victim_dir = tempfile::tempdir().expect("tempdir");
     let victim = victim_dir.path().join("precious");
     std::fs::write(&victim, b"do not overwrite\n").expect("write victim");
@@ -346,8 +320,8 @@ fn a_planted_log_symlink_is_not_followed() {
         std::os::unix::fs::symlink(&victim, logs.join(format!("vm-{n}.log")))
             .expect("plant a link");
     }
-    let id = s.create_vm(json!({"memory_mib": 4}));
-    assert!(num(&id) >= next && num(&id) < next + 3, "{id}");
+    let id = s.create_vm(&new_vm(4));
+    assert!(vm_num(&id) >= next && vm_num(&id) < next + 3, "{id}");
     s.fill(&id, 0, 4, 1);
     assert_eq!(
         std::fs::read(&victim).expect("read victim"),
@@ -370,11 +344,11 @@ fn keep_logs_bounds_the_logs_of_deleted_vms() {
         return;
     }
     let s = TestServer::start_with_args(&["--keep-logs", "3"]);
-    let live = s.create_vm(json!({"memory_mib": 4}));
+    let live = s.create_vm(&new_vm(4));
     let mut gone = Vec::new();
     for _ in 0..8 {
-        let id = s.create_vm(json!({"memory_mib": 4}));
-        delete(&s, &id);
+        let id = s.create_vm(&new_vm(4));
+        s.delete_vm(&id);
         gone.push(id);
     }
     let logs: Vec<String> = files_under(&s.state_dir().join("logs"))

@@ -16,8 +16,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use pagefork_tests::{process_exists, require_kvm_uffd, signal, wait_for, TestServer};
-use serde_json::json;
+use pagefork_tests::{
+    body, from_snapshot, new_vm, op, process_exists, require_kvm_uffd, signal, vm_num, wait_for,
+    Api, TestServer,
+};
+use proto::api::{CreateSnapshot, ForkRequest, RunState, SnapshotMode};
 
 const VMS: usize = 50;
 const MIB: u64 = 32;
@@ -128,9 +131,7 @@ fn fifty_vms_under_mixed_load_predict_every_verify_and_leak_nothing() {
 
     let t0 = Instant::now();
     let model: Mutex<Model> = Mutex::default();
-    let ids: Vec<String> = (0..VMS)
-        .map(|_| s.create_vm(json!({"memory_mib": MIB})))
-        .collect();
+    let ids: Vec<String> = (0..VMS).map(|_| s.create_vm(&new_vm(MIB))).collect();
     for id in &ids {
         model.lock().unwrap().insert(id.clone(), [0; CHUNKS]);
     }
@@ -157,13 +158,7 @@ fn fifty_vms_under_mixed_load_predict_every_verify_and_leak_nothing() {
                             verify_chunk(s, &id, chunk, seed);
                         }
                         8 => {
-                            let (status, v) = s.api(
-                                "POST",
-                                &format!("/v1/vms/{id}/fork"),
-                                Some(json!({"count": 1})),
-                            );
-                            assert_eq!(status, 201, "fork of {id}: {v}");
-                            let child = v["children"][0].as_str().unwrap().to_owned();
+                            let child = s.fork_one(&id);
                             let mut m = model.lock().unwrap();
                             let seeds = m[&id];
                             m.insert(child.clone(), seeds);
@@ -172,8 +167,7 @@ fn fifty_vms_under_mixed_load_predict_every_verify_and_leak_nothing() {
                         _ if mine.len() > 2 => {
                             let i = rng.below(mine.len());
                             let gone = mine.swap_remove(i);
-                            let (status, v) = s.api("DELETE", &format!("/v1/vms/{gone}"), None);
-                            assert_eq!(status, 200, "delete {gone}: {v}");
+                            s.delete_vm(&gone);
                             model.lock().unwrap().remove(&gone);
                         }
                         _ => {}
@@ -193,9 +187,7 @@ fn fifty_vms_under_mixed_load_predict_every_verify_and_leak_nothing() {
     });
     let elapsed = t0.elapsed();
     let n = ops.load(std::sync::atomic::Ordering::Relaxed);
-    let (status, inv) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(status, 200);
-    assert_eq!(inv["ok"], json!(true), "invariant: {inv}");
+    s.assert_invariant("after the load");
     eprintln!(
         "load: {VMS} VMs of {MIB} MiB, {WORKERS} clients at once, {n} mixed ops + final verifies \
          in {:.1} s ({:.0} ops/s)",
@@ -204,8 +196,7 @@ fn fifty_vms_under_mixed_load_predict_every_verify_and_leak_nothing() {
     );
 
     for id in s.vm_ids() {
-        let (status, v) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-        assert_eq!(status, 200, "delete {id}: {v}");
+        s.delete_vm(&id);
     }
     // Frozen parents go with their last child; VMMs are reaped.
     let after = wait_for(Duration::from_secs(10), || {
@@ -235,56 +226,36 @@ fn vmms_killed_and_stopped_mid_fault_and_fork_leave_the_rest_exact() {
         return;
     }
     let s = TestServer::start_with_args(&["--vmm-deadline-ms", "1500"]);
-    let parent = s.create_vm(json!({"memory_mib": 16}));
+    let parent = s.create_vm(&new_vm(16));
     s.fill(&parent, 0, 4096, 11);
-    let keep = s.create_vm(json!({"memory_mib": 16}));
+    let keep = s.create_vm(&new_vm(16));
     s.fill(&keep, 0, 4096, 22);
     let keep_digest = s.digest(&keep, 0, 4096);
 
     let mut victims = Vec::new();
     for round in 0..6u64 {
         // Children share the parent's pages; writing them is a WP copy.
-        let (status, v) = s.api(
-            "POST",
-            &format!("/v1/vms/{parent}/fork"),
-            Some(json!({"count": 2})),
-        );
-        assert_eq!(status, 201, "fork: {v}");
-        let kids: Vec<String> = v["children"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c.as_str().unwrap().to_owned())
-            .collect();
-        let pid = |id: &str| u32::try_from(s.vm(id)["pid"].as_u64().unwrap()).unwrap();
+        let kids = s.fork(&parent, 2).children;
+        let pid = |id: &str| s.vm(id).pid.unwrap();
         let (a, b) = (kids[0].clone(), kids[1].clone());
         let (pa, pb) = (pid(&a), pid(&b));
         std::thread::scope(|scope| {
             // One child faults and copies, and is killed in the middle.
             scope.spawn(|| {
-                let _ = s.try_exec(
-                    &a,
-                    json!({"op": "fill", "start_page": 0, "pages": 4096, "seed": 100 + round}),
-                );
+                let _ = s.try_exec(&a, &op::fill(0, 4096, 100 + round));
             });
             // The other is stopped in the middle of its faults, and a fork
             // of the parent happens meanwhile.
             scope.spawn(|| {
-                let _ = s.try_exec(
-                    &b,
-                    json!({"op": "touch", "start_page": 0, "pages": 4096, "write": true}),
-                );
+                let _ = s.try_exec(&b, &op::touch(0, 4096, true));
             });
             std::thread::sleep(Duration::from_millis(5 + 7 * round));
             signal(pa, Signal::SIGKILL);
             signal(pb, Signal::SIGSTOP);
-            let (status, v) = s.api(
-                "POST",
-                &format!("/v1/vms/{parent}/fork"),
-                Some(json!({"count": 1})),
-            );
-            assert_eq!(status, 201, "fork while a sibling is stopped: {v}");
-            victims.push(v["children"][0].as_str().unwrap().to_owned());
+            let f = s
+                .try_fork(&parent, &ForkRequest { count: 1 })
+                .unwrap_or_else(|v| panic!("fork while a sibling is stopped: {v}"));
+            victims.push(f.children[0].clone());
             signal(pb, Signal::SIGCONT);
         });
         assert!(
@@ -295,23 +266,21 @@ fn vmms_killed_and_stopped_mid_fault_and_fork_leave_the_rest_exact() {
         );
         victims.push(b);
         // The killed child can be deleted; nothing else notices.
-        let (status, v) = s.api("DELETE", &format!("/v1/vms/{a}"), None);
-        assert_eq!(status, 200, "delete killed {a}: {v}");
+        if let Err(v) = s.try_delete_vm(&a) {
+            panic!("delete killed {a}: {v}");
+        }
     }
     // The parent, every surviving child and the bystander are exact.
     assert_eq!(s.verify(&parent, 0, 4096, 11), 0);
     assert_eq!(s.digest(&keep, 0, 4096), keep_digest);
     for id in &victims {
-        let st = s.vm(id)["state"].as_str().unwrap().to_owned();
-        if st == "running" {
+        if s.vm(id).state == RunState::Running {
             // A child of the parent reads its pages (the stopped one only
             // rewrote them unchanged).
             assert_eq!(s.verify(id, 0, 4096, 11), 0, "{id} lost the parent's pages");
         }
     }
-    let (status, inv) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(status, 200);
-    assert_eq!(inv["ok"], json!(true), "invariant: {inv}");
+    s.assert_invariant("after the kills");
     s.assert_healthy();
 }
 
@@ -380,62 +349,38 @@ fn a_killed_server_takes_its_vmms_and_restarts_clean_on_its_state_dir() {
     let state = dir.path().join("state");
     std::fs::create_dir(&state).unwrap();
     let mounts_before = std::fs::read_to_string("/proc/mounts").expect("mounts");
-    let client = uffdctl::client::Client::new(state.join("api.sock"));
-    let call = |method: &str, path: &str, body: Option<serde_json::Value>| {
-        let r = client
-            .request(method, path, body.as_ref())
-            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
-        (r.status, r.body)
-    };
-    let healthy = |c: &uffdctl::client::Client| {
-        wait_for(Duration::from_secs(15), || {
-            c.request("GET", "/v1/health", None)
-                .ok()
-                .filter(|r| r.status == 200)
-                .map(|_| ())
-        })
-        .is_some()
-    };
+    let api = Api::new(state.join("api.sock"));
+    let healthy =
+        |c: &Api| wait_for(Duration::from_secs(15), || c.answers_health().then_some(())).is_some();
 
-    let mut max_id = 0u32;
+    let mut max_id = 0u64;
     let rounds = 3;
     for round in 0..rounds {
         let mut server = start_server(&state, &dir.path().join(format!("server-{round}.log")));
-        assert!(healthy(&client), "server did not come up in round {round}");
+        assert!(healthy(&api), "server did not come up in round {round}");
         let volume = format!("vol-{round}");
         if xfs.is_some() {
-            let (st, v) = call(
-                "POST",
-                "/v1/volumes",
-                Some(json!({"name": volume, "size_mib": 4})),
-            );
-            assert_eq!(st, 201, "{v}");
+            api.create_volume(&volume, 4);
         }
         let mut pids = Vec::new();
         let mut ids = Vec::new();
         for i in 0..3 {
-            let mut body = json!({"memory_mib": 8});
+            let mut body = new_vm(8);
             if xfs.is_some() && i == 0 {
-                body["volume"] = json!(volume);
+                body.volume = Some(volume.clone());
             }
-            let (st, v) = call("POST", "/v1/vms", Some(body));
-            assert_eq!(st, 201, "{v}");
-            let id: u32 = v["id"].as_str().unwrap()[3..].parse().unwrap();
+            let v = api.try_create_vm(&body).unwrap_or_else(|v| panic!("{v}"));
+            let id = vm_num(&v.id);
             assert!(
                 id > max_id,
                 "vm id {id} repeats an earlier one (<= {max_id})"
             );
             max_id = id;
-            ids.push(v["id"].as_str().unwrap().to_owned());
-            pids.push(u32::try_from(v["pid"].as_u64().unwrap()).unwrap());
+            ids.push(v.id);
+            pids.push(v.pid.unwrap());
         }
         if xfs.is_some() {
-            let (st, v) = call(
-                "POST",
-                &format!("/v1/vms/{}/snapshots", ids[0]),
-                Some(json!({"name": format!("snap-{round}"), "mode": "full"})),
-            );
-            assert_eq!(st, 201, "{v}");
+            api.snapshot(&ids[0], &format!("snap-{round}"), SnapshotMode::Full);
         }
         // A stopped VMM never reads its socket's hang-up; only the
         // parent-death signal ends it.
@@ -443,23 +388,25 @@ fn a_killed_server_takes_its_vmms_and_restarts_clean_on_its_state_dir() {
         if xfs.is_some() && round == rounds - 1 {
             // The last kill lands while a snapshot is being saved: a
             // larger VM, written all over, so the save takes a while.
-            let (st, v) = call("POST", "/v1/vms", Some(json!({"memory_mib": 256})));
-            assert_eq!(st, 201, "{v}");
-            let big = v["id"].as_str().unwrap().to_owned();
-            pids.push(u32::try_from(v["pid"].as_u64().unwrap()).unwrap());
-            let (st, v) = call(
-                "POST",
-                &format!("/v1/vms/{big}/exec"),
-                Some(json!({"op": "fill", "start_page": 0, "pages": 65536, "seed": 5})),
-            );
-            assert_eq!(st, 200, "{v}");
+            let v = api
+                .try_create_vm(&new_vm(256))
+                .unwrap_or_else(|v| panic!("{v}"));
+            let big = v.id;
+            pids.push(v.pid.unwrap());
+            api.fill(&big, 0, 65536, 5);
             let sock = state.join("api.sock");
+            let req = body(&CreateSnapshot {
+                name: "interrupted".into(),
+                mode: SnapshotMode::Full,
+                compress: false,
+            });
             let saver = std::thread::spawn(move || {
-                // Its answer never comes: the server dies under it.
+                // Its answer never comes: the server dies under it (so the
+                // plain client, which may fail without panicking).
                 let _ = uffdctl::client::Client::new(sock).request(
                     "POST",
                     &format!("/v1/vms/{big}/snapshots"),
-                    Some(&json!({"name": "interrupted", "mode": "full"})),
+                    Some(&req),
                 );
             });
             let t = Instant::now();
@@ -485,30 +432,24 @@ fn a_killed_server_takes_its_vmms_and_restarts_clean_on_its_state_dir() {
     // Nothing of the dead servers is left running, and the last restart
     // serves what they made.
     let mut server = start_server(&state, &dir.path().join("server-last.log"));
-    assert!(healthy(&client));
-    let (st, v) = call("GET", "/v1/vms", None);
-    assert_eq!(st, 200);
-    assert_eq!(v["vms"].as_array().map(Vec::len), Some(0), "{v}");
-    let (st, v) = call("POST", "/v1/vms", Some(json!({"memory_mib": 8})));
-    assert_eq!(st, 201, "{v}");
-    let id: u32 = v["id"].as_str().unwrap()[3..].parse().unwrap();
+    assert!(healthy(&api));
+    let v = api.vms();
+    assert!(v.is_empty(), "{v:?}");
+    let v = api
+        .try_create_vm(&new_vm(8))
+        .unwrap_or_else(|v| panic!("{v}"));
+    let id = vm_num(&v.id);
     assert!(id > max_id, "vm id {id} repeats an earlier one");
     if xfs.is_some() {
-        let (_, v) = call("GET", "/v1/volumes", None);
-        let text = v.to_string();
+        let v = api.volumes();
         for round in 0..rounds {
             assert!(
-                text.contains(&format!("\"vol-{round}\"")),
-                "vol-{round} lost: {v}"
+                v.iter().any(|x| x.name == format!("vol-{round}")),
+                "vol-{round} lost: {v:?}"
             );
         }
-        let (_, v) = call("GET", "/v1/snapshots", None);
-        let names: Vec<&str> = v["snapshots"]
-            .as_array()
-            .expect("snapshots")
-            .iter()
-            .filter_map(|s| s["name"].as_str())
-            .collect();
+        let v = api.snapshots();
+        let names: Vec<&str> = v.snapshots.iter().map(|s| s.name.as_str()).collect();
         // The interrupted one is gone; had the kill come after its
         // commit, it would be listed whole (and restorable) instead.
         let kept: Vec<&str> = names
@@ -516,18 +457,16 @@ fn a_killed_server_takes_its_vmms_and_restarts_clean_on_its_state_dir() {
             .copied()
             .filter(|n| *n != "interrupted")
             .collect();
-        assert_eq!(kept, ["snap-0", "snap-1", "snap-2"], "{v}");
+        assert_eq!(kept, ["snap-0", "snap-1", "snap-2"], "{v:?}");
         if names.contains(&"interrupted") {
             eprintln!("the kill came after the snapshot's commit");
-            let (st, v) = call(
-                "POST",
-                "/v1/vms",
-                Some(json!({"from_snapshot": "interrupted"})),
-            );
-            assert_eq!(st, 201, "a listed snapshot restores: {v}");
+            if let Err(v) = api.try_create_vm(&from_snapshot("interrupted")) {
+                panic!("a listed snapshot restores: {v}");
+            }
         }
-        let (st, v) = call("POST", "/v1/vms", Some(json!({"from_snapshot": "snap-2"})));
-        assert_eq!(st, 201, "restore after the kills: {v}");
+        if let Err(v) = api.try_create_vm(&from_snapshot("snap-2")) {
+            panic!("restore after the kills: {v}");
+        }
     }
     let left = leftovers(&state);
     assert!(

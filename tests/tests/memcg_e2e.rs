@@ -9,8 +9,8 @@
 
 use std::path::{Path, PathBuf};
 
-use pagefork_tests::{require_kvm_uffd, TestServer};
-use serde_json::json;
+use pagefork_tests::{new_vm, op, require_kvm_uffd, TestServer};
+use proto::api::RunState;
 
 const MEMCG_ROOT: &str = "/sys/fs/cgroup/memory";
 
@@ -91,18 +91,12 @@ fn a_child_that_cannot_get_a_pre_write_copy_fails_and_reads_nothing_new() {
         return;
     }
     let s = TestServer::start();
-    let other = s.create_vm(json!({"memory_mib": 4}));
-    let parent = s.create_vm(json!({"memory_mib": 64}));
+    let other = s.create_vm(&new_vm(4));
+    let parent = s.create_vm(&new_vm(64));
     s.fill(&parent, 0, 4096, 1);
-    let (st, v) = s.api("POST", &format!("/v1/vms/{parent}/fork"), None);
-    assert_eq!(st, 201, "fork: {v}");
-    let child = v["children"][0].as_str().expect("a child").to_owned();
-    let sibling = {
-        let (st, v) = s.api("POST", &format!("/v1/vms/{parent}/fork"), None);
-        assert_eq!(st, 201, "fork: {v}");
-        v["children"][0].as_str().expect("a child").to_owned()
-    };
-    let pid = s.vm(&child)["pid"].as_u64().expect("the child's vmm pid");
+    let child = s.fork_one(&parent);
+    let sibling = s.fork_one(&parent);
+    let pid = u64::from(s.vm(&child).pid.expect("the child's vmm pid"));
 
     // The child's VMM may be charged 64 pages more than it has now; a
     // charge past that fails with ENOMEM (no OOM kill).
@@ -125,20 +119,17 @@ fn a_child_that_cannot_get_a_pre_write_copy_fails_and_reads_nothing_new() {
     assert!(failcnt > 0, "the child's cgroup never refused a charge");
     let v = s.vm(&child);
     assert_eq!(
-        v["state"], "failed",
-        "{child} still runs although it lost a page its parent rewrote: {v}"
+        v.state,
+        RunState::Failed,
+        "{child} still runs although it lost a page its parent rewrote: {v:?}"
     );
-    let failure = v["failure"].as_str().unwrap_or_default();
+    let failure = v.failure.as_deref().unwrap_or_default();
     assert!(
         failure.contains("could not be kept") && failure.contains("ENOMEM"),
-        "the child's failure does not say why: {v}"
+        "the child's failure does not say why: {v:?}"
     );
-    let (st, body) = s.api(
-        "POST",
-        &format!("/v1/vms/{child}/exec"),
-        Some(json!({"op": "checksum", "start_page": 0, "pages": 1})),
-    );
-    assert_eq!(st, 409, "a failed child still runs ops: {body}");
+    let r = s.try_exec(&child, &op::checksum(0, 1)).unwrap_err();
+    assert_eq!(r.status, 409, "a failed child still runs ops: {r}");
 
     // Nobody else lost anything: the parent has its new bytes, the
     // sibling the bytes of the fork, and an unrelated VM works.
@@ -149,8 +140,7 @@ fn a_child_that_cannot_get_a_pre_write_copy_fails_and_reads_nothing_new() {
 
     cg.release();
     for id in [&child, &sibling, &parent, &other] {
-        let (st, body) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-        assert!(st < 300, "DELETE {id}: {body}");
+        s.delete_vm(id);
     }
     s.assert_healthy();
 }

@@ -9,8 +9,11 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 
-use pagefork_tests::{fault_counter, require_kvm_uffd, TestServer};
-use serde_json::json;
+use pagefork_tests::{new_vm, require_kvm_uffd, TestServer};
+use proto::api::FaultCounters;
+
+/// One of a VM's fault counters.
+type Counter = fn(&FaultCounters) -> u64;
 
 /// The value of the series `name{labels}` (labels as printed), if present.
 fn series(text: &str, name_and_labels: &str) -> Option<u64> {
@@ -45,49 +48,38 @@ fn metrics_match_the_vm_counters_and_pass_promtool() {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let s = TestServer::start_with_args(&["--metrics-addr", &addr]);
-    let a = s.create_vm(json!({"memory_mib": 8}));
+    let a = s.create_vm(&new_vm(8));
     s.fill(&a, 0, 300, 1);
-    let (st, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/fork"),
-        Some(json!({"count": 2})),
-    );
-    assert_eq!(st, 201, "{v}");
-    let kids: Vec<String> = v["children"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap().to_owned())
-        .collect();
+    let kids = s.fork(&a, 2).children;
     s.fill(&a, 0, 50, 2); // WP copies for the children
     s.fill(&kids[0], 100, 20, 3);
-    let gone = s.create_vm(json!({"memory_mib": 4}));
+    let gone = s.create_vm(&new_vm(4));
     s.fill(&gone, 0, 10, 4);
-    let gone_missing = fault_counter(&s.vm(&gone), "missing");
+    let gone_missing = s.vm(&gone).faults.missing;
     assert!(gone_missing > 0);
-    s.api("DELETE", &format!("/v1/vms/{gone}"), None);
+    s.delete_vm(&gone);
 
-    let (st, text) = s.api_raw("GET", "/metrics", b"");
-    assert_eq!(st, 200, "{text}");
+    let text = s.metrics_text();
     let mut missing_sum = 0;
     for id in [&a, &kids[0], &kids[1]] {
         let vm = s.vm(id);
-        for (metric, field) in [
-            ("faults_missing", "missing"),
-            ("faults_write_protect", "write_protect"),
-            ("pages_installed", "pages_installed"),
-            ("remove_events", "removes"),
-            ("wp_copies", "wp_copies"),
-        ] {
+        let fields: [(&str, Counter); 5] = [
+            ("faults_missing", |f| f.missing),
+            ("faults_write_protect", |f| f.write_protect),
+            ("pages_installed", |f| f.pages_installed),
+            ("remove_events", |f| f.removes),
+            ("wp_copies", |f| f.wp_copies),
+        ];
+        for (metric, field) in fields {
             let name = format!("pagefork_vm_{metric}_total{{vm=\"{id}\",kind=\"pagefork\"}}");
             assert_eq!(
                 series(&text, &name),
-                Some(fault_counter(&vm, field)),
-                "{name} vs {vm}"
+                Some(field(&vm.faults)),
+                "{name} vs {vm:?}"
             );
         }
-        missing_sum += fault_counter(&vm, "missing");
-        let resident = vm["resident_pages"].as_u64().unwrap();
+        missing_sum += vm.faults.missing;
+        let resident = vm.resident_pages;
         let name = format!("pagefork_vm_resident_pages{{vm=\"{id}\"}}");
         assert_eq!(series(&text, &name), Some(resident), "{name}");
     }

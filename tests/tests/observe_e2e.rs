@@ -10,10 +10,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use pagefork_tests::{bin, require_kvm_uffd, server_on_xfs, TestServer};
-use proto::api::{FaultEvent, FaultKind, PageInfo};
-use serde_json::{json, Value};
-use uffdctl::client::Client;
+use pagefork_tests::{
+    bin, from_snapshot, new_vm, require_kvm_uffd, server_on_xfs, uffdctl_ok, Api, TestServer,
+};
+use proto::api::{
+    ExplainStep, FaultEvent, FaultKind, MapLegend, PageMap, SnapshotMode, TraceDropped,
+};
+use serde_json::Value;
 
 /// A page beyond every page the tests' ops touch: sentinel touches.
 const SENTINEL: u64 = 1800;
@@ -29,23 +32,22 @@ struct Listener {
 impl Listener {
     /// Listen to `vm`'s trace.
     fn start(s: &TestServer, vm: &str) -> Self {
-        let client = Client::new(s.api_sock());
+        let api = Api::clone(s);
         let path = format!("/v1/vms/{vm}/faults?follow=true");
         let (tx, lines) = mpsc::channel();
         let (go_tx, go_rx) = mpsc::channel::<()>();
         let pause = Arc::new(AtomicBool::new(false));
         let paused = pause.clone();
         std::thread::spawn(move || {
-            let r = client.stream_lines(&path, |l| {
+            let r = api.trace(&path, |l| {
                 let sent = tx.send(l.to_owned()).is_ok();
                 if paused.swap(false, Ordering::SeqCst) {
                     let _ = go_rx.recv();
                 }
                 sent
             });
-            match r {
-                Ok(None) => {}
-                other => panic!("{path}: {other:?}"),
+            if let Some(r) = r {
+                panic!("{path}: {r}");
             }
         });
         Listener {
@@ -110,33 +112,26 @@ fn now_ms() -> u64 {
     d.as_secs() * 1000 + u64::from(d.subsec_millis())
 }
 
-fn fork(s: &TestServer, vm: &str) -> String {
-    let (st, v) = s.api("POST", &format!("/v1/vms/{vm}/fork"), None);
-    assert_eq!(st, 201, "{v}");
-    v["children"][0].as_str().expect("a child").to_owned()
-}
-
 #[test]
 fn fault_trace_streams_exactly_the_faults_of_known_guest_ops() {
     if !require_kvm_uffd() {
         return;
     }
     let s = TestServer::start();
-    let a = s.create_vm(json!({"memory_mib": 8}));
+    let a = s.create_vm(&new_vm(8));
     // Without follow=true there is no trace to give: a 400 that says so.
-    let (st, body) = s.api("GET", &format!("/v1/vms/{a}/faults"), None);
-    assert_eq!(st, 400, "{body}");
-    assert!(
-        body["error"].as_str().unwrap().contains("follow=true"),
-        "{body}"
-    );
+    let r = s
+        .trace(&format!("/v1/vms/{a}/faults"), |_| false)
+        .expect("a refusal");
+    assert_eq!(r.status, 400, "{r}");
+    assert!(r.error().contains("follow=true"), "{r}");
 
     let listener = Listener::start(&s, &a);
     listener.sync(&s, &a);
 
     s.fill(&a, 10, 3, 1); // MISSING writes of never-touched pages
     s.touch(&a, 20, 2, false); // MISSING reads
-    let b = fork(&s, &a);
+    let b = s.fork_one(&a);
     s.fill(&a, 10, 1, 2); // WP: the pre-write page goes to the child
     s.fill(&a, 30, 1, 3); // MISSING: nobody else reads page 30 from a
 
@@ -213,13 +208,12 @@ fn fault_trace_streams_exactly_the_faults_of_known_guest_ops() {
         );
     }
     drop(listener);
-    s.api("DELETE", &format!("/v1/vms/{b}"), None);
+    s.delete_vm(&b);
 }
 
 /// Whether `vm` has at least `n` trace listeners (read from `/metrics`).
 fn tap_count_at_least(s: &TestServer, vm: &str, n: u64) -> bool {
-    let (st, text) = s.api_raw("GET", "/metrics", b"");
-    assert_eq!(st, 200);
+    let text = s.metrics_text();
     let name = format!("pagefork_vm_trace_listeners{{vm=\"{vm}\"}} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&name))
@@ -233,7 +227,7 @@ fn a_slow_trace_reader_is_told_how_many_events_it_lost() {
         return;
     }
     let s = TestServer::start();
-    let a = s.create_vm(json!({"memory_mib": 128}));
+    let a = s.create_vm(&new_vm(128));
     let mut listener = Listener::start(&s, &a);
     listener.sync(&s, &a);
     listener.pause();
@@ -251,9 +245,8 @@ fn a_slow_trace_reader_is_told_how_many_events_it_lost() {
     let mut last = 0;
     while events + dropped < pages {
         let line = listener.next();
-        let v: Value = serde_json::from_str(&line).expect("JSON");
-        if let Some(n) = v["dropped"].as_u64() {
-            dropped += n;
+        if let Ok(d) = serde_json::from_str::<TraceDropped>(&line) {
+            dropped += d.dropped;
             continue;
         }
         let ev = event(&line);
@@ -273,25 +266,21 @@ fn a_slow_trace_reader_is_told_how_many_events_it_lost() {
     assert!(events > 0);
 }
 
-fn explain(s: &TestServer, vm: &str, page: u64) -> Vec<Value> {
-    let (st, v) = s.api(
-        "GET",
-        &format!("/v1/vms/{vm}/pages/{page}?explain=true"),
-        None,
-    );
-    assert_eq!(st, 200, "{v}");
-    let info: PageInfo = serde_json::from_value(v.clone()).expect("a PageInfo");
-    assert!(info.explain.is_some(), "{v}");
-    v["explain"]["chain"].as_array().expect("a chain").clone()
+fn explain(s: &TestServer, vm: &str, page: u64) -> Vec<ExplainStep> {
+    let info = s.explain(vm, page);
+    match info.explain {
+        Some(e) => e.chain,
+        None => panic!("no chain: {info:?}"),
+    }
 }
 
 /// A step as (at, present, installed event, installed from).
-fn step(v: &Value) -> (String, Option<bool>, Option<String>, Option<String>) {
+fn step(v: &ExplainStep) -> (String, Option<bool>, Option<String>, Option<String>) {
     (
-        v["at"].as_str().unwrap().to_owned(),
-        v["present"].as_bool(),
-        v["installed"]["event"].as_str().map(str::to_owned),
-        v["installed"]["from"].as_str().map(str::to_owned),
+        v.at.clone(),
+        v.present,
+        v.installed.as_ref().map(|i| i.event.clone()),
+        v.installed.as_ref().map(|i| i.from.clone()),
     )
 }
 
@@ -316,10 +305,10 @@ fn explain_follows_a_page_through_a_fork_of_a_fork() {
     }
     let s = TestServer::start();
     let t0 = now_ms();
-    let a = s.create_vm(json!({"memory_mib": 8}));
+    let a = s.create_vm(&new_vm(8));
     s.fill(&a, 10, 2, 1);
-    let b = fork(&s, &a);
-    let c = fork(&s, &b);
+    let b = s.fork_one(&a);
+    let c = s.fork_one(&b);
     // Not in c, not in b: a holds it; a got it from a MISSING fault on a
     // never-written page.
     let chain = explain(&s, &c, 10);
@@ -332,7 +321,7 @@ fn explain_follows_a_page_through_a_fork_of_a_fork() {
             zero.clone(),
         ]
     );
-    let at = chain[1]["installed"]["time_ms"].as_u64().unwrap();
+    let at = chain[1].installed.as_ref().unwrap().time_ms;
     let now = now_ms();
     assert!(at >= t0 && at <= now, "{at} not in {t0}..{now}");
 
@@ -362,14 +351,7 @@ fn explain_follows_a_page_through_a_fork_of_a_fork() {
         ]
     );
     // The CLI prints the same chain.
-    let out = Command::new(bin("uffdctl"))
-        .arg("--socket")
-        .arg(s.api_sock())
-        .args(["page", &c, "10", "--explain"])
-        .output()
-        .expect("uffdctl runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}");
+    let text = uffdctl_ok(&s, &["page", &c, "10", "--explain"]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines[0], format!("{c} page 10:"), "{text}");
     assert!(
@@ -391,15 +373,10 @@ fn explain_follows_a_page_through_a_fork_of_a_fork() {
 #[test]
 fn explain_names_the_snapshot_image_and_offset_after_a_restore() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let a = s.create_vm(json!({"memory_mib": 8}));
+    let a = s.create_vm(&new_vm(8));
     s.fill(&a, 10, 4, 7);
-    let (code, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/snapshots"),
-        Some(json!({"name": "ex1", "mode": "full"})),
-    );
-    assert_eq!(code, 201, "{v}");
-    let r = s.create_vm(json!({"from_snapshot": "ex1"}));
+    s.snapshot(&a, "ex1", SnapshotMode::Full);
+    let r = s.create_vm(&from_snapshot("ex1"));
     let image = s.state_dir().join("snapshots/ex1/memory.img");
     let image = image.to_str().unwrap();
     let chain = explain(&s, &r, 12);
@@ -410,9 +387,9 @@ fn explain_names_the_snapshot_image_and_offset_after_a_restore() {
             st("snapshot:ex1", None, None, None)
         ]
     );
-    assert_eq!(chain[1]["kind"], "image");
-    assert_eq!(chain[1]["file"].as_str(), Some(image), "{chain:?}");
-    assert_eq!(chain[1]["offset"], json!(12 * 4096));
+    assert_eq!(chain[1].kind, "image");
+    assert_eq!(chain[1].file.as_deref(), Some(image), "{chain:?}");
+    assert_eq!(chain[1].offset, Some(12 * 4096));
     // The guest reads page 12: installed from the image, its neighbours
     // of the fault-around block with it.
     assert_eq!(s.verify(&r, 12, 1, 7), 0);
@@ -424,15 +401,15 @@ fn explain_names_the_snapshot_image_and_offset_after_a_restore() {
             st("snapshot:ex1", None, None, None),
         ]
     );
-    assert_eq!(chain[1]["file"].as_str(), Some(image));
-    assert_eq!(chain[1]["offset"], json!(12 * 4096));
+    assert_eq!(chain[1].file.as_deref(), Some(image));
+    assert_eq!(chain[1].offset, Some(12 * 4096));
     let chain = explain(&s, &r, 13);
     assert_eq!(
         step(&chain[0]).2.as_deref(),
         Some("fault-around"),
         "{chain:?}"
     );
-    assert_eq!(chain[1]["offset"], json!(13 * 4096));
+    assert_eq!(chain[1].offset, Some(13 * 4096));
     // A page the snapshot holds as a hole is zero.
     let chain = explain(&s, &r, 500);
     assert_eq!(
@@ -444,11 +421,10 @@ fn explain_names_the_snapshot_image_and_offset_after_a_restore() {
     );
 
     // The access record: what r touched since its restore.
-    let (code, acc) = s.api("GET", &format!("/v1/vms/{r}/access"), None);
-    assert_eq!(code, 200, "{acc}");
-    assert_eq!(acc["touched"], json!(1), "{acc}");
-    assert_eq!(acc["extents"][0]["start_page"], json!(12));
-    assert_eq!(acc["extents"][0]["kind"], json!("missing"));
+    let acc = s.access(&r, None);
+    assert_eq!(acc.touched, 1, "{acc:?}");
+    assert_eq!(acc.extents[0].start_page, 12);
+    assert_eq!(acc.extents[0].kind, FaultKind::Missing);
 }
 
 /// A decoded PNG: width, RGB pixels and its layout chunk.
@@ -497,6 +473,7 @@ impl Picture {
     }
 }
 
+/// A colour of the picture's layout (`[r, g, b]`).
 fn rgb(v: &Value) -> [u8; 3] {
     let a = v.as_array().expect("rgb");
     [0, 1, 2].map(|i| u8::try_from(a[i].as_u64().unwrap()).unwrap())
@@ -504,32 +481,23 @@ fn rgb(v: &Value) -> [u8; 3] {
 
 /// Each page's source, from `/sources`.
 fn page_sources(s: &TestServer, vm: &str) -> Vec<String> {
-    let (st, v) = s.api("GET", &format!("/v1/vms/{vm}/sources"), None);
-    assert_eq!(st, 200, "{v}");
+    let v = s.sources(vm);
     let mut out = Vec::new();
-    for e in v["extents"].as_array().unwrap() {
-        for _ in 0..e["pages"].as_u64().unwrap() {
-            out.push(e["source"].as_str().unwrap().to_owned());
+    for e in &v.extents {
+        for _ in 0..e.pages {
+            out.push(e.source.clone());
         }
     }
-    assert_eq!(out.len() as u64, v["pages"].as_u64().unwrap());
+    assert_eq!(out.len() as u64, v.pages);
     out
 }
 
-fn uffdctl(s: &TestServer, args: &[&str]) -> String {
-    let out = Command::new(bin("uffdctl"))
-        .arg("--socket")
-        .arg(s.api_sock())
-        .args(args)
-        .output()
-        .expect("uffdctl runs");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "uffdctl {args:?}: {text}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text
+/// The legend entry of `src` in `map`.
+fn legend_of<'a>(map: &'a PageMap, src: &str) -> &'a MapLegend {
+    map.legend
+        .iter()
+        .find(|l| l.source == src)
+        .unwrap_or_else(|| panic!("{src} is not in the legend: {map:?}"))
 }
 
 #[test]
@@ -538,50 +506,41 @@ fn page_maps_show_each_page_in_its_sources_colour() {
         return;
     }
     let s = TestServer::start();
-    let a = s.create_vm(json!({"memory_mib": 8}));
+    let a = s.create_vm(&new_vm(8));
     s.fill(&a, 0, 300, 1);
-    let b = fork(&s, &a);
+    let b = s.fork_one(&a);
     s.fill(&b, 100, 20, 2); // b's own copies of pages it read from a
     s.touch(&b, 400, 10, false); // b's own zero pages
     s.fill(&a, 0, 10, 3); // WP faults in a: pages 0..10 go to b first
 
-    let client = Client::new(s.api_sock());
     for vm in [&a, &b] {
         let sources = page_sources(&s, vm);
-        let (st, map) = s.api("GET", &format!("/v1/vms/{vm}/map"), None);
-        assert_eq!(st, 200, "{map}");
-        assert_eq!(map["group"], json!(1));
+        let map = s.map(vm, None);
+        assert_eq!(map.group, 1);
         // The legend lists every source of the table, with its pages.
-        let (_, by) = s.api("GET", &format!("/v1/vms/{vm}/sources"), None);
-        let legend = map["legend"].as_array().unwrap();
-        let listed: std::collections::BTreeMap<String, u64> = legend
+        let by = s.sources(vm);
+        let listed: std::collections::BTreeMap<String, u64> = map
+            .legend
             .iter()
-            .map(|l| {
-                (
-                    l["source"].as_str().unwrap().to_owned(),
-                    l["pages"].as_u64().unwrap(),
-                )
-            })
+            .map(|l| (l.source.clone(), l.pages))
             .collect();
-        let expected: std::collections::BTreeMap<String, u64> = by["by_source"]
-            .as_object()
-            .unwrap()
-            .iter()
-            .map(|(k, n)| (k.clone(), n.as_u64().unwrap()))
-            .collect();
-        assert_eq!(listed, expected);
+        assert_eq!(listed, by.by_source);
         let colour = |src: &str, present: bool| {
-            let l = legend.iter().find(|l| l["source"] == src).expect(src);
-            rgb(&l[if present { "rgb" } else { "faded_rgb" }])
+            let l = legend_of(&map, src);
+            if present {
+                l.rgb
+            } else {
+                l.faded_rgb
+            }
         };
 
-        let (st, bytes) = client.get_bytes(&format!("/v1/vms/{vm}/map.png")).unwrap();
+        let (st, bytes) = s.get_bytes(&format!("/v1/vms/{vm}/map.png"));
         assert_eq!(st, 200);
         if let Some(dir) = std::env::var_os("PAGEFORK_MAP_OUT") {
             std::fs::write(std::path::Path::new(&dir).join(format!("{vm}.png")), &bytes).unwrap();
         }
         let pic = Picture::decode(&bytes);
-        assert_eq!(pic.layout["cells"], json!(2048));
+        assert_eq!(pic.layout["cells"], 2048);
         // Every page's cell: its source's colour, bright where present (the
         // VM's own memory), faded where not.
         for (p, src) in sources.iter().enumerate() {
@@ -604,21 +563,12 @@ fn page_maps_show_each_page_in_its_sources_colour() {
         }
     }
     // a's colour is the same in b's map as in its own.
-    let legend_rgb = |vm: &str, src: &str| {
-        let (_, m) = s.api("GET", &format!("/v1/vms/{vm}/map"), None);
-        let l = m["legend"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|l| l["source"] == src)
-            .cloned();
-        rgb(&l.expect(src)["rgb"])
-    };
+    let legend_rgb = |vm: &str, src: &str| legend_of(&s.map(vm, None), src).rgb;
     assert_eq!(legend_rgb(&a, &a), legend_rgb(&b, &a));
     assert_ne!(legend_rgb(&b, &a), legend_rgb(&b, &b));
 
     // The terminal map (not a terminal here: letters), cell by cell.
-    let text = uffdctl(&s, &["map", &b]);
+    let text = uffdctl_ok(&s, &["map", &b]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines[0], format!("{b}: 8 MiB, 2048 pages, 1 cell = 1 page"));
     let grid = &lines[1..33];
@@ -641,25 +591,19 @@ fn page_maps_show_each_page_in_its_sources_colour() {
 
     // -o saves the server's PNG.
     let out = s.state_dir().join("..").join("b-map.png");
-    uffdctl(&s, &["map", &b, "-o", out.to_str().unwrap()]);
+    uffdctl_ok(&s, &["map", &b, "-o", out.to_str().unwrap()]);
     let saved = Picture::decode(&std::fs::read(&out).unwrap());
     for p in [0u64, 105, 405, 1000] {
         let src = &sources[usize::try_from(p).unwrap()];
-        let (_, m) = s.api("GET", &format!("/v1/vms/{b}/map"), None);
-        let l = m["legend"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|l| &l["source"] == src)
-            .cloned()
-            .unwrap();
-        let want = rgb(&l[if src == &b { "rgb" } else { "faded_rgb" }]);
+        let m = s.map(&b, None);
+        let l = legend_of(&m, src);
+        let want = if src == &b { l.rgb } else { l.faded_rgb };
         assert_eq!(saved.cell(p), want, "page {p}");
     }
 
     // The tree: one strip of 64 cells (32 pages each) per VM, the child
     // indented under its parent.
-    let text = uffdctl(&s, &["map", "--tree"]);
+    let text = uffdctl_ok(&s, &["map", "--tree"]);
     let lines: Vec<&str> = text.lines().collect();
     let keys: std::collections::BTreeMap<String, char> = lines[2..]
         .iter()
@@ -710,43 +654,31 @@ fn access_maps_count_the_faults_since_creation() {
         return;
     }
     let s = TestServer::start();
-    let a = s.create_vm(json!({"memory_mib": 8}));
+    let a = s.create_vm(&new_vm(8));
     s.touch(&a, 40, 30, false); // one MISSING fault each
-    let b = fork(&s, &a);
+    let b = s.fork_one(&a);
     s.fill(&a, 40, 10, 1); // a WP fault each on 40..50: two faults there
     s.fill(&a, 200, 4, 2); // MISSING writes
 
-    let (st, acc) = s.api("GET", &format!("/v1/vms/{a}/access"), None);
-    assert_eq!(st, 200, "{acc}");
-    assert_eq!(acc["touched"], json!(34));
-    let ext: Vec<(u64, u64, String, u64)> = acc["extents"]
-        .as_array()
-        .unwrap()
+    let acc = s.access(&a, None);
+    assert_eq!(acc.touched, 34);
+    let ext: Vec<(u64, u64, FaultKind, u64)> = acc
+        .extents
         .iter()
-        .map(|e| {
-            (
-                e["start_page"].as_u64().unwrap(),
-                e["pages"].as_u64().unwrap(),
-                e["kind"].as_str().unwrap().to_owned(),
-                e["faults"].as_u64().unwrap(),
-            )
-        })
+        .map(|e| (e.start_page, e.pages, e.kind, e.faults))
         .collect();
     assert_eq!(
         ext,
         vec![
-            (40, 30, "missing".to_owned(), 40),
-            (200, 4, "missing".to_owned(), 4)
+            (40, 30, FaultKind::Missing, 40),
+            (200, 4, FaultKind::Missing, 4)
         ]
     );
     // b's record began at the fork: it touched nothing yet.
-    let (_, acc_b) = s.api("GET", &format!("/v1/vms/{b}/access"), None);
-    assert_eq!(acc_b["touched"], json!(0), "{acc_b}");
+    let acc_b = s.access(&b, None);
+    assert_eq!(acc_b.touched, 0, "{acc_b:?}");
 
-    let client = Client::new(s.api_sock());
-    let (st, bytes) = client
-        .get_bytes(&format!("/v1/vms/{a}/access.png"))
-        .unwrap();
+    let (st, bytes) = s.get_bytes(&format!("/v1/vms/{a}/access.png"));
     assert_eq!(st, 200);
     if let Some(dir) = std::env::var_os("PAGEFORK_MAP_OUT") {
         std::fs::write(
@@ -775,7 +707,7 @@ fn access_maps_count_the_faults_since_creation() {
     }
 
     // The CLI: the same extents; --reset begins the record again.
-    let text = uffdctl(&s, &["access", &a, "--reset"]);
+    let text = uffdctl_ok(&s, &["access", &a, "--reset"]);
     let lines: Vec<&str> = text.lines().collect();
     assert!(
         lines[0].starts_with(&format!("{a}: 34 of 2048 pages faulted since ")),
@@ -790,9 +722,9 @@ fn access_maps_count_the_faults_since_creation() {
     assert_eq!(rows[1][..3], ["200..204", "4", "missing"], "{text}");
     assert_eq!(lines[4], format!("{a}: access record begins again now"));
     s.touch(&a, 300, 2, false);
-    let (_, acc) = s.api("GET", &format!("/v1/vms/{a}/access"), None);
-    assert_eq!(acc["touched"], json!(2), "{acc}");
-    assert_eq!(acc["extents"][0]["start_page"], json!(300));
+    let acc = s.access(&a, None);
+    assert_eq!(acc.touched, 2, "{acc:?}");
+    assert_eq!(acc.extents[0].start_page, 300);
 }
 
 /// A private tmux server (its own socket), killed when dropped.
@@ -877,8 +809,8 @@ fn top_shows_each_vms_faults_live_in_a_real_terminal() {
     }
     let Some(t) = Tmux::new() else { return };
     let s = TestServer::start();
-    let idle = s.create_vm(json!({"memory_mib": 8}));
-    let busy = s.create_vm(json!({"memory_mib": 64}));
+    let idle = s.create_vm(&new_vm(8));
+    let busy = s.create_vm(&new_vm(64));
     s.touch(&idle, 0, 5, false);
     let cmd = format!(
         "{} --socket {} top --interval 0.5",
@@ -929,12 +861,8 @@ fn top_shows_each_vms_faults_live_in_a_real_terminal() {
     // the VM's own counters.
     let counters = |id: &str| {
         let v = s.vm(id);
-        let f = &v["faults"];
-        let n = |k: &str| f[k].as_u64().unwrap();
-        (
-            n("missing") + n("write_protect") + n("removes"),
-            v["resident_pages"].as_u64().unwrap(),
-        )
+        let f = &v.faults;
+        (f.missing + f.write_protect + f.removes, v.resident_pages)
     };
     let (busy_faults, busy_resident) = counters(&busy);
     let (idle_faults, idle_resident) = counters(&idle);
@@ -976,15 +904,18 @@ fn the_terminal_map_draws_half_blocks_in_the_sources_colours() {
     }
     let Some(t) = Tmux::new() else { return };
     let s = TestServer::start();
-    let a = s.create_vm(json!({"memory_mib": 8}));
+    let a = s.create_vm(&new_vm(8));
     s.fill(&a, 0, 64, 1); // the first row of cells: present, own memory
-    let b = fork(&s, &a);
+    let b = s.fork_one(&a);
     s.fill(&b, 200, 10, 2); // b's own memory, further down
-    let (_, map) = s.api("GET", &format!("/v1/vms/{b}/map"), None);
-    let legend = map["legend"].as_array().unwrap();
+    let map = s.map(&b, None);
     let of = |src: &str, key: &str| {
-        let l = legend.iter().find(|l| l["source"] == src).expect(src);
-        rgb(&l[key])
+        let l = legend_of(&map, src);
+        if key == "rgb" {
+            l.rgb
+        } else {
+            l.faded_rgb
+        }
     };
     let cmd = format!(
         "{} --socket {} map {b}; sleep 30",

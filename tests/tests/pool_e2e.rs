@@ -7,8 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use pagefork_tests::{child_pids, pages_of, process_exists, require_kvm_uffd, signal, TestServer};
-use serde_json::{json, Value};
+use pagefork_tests::{
+    child_pids, new_vm, op, pages_of, process_exists, require_kvm_uffd, signal, vm_num, TestServer,
+};
+use proto::api::{CreateVm, RunState};
 
 /// `vmm` processes the server started.
 fn vmm_children(server: &TestServer) -> Vec<u32> {
@@ -18,13 +20,6 @@ fn vmm_children(server: &TestServer) -> Vec<u32> {
             std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "vmm")
         })
         .collect()
-}
-
-fn pid_of(vm: &Value) -> u32 {
-    vm["pid"]
-        .as_u64()
-        .and_then(|p| u32::try_from(p).ok())
-        .expect("a pid")
 }
 
 #[test]
@@ -37,18 +32,20 @@ fn new_vms_run_on_pooled_vmms_and_the_pool_refills() {
     let pooled = vmm_children(&server);
     assert_eq!(pooled.len(), 2, "two pooled vmm processes: {pooled:?}");
 
-    let a = server.create_vm(json!({"memory_mib": 64}));
-    let b = server.create_vm(json!({"memory_mib": 64, "vcpus": 2}));
+    let a = server.create_vm(&new_vm(64));
+    let b = server.create_vm(&CreateVm {
+        vcpus: 2,
+        ..new_vm(64)
+    });
     for id in [&a, &b] {
-        let pid = pid_of(&server.vm(id));
+        let pid = server.vmm_pid(id);
         assert!(
             pooled.contains(&pid),
             "{id} runs on pid {pid}, not a pooled vmm {pooled:?}"
         );
-        let n: u64 = id.trim_start_matches("vm-").parse().expect("numeric id");
         assert_eq!(
-            server.exec(id, json!({"op": "identity"})),
-            n,
+            server.exec(id, &op::identity()),
+            vm_num(id),
             "{id} knows who it is"
         );
         let log = server.state_dir().join("logs").join(format!("{id}.log"));
@@ -104,8 +101,8 @@ fn a_pooled_vmm_that_dies_is_replaced() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let id = server.create_vm(json!({"memory_mib": 32}));
-    assert!(server.exec(&id, json!({"op": "identity"})) > 0);
+    let id = server.create_vm(&new_vm(32));
+    assert!(server.exec(&id, &op::identity()) > 0);
     assert!(server.server_log_text().contains("went away unused"));
 }
 
@@ -143,10 +140,10 @@ fn a_broken_vmm_binary_does_not_make_the_pool_spawn_in_a_loop() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(launched(&server), before, "the pool kept launching");
     // A create still says clearly why it cannot start.
-    let (status, v) = server.api("POST", "/v1/vms", Some(json!({"memory_mib": 16})));
-    assert_eq!(status, 502, "{v}");
+    let v = server.try_create_vm(&new_vm(16)).unwrap_err();
+    assert_eq!(v.status, 502, "{v}");
     assert!(
-        v.to_string().contains("broken"),
+        v.error().contains("broken"),
         "the error quotes the vmm's log: {v}"
     );
     server.assert_healthy();
@@ -160,41 +157,33 @@ fn forks_of_a_paused_template_stay_exact_when_it_runs_again() {
     let server = TestServer::start_with_args(&["--vmm-pool", "2"]);
     let mib = 64;
     let pages = pages_of(mib);
-    let tpl = server.create_vm(json!({"memory_mib": mib}));
+    let tpl = server.create_vm(&new_vm(mib));
     server.fill(&tpl, 0, pages / 2, 11);
     let before = server.digest(&tpl, 0, pages);
-    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/pause"), None);
-    assert_eq!(status, 200, "{v}");
+    server.pause(&tpl);
 
     // Two forks of the paused template: the second finds its pages
     // protected already and skips the write-protect pass.
     let mut children = Vec::new();
     for round in 0..2 {
-        let (status, v) = server.api(
-            "POST",
-            &format!("/v1/vms/{tpl}/fork"),
-            Some(json!({"count": 2})),
-        );
-        assert_eq!(status, 201, "fork {round} of the template: {v}");
-        let protected = v["phases"]["write_protected_pages"].as_u64();
+        let v = server.fork(&tpl, 2);
+        let protected = v.phases.write_protected_pages;
         if round == 0 {
             assert!(
                 protected.is_some_and(|n| n >= pages / 2),
-                "the first fork protects: {v}"
+                "the first fork protects: {v:?}"
             );
         } else {
             assert_eq!(
                 protected,
                 Some(0),
-                "a fork of an unchanged template skips it: {v}"
+                "a fork of an unchanged template skips it: {v:?}"
             );
         }
-        for c in v["children"].as_array().expect("children") {
-            children.push(c.as_str().expect("id").to_owned());
-        }
+        children.extend(v.children);
         assert_eq!(
-            server.vm(&tpl)["state"],
-            "paused",
+            server.vm(&tpl).state,
+            RunState::Paused,
             "the template stays paused"
         );
     }
@@ -206,8 +195,7 @@ fn forks_of_a_paused_template_stay_exact_when_it_runs_again() {
         );
     }
     // The template runs and overwrites everything; children keep theirs.
-    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/resume"), None);
-    assert_eq!(status, 200, "{v}");
+    server.resume(&tpl);
     server.fill(&tpl, 0, pages, 12);
     for c in &children {
         assert_eq!(
@@ -225,30 +213,23 @@ fn forks_of_a_paused_template_stay_exact_when_it_runs_again() {
 
     // Paused again after running: the next fork protects again.
     let now = server.digest(&tpl, 0, pages);
-    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/pause"), None);
-    assert_eq!(status, 200, "{v}");
-    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/fork"), None);
-    assert_eq!(status, 201, "{v}");
+    server.pause(&tpl);
+    let v = server.fork(&tpl, 1);
     assert!(
-        v["phases"]["write_protected_pages"]
-            .as_u64()
-            .is_some_and(|n| n > 0),
-        "a template that ran is protected again: {v}"
+        v.phases.write_protected_pages.is_some_and(|n| n > 0),
+        "a template that ran is protected again: {v:?}"
     );
-    let late = v["children"][0].as_str().expect("id").to_owned();
-    let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/resume"), None);
-    assert_eq!(status, 200, "{v}");
+    let late = v.children[0].clone();
+    server.resume(&tpl);
     server.fill(&tpl, 0, pages, 14);
     assert_eq!(
         server.digest(&late, 0, pages),
         now,
         "{late} kept the memory of its fork"
     );
-    let (status, v) = server.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(v["ok"], true, "{v}");
+    server.assert_invariant("at the end");
     for c in children.iter().chain([&late]) {
-        assert!(process_exists(pid_of(&server.vm(c))));
+        assert!(process_exists(server.vmm_pid(c)));
     }
 }
 
@@ -262,29 +243,16 @@ fn a_fork_of_a_hundred_children_starts_them_all() {
     }
     for pool in ["0", "8"] {
         let server = TestServer::start_with_args(&["--vmm-pool", pool]);
-        let tpl = server.create_vm(json!({"memory_mib": 16}));
+        let tpl = server.create_vm(&new_vm(16));
         server.fill(&tpl, 0, pages_of(16), 3);
         let want = server.digest(&tpl, 0, pages_of(16));
-        let (status, v) = server.api("POST", &format!("/v1/vms/{tpl}/pause"), None);
-        assert_eq!(status, 200, "{v}");
-        let (status, v) = server.api(
-            "POST",
-            &format!("/v1/vms/{tpl}/fork"),
-            Some(json!({"count": 100})),
-        );
-        assert_eq!(status, 201, "pool {pool}: fork of 100: {v}");
-        let children: Vec<String> = v["children"]
-            .as_array()
-            .expect("children")
-            .iter()
-            .map(|c| c.as_str().expect("id").to_owned())
-            .collect();
+        server.pause(&tpl);
+        let children = server.fork(&tpl, 100).children;
         assert_eq!(children.len(), 100);
         for c in &children {
-            let n: u64 = c.trim_start_matches("vm-").parse().expect("numeric id");
             assert_eq!(
-                server.exec(c, json!({"op": "identity"})),
-                n,
+                server.exec(c, &op::identity()),
+                vm_num(c),
                 "pool {pool}: {c}"
             );
         }
@@ -315,12 +283,10 @@ fn pooled_vmms_map_guest_ram_of_the_prepared_size_into_their_ready_kvm_slot() {
     for (mib, prepared) in [(32, true), (16, false), (32, true)] {
         let pages = pages_of(mib);
         let pooled = vmm_children(&server);
-        let a = server.create_vm(json!({"memory_mib": mib}));
+        let a = server.create_vm(&new_vm(mib));
         server.fill(&a, 0, pages, mib);
         let want = server.digest(&a, 0, pages);
-        let (status, v) = server.api("POST", &format!("/v1/vms/{a}/fork"), None);
-        assert_eq!(status, 201, "{v}");
-        let child = v["children"][0].as_str().expect("a child").to_owned();
+        let child = server.fork_one(&a);
         assert_eq!(server.digest(&child, 0, pages), want, "{mib} MiB child");
         server.fill(&child, pages / 2, 1, 99);
         assert_ne!(server.digest(&child, 0, pages), want, "the child writes");
@@ -330,7 +296,7 @@ fn pooled_vmms_map_guest_ram_of_the_prepared_size_into_their_ready_kvm_slot() {
             "the parent keeps its own"
         );
         for id in [&a, &child] {
-            let pid = pid_of(&server.vm(id));
+            let pid = server.vmm_pid(id);
             assert!(
                 pooled.contains(&pid),
                 "{id} runs on a pooled vmm: {pid}, {pooled:?}"
@@ -342,17 +308,13 @@ fn pooled_vmms_map_guest_ram_of_the_prepared_size_into_their_ready_kvm_slot() {
                 prepared,
                 "{id}, {mib} MiB: guest RAM mapped ahead: {log}"
             );
-            let memfd = server.vm(id)["memfd"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
+            let memfd = server.vm(id).memfd.unwrap_or_default();
             assert_eq!(
                 memfd.starts_with("pagefork-pool-"),
                 prepared,
                 "{id}, {mib} MiB: its RAM is the pooled VMM's memfd: {memfd}"
             );
-            let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
-            assert_eq!(status, 200, "{v}");
+            server.delete_vm(id);
         }
         server.wait_pool_ready(2, Duration::from_secs(30));
     }

@@ -13,8 +13,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pagefork_tests::{bin, server_on_xfs, TestServer};
-use serde_json::json;
+use pagefork_tests::{server_on_xfs, uffdctl_ok, TestServer};
+use proto::api::{ExportVolume, ImportVolume};
 use uffd_server::volume::{extents, Reflink, VolumeEngine, VolumeError};
 
 const MIB: u64 = 1 << 20;
@@ -251,35 +251,18 @@ fn api_and_cli_import_and_export_and_answer_bad_files_with_400() {
     let img = qemu_image(dir.path());
     let junk = dir.path().join("junk.qcow2");
     fs::write(&junk, b"QFI\xfbnot really").expect("junk");
-    let (st, body) = server.api(
-        "POST",
-        "/v1/volumes/import",
-        Some(json!({"name": "j", "path": p(&junk)})),
-    );
-    assert_eq!(st, 400, "{body}");
-    let (st, body) = server.api(
-        "POST",
-        "/v1/volumes/import",
-        Some(json!({"name": "j", "path": "relative.qcow2"})),
-    );
-    assert_eq!(st, 400, "{body}");
+    for path in [p(&junk), "relative.qcow2"] {
+        let r = server
+            .try_import_volume(&ImportVolume {
+                name: "j".into(),
+                path: path.into(),
+                snapshot_prefix: String::new(),
+            })
+            .unwrap_err();
+        assert_eq!(r.status, 400, "{r}");
+    }
     server.assert_healthy();
-    let uffdctl = bin("uffdctl");
-    let sock = server.api_sock();
-    let cli = |args: &[&str]| {
-        let out = Command::new(&uffdctl)
-            .arg("--socket")
-            .arg(&sock)
-            .args(args)
-            .output()
-            .expect("uffdctl");
-        assert!(
-            out.status.success(),
-            "uffdctl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let cli = |args: &[&str]| uffdctl_ok(&server, args);
     let shown = cli(&[
         "volume",
         "import",
@@ -293,18 +276,12 @@ fn api_and_cli_import_and_export_and_answer_bad_files_with_400() {
     cli(&["volume", "export", "apivol", p(&exported)]);
     run("qemu-img", &["check", p(&exported)]);
     run("qemu-img", &["compare", p(&img), p(&exported)]);
-    let (st, body) = server.api(
-        "POST",
-        "/v1/volumes/apivol/export",
-        Some(json!({"path": p(&exported)})),
-    );
-    assert_eq!(st, 409, "{body}");
-    let (st, body) = server.api(
-        "POST",
-        "/v1/volumes/apivol/export",
-        Some(json!({"path": "/etc/not-an-image"})),
-    );
-    assert_eq!(st, 400, "{body}");
+    for (path, want) in [(p(&exported), 409), ("/etc/not-an-image", 400)] {
+        let r = server
+            .try_export_volume("apivol", &ExportVolume { path: path.into() })
+            .unwrap_err();
+        assert_eq!(r.status, want, "{r}");
+    }
     assert!(!Path::new("/etc/not-an-image").exists());
     // The offline snapshot commands list what qemu-img lists.
     assert_eq!(

@@ -8,12 +8,15 @@
 //! Needs KVM and userfaultfd: without them it skips with a printed reason,
 //! and fails under `CI=true`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use pagefork_tests::{
-    expected_digest, fault_counter, pages_of, require_kvm_uffd, FcClient, RandomImage, TestServer,
+    expected_digest, new_vm, pages_of, require_kvm_uffd, FcClient, RandomImage, TestServer,
 };
-use serde_json::{json, Value};
+use proto::api::{CreateListener, CreateVm, FaultCounters, VmInfo};
+
+/// One of a VM's fault counters.
+type Counter = fn(&FaultCounters) -> u64;
 
 /// How long a client command or a state change may take.
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -24,68 +27,25 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// page.
 const PATTERN: [(u64, u64); 5] = [(0, 600), (1005, 40), (590, 60), (4076, 20), (2051, 1)];
 
-/// Start a Firecracker listener serving `image`; returns its socket.
-fn add_listener(
-    s: &TestServer,
-    image: &RandomImage,
-    fault_around_kib: u64,
-    readahead_kib: u64,
-) -> std::path::PathBuf {
-    let socket = s.state_dir().join("fc.sock");
-    let body = json!({
-        "socket": socket,
-        "memory_source": image.source(),
-        "fault_around_kib": fault_around_kib,
-        "readahead_kib": readahead_kib,
-    });
-    let (status, v) = s.api("POST", "/v1/firecracker/listeners", Some(body.clone()));
-    assert_eq!(status, 201, "POST /v1/firecracker/listeners {body}: {v}");
-    socket
-}
-
 /// The Firecracker VM of client `pid` as `GET /v1/vms/{id}` shows it.
-fn fc_vm(s: &TestServer, pid: u32) -> Value {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        let (status, v) = s.api("GET", "/v1/vms", None);
-        assert_eq!(status, 200, "GET /v1/vms: {v}");
-        let id = v["vms"].as_array().and_then(|vms| {
-            vms.iter()
-                .find(|vm| {
-                    vm["kind"] == "firecracker" && vm["pid"].as_u64() == Some(u64::from(pid))
-                })
-                .and_then(|vm| vm["id"].as_str().map(str::to_owned))
-        });
-        if let Some(id) = id {
-            return s.vm(&id);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "fc_client pid {pid} never listed: {v}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn fc_vm(s: &TestServer, pid: u32) -> VmInfo {
+    s.vm(&s.wait_firecracker_vm(pid, TIMEOUT).id)
 }
 
 /// The VM's table as `(start_page, pages, kind)` extents, where kind is
 /// "installed" for the VM's own pages and the source kind otherwise.
-fn installed_extents(s: &TestServer, vm: &Value) -> Vec<(u64, u64, String)> {
-    let id = vm["id"].as_str().expect("vm id");
-    let (status, v) = s.api("GET", &format!("/v1/vms/{id}/sources"), None);
-    assert_eq!(status, 200, "GET /v1/vms/{id}/sources: {v}");
-    v["extents"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no extents in {v}"))
-        .iter()
+fn installed_extents(s: &TestServer, vm: &VmInfo) -> Vec<(u64, u64, String)> {
+    let id = &vm.id;
+    s.sources(id)
+        .extents
+        .into_iter()
         .map(|e| {
-            let source = e["source"].as_str().expect("extent source");
-            let kind = if source == id {
+            let kind = if &e.source == id {
                 "installed".to_owned()
             } else {
-                source.split(':').next().unwrap_or(source).to_owned()
+                e.source.split(':').next().unwrap_or(&e.source).to_owned()
             };
-            let n = |k: &str| e[k].as_u64().unwrap_or_else(|| panic!("no {k} in {e}"));
-            (n("start_page"), n("pages"), kind)
+            (e.start_page, e.pages, kind)
         })
         .collect()
 }
@@ -104,13 +64,18 @@ fn pagefork_and_firecracker_vms_install_the_same_pages_for_the_same_reads() {
         let s = TestServer::start();
 
         // Arrange: a pagefork VM and a Firecracker client on one image.
-        let ours = s.create_vm(json!({
-            "memory_mib": mib,
-            "memory_source": image.source(),
-            "fault_around_kib": fault_around_kib,
-            "readahead_kib": readahead_kib,
-        }));
-        let socket = add_listener(&s, &image, fault_around_kib, readahead_kib);
+        let ours = s.create_vm(&CreateVm {
+            memory_source: Some(image.source()),
+            fault_around_kib: Some(fault_around_kib),
+            readahead_kib: Some(readahead_kib),
+            ..new_vm(mib)
+        });
+        let listener = s.add_listener(&CreateListener {
+            fault_around_kib: Some(fault_around_kib),
+            readahead_kib: Some(readahead_kib),
+            ..s.listener_request("fc", image.source())
+        });
+        let socket = std::path::PathBuf::from(listener.socket);
         let mut commands: Vec<String> = PATTERN
             .iter()
             .map(|(start, n)| format!("zero:{start}:{n}"))
@@ -131,20 +96,24 @@ fn pagefork_and_firecracker_vms_install_the_same_pages_for_the_same_reads() {
         // Assert: the same faults and the same pages installed.
         let ours_vm = s.vm(&ours);
         let fc = fc_vm(&s, client.pid());
-        for counter in ["missing", "pages_installed"] {
+        let counters: [(&str, Counter); 2] = [
+            ("missing", |f| f.missing),
+            ("pages_installed", |f| f.pages_installed),
+        ];
+        for (counter, get) in counters {
             assert_eq!(
-                fault_counter(&ours_vm, counter),
-                fault_counter(&fc, counter),
-                "{what}: {counter} differs: pagefork {ours_vm} vs firecracker {fc}"
+                get(&ours_vm.faults),
+                get(&fc.faults),
+                "{what}: {counter} differs: pagefork {ours_vm:?} vs firecracker {fc:?}"
             );
         }
         let touched: u64 = PATTERN.iter().map(|(_, n)| n).sum();
-        let missing = fault_counter(&fc, "missing");
-        assert!(missing > 0, "{what}: no faults at all: {fc}");
+        let missing = fc.faults.missing;
+        assert!(missing > 0, "{what}: no faults at all: {fc:?}");
         if fault_around_kib > 0 {
             assert!(
                 missing < touched / 4,
-                "{what}: fault-around saves no faults: {fc}"
+                "{what}: fault-around saves no faults: {fc:?}"
             );
         }
         assert_eq!(

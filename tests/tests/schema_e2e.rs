@@ -17,8 +17,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pagefork_tests::{require_kvm_uffd, xfs_dir, TestServer};
-use serde_json::json;
+use pagefork_tests::{new_vm, require_kvm_uffd, xfs_dir, TestServer};
 
 /// Examples per operation and phase: enough to reach every branch of the
 /// request checks, bounded so the test takes well under a minute here.
@@ -140,19 +139,9 @@ fn the_live_api_matches_its_openapi_document() {
     // The harness makes its temporary directory under TMPDIR.
     std::env::set_var("TMPDIR", &xfs);
     let s = TestServer::start_with_args(&["--max-vms", "12"]);
-    let vm = s.create_vm(json!({"memory_mib": 8}));
-    let (status, body) = s.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "v1", "size_mib": 4})),
-    );
-    assert_eq!(status, 201, "{body}");
-    let (status, body) = s.api(
-        "POST",
-        "/v1/volumes/v1/snapshots",
-        Some(json!({"name": "s1"})),
-    );
-    assert_eq!(status, 201, "{body}");
+    let vm = s.create_vm(&new_vm(8));
+    s.create_volume("v1", 4);
+    s.snapshot_volume("v1", "s1");
 
     let port = tcp_bridge(&s.api_sock());
     let url = format!("http://127.0.0.1:{port}/v1/openapi.json");
@@ -194,7 +183,5 @@ fn the_live_api_matches_its_openapi_document() {
     assert!(cases > 500, "too few requests were generated ({cases})");
 
     s.assert_healthy();
-    let (status, inv) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(status, 200, "{inv}");
-    assert_eq!(inv["ok"], json!(true), "invariant violated: {inv}");
+    s.assert_invariant("after the generated requests");
 }

@@ -4,27 +4,29 @@
 
 use std::path::PathBuf;
 
-use pagefork_tests::{counts_4k_pages_only, pages_in_units, pages_of, server_on_xfs, TestServer};
-use serde_json::{json, Value};
+use pagefork_tests::{
+    counts_4k_pages_only, from_snapshot, new_vm, op, pages_in_units, pages_of, server_on_xfs,
+    uffdctl_json, vm_num, TestServer,
+};
+use proto::api::{
+    CloneVm, ClonedVms, CreateSnapshot, CreateVm, RunState, SnapshotCreated, SnapshotDeleted,
+    SnapshotInfo, SnapshotList, SnapshotMode, VmInfo, VmRolledBack,
+};
+use serde_json::json;
 
 const MIB: u64 = 64;
 
+/// A full snapshot named `name`.
+fn full(name: &str) -> CreateSnapshot {
+    CreateSnapshot {
+        name: name.to_owned(),
+        mode: SnapshotMode::Full,
+        compress: false,
+    }
+}
+
 fn all_ram_digest(s: &TestServer, id: &str) -> u64 {
     s.digest(id, 0, pages_of(MIB))
-}
-
-fn snapshot(s: &TestServer, vm: &str, name: &str, mode: &str) -> Value {
-    let (st, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{vm}/snapshots"),
-        Some(json!({"name": name, "mode": mode})),
-    );
-    assert_eq!(st, 201, "snapshot {name} of {vm}: {v}");
-    v
-}
-
-fn restore(s: &TestServer, name: &str) -> String {
-    s.create_vm(json!({ "from_snapshot": name }))
 }
 
 fn image(s: &TestServer, name: &str) -> PathBuf {
@@ -34,45 +36,39 @@ fn image(s: &TestServer, name: &str) -> PathBuf {
         .join("memory.img")
 }
 
-fn num(id: &str) -> u64 {
-    id.trim_start_matches("vm-").parse().expect("vm-N")
-}
-
 #[test]
 fn full_snapshot_restores_exact_memory_and_guest_state() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let vm = s.create_vm(json!({ "memory_mib": MIB }));
+    let vm = s.create_vm(&new_vm(MIB));
     // Part of memory written, part only read, the rest never touched.
     s.fill(&vm, 0, 3000, 1);
     s.touch(&vm, 5000, 500, false);
     s.fill(&vm, 9000, 100, 7);
     let want = all_ram_digest(&s, &vm);
 
-    let r = snapshot(&s, &vm, "full-1", "full");
-    assert_eq!(r["mode_used"], "full", "{r}");
-    assert_eq!(r["mode_requested"], "full", "{r}");
-    assert!(r.get("fallback_reason").is_none(), "{r}");
+    let r = s.snapshot(&vm, "full-1", SnapshotMode::Full);
+    assert_eq!(r.mode_used, SnapshotMode::Full, "{r:?}");
+    assert_eq!(r.mode_requested, SnapshotMode::Full, "{r:?}");
+    assert!(r.fallback_reason.is_none(), "{r:?}");
     // `digest` read every page into the VM: all are saved, but only the
     // written ones hold data; zero pages stay holes.
-    assert_eq!(r["pages_written"], pages_of(MIB), "{r}");
-    assert_eq!(r["bytes_written"], 3100 * 4096, "{r}");
-    assert!(r["image_extents"].as_u64().unwrap() >= 1, "{r}");
+    assert_eq!(r.pages_written, pages_of(MIB), "{r:?}");
+    assert_eq!(r.bytes_written, 3100 * 4096, "{r:?}");
+    assert!(r.image_extents >= 1, "{r:?}");
 
     // The original moves on; the snapshot keeps the moment.
     s.fill(&vm, 0, 200, 2);
     assert_ne!(all_ram_digest(&s, &vm), want);
 
-    let (st, list) = s.api("GET", "/v1/snapshots", None);
-    assert_eq!(st, 200, "{list}");
-    assert_eq!(list["snapshots"][0]["name"], "full-1", "{list}");
-    let (st, info) = s.api("GET", "/v1/snapshots/full-1", None);
-    assert_eq!(st, 200, "{info}");
-    assert_eq!(info["memory_mib"], MIB, "{info}");
-    assert_eq!(info["vm"], vm.as_str(), "{info}");
+    let list = s.snapshots();
+    assert_eq!(list.snapshots[0].name, "full-1", "{list:?}");
+    let info = s.snapshot_info("full-1");
+    assert_eq!(info.memory_mib, MIB, "{info:?}");
+    assert_eq!(info.vm, vm, "{info:?}");
     assert_eq!(
-        info["pages"]["data"].as_u64().unwrap() + info["pages"]["zero_hole"].as_u64().unwrap(),
+        info.pages.data + info.pages.zero_hole,
         pages_of(MIB),
-        "{info}"
+        "{info:?}"
     );
     let meta = std::fs::metadata(image(&s, "full-1")).unwrap();
     assert_eq!(meta.len(), MIB << 20);
@@ -81,30 +77,23 @@ fn full_snapshot_restores_exact_memory_and_guest_state() {
         "memory.img is not sparse"
     );
 
-    let restored = restore(&s, "full-1");
+    let restored = s.restore("full-1");
     let info = s.vm(&restored);
-    assert_eq!(info["memory_mib"], MIB, "{info}");
-    assert!(pagefork_tests::pages_by(&info, "image") > 0, "{info}");
+    assert_eq!(info.memory_mib, MIB, "{info:?}");
+    assert!(pagefork_tests::pages_by(&info, "image") > 0, "{info:?}");
     // Deleting a snapshot a VM reads from is refused, naming the VM.
-    let (st, v) = s.api("DELETE", "/v1/snapshots/full-1", None);
-    assert_eq!(st, 409, "{v}");
-    assert!(v["error"].as_str().unwrap().contains(&restored), "{v}");
-    let (_, src) = s.api("GET", &format!("/v1/vms/{restored}/sources"), None);
+    let v = s.try_delete_snapshot("full-1").unwrap_err();
+    assert_eq!(v.status, 409, "{v}");
+    assert!(v.error().contains(&restored), "{v}");
+    let src = s.sources(&restored);
     assert!(
-        src["by_source"].get("snapshot:full-1").is_some(),
-        "sources name the snapshot: {src}"
+        src.by_source.contains_key("snapshot:full-1"),
+        "sources name the snapshot: {src:?}"
     );
-    let (_, tree) = s.api("GET", "/v1/tree", None);
-    let node = tree["vms"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["id"] == restored.as_str())
-        .cloned()
-        .unwrap();
+    let node = s.tree_node(&restored).unwrap();
     assert!(
-        node["reads_from"]["snapshot:full-1"].as_u64().unwrap() > 0,
-        "the tree names the snapshot: {node}"
+        node.reads_from["snapshot:full-1"] > 0,
+        "the tree names the snapshot: {node:?}"
     );
     assert_eq!(
         all_ram_digest(&s, &restored),
@@ -114,44 +103,37 @@ fn full_snapshot_restores_exact_memory_and_guest_state() {
     assert_eq!(s.verify(&restored, 0, 3000, 1), 0);
     assert_eq!(s.verify(&restored, 9000, 100, 7), 0);
     // The guest agent carries on as itself and keeps working.
-    assert_eq!(s.exec(&restored, json!({"op": "identity"})), num(&restored));
+    assert_eq!(s.identity(&restored), vm_num(&restored));
     s.fill(&restored, 100, 10, 3);
     assert_eq!(s.verify(&restored, 100, 10, 3), 0);
     assert_eq!(s.verify(&vm, 0, 200, 2), 0, "the original is unaffected");
 
-    let (st, v) = s.api("DELETE", &format!("/v1/vms/{restored}"), None);
-    assert_eq!(st, 200, "{v}");
-    let (st, v) = s.api("DELETE", "/v1/snapshots/full-1", None);
-    assert_eq!(st, 200, "{v}");
+    s.delete_vm(&restored);
+    s.delete_snapshot("full-1");
     assert!(!image(&s, "full-1").exists());
-    let (st, _) = s.api("GET", "/v1/snapshots/full-1", None);
-    assert_eq!(st, 404);
+    let v = s.try_snapshot_info("full-1").unwrap_err();
+    assert_eq!(v.status, 404);
 }
 
 #[test]
 fn snapshot_names_are_checked_and_unique() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let vm = s.create_vm(json!({ "memory_mib": 16 }));
-    snapshot(&s, &vm, "one", "full");
-    for (body, want) in [
-        (json!({"name": "one"}), 409),
-        (json!({"name": "../x"}), 400),
-        (json!({"name": ".hidden"}), 400),
-        (json!({"name": "a", "mode": "soft"}), 400),
-    ] {
-        let (st, v) = s.api(
-            "POST",
-            &format!("/v1/vms/{vm}/snapshots"),
-            Some(body.clone()),
-        );
-        assert_eq!(st, want, "{body}: {v}");
+    let vm = s.create_vm(&new_vm(16));
+    s.snapshot(&vm, "one", SnapshotMode::Full);
+    for (name, want) in [("one", 409), ("../x", 400), (".hidden", 400)] {
+        let v = s.try_snapshot(&vm, &full(name)).unwrap_err();
+        assert_eq!(v.status, want, "{name}: {v}");
     }
-    let (st, v) = s.api(
+    // A mode no type can name.
+    let body = json!({"name": "a", "mode": "soft"});
+    let v = s.raw(
         "POST",
-        "/v1/vms/vm-999/snapshots",
-        Some(json!({"name": "two"})),
+        &format!("/v1/vms/{vm}/snapshots"),
+        Some(body.clone()),
     );
-    assert_eq!(st, 404, "{v}");
+    assert_eq!(v.status, 400, "{body}: {v}");
+    let v = s.try_snapshot("vm-999", &full("two")).unwrap_err();
+    assert_eq!(v.status, 404, "{v}");
     // Nothing half-made is left behind by the refused requests.
     let leftovers: Vec<String> = std::fs::read_dir(s.state_dir().join("snapshots"))
         .unwrap()
@@ -171,30 +153,24 @@ fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
         .success()
 }
 
-fn info(s: &TestServer, name: &str) -> Value {
-    let (st, v) = s.api("GET", &format!("/v1/snapshots/{name}"), None);
-    assert_eq!(st, 200, "{v}");
-    v
-}
-
 #[test]
 fn incremental_and_dirty_images_equal_full_images_of_the_same_moment() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    let a = s.create_vm(&new_vm(MIB));
     s.fill(&a, 0, 4000, 1);
-    snapshot(&s, &a, "base", "full");
+    s.snapshot(&a, "base", SnapshotMode::Full);
 
     // A VM restored from `base` writes some pages.
-    let r = restore(&s, "base");
+    let r = s.restore("base");
     s.fill(&r, 100, 200, 2);
     s.fill(&r, 8000, 50, 3);
-    let inc = snapshot(&s, &r, "inc", "incremental");
-    assert_eq!(inc["mode_used"], "incremental", "{inc}");
-    assert_eq!(info(&s, "inc")["parent"], "base");
+    let inc = s.snapshot(&r, "inc", SnapshotMode::Incremental);
+    assert_eq!(inc.mode_used, SnapshotMode::Incremental, "{inc:?}");
+    assert_eq!(s.snapshot_info("inc").parent.as_deref(), Some("base"));
     // Pages the VM has not written or read since its start are not saved.
-    assert!(inc["pages_written"].as_u64().unwrap() < 4000, "{inc}");
-    let full = snapshot(&s, &r, "inc-full", "full");
-    assert_eq!(full["mode_used"], "full");
+    assert!(inc.pages_written < 4000, "{inc:?}");
+    let full = s.snapshot(&r, "inc-full", SnapshotMode::Full);
+    assert_eq!(full.mode_used, SnapshotMode::Full);
     assert!(
         same_file(&image(&s, "inc"), &image(&s, "inc-full")),
         "incremental and full images of one moment differ"
@@ -205,70 +181,69 @@ fn incremental_and_dirty_images_equal_full_images_of_the_same_moment() {
     // (On hugepage guest RAM, the k pages' whole blocks.)
     let k = 37;
     s.fill(&r, 1000, k, 4);
-    let before = info(&s, "inc-full")["exclusive_bytes"].as_u64().unwrap();
-    let d = snapshot(&s, &r, "d1", "dirty");
-    assert_eq!(d["mode_used"], "dirty", "{d}");
+    let before = s.snapshot_info("inc-full").exclusive_bytes;
+    let d = s.snapshot(&r, "d1", SnapshotMode::Dirty);
+    assert_eq!(d.mode_used, SnapshotMode::Dirty, "{d:?}");
     let dirty = pages_in_units(&[(1000, k)], s.unit_pages(&r));
-    assert_eq!(d["pages_written"], dirty, "{d}");
-    assert_eq!(d["bytes_written"], dirty * 4096, "{d}");
-    assert_eq!(info(&s, "d1")["parent"], "inc-full");
-    let excl = info(&s, "d1")["exclusive_bytes"].as_u64().unwrap();
+    assert_eq!(d.pages_written, dirty, "{d:?}");
+    assert_eq!(d.bytes_written, dirty * 4096, "{d:?}");
+    assert_eq!(s.snapshot_info("d1").parent.as_deref(), Some("inc-full"));
+    let excl = s.snapshot_info("d1").exclusive_bytes;
     assert!(
         (dirty * 4096..=dirty * 4096 + (64 << 10)).contains(&excl),
         "d1 holds {excl} bytes of its own for {k} pages (its parent {before})"
     );
-    let d_full = snapshot(&s, &r, "d1-full", "full");
-    assert_eq!(d_full["mode_used"], "full");
+    let d_full = s.snapshot(&r, "d1-full", SnapshotMode::Full);
+    assert_eq!(d_full.mode_used, SnapshotMode::Full);
     assert!(same_file(&image(&s, "d1"), &image(&s, "d1-full")));
     let at_d1 = all_ram_digest(&s, &r);
 
     // A second dirty snapshot with nothing written saves nothing.
-    let d2 = snapshot(&s, &r, "d2", "dirty");
-    assert_eq!(d2["mode_used"], "dirty", "{d2}");
-    assert_eq!(d2["pages_written"], 0, "{d2}");
+    let d2 = s.snapshot(&r, "d2", SnapshotMode::Dirty);
+    assert_eq!(d2.mode_used, SnapshotMode::Dirty, "{d2:?}");
+    assert_eq!(d2.pages_written, 0, "{d2:?}");
 
     // Every image restores to the memory of its moment.
     for (name, want) in [("inc", at_inc), ("d1", at_d1), ("d2", at_d1)] {
-        let x = restore(&s, name);
+        let x = s.restore(name);
         assert_eq!(all_ram_digest(&s, &x), want, "restore of {name}");
         assert_eq!(s.verify(&x, 1000, k, 4), u64::from(name == "inc") * k);
-        s.api("DELETE", &format!("/v1/vms/{x}"), None);
+        s.delete_vm(&x);
     }
 }
 
 #[test]
 fn dirty_and_incremental_without_a_base_degrade_to_full_and_say_why() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    let a = s.create_vm(&new_vm(16));
     s.fill(&a, 0, 10, 1);
-    let d = snapshot(&s, &a, "first", "dirty");
-    assert_eq!(d["mode_requested"], "dirty");
-    assert_eq!(d["mode_used"], "full", "{d}");
-    let why = d["fallback_reason"].as_str().unwrap_or_default();
-    assert!(why.contains("no snapshot"), "{d}");
-    let i = snapshot(&s, &a, "second", "incremental");
-    assert_eq!(i["mode_used"], "full", "{i}");
+    let d = s.snapshot(&a, "first", SnapshotMode::Dirty);
+    assert_eq!(d.mode_requested, SnapshotMode::Dirty);
+    assert_eq!(d.mode_used, SnapshotMode::Full, "{d:?}");
+    let why = d.fallback_reason.as_deref().unwrap_or_default();
+    assert!(why.contains("no snapshot"), "{d:?}");
+    let i = s.snapshot(&a, "second", SnapshotMode::Incremental);
+    assert_eq!(i.mode_used, SnapshotMode::Full, "{i:?}");
     assert!(
-        i["fallback_reason"]
-            .as_str()
+        i.fallback_reason
+            .as_deref()
             .unwrap_or_default()
             .contains("did not start from a snapshot"),
-        "{i}"
+        "{i:?}"
     );
     // Once it has a snapshot, dirty works; if that one is deleted, it
     // degrades again.
-    let d = snapshot(&s, &a, "third", "dirty");
-    assert_eq!(d["mode_used"], "dirty", "{d}");
-    let (st, v) = s.api("DELETE", "/v1/snapshots/third", None);
-    assert_eq!(st, 200, "{v}");
-    let d = snapshot(&s, &a, "fourth", "dirty");
-    assert_eq!(d["mode_used"], "full", "{d}");
+    let d = s.snapshot(&a, "third", SnapshotMode::Dirty);
+    assert_eq!(d.mode_used, SnapshotMode::Dirty, "{d:?}");
+    s.delete_snapshot("third");
+    let d = s.snapshot(&a, "fourth", SnapshotMode::Dirty);
+    assert_eq!(d.mode_used, SnapshotMode::Full, "{d:?}");
     assert!(
-        d["fallback_reason"]
-            .as_str()
+        d.fallback_reason
+            .as_deref()
             .unwrap_or_default()
             .contains("third"),
-        "{d}"
+        "{d:?}"
     );
 }
 
@@ -277,7 +252,7 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
     let Some(s) = server_on_xfs(&[]) else { return };
     let mib = 256;
     let pages = pages_of(mib);
-    let a = s.create_vm(json!({ "memory_mib": mib }));
+    let a = s.create_vm(&new_vm(mib));
     s.fill(&a, 0, pages, 1);
     let want = s.digest(&a, 0, pages);
     // The guest rewrites the last eighth of memory while the snapshot is
@@ -297,23 +272,23 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
         std::thread::scope(|sc| {
             let writer = sc.spawn(|| {
                 while !done.load(std::sync::atomic::Ordering::Relaxed)
-                    && s.vm(&a).get("snapshot_saving").is_none()
+                    && s.vm(&a).snapshot_saving.is_none()
                 {
                     std::thread::sleep(std::time::Duration::from_micros(200));
                 }
                 s.fill(&a, start, tail, seed);
             });
-            let r = snapshot(&s, &a, &name, "full");
+            let r = s.snapshot(&a, &name, SnapshotMode::Full);
             done.store(true, std::sync::atomic::Ordering::Relaxed);
-            eprintln!("snapshot while the guest writes: {r}");
-            assert!(r["pause_us"].as_u64().unwrap() < 200_000, "{r}");
-            overlapped |= r["pages_saved_ahead"].as_u64().unwrap() > 0;
+            eprintln!("snapshot while the guest writes: {r:?}");
+            assert!(r.pause_us < 200_000, "{r:?}");
+            overlapped |= r.pages_saved_ahead > 0;
             writer.join().unwrap();
         });
         assert_eq!(s.verify(&a, start, tail, seed), 0);
-        let x = restore(&s, &name);
+        let x = s.restore(&name);
         assert_eq!(s.digest(&x, 0, pages), want, "{name} is not of its moment");
-        s.api("DELETE", &format!("/v1/vms/{x}"), None);
+        s.delete_vm(&x);
         want = s.digest(&a, 0, pages);
         if overlapped {
             break;
@@ -321,10 +296,10 @@ fn guest_writes_during_the_save_keep_the_snapshot_at_its_moment() {
     }
     assert!(overlapped, "the guest's writes never overlapped the save");
     // Dirty tracking saw every page the guest wrote after the last pause.
-    let d = snapshot(&s, &a, "after", "dirty");
-    assert_eq!(d["mode_used"], "dirty", "{d}");
-    assert_eq!(d["pages_written"], tail, "{d}");
-    let y = restore(&s, "after");
+    let d = s.snapshot(&a, "after", SnapshotMode::Dirty);
+    assert_eq!(d.mode_used, SnapshotMode::Dirty, "{d:?}");
+    assert_eq!(d.pages_written, tail, "{d:?}");
+    let y = s.restore("after");
     assert_eq!(s.digest(&y, 0, pages), want);
 }
 
@@ -342,38 +317,41 @@ fn guest_writes_to_pages_still_being_copied_keep_the_snapshot_at_its_moment() {
     let pages = pages_of(mib);
     // Only 4 KiB guest RAM takes this path (hugetlb memory is read by the
     // core), so the VM asks for it whatever the server's default.
-    let a = s.create_vm(json!({ "memory_mib": mib, "hugepages": false }));
+    let a = s.create_vm(&CreateVm {
+        hugepages: Some(false),
+        ..new_vm(mib)
+    });
     s.fill(&a, 0, pages, 1);
     let want = s.digest(&a, 0, pages);
     let n = 64;
     let r = std::thread::scope(|sc| {
         let writer = sc.spawn(|| {
-            while s.vm(&a).get("snapshot_saving").is_none() {
+            while s.vm(&a).snapshot_saving.is_none() {
                 std::thread::sleep(std::time::Duration::from_micros(200));
             }
             s.fill(&a, 0, n, 9);
         });
-        let r = snapshot(&s, &a, "held", "full");
+        let r = s.snapshot(&a, "held", SnapshotMode::Full);
         writer.join().unwrap();
         r
     });
-    eprintln!("snapshot with its copies held: {r}");
+    eprintln!("snapshot with its copies held: {r:?}");
     assert_eq!(s.verify(&a, 0, n, 9), 0);
-    let x = restore(&s, "held");
+    let x = s.restore("held");
     assert_eq!(
         s.digest(&x, 0, pages),
         want,
         "the snapshot took later bytes"
     );
-    assert_eq!(r["pages_saved_ahead"], n, "{r}");
+    assert_eq!(r.pages_saved_ahead, n, "{r:?}");
 }
 
 /// Start a VM for a crash round: from an earlier snapshot when there is
 /// one (so incremental snapshots have a base), else empty.
 fn crash_round_vm(s: &TestServer, from: Option<&str>) -> String {
     match from {
-        Some(name) => restore(s, name),
-        None => s.create_vm(json!({ "memory_mib": CRASH_MIB })),
+        Some(name) => s.restore(name),
+        None => s.create_vm(&new_vm(CRASH_MIB)),
     }
 }
 
@@ -400,11 +378,15 @@ fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
     for round in 0..rounds {
         let from = want.keys().last().cloned();
         let vm = crash_round_vm(&s, from.as_deref());
-        let mode = ["full", "incremental", "dirty"][round % 3];
-        if mode == "dirty" {
+        let mode = [
+            SnapshotMode::Full,
+            SnapshotMode::Incremental,
+            SnapshotMode::Dirty,
+        ][round % 3];
+        if mode == SnapshotMode::Dirty {
             let name = format!("r{round:02}-pre");
             s.fill(&vm, 0, pages, 100 + round as u64);
-            snapshot(&s, &vm, &name, "full");
+            s.snapshot(&vm, &name, SnapshotMode::Full);
             want.insert(name, s.digest(&vm, 0, pages));
         }
         let start = rng.gen_range(0..pages / 2);
@@ -413,8 +395,13 @@ fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
         let name = format!("r{round:02}-{mode}");
         let delay = rng.gen_range(0..120);
         let sock = s.api_sock();
-        let body = json!({"name": name, "mode": mode});
+        let body = pagefork_tests::body(&CreateSnapshot {
+            name: name.clone(),
+            mode,
+            compress: false,
+        });
         let path = format!("/v1/vms/{vm}/snapshots");
+        // The server is killed under it: the call may fail, not panic.
         let request = std::thread::spawn(move || {
             let c = uffdctl::client::Client::new(sock);
             c.request("POST", &path, Some(&body)).ok().map(|r| r.status)
@@ -424,15 +411,9 @@ fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
         let answered = request.join().unwrap();
         s.restart(&[]);
 
-        let (st, list) = s.api("GET", "/v1/snapshots", None);
-        assert_eq!(st, 200, "{list}");
-        assert_eq!(list["quarantined"], json!([]), "round {round}: {list}");
-        let listed: Vec<String> = list["snapshots"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x["name"].as_str().unwrap().to_owned())
-            .collect();
+        let list = s.snapshots();
+        assert!(list.quarantined.is_empty(), "round {round}: {list:?}");
+        let listed: Vec<String> = list.snapshots.into_iter().map(|x| x.name).collect();
         let crashed_one_listed = listed.contains(&name);
         if answered == Some(201) {
             assert!(
@@ -443,9 +424,9 @@ fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
         if crashed_one_listed {
             committed_by_crash += 1;
             want.insert(name.clone(), digest);
-            let x = restore(&s, &name);
+            let x = s.restore(&name);
             assert_eq!(s.digest(&x, 0, pages), digest, "round {round}: {name}");
-            s.api("DELETE", &format!("/v1/vms/{x}"), None);
+            s.delete_vm(&x);
         }
         let expected: Vec<&String> = want.keys().collect();
         assert_eq!(
@@ -467,9 +448,9 @@ fn sigkill_during_snapshots_never_lists_a_wrong_snapshot() {
     );
     // Every snapshot that survived restores to its moment.
     for (name, digest) in &want {
-        let x = restore(&s, name);
+        let x = s.restore(name);
         assert_eq!(s.digest(&x, 0, pages), *digest, "{name}");
-        s.api("DELETE", &format!("/v1/vms/{x}"), None);
+        s.delete_vm(&x);
     }
 }
 
@@ -479,10 +460,10 @@ fn a_snapshot_that_does_not_verify_is_quarantined_at_start() {
     let Some(mut s) = server_on_xfs(&[]) else {
         return;
     };
-    let vm = s.create_vm(json!({ "memory_mib": 16 }));
+    let vm = s.create_vm(&new_vm(16));
     s.fill(&vm, 0, 100, 1);
-    snapshot(&s, &vm, "good", "full");
-    snapshot(&s, &vm, "bad", "full");
+    s.snapshot(&vm, "good", SnapshotMode::Full);
+    s.snapshot(&vm, "bad", SnapshotMode::Full);
     s.stop(std::time::Duration::from_secs(20));
     // One flipped byte in a data page.
     let f = std::fs::OpenOptions::new()
@@ -492,56 +473,41 @@ fn a_snapshot_that_does_not_verify_is_quarantined_at_start() {
     f.write_all_at(&[0x5a], 4096 * 10 + 17).unwrap();
     drop(f);
     s.restart(&[]);
-    let (st, list) = s.api("GET", "/v1/snapshots", None);
-    assert_eq!(st, 200, "{list}");
-    let names: Vec<&str> = list["snapshots"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(names, ["good"], "{list}");
-    assert!(
-        list["quarantined"][0].as_str().unwrap().starts_with("bad."),
-        "{list}"
-    );
-    let (st, v) = s.api("POST", "/v1/vms", Some(json!({"from_snapshot": "bad"})));
-    assert_eq!(st, 404, "{v}");
-    let x = restore(&s, "good");
+    let list = s.snapshots();
+    let names: Vec<&str> = list.snapshots.iter().map(|x| x.name.as_str()).collect();
+    assert_eq!(names, ["good"], "{list:?}");
+    assert!(list.quarantined[0].starts_with("bad."), "{list:?}");
+    let v = s.try_create_vm(&from_snapshot("bad")).unwrap_err();
+    assert_eq!(v.status, 404, "{v}");
+    let x = s.restore("good");
     assert_eq!(s.verify(&x, 0, 100, 1), 0);
 }
 
 fn disk_sum(s: &TestServer, vm: &str, count: u64) -> u64 {
-    s.exec(
-        vm,
-        json!({"op": "disk_checksum", "sector": 0, "count": count}),
-    )
+    s.exec(vm, &op::disk_checksum(0, count))
 }
 
 #[test]
 fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let (st, v) = s.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "rb-disk", "size_mib": 1})),
-    );
-    assert_eq!(st, 201, "{v}");
-    let a = s.create_vm(json!({ "memory_mib": MIB, "volume": "rb-disk" }));
+    s.create_volume("rb-disk", 1);
+    let a = s.create_vm(&CreateVm {
+        volume: Some("rb-disk".into()),
+        ..new_vm(MIB)
+    });
     s.fill(&a, 0, 2000, 1);
-    s.exec(
-        &a,
-        json!({"op": "disk_fill", "sector": 0, "count": 100, "seed": 1}),
-    );
+    s.exec(&a, &op::disk_fill(0, 100, 1));
     let mem_at_snap = all_ram_digest(&s, &a);
     let disk_at_snap = disk_sum(&s, &a, 2048);
-    let snap = snapshot(&s, &a, "rb", "full");
-    assert_eq!(info(&s, "rb")["volume_snapshot"], "rb.disk", "{snap}");
+    let snap = s.snapshot(&a, "rb", SnapshotMode::Full);
+    assert_eq!(
+        s.snapshot_info("rb").volume_snapshot.as_deref(),
+        Some("rb.disk"),
+        "{snap:?}"
+    );
 
     // A child forked after the snapshot reads its pages from the parent.
-    let (st, f) = s.api("POST", &format!("/v1/vms/{a}/fork"), Some(json!({})));
-    assert_eq!(st, 201, "{f}");
-    let child = f["children"][0].as_str().unwrap().to_owned();
+    let child = s.fork_one(&a);
     // (Not read yet: the child still reads most of its pages from the
     // parent at the rollbacks.)
     let child_mem = mem_at_snap;
@@ -549,70 +515,54 @@ fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
     // The parent moves on: memory and disk.
     s.fill(&a, 0, 500, 2);
     s.fill(&a, 3000, 500, 3);
-    s.exec(
-        &a,
-        json!({"op": "disk_fill", "sector": 0, "count": 50, "seed": 2}),
-    );
+    s.exec(&a, &op::disk_fill(0, 50, 2));
     assert_ne!(all_ram_digest(&s, &a), mem_at_snap);
     assert_ne!(disk_sum(&s, &a, 2048), disk_at_snap);
 
-    let (st, r) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/rollback"),
-        Some(json!({"snapshot": "rb"})),
-    );
-    assert_eq!(st, 200, "{r}");
-    eprintln!("rollback: {r}");
+    let r = s.rollback(&a, "rb");
+    eprintln!("rollback: {r:?}");
     // Back to its last snapshot: only the pages written since are reset
     // (the child already holds its own copies of those).
-    assert_eq!(r["pages_handed_over"], 0, "{r}");
+    assert_eq!(r.pages_handed_over, 0, "{r:?}");
     // On 4 KiB memory the VMM discards them (hugetlb memory is punched).
-    let discarded = r["pages_discarded"].as_u64().unwrap_or(0);
+    let discarded = r.pages_discarded;
     if s.unit_pages(&a) == 1 {
-        assert!(discarded >= 1000, "{r}");
+        assert!(discarded >= 1000, "{r:?}");
     } else {
-        assert_eq!(discarded, 0, "{r}");
+        assert_eq!(discarded, 0, "{r:?}");
     }
-    assert_eq!(s.vm(&a)["state"], "running");
+    assert_eq!(s.vm(&a).state, RunState::Running);
     assert_eq!(all_ram_digest(&s, &a), mem_at_snap, "memory after rollback");
     assert_eq!(disk_sum(&s, &a, 2048), disk_at_snap, "disk after rollback");
-    assert_eq!(s.exec(&a, json!({"op": "identity"})), num(&a));
+    assert_eq!(s.identity(&a), vm_num(&a));
     assert_eq!(s.verify(&a, 0, 2000, 1), 0);
     // The scrub punched whatever the guest did not touch.
     assert_no_stale_pages(&s, &a);
     // The child still has the memory it was forked with.
     assert_eq!(all_ram_digest(&s, &child), child_mem, "the child changed");
-    let (st, inv) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(st, 200);
-    assert_eq!(inv["ok"], true, "{inv}");
+    let inv = s.invariant();
+    assert!(inv.ok, "{inv:?}");
     // The rolled-back VM carries on; tracking went on from the snapshot,
     // so a dirty snapshot saves exactly what it wrote since the rollback.
     s.fill(&a, 10, 5, 9);
     assert_eq!(s.verify(&a, 10, 5, 9), 0);
-    let d = snapshot(&s, &a, "rb-after", "dirty");
-    assert_eq!(d["mode_used"], "dirty", "{d}");
+    let d = s.snapshot(&a, "rb-after", SnapshotMode::Dirty);
+    assert_eq!(d.mode_used, SnapshotMode::Dirty, "{d:?}");
     assert_eq!(
-        d["pages_written"],
+        d.pages_written,
         pages_in_units(&[(10, 5)], s.unit_pages(&a)),
-        "{d}"
+        "{d:?}"
     );
     let after = all_ram_digest(&s, &a);
-    let x = restore(&s, "rb-after");
+    let x = s.restore("rb-after");
     assert_eq!(all_ram_digest(&s, &x), after);
     // Back to the older snapshot (not the last one: all memory is reset).
     s.fill(&a, 0, 3000, 11);
     let before = all_ram_digest(&s, &a);
-    let (st, f) = s.api("POST", &format!("/v1/vms/{a}/fork"), Some(json!({})));
-    assert_eq!(st, 201, "{f}");
-    let child2 = f["children"][0].as_str().unwrap().to_owned();
-    let (st, r) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/rollback"),
-        Some(json!({"snapshot": "rb"})),
-    );
-    assert_eq!(st, 200, "{r}");
+    let child2 = s.fork_one(&a);
+    let r = s.rollback(&a, "rb");
     // Every page the new child still read from the parent was handed over.
-    assert_eq!(r["pages_handed_over"], pages_of(MIB), "{r}");
+    assert_eq!(r.pages_handed_over, pages_of(MIB), "{r:?}");
     assert_eq!(all_ram_digest(&s, &child2), before, "the 2nd child changed");
     assert_eq!(
         all_ram_digest(&s, &a),
@@ -625,8 +575,8 @@ fn rollback_returns_memory_state_and_disk_while_a_fork_child_keeps_its_own() {
         after,
         "a VM restored before is unaffected"
     );
-    let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(inv["ok"], true, "{inv}");
+    let inv = s.invariant();
+    assert!(inv.ok, "{inv:?}");
 }
 
 /// A rollback that discards every page of a VM, on a server that leaves
@@ -639,45 +589,40 @@ fn a_rollback_s_discarded_pages_read_as_the_snapshot_while_they_are_punched() {
     let Some(s) = server_on_xfs(&["--rollback-scrub-delay-ms", "60000"]) else {
         return;
     };
-    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    let a = s.create_vm(&new_vm(MIB));
     let pages = pages_of(MIB);
     s.fill(&a, 0, pages, 21);
     let at_snap = all_ram_digest(&s, &a);
-    snapshot(&s, &a, "disc", "full");
+    s.snapshot(&a, "disc", SnapshotMode::Full);
     let mut minor = 0;
     for round in 0..3u64 {
         s.fill(&a, 0, pages, 30 + round);
         assert_ne!(all_ram_digest(&s, &a), at_snap);
-        let (st, r) = s.api(
-            "POST",
-            &format!("/v1/vms/{a}/rollback"),
-            Some(json!({"snapshot": "disc"})),
-        );
-        assert_eq!(st, 200, "{r}");
-        eprintln!("rollback {round}: {r}");
+        let r = s.rollback(&a, "disc");
+        eprintln!("rollback {round}: {r:?}");
         if s.unit_pages(&a) == 1 {
-            assert_eq!(r["pages_discarded"], pages, "{r}");
+            assert_eq!(r.pages_discarded, pages, "{r:?}");
         }
         // Every page is stale: the guest's reads fault MINOR, and each
         // fault punches and installs its whole run.
         assert_eq!(s.verify(&a, 0, pages, 21), 0, "round {round}");
         assert_eq!(all_ram_digest(&s, &a), at_snap, "round {round}");
         let vm = s.vm(&a);
-        eprintln!("faults: {}", vm["faults"]);
+        eprintln!("faults: {:?}", vm.faults);
         if s.unit_pages(&a) == 1 {
-            let now = vm["faults"]["minor"].as_u64().unwrap_or(0);
-            assert!(now > minor, "round {round}: no MINOR fault: {vm}");
+            let now = vm.faults.minor;
+            assert!(now > minor, "round {round}: no MINOR fault: {vm:?}");
             minor = now;
         }
-        let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
-        assert_eq!(inv["ok"], true, "{inv}");
+        let inv = s.invariant();
+        assert!(inv.ok, "{inv:?}");
     }
     // Writes after the rollback stay, and a restore of a later snapshot
     // has them.
     s.fill(&a, 100, 50, 99);
     let now = all_ram_digest(&s, &a);
-    snapshot(&s, &a, "disc-after", "dirty");
-    let x = restore(&s, "disc-after");
+    s.snapshot(&a, "disc-after", SnapshotMode::Dirty);
+    let x = s.restore("disc-after");
     assert_eq!(all_ram_digest(&s, &x), now);
     // Every page was read, so every stale one was punched on the way:
     // the memfd holds exactly the pages the table says are the VM's own.
@@ -689,16 +634,16 @@ fn a_rollback_s_discarded_pages_read_as_the_snapshot_while_they_are_punched() {
 fn assert_no_stale_pages(s: &TestServer, vm: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
-        let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
-        assert_eq!(inv["ok"], true, "{inv}");
+        let inv = s.invariant();
+        assert!(inv.ok, "{inv:?}");
         let v = s.vm(vm);
-        let own = v["pages"]["vm"].as_u64().unwrap_or(0);
-        if v["resident_pages"].as_u64() == Some(own) {
+        let own = pagefork_tests::pages_by(&v, "vm");
+        if v.resident_pages == own {
             return;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "stale pages left in the memfd: {v}"
+            "stale pages left in the memfd: {v:?}"
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
@@ -707,27 +652,16 @@ fn assert_no_stale_pages(s: &TestServer, vm: &str) {
 #[test]
 fn clone_makes_n_running_copies() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    let a = s.create_vm(&new_vm(16));
     s.fill(&a, 0, 1000, 5);
-    let (st, c) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/clone"),
-        Some(json!({"count": 5, "concurrency": 2})),
-    );
-    assert_eq!(st, 201, "{c}");
-    eprintln!("clone: {c}");
-    let clones: Vec<String> = c["clones"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_str().unwrap().to_owned())
-        .collect();
+    let c = s.clone_vm(&a, 5, 2);
+    eprintln!("clone: {c:?}");
+    let clones = c.clones;
     assert_eq!(clones.len(), 5);
-    let name = c["snapshot"].as_str().unwrap();
-    assert_eq!(info(&s, name)["readers"].as_array().unwrap().len(), 5);
+    assert_eq!(s.snapshot_info(&c.snapshot).readers.len(), 5);
     for x in &clones {
         assert_eq!(s.verify(x, 0, 1000, 5), 0, "{x}");
-        assert_eq!(s.exec(x, json!({"op": "identity"})), num(x));
+        assert_eq!(s.identity(x), vm_num(x));
     }
 }
 
@@ -753,22 +687,23 @@ fn clone_failing_at_the_kth_create_leaves_nothing_behind() {
     let Some(s) = server_on_xfs(&["--memory-budget-mib", "64"]) else {
         return;
     };
-    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    let a = s.create_vm(&new_vm(16));
     s.fill(&a, 0, 100, 5);
     let before = memfds_of(s.pid());
-    let (st, c) = s.api(
-        "POST",
-        &format!("/v1/vms/{a}/clone"),
-        Some(json!({"count": 6, "concurrency": 2})),
-    );
-    assert_eq!(st, 507, "{c}");
-    assert!(
-        c["error"].as_str().unwrap().contains("of 6"),
-        "the error names the clone: {c}"
-    );
+    let c = s
+        .try_clone_vm(
+            &a,
+            &CloneVm {
+                count: 6,
+                concurrency: 2,
+            },
+        )
+        .unwrap_err();
+    assert_eq!(c.status, 507, "{c}");
+    assert!(c.error().contains("of 6"), "the error names the clone: {c}");
     assert_eq!(s.vm_ids(), vec![a.clone()]);
-    let (_, list) = s.api("GET", "/v1/snapshots", None);
-    assert_eq!(list["snapshots"], json!([]), "{list}");
+    let list = s.snapshots();
+    assert!(list.snapshots.is_empty(), "{list:?}");
     assert_eq!(memfds_of(s.pid()), before, "memfds left behind");
     let names: Vec<String> = std::fs::read_dir(s.state_dir().join("snapshots"))
         .unwrap()
@@ -780,95 +715,79 @@ fn clone_failing_at_the_kth_create_leaves_nothing_behind() {
     assert_eq!(s.verify(&a, 0, 100, 5), 0);
 }
 
-fn uffdctl_json(s: &TestServer, args: &[&str]) -> Value {
-    let out = std::process::Command::new(pagefork_tests::bin("uffdctl"))
-        .arg("--socket")
-        .arg(s.api_sock())
-        .arg("--json")
-        .args(args)
-        .output()
-        .expect("cannot run uffdctl");
-    assert!(
-        out.status.success(),
-        "uffdctl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("uffdctl printed no JSON")
-}
-
 #[test]
 fn uffdctl_snapshot_restore_rollback_and_clone() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let a = s.create_vm(json!({ "memory_mib": 16 }));
+    let a = s.create_vm(&new_vm(16));
     s.fill(&a, 0, 50, 1);
-    let c = uffdctl_json(&s, &["snapshot", "create", &a, "cli-1"]);
-    assert_eq!(c["mode_used"], "full", "{c}");
-    let d = uffdctl_json(&s, &["snapshot", "create", &a, "cli-2", "--mode", "dirty"]);
-    assert_eq!(d["mode_used"], "dirty", "{d}");
-    let list = uffdctl_json(&s, &["snapshot", "list"]);
-    assert_eq!(list["snapshots"].as_array().unwrap().len(), 2, "{list}");
-    let show = uffdctl_json(&s, &["snapshot", "show", "cli-2"]);
-    assert_eq!(show["parent"], "cli-1", "{show}");
-    let r = uffdctl_json(&s, &["snapshot", "restore", "cli-1"]);
-    let restored = r["id"].as_str().unwrap().to_owned();
+    let c: SnapshotCreated = uffdctl_json(&s, &["snapshot", "create", &a, "cli-1"]);
+    assert_eq!(c.mode_used, SnapshotMode::Full, "{c:?}");
+    let d: SnapshotCreated =
+        uffdctl_json(&s, &["snapshot", "create", &a, "cli-2", "--mode", "dirty"]);
+    assert_eq!(d.mode_used, SnapshotMode::Dirty, "{d:?}");
+    let list: SnapshotList = uffdctl_json(&s, &["snapshot", "list"]);
+    assert_eq!(list.snapshots.len(), 2, "{list:?}");
+    let show: SnapshotInfo = uffdctl_json(&s, &["snapshot", "show", "cli-2"]);
+    assert_eq!(show.parent.as_deref(), Some("cli-1"), "{show:?}");
+    let r: VmInfo = uffdctl_json(&s, &["snapshot", "restore", "cli-1"]);
+    let restored = r.id;
     assert_eq!(s.verify(&restored, 0, 50, 1), 0);
     s.fill(&a, 0, 50, 2);
-    let rb = uffdctl_json(&s, &["vm", "rollback", &a, "cli-1"]);
-    assert_eq!(rb["snapshot"], "cli-1", "{rb}");
+    let rb: VmRolledBack = uffdctl_json(&s, &["vm", "rollback", &a, "cli-1"]);
+    assert_eq!(rb.snapshot, "cli-1", "{rb:?}");
     assert_eq!(s.verify(&a, 0, 50, 1), 0);
-    let cl = uffdctl_json(&s, &["vm", "clone", &a, "--count", "2"]);
-    assert_eq!(cl["clones"].as_array().unwrap().len(), 2, "{cl}");
-    let del = uffdctl_json(&s, &["snapshot", "delete", "cli-2"]);
-    assert_eq!(del["deleted"], true, "{del}");
+    let cl: ClonedVms = uffdctl_json(&s, &["vm", "clone", &a, "--count", "2"]);
+    assert_eq!(cl.clones.len(), 2, "{cl:?}");
+    let del: SnapshotDeleted = uffdctl_json(&s, &["snapshot", "delete", "cli-2"]);
+    assert!(del.deleted, "{del:?}");
 }
 
 #[test]
 fn snapshots_of_forked_and_restored_vms_survive_their_parents() {
     let Some(s) = server_on_xfs(&[]) else { return };
-    let a = s.create_vm(json!({ "memory_mib": MIB }));
+    let a = s.create_vm(&new_vm(MIB));
     s.fill(&a, 0, 4000, 1);
-    snapshot(&s, &a, "origin", "full");
+    s.snapshot(&a, "origin", SnapshotMode::Full);
     // A VM restored from a snapshot is forked; the child reads pages from
     // its parent and from the snapshot's image.
-    let r = restore(&s, "origin");
+    let r = s.restore("origin");
     s.fill(&r, 100, 50, 2);
-    let (st, f) = s.api("POST", &format!("/v1/vms/{r}/fork"), Some(json!({})));
-    assert_eq!(st, 201, "{f}");
-    let c = f["children"][0].as_str().unwrap().to_owned();
+    let c = s.fork_one(&r);
     s.fill(&c, 3000, 20, 3);
     s.fill(&r, 0, 200, 4); // the parent moves on after the fork
     let want = all_ram_digest(&s, &c);
-    let full = snapshot(&s, &c, "child-full", "full");
-    assert_eq!(full["mode_used"], "full", "{full}");
+    let full = s.snapshot(&c, "child-full", SnapshotMode::Full);
+    assert_eq!(full.mode_used, SnapshotMode::Full, "{full:?}");
     s.fill(&c, 5000, 7, 5);
     let want2 = all_ram_digest(&s, &c);
-    let d = snapshot(&s, &c, "child-dirty", "dirty");
-    assert_eq!(d["mode_used"], "dirty", "{d}");
+    let d = s.snapshot(&c, "child-dirty", SnapshotMode::Dirty);
+    assert_eq!(d.mode_used, SnapshotMode::Dirty, "{d:?}");
     assert_eq!(
-        d["pages_written"],
+        d.pages_written,
         pages_in_units(&[(5000, 7)], s.unit_pages(&c)),
-        "{d}"
+        "{d:?}"
     );
     // The parents go; the snapshots and the child keep their memory.
     for id in [&r, &a] {
-        let (st, v) = s.api("DELETE", &format!("/v1/vms/{id}"), None);
-        assert_eq!(st, 200, "{v}");
+        s.delete_vm(id);
     }
     assert_eq!(all_ram_digest(&s, &c), want2);
-    let x = restore(&s, "child-full");
+    let x = s.restore("child-full");
     assert_eq!(all_ram_digest(&s, &x), want);
-    let y = restore(&s, "child-dirty");
+    let y = s.restore("child-dirty");
     assert_eq!(all_ram_digest(&s, &y), want2);
     // A fork of a restored VM, snapshotted again.
-    let (st, f) = s.api("POST", &format!("/v1/vms/{y}/fork"), Some(json!({})));
-    assert_eq!(st, 201, "{f}");
-    let z = f["children"][0].as_str().unwrap().to_owned();
-    let zs = snapshot(&s, &z, "grandchild", "incremental");
-    assert_eq!(zs["mode_used"], "full", "a fork child has no base: {zs}");
-    let w = restore(&s, "grandchild");
+    let z = s.fork_one(&y);
+    let zs = s.snapshot(&z, "grandchild", SnapshotMode::Incremental);
+    assert_eq!(
+        zs.mode_used,
+        SnapshotMode::Full,
+        "a fork child has no base: {zs:?}"
+    );
+    let w = s.restore("grandchild");
     assert_eq!(all_ram_digest(&s, &w), want2);
-    let (_, inv) = s.api("GET", "/v1/debug/invariant", None);
-    assert_eq!(inv["ok"], true, "{inv}");
+    let inv = s.invariant();
+    assert!(inv.ok, "{inv:?}");
 }
 
 /// While a snapshot saves its pages (the guest running again), the VM
@@ -878,40 +797,32 @@ fn snapshots_of_forked_and_restored_vms_survive_their_parents() {
 fn a_snapshot_saving_shows_its_progress_on_the_vm() {
     let Some(s) = server_on_xfs(&[]) else { return };
     let mib = 256;
-    let vm = s.create_vm(json!({ "memory_mib": mib }));
+    let vm = s.create_vm(&new_vm(mib));
     s.fill(&vm, 0, pages_of(mib), 5);
     let seen = std::thread::scope(|sc| {
-        let post = sc.spawn(|| {
-            s.api(
-                "POST",
-                &format!("/v1/vms/{vm}/snapshots"),
-                Some(json!({"name": "progress"})),
-            )
-        });
+        let post = sc.spawn(|| s.try_snapshot(&vm, &full("progress")));
         let mut seen = Vec::new();
         while !post.is_finished() {
-            if let Some(p) = s.vm(&vm).get("snapshot_saving").cloned() {
+            if let Some(p) = s.vm(&vm).snapshot_saving {
                 seen.push(p);
             }
         }
-        let (st, r) = post.join().expect("POST thread");
-        assert_eq!(st, 201, "{r}");
+        if let Err(r) = post.join().expect("POST thread") {
+            panic!("{r}");
+        }
         seen
     });
     eprintln!("{} progress samples while saving", seen.len());
     let first = seen
         .first()
         .expect("no progress was shown while the snapshot saved");
-    assert_eq!(first["name"], "progress", "{first}");
-    assert_eq!(first["pages_total"], pages_of(mib), "{first}");
-    let saved: Vec<u64> = seen
-        .iter()
-        .map(|p| p["pages_saved"].as_u64().expect("pages_saved"))
-        .collect();
+    assert_eq!(first.name, "progress", "{first:?}");
+    assert_eq!(first.pages_total, pages_of(mib), "{first:?}");
+    let saved: Vec<u64> = seen.iter().map(|p| p.pages_saved).collect();
     assert!(saved.windows(2).all(|w| w[0] <= w[1]), "{saved:?}");
     assert!(saved.iter().all(|n| *n <= pages_of(mib)), "{saved:?}");
     assert!(
-        s.vm(&vm).get("snapshot_saving").is_none(),
+        s.vm(&vm).snapshot_saving.is_none(),
         "progress stays after the snapshot committed"
     );
 }
@@ -928,32 +839,32 @@ fn a_fragmented_image_is_rewritten_in_the_background() {
     let Some(s) = server_on_xfs(&["--snapshot-rewrite-extents", "64"]) else {
         return;
     };
-    let vm = s.create_vm(json!({ "memory_mib": MIB }));
+    let vm = s.create_vm(&new_vm(MIB));
     s.fill(&vm, 0, 4000, 1);
-    snapshot(&s, &vm, "frag-base", "full");
+    s.snapshot(&vm, "frag-base", SnapshotMode::Full);
     for i in 0..200 {
         s.fill(&vm, i * 20, 1, 2);
     }
     let want = all_ram_digest(&s, &vm);
-    let r = snapshot(&s, &vm, "frag", "dirty");
-    assert_eq!(r["mode_used"], "dirty", "{r}");
-    let written = r["image_extents"].as_u64().expect("image_extents");
-    assert!(written > 64, "the dirty image is not fragmented: {r}");
+    let r = s.snapshot(&vm, "frag", SnapshotMode::Dirty);
+    assert_eq!(r.mode_used, SnapshotMode::Dirty, "{r:?}");
+    let written = r.image_extents;
+    assert!(written > 64, "the dirty image is not fragmented: {r:?}");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let now = loop {
-        let (_, info) = s.api("GET", "/v1/snapshots/frag", None);
-        let n = info["image_extents"].as_u64().expect("image_extents");
+        let info = s.snapshot_info("frag");
+        let n = info.image_extents;
         if n < written / 4 {
             break n;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "still {n} extents (written with {written}): {info}"
+            "still {n} extents (written with {written}): {info:?}"
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     eprintln!("dirty image: {written} extents written, {now} after the rewrite");
-    let restored = restore(&s, "frag");
+    let restored = s.restore("frag");
     assert_eq!(
         all_ram_digest(&s, &restored),
         want,
@@ -962,12 +873,9 @@ fn a_fragmented_image_is_rewritten_in_the_background() {
     // The rewrite keeps the checksums: a restarted server verifies it.
     let mut s = s;
     s.restart(&["--snapshot-rewrite-extents", "64"]);
-    let (_, list) = s.api("GET", "/v1/snapshots", None);
-    assert!(
-        list["quarantined"].as_array().is_none_or(|q| q.is_empty()),
-        "{list}"
-    );
-    let again = restore(&s, "frag");
+    let list = s.snapshots();
+    assert!(list.quarantined.is_empty(), "{list:?}");
+    let again = s.restore("frag");
     assert_eq!(all_ram_digest(&s, &again), want);
 }
 
@@ -980,19 +888,9 @@ fn an_unfinished_snapshots_volume_snapshot_is_removed_at_start() {
     let Some(mut s) = server_on_xfs(&[]) else {
         return;
     };
-    let (st, v) = s.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "v1", "size_mib": 16})),
-    );
-    assert_eq!(st, 201, "{v}");
+    s.create_volume("v1", 16);
     for name in ["orph.disk", "keep.disk", "keep"] {
-        let (st, v) = s.api(
-            "POST",
-            "/v1/volumes/v1/snapshots",
-            Some(json!({ "name": name })),
-        );
-        assert_eq!(st, 201, "{name}: {v}");
+        s.snapshot_volume("v1", name);
     }
     // What the crash leaves: the unfinished snapshot's directory.
     let tmp = s.state_dir().join("snapshots/.tmp-orph");
@@ -1000,11 +898,16 @@ fn an_unfinished_snapshots_volume_snapshot_is_removed_at_start() {
     std::fs::write(tmp.join("memory.img"), b"partial").unwrap();
     s.restart(&[]);
     assert!(!tmp.exists(), "the unfinished directory stays");
-    let (st, v) = s.api("GET", "/v1/volume-snapshots/orph.disk", None);
-    assert_eq!(st, 404, "the orphan volume snapshot stays: {v}");
+    let v = s.try_volume_snapshot("orph.disk");
+    assert_eq!(
+        v.as_ref().map_err(|r| r.status),
+        Err(404),
+        "the orphan volume snapshot stays: {v:?}"
+    );
     for name in ["keep.disk", "keep"] {
-        let (st, v) = s.api("GET", &format!("/v1/volume-snapshots/{name}"), None);
-        assert_eq!(st, 200, "{name} was removed: {v}");
+        if let Err(v) = s.try_volume_snapshot(name) {
+            panic!("{name} was removed: {v}");
+        }
     }
 }
 
@@ -1055,9 +958,9 @@ fn a_snapshot_taken_mid_fill_holds_one_moment_and_tracks_every_later_write() {
     let Some(s) = server_on_xfs(&[]) else { return };
     let mib = 256;
     let pages = pages_of(mib);
-    let a = s.create_vm(json!({ "memory_mib": mib }));
+    let a = s.create_vm(&new_vm(mib));
     s.fill(&a, 0, pages, 1);
-    snapshot(&s, &a, "mid-base", "full");
+    s.snapshot(&a, "mid-base", SnapshotMode::Full);
     let mut old = 1;
     let mut delay = std::time::Duration::from_millis(120);
     for attempt in 0..6u64 {
@@ -1066,23 +969,23 @@ fn a_snapshot_taken_mid_fill_holds_one_moment_and_tracks_every_later_write() {
         let r = std::thread::scope(|sc| {
             let filler = sc.spawn(|| s.fill(&a, 0, pages, seed));
             std::thread::sleep(delay);
-            let r = snapshot(&s, &a, &name, "dirty");
+            let r = s.snapshot(&a, &name, SnapshotMode::Dirty);
             filler.join().expect("fill thread");
             r
         });
-        assert_eq!(r["mode_used"], "dirty", "{r}");
+        assert_eq!(r.mode_used, SnapshotMode::Dirty, "{r:?}");
         let held = fill_state_of_pages(&image(&s, &name), pages, seed, old);
         let k = held.iter().take_while(|&&i| i == 0).count() as u64;
         // At most the page being written at the pause is half written.
         let half = u64::from(held.get(idx(k)) == Some(&2));
         assert!(
             held[idx(k + half)..].iter().all(|&i| i == 1),
-            "{name}: pages below {k} of seed {seed}, but not all above it of seed {old}: {r}"
+            "{name}: pages below {k} of seed {seed}, but not all above it of seed {old}: {r:?}"
         );
         let k = k + half;
         eprintln!(
-            "attempt {attempt}: delay {delay:?}, snapshot at page {k} of {pages}: {}",
-            json!({"before_pause_us": r["before_pause_us"], "phases_us": r["phases_us"], "pause_us": r["pause_us"]})
+            "attempt {attempt}: delay {delay:?}, snapshot at page {k} of {pages}: {:?}",
+            (&r.before_pause_us, &r.phases_us, r.pause_us)
         );
         old = seed;
         if k == 0 || k == pages {
@@ -1095,18 +998,18 @@ fn a_snapshot_taken_mid_fill_holds_one_moment_and_tracks_every_later_write() {
         }
         // Exactly the pages the fill wrote before the pause.
         assert_eq!(
-            r["pages_written"],
+            r.pages_written,
             pages_in_units(&[(0, k)], s.unit_pages(&a)),
-            "{r}"
+            "{r:?}"
         );
-        assert!(r["before_pause_us"]["armed_ahead"].is_u64(), "{r}");
+        assert!(r.before_pause_us.contains_key("armed_ahead"), "{r:?}");
         // Every page is written again: each write after the pause, in the
         // window between arming and pausing or not, is in the next log.
         s.fill(&a, 0, pages, 99);
-        let d = snapshot(&s, &a, "mid-after", "dirty");
-        assert_eq!(d["mode_used"], "dirty", "{d}");
-        assert_eq!(d["pages_written"], pages, "{d}");
-        let x = restore(&s, "mid-after");
+        let d = s.snapshot(&a, "mid-after", SnapshotMode::Dirty);
+        assert_eq!(d.mode_used, SnapshotMode::Dirty, "{d:?}");
+        assert_eq!(d.pages_written, pages, "{d:?}");
+        let x = s.restore("mid-after");
         assert_eq!(s.digest(&x, 0, pages), s.digest(&a, 0, pages));
         assert_eq!(s.verify(&x, 0, pages, 99), 0);
         return;

@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    fault_counter, pages_of, request_within, require_kvm_uffd, signal, TestServer,
+    body, new_vm, op, pages_of, request_within, require_kvm_uffd, signal, TestServer,
 };
-use serde_json::{json, Value};
+use proto::api::{ErrorBody, ExecRequest, ForkRequest, RunState};
 
 /// `GET /v1/health` must answer 200 within 10 s.
 fn assert_health_answers(s: &TestServer, when: &str) {
@@ -71,25 +71,17 @@ impl Drop for Stopped {
     }
 }
 
-fn vmm_pid(s: &TestServer, id: &str) -> u32 {
-    let v = s.vm(id);
-    v["pid"]
-        .as_u64()
-        .and_then(|p| u32::try_from(p).ok())
-        .unwrap_or_else(|| panic!("no pid in {v}"))
-}
-
 fn missing_faults(s: &TestServer, id: &str) -> u64 {
-    fault_counter(&s.vm(id), "missing")
+    s.vm(id).faults.missing
 }
 
 /// The state `GET` shows for `id` once it stops changing, and whether the
 /// guest made progress (took faults) over the 600 ms after that.
-fn state_and_progress(s: &TestServer, id: &str) -> (String, bool) {
-    let mut state = s.vm(id)["state"].as_str().unwrap_or_default().to_owned();
+fn state_and_progress(s: &TestServer, id: &str) -> (RunState, bool) {
+    let mut state = s.vm(id).state;
     for _ in 0..20 {
         thread::sleep(Duration::from_millis(100));
-        let now = s.vm(id)["state"].as_str().unwrap_or_default().to_owned();
+        let now = s.vm(id).state;
         if now == state {
             break;
         }
@@ -98,12 +90,8 @@ fn state_and_progress(s: &TestServer, id: &str) -> (String, bool) {
     let m1 = missing_faults(s, id);
     thread::sleep(Duration::from_millis(600));
     let v = s.vm(id);
-    assert_eq!(
-        v["state"],
-        state.as_str(),
-        "state changed while observed: {v}"
-    );
-    (state, fault_counter(&v, "missing") > m1)
+    assert_eq!(v.state, state, "state changed while observed: {v:?}");
+    (state, v.faults.missing > m1)
 }
 
 /// Pages of `[start, start+pages)` that `verify(seed)` rejects, found by
@@ -202,7 +190,7 @@ fn idle_and_half_sent_connections_cannot_lock_clients_out() {
     );
     assert_eq!(still_open, 0, "connections the server never closed");
     // The server is healthy and not holding them: a VM still works.
-    let id = s.create_vm(json!({"memory_mib": 4}));
+    let id = s.create_vm(&new_vm(4));
     s.fill(&id, 0, 4, 1);
 }
 
@@ -236,8 +224,8 @@ fn beyond_the_connection_cap_a_503_says_why_and_slots_come_back() {
             cap + 1
         );
     };
-    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
-    let msg = v["error"].as_str().unwrap_or_default();
+    let v: ErrorBody = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let msg = v.error;
     assert!(msg.contains("connections"), "503 without a reason: {body}");
     eprintln!("connection {} of a cap of {cap}: 503 {body}", cap + 1);
     // Closing some frees their slots.
@@ -304,20 +292,19 @@ fn assert_state_is_what_the_guest_does(
 ) {
     let (state, progress) = state_and_progress(s, id);
     eprintln!("{when}: state {state}, guest progressing: {progress}");
-    match state.as_str() {
-        "running" => assert!(
+    match state {
+        RunState::Running => assert!(
             progress || filler.is_finished(),
             "{when}: GET says running but the guest's fill does not progress"
         ),
-        "paused" => {
+        RunState::Paused => {
             assert!(
                 !progress,
                 "{when}: GET says paused but the guest's fill progresses"
             );
-            let (status, v) = s.api("POST", &format!("/v1/vms/{id}/resume"), None);
-            assert_eq!(status, 200, "resume: {v}");
+            s.resume(id);
         }
-        other => panic!("{id} is {other} {when}: {}", s.vm(id)),
+        other => panic!("{id} is {other} {when}: {:?}", s.vm(id)),
     }
 }
 
@@ -333,8 +320,8 @@ fn requests_to_a_stopped_vmm_answer_504_and_the_state_stays_true() {
     let s = TestServer::start_with_args(&["--vmm-deadline-ms", "1500"]);
     let mib = 512;
     let pages = pages_of(mib);
-    let id = s.create_vm(json!({"memory_mib": mib}));
-    let pid = vmm_pid(&s, &id);
+    let id = s.create_vm(&new_vm(mib));
+    let pid = s.vmm_pid(&id);
     thread::scope(|sc| {
         let filler = sc.spawn(|| s.fill(&id, 0, pages, 3));
         thread::sleep(Duration::from_millis(300));
@@ -342,24 +329,18 @@ fn requests_to_a_stopped_vmm_answer_504_and_the_state_stays_true() {
         let stopped = Stopped::new(pid);
 
         let t = Instant::now();
-        let (status, v) = s.api("POST", &format!("/v1/vms/{id}/pause"), None);
+        let v = s.try_pause(&id).unwrap_err();
         let pause_took = t.elapsed();
-        assert_eq!(status, 504, "pause of a stopped VMM: {v}");
+        assert_eq!(v.status, 504, "pause of a stopped VMM: {v}");
         assert!(
             pause_took < Duration::from_secs(10),
             "pause answered after {pause_took:?} (deadline 1.5 s)"
         );
         let t = Instant::now();
-        let (status, v) = s.api(
-            "POST",
-            &format!("/v1/vms/{id}/fork"),
-            Some(json!({"count": 1})),
-        );
+        let v = s.try_fork(&id, &ForkRequest { count: 1 }).unwrap_err();
         let fork_took = t.elapsed();
-        assert!(
-            status == 504 || status == 409,
-            "fork of a stopped VMM: {status} {v}"
-        );
+        let status = v.status;
+        assert!(status == 504 || status == 409, "fork of a stopped VMM: {v}");
         assert!(
             fork_took < Duration::from_secs(10),
             "fork answered after {fork_took:?} (deadline 1.5 s)"
@@ -408,8 +389,8 @@ fn requests_whose_clients_left_do_not_take_effect_unseen() {
     let s = TestServer::start_with_args(&["--vmm-deadline-ms", "1000"]);
     let mib = 256;
     let pages = pages_of(mib);
-    let id = s.create_vm(json!({"memory_mib": mib}));
-    let pid = vmm_pid(&s, &id);
+    let id = s.create_vm(&new_vm(mib));
+    let pid = s.vmm_pid(&id);
     thread::scope(|sc| {
         let filler = sc.spawn(|| s.fill(&id, 0, pages, 4));
         thread::sleep(Duration::from_millis(200));
@@ -440,7 +421,12 @@ fn requests_whose_clients_left_do_not_take_effect_unseen() {
     let vms = s.vm_ids();
     for child in vms.iter().filter(|v| **v != id) {
         // A fork that finished is a whole VM, visible and running.
-        assert_eq!(s.vm(child)["state"], "running", "{child}: {}", s.vm(child));
+        assert_eq!(
+            s.vm(child).state,
+            RunState::Running,
+            "{child}: {:?}",
+            s.vm(child)
+        );
     }
     assert!(vms.len() <= 2, "{vms:?}");
     s.assert_healthy();
@@ -457,27 +443,22 @@ fn one_stopped_vmm_does_not_stop_health_or_other_vms() {
     // cap and health would rightly get the cap's 503 (that cap has its own
     // test, `beyond_the_connection_cap_a_503_says_why_and_slots_come_back`).
     let s = TestServer::start_with_args(&["--api-max-connections", "1024"]);
-    let stuck = s.create_vm(json!({"memory_mib": 4}));
-    let other = s.create_vm(json!({"memory_mib": 64}));
+    let stuck = s.create_vm(&new_vm(4));
+    let other = s.create_vm(&new_vm(64));
     let other_pages = pages_of(64);
-    let pid = vmm_pid(&s, &stuck);
+    let pid = s.vmm_pid(&stuck);
     let stopped = Stopped::new(pid);
     let sock = s.api_sock();
     let requests = 400;
     let exec_path = format!("/v1/vms/{stuck}/exec");
+    let identity = body(&op::identity());
     let answers: Vec<Option<u16>> = thread::scope(|sc| {
         let clients: Vec<_> = (0..requests)
             .map(|_| {
-                let (sock, path) = (&sock, &exec_path);
+                let (sock, path, identity) = (&sock, &exec_path, &identity);
                 sc.spawn(move || {
-                    request_within(
-                        sock,
-                        "POST",
-                        path,
-                        Some(&json!({"op": "identity"})),
-                        Duration::from_secs(3),
-                    )
-                    .map(|(status, _)| status)
+                    request_within(sock, "POST", path, Some(identity), Duration::from_secs(3))
+                        .map(|(status, _)| status)
                 })
             })
             .collect();
@@ -489,7 +470,11 @@ fn one_stopped_vmm_does_not_stop_health_or_other_vms() {
             &sock,
             "POST",
             &format!("/v1/vms/{other}/exec"),
-            Some(&json!({"op": "fill", "seed": 9})),
+            Some(&body(&ExecRequest::Fill {
+                start_page: None,
+                pages: None,
+                seed: 9,
+            })),
             Duration::from_secs(60),
         );
         assert!(
@@ -524,14 +509,10 @@ fn one_stopped_vmm_does_not_stop_health_or_other_vms() {
     drop(stopped);
     // The stopped VM catches up and works again.
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (status, v) = s.try_exec(&stuck, json!({"op": "identity"}));
-        if status == 200 {
-            break;
-        }
+    while let Err(v) = s.try_exec(&stuck, &op::identity()) {
         assert!(
-            status == 503 && Instant::now() < deadline,
-            "the VM does not work again after SIGCONT: {status} {v}"
+            v.status == 503 && Instant::now() < deadline,
+            "the VM does not work again after SIGCONT: {v}"
         );
         thread::sleep(Duration::from_millis(200));
     }
@@ -551,7 +532,7 @@ fn a_pause_during_a_fork_is_refused_and_the_state_stays_true() {
         return;
     }
     let s = TestServer::start();
-    let parent = s.create_vm(json!({"memory_mib": 4}));
+    let parent = s.create_vm(&new_vm(4));
     s.fill(&parent, 0, 64, 1);
     let count = 32;
     let mut overlaps = 0;
@@ -561,53 +542,48 @@ fn a_pause_during_a_fork_is_refused_and_the_state_stays_true() {
         let (fork, pause) = thread::scope(|sc| {
             let forker = sc.spawn(|| {
                 let t = Instant::now();
-                let r = s.api(
-                    "POST",
-                    &format!("/v1/vms/{parent}/fork"),
-                    Some(json!({"count": count})),
-                );
+                let r = s.try_fork(&parent, &ForkRequest { count });
                 (r, t.elapsed())
             });
             thread::sleep(delay);
-            let pause = s.api("POST", &format!("/v1/vms/{parent}/pause"), None);
+            let pause = s.try_pause(&parent);
             (forker.join().expect("fork thread"), pause)
         });
-        let (((fork_status, fork_body), fork_took), (pause_status, pause_body)) = (fork, pause);
+        let ((fork, fork_took), pause) = (fork, pause);
+        let fork_status = fork.as_ref().map_or_else(|r| r.status, |_| 201);
+        let pause_status = pause.as_ref().map_or_else(|r| r.status, |_| 200);
         log.push(format!(
             "attempt {attempt}: delay {delay:?}: fork {fork_status} in {fork_took:?}, pause {pause_status}"
         ));
-        let state = s.vm(&parent)["state"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        match pause_status {
-            409 => {
+        let state = s.vm(&parent).state;
+        match &pause {
+            Err(r) if r.status == 409 => {
                 overlaps += 1;
-                assert_eq!(fork_status, 201, "fork: {fork_body}");
-                let msg = pause_body["error"].as_str().unwrap_or_default();
-                assert!(msg.contains("fork"), "409 without saying why: {pause_body}");
-                assert_eq!(state, "running", "a refused pause left {parent} {state}");
+                assert_eq!(fork_status, 201, "fork: {fork:?}");
+                let msg = r.error();
+                assert!(msg.contains("fork"), "409 without saying why: {r}");
+                assert_eq!(
+                    state,
+                    RunState::Running,
+                    "a refused pause left {parent} {state}"
+                );
             }
-            200 => {
+            Ok(p) => {
                 // No overlap: the pause came before the fork began (which
                 // then found the VM paused) or after it ended.
-                assert_eq!(state, "paused", "pause answered 200: {pause_body}");
-                assert!(
-                    fork_status == 201 || fork_status == 409,
-                    "fork: {fork_status} {fork_body}"
-                );
+                assert_eq!(state, RunState::Paused, "pause answered 200: {p:?}");
+                assert!(fork_status == 201 || fork_status == 409, "fork: {fork:?}");
                 // Paused means paused: the guest takes no command...
-                let (status, _) = s.try_exec(&parent, json!({"op": "identity"}));
-                assert_eq!(status, 409, "exec on a VM that GET shows paused");
-                let (status, v) = s.api("POST", &format!("/v1/vms/{parent}/resume"), None);
-                assert_eq!(status, 200, "resume: {v}");
+                let r = s.try_exec(&parent, &op::identity()).unwrap_err();
+                assert_eq!(r.status, 409, "exec on a VM that GET shows paused");
+                s.resume(&parent);
                 delay = if fork_status == 409 {
                     delay + Duration::from_millis(20)
                 } else {
                     delay.mul_f32(0.6)
                 };
             }
-            _ => panic!("pause during a fork: {pause_status} {pause_body}"),
+            Err(r) => panic!("pause during a fork: {r}"),
         }
         // ...and running means running: a guest op completes.
         s.fill(&parent, 64, 8, attempt);
@@ -616,11 +592,9 @@ fn a_pause_during_a_fork_is_refused_and_the_state_stays_true() {
             0,
             "parent memory, attempt {attempt}"
         );
-        if fork_status == 201 {
-            for child in fork_body["children"].as_array().into_iter().flatten() {
-                let child = child.as_str().expect("child id");
-                let (status, v) = s.api("DELETE", &format!("/v1/vms/{child}"), None);
-                assert_eq!(status, 200, "{v}");
+        if let Ok(f) = &fork {
+            for child in &f.children {
+                s.delete_vm(child);
             }
         }
         if overlaps >= 3 {
@@ -645,42 +619,37 @@ fn a_fork_during_a_long_exec_answers_promptly() {
     let s = TestServer::start();
     let mib = 256;
     let pages = pages_of(mib);
-    let parent = s.create_vm(json!({"memory_mib": mib}));
+    let parent = s.create_vm(&new_vm(mib));
     let (fork, fork_took, fill_running) = thread::scope(|sc| {
         let filler = sc.spawn(|| s.fill(&parent, 0, pages, 5));
         thread::sleep(Duration::from_millis(200));
         let t = Instant::now();
-        let fork = s.api(
-            "POST",
-            &format!("/v1/vms/{parent}/fork"),
-            Some(json!({"count": 1})),
-        );
+        let fork = s.try_fork(&parent, &ForkRequest { count: 1 });
         let took = t.elapsed();
         let running = !filler.is_finished();
         filler.join().expect("the fill failed");
         (fork, took, running)
     });
-    let (status, v) = fork;
     eprintln!(
-        "fork during a fill: {status} after {fork_took:?}; fill still running: {fill_running}; {v}"
+        "fork during a fill: after {fork_took:?}; fill still running: {fill_running}; {fork:?}"
     );
-    assert_eq!(status, 201, "fork during an exec: {v}");
+    let v = fork.unwrap_or_else(|v| panic!("fork during an exec: {v}"));
     assert!(
         fork_took < Duration::from_secs(20),
         "the fork waited {fork_took:?} behind the exec"
     );
-    let child = v["children"][0].as_str().expect("child").to_owned();
-    let sources = s.api("GET", &format!("/v1/vms/{child}/sources"), None).1;
-    eprintln!("child's page sources: {}", sources["extents"]);
+    let child = v.children[0].clone();
+    let sources = s.sources(&child);
+    eprintln!("child's page sources: {:?}", sources.extents);
     for (id, what) in [(&parent, "parent"), (&child, "child")] {
         // The child resumed mid-fill and finished the fill itself.
         let bad = s.verify(id, 0, pages, 5);
         if bad != 0 {
             panic!(
                 "the {what} {id} lost the fill on {bad} page(s): {:?}; child's sources at the \
-                 fork: {}",
+                 fork: {:?}",
                 bad_pages(&s, id, 0, pages, 5),
-                sources["extents"]
+                sources.extents
             );
         }
     }

@@ -3,8 +3,10 @@
 //! spelled (symlinked directories, `..`), for VMs and Firecracker
 //! listeners alike.
 
-use pagefork_tests::{require_kvm_uffd, RandomImage, TestServer};
-use serde_json::json;
+use pagefork_tests::{
+    file_source, new_listener, new_vm, require_kvm_uffd, RandomImage, TestServer,
+};
+use proto::api::CreateVm;
 
 #[test]
 fn image_dir_confines_the_images_a_client_can_name() {
@@ -20,10 +22,10 @@ fn image_dir_confines_the_images_a_client_can_name() {
     std::os::unix::fs::symlink(std::env::temp_dir(), images.join("tmp")).unwrap();
     let s = TestServer::start_with_args(&["--image-dir", images.to_str().unwrap()]);
 
-    let id = s.create_vm(json!({
-        "memory_mib": 4,
-        "memory_source": {"kind": "file", "path": inside.to_str().unwrap()},
-    }));
+    let id = s.create_vm(&CreateVm {
+        memory_source: Some(file_source(inside.to_str().unwrap())),
+        ..new_vm(4)
+    });
     assert_eq!(
         s.digest(&id, 0, 1024),
         pagefork_tests::expected_digest(&img.bytes, 0, 1024)
@@ -35,22 +37,21 @@ fn image_dir_confines_the_images_a_client_can_name() {
         format!("{}/tmp/{name}", images.display()),
         format!("{}/../images/../{name}", images.display()),
     ] {
-        let (status, body) = s.api(
-            "POST",
-            "/v1/vms",
-            Some(json!({"memory_mib": 4, "memory_source": {"kind": "file", "path": path}})),
-        );
-        assert_eq!(status, 400, "{path}: {body}");
-        let msg = body["error"].as_str().unwrap_or_default();
+        let r = s
+            .try_create_vm(&CreateVm {
+                memory_source: Some(file_source(&path)),
+                ..new_vm(4)
+            })
+            .unwrap_err();
+        assert_eq!(r.status, 400, "{path}: {r}");
+        let msg = r.error();
         assert!(msg.contains("--image-dir"), "{path}: {msg}");
 
         let socket = root.path().join("fc.sock");
-        let (status, body) = s.api(
-            "POST",
-            "/v1/firecracker/listeners",
-            Some(json!({"socket": socket, "memory_source": {"kind": "file", "path": path}})),
-        );
-        assert_eq!(status, 400, "listener on {path}: {body}");
+        let r = s
+            .try_add_listener(&new_listener(&socket, file_source(&path)))
+            .unwrap_err();
+        assert_eq!(r.status, 400, "listener on {path}: {r}");
         assert!(!socket.exists(), "a refused listener left its socket");
     }
     assert_eq!(s.vm_ids(), vec![id]);

@@ -11,10 +11,10 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
-use pagefork_tests::{require_kvm_uffd, TestServer};
+use pagefork_tests::{new_vm, op, require_kvm_uffd, TestServer};
+use proto::api::RunState;
 use proto::frame::{send_frame, Header, VERSION};
 use proto::vmm::{encode, recv, send, ServerMsg, VmmMsg};
-use serde_json::json;
 
 fn connect(s: &TestServer) -> UnixStream {
     let c = UnixStream::connect(s.vmm_sock()).expect("cannot connect to vmm.sock");
@@ -85,22 +85,16 @@ impl Bystander {
         if !require_kvm_uffd() {
             return Bystander { id: None };
         }
-        let id = s.create_vm(json!({"memory_mib": 16}));
-        s.exec(
-            &id,
-            json!({"op": "fill", "start_page": 0, "pages": 4096, "seed": 99}),
-        );
+        let id = s.create_vm(&new_vm(16));
+        s.exec(&id, &op::fill(0, 4096, 99));
         Bystander { id: Some(id) }
     }
 
     fn assert_unaffected(&self, s: &TestServer, after: &str) {
         s.assert_healthy();
         if let Some(id) = &self.id {
-            assert_eq!(s.vm(id)["state"], "running", "after {after}");
-            let v = s.exec(
-                id,
-                json!({"op": "verify", "start_page": 0, "pages": 4096, "seed": 99}),
-            );
+            assert_eq!(s.vm(id).state, RunState::Running, "after {after}");
+            let v = s.exec(id, &op::verify(0, 4096, 99));
             assert_eq!(v, 0, "{id} lost memory after {after}");
         }
     }
@@ -343,7 +337,7 @@ fn a_launch_token_works_once_and_only_for_the_process_it_was_given_to() {
     let s = TestServer::start_with_args(&["--vmm-bin", wrapper.to_str().unwrap()]);
 
     std::thread::scope(|scope| {
-        let create = scope.spawn(|| s.create_vm(json!({"memory_mib": 16})));
+        let create = scope.spawn(|| s.create_vm(&new_vm(16)));
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let (launched_pid, token) = loop {
             if let Some(found) = launch_token_of(&wrapper) {
@@ -368,15 +362,15 @@ fn a_launch_token_works_once_and_only_for_the_process_it_was_given_to() {
 
         // The rightful VMM still connects with it.
         let id = create.join().expect("create thread");
-        assert_eq!(s.vm(&id)["state"], "running");
-        s.exec(&id, json!({"op": "identity"}));
+        assert_eq!(s.vm(&id).state, RunState::Running);
+        s.exec(&id, &op::identity());
 
         // Used: the same token again is unknown, whoever presents it.
         let c = connect(&s);
         send(&c, &hello(&token), &[]).expect("send hello");
         let msg = expect_error_then_close(&c, "a used token");
         assert!(msg.contains("unknown launch token"), "{msg}");
-        assert_eq!(s.vm(&id)["state"], "running", "the VM is undisturbed");
+        assert_eq!(s.vm(&id).state, RunState::Running, "the VM is undisturbed");
     });
     s.assert_healthy();
 }

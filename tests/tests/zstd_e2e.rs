@@ -11,10 +11,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use pagefork_tests::{
-    bin, expected_digest, fault_counter, pages_by, pages_of, realistic_memory, require_kvm_uffd,
-    server_on_xfs, FcClient, RandomImage, TestServer,
+    bin, expected_digest, from_snapshot, new_vm, op, pages_by, pages_of, realistic_memory,
+    require_kvm_uffd, server_on_xfs, zstd_source, FcClient, RandomImage, TestServer,
 };
-use serde_json::{json, Value};
+use proto::api::{CreateListener, CreateSnapshot, CreateVm, MemorySource, RunState, SnapshotMode};
+use serde_json::Value;
 
 /// `uffdctl image compress` of `raw` into `out`.
 fn compress(raw: &Path, out: &Path, frame_kib: u64) {
@@ -44,22 +45,10 @@ fn inspect(file: &Path) -> Value {
 }
 
 fn zstd_vm(s: &TestServer, mib: u64, path: &Path) -> String {
-    s.create_vm(json!({
-        "memory_mib": mib,
-        "memory_source": {"kind": "zstd", "path": path},
-    }))
-}
-
-fn wait_failed(s: &TestServer, id: &str) -> Value {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let v = s.vm(id);
-        if v["state"] == "failed" {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{id} did not fail: {v}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    s.create_vm(&CreateVm {
+        memory_source: Some(zstd_source(path)),
+        ..new_vm(mib)
+    })
 }
 
 #[test]
@@ -82,7 +71,7 @@ fn a_vm_created_from_a_compressed_file_reads_exactly_the_original() {
     let s = TestServer::start();
     let id = zstd_vm(&s, mib, &zst);
     let before = s.vm(&id);
-    assert!(pages_by(&before, "zstd") > 0, "{before}");
+    assert!(pages_by(&before, "zstd") > 0, "{before:?}");
     let pages = pages_of(mib);
     assert_eq!(
         s.digest(&id, 0, pages),
@@ -91,8 +80,8 @@ fn a_vm_created_from_a_compressed_file_reads_exactly_the_original() {
     );
     let after = s.vm(&id);
     assert!(
-        fault_counter(&after, "frame_waits") > 0,
-        "no fault waited for a frame: {after}"
+        after.faults.frame_waits > 0,
+        "no fault waited for a frame: {after:?}"
     );
     // The VM writes over what it read, as any VM does.
     s.fill(&id, 100, 50, 3);
@@ -100,17 +89,17 @@ fn a_vm_created_from_a_compressed_file_reads_exactly_the_original() {
 
     // Prefetched before it starts (frames decoded by the pool while the
     // create waits): every byte there without a single fault.
-    let pre = s.create_vm(json!({
-        "memory_mib": mib,
-        "memory_source": {"kind": "zstd", "path": zst},
-        "prefetch": true,
-    }));
+    let pre = s.create_vm(&CreateVm {
+        memory_source: Some(zstd_source(zst)),
+        prefetch: true,
+        ..new_vm(mib)
+    });
     assert_eq!(
         s.digest(&pre, 0, pages),
         expected_digest(&raw.bytes, 0, pages),
         "prefetched from memory.zst"
     );
-    assert_eq!(fault_counter(&s.vm(&pre), "missing"), 0, "{}", s.vm(&pre));
+    assert_eq!(s.vm(&pre).faults.missing, 0, "{:?}", s.vm(&pre));
     s.assert_healthy();
 }
 
@@ -119,51 +108,54 @@ fn a_vm_restored_from_a_compressed_snapshot_reads_its_memory() {
     let Some(s) = server_on_xfs(&[]) else { return };
     let mib = 64;
     let pages = pages_of(mib);
-    let vm = s.create_vm(json!({ "memory_mib": mib }));
+    let vm = s.create_vm(&new_vm(mib));
     s.fill(&vm, 0, 3000, 1);
     s.fill(&vm, 9000, 333, 7);
     let want = s.digest(&vm, 0, pages);
-    let (st, r) = s.api(
-        "POST",
-        &format!("/v1/vms/{vm}/snapshots"),
-        Some(json!({"name": "z1", "compress": true})),
-    );
-    assert_eq!(st, 201, "{r}");
-    let zbytes = r["compressed_bytes"].as_u64().expect("compressed_bytes");
+    let r = s
+        .try_snapshot(
+            &vm,
+            &CreateSnapshot {
+                name: "z1".into(),
+                mode: SnapshotMode::Full,
+                compress: true,
+            },
+        )
+        .unwrap_or_else(|r| panic!("{r}"));
+    let zbytes = r.compressed_bytes.expect("compressed_bytes");
     let zpath = s.state_dir().join("snapshots/z1/memory.zst");
     assert_eq!(std::fs::metadata(&zpath).expect("memory.zst").len(), zbytes);
-    let (_, info) = s.api("GET", "/v1/snapshots/z1", None);
-    assert_eq!(info["compressed_bytes"], zbytes, "{info}");
+    let info = s.snapshot_info("z1");
+    assert_eq!(info.compressed_bytes, Some(zbytes), "{info:?}");
     s.fill(&vm, 0, 10, 2); // the original moves on
 
-    let restored = s.create_vm(json!({ "from_snapshot": "z1" }));
+    let restored = s.create_vm(&from_snapshot("z1"));
     let v = s.vm(&restored);
-    assert!(pages_by(&v, "zstd") > 0, "served from memory.zst: {v}");
+    assert!(pages_by(&v, "zstd") > 0, "served from memory.zst: {v:?}");
     // Where an untouched page's bytes are: the compressed snapshot, which
     // frame, and where that frame starts in memory.zst.
     let page = 9100;
-    let (st, e) = s.api(
-        "GET",
-        &format!("/v1/vms/{restored}/pages/{page}?explain=true"),
-        None,
-    );
-    assert_eq!(st, 200, "{e}");
-    let chain = e["explain"]["chain"].as_array().expect("a chain");
+    let e = s.explain(&restored, page);
+    let chain = &e.explain.as_ref().expect("a chain").chain;
     let last = chain.last().expect("a step");
-    assert_eq!(last["kind"], "zstd", "{e}");
-    assert_eq!(last["at"], "snapshot:z1 (zstd)", "{e}");
-    assert_eq!(last["frame"], page / 64, "256 KiB frames: {e}");
-    assert_eq!(last["file"], zpath.display().to_string(), "{e}");
+    assert_eq!(last.kind, "zstd", "{e:?}");
+    assert_eq!(last.at, "snapshot:z1 (zstd)", "{e:?}");
+    assert_eq!(last.frame, Some(page / 64), "256 KiB frames: {e:?}");
+    assert_eq!(
+        last.file.as_deref(),
+        Some(zpath.display().to_string().as_str()),
+        "{e:?}"
+    );
     let img = zst::Image::open(&zpath).expect("memory.zst");
     assert_eq!(
-        last["offset"].as_u64(),
+        last.offset,
         Some(img.entries()[usize::try_from(page / 64).unwrap()].offset),
-        "{e}"
+        "{e:?}"
     );
-    let (_, src) = s.api("GET", &format!("/v1/vms/{restored}/sources"), None);
+    let src = s.sources(&restored);
     assert!(
-        src["by_source"].get("snapshot:z1 (zstd)").is_some(),
-        "sources name the compressed snapshot: {src}"
+        src.by_source.contains_key("snapshot:z1 (zstd)"),
+        "sources name the compressed snapshot: {src:?}"
     );
     assert_eq!(
         s.digest(&restored, 0, pages),
@@ -174,27 +166,18 @@ fn a_vm_restored_from_a_compressed_snapshot_reads_its_memory() {
     // An incremental snapshot of it takes memory.img of z1 as its base.
     s.fill(&restored, 500, 20, 9);
     let want2 = s.digest(&restored, 0, pages);
-    let (st, r) = s.api(
-        "POST",
-        &format!("/v1/vms/{restored}/snapshots"),
-        Some(json!({"name": "z2", "mode": "incremental"})),
-    );
-    assert_eq!(st, 201, "{r}");
-    assert_eq!(r["mode_used"], "incremental", "{r}");
-    let again = s.create_vm(json!({ "from_snapshot": "z2" }));
+    let r = s.snapshot(&restored, "z2", SnapshotMode::Incremental);
+    assert_eq!(r.mode_used, SnapshotMode::Incremental, "{r:?}");
+    let again = s.create_vm(&from_snapshot("z2"));
     assert_eq!(s.digest(&again, 0, pages), want2, "incremental over zstd");
 
     // A Firecracker-protocol client served from the compressed snapshot.
-    let socket = s.state_dir().join("fc-z1.sock");
-    let (st, l) = s.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(json!({"socket": socket, "memory_source": {"kind": "snapshot", "name": "z1"}})),
-    );
-    assert_eq!(st, 201, "{l}");
+    let l =
+        s.add_listener(&s.listener_request("fc-z1", MemorySource::Snapshot { name: "z1".into() }));
+    let socket = Path::new(&l.socket);
     let raw = s.state_dir().join("snapshots/z1/memory.img");
     let check = format!("check:{}", raw.display());
-    let mut client = FcClient::spawn(&socket, &["--mib", &mib.to_string()], &[&check]);
+    let mut client = FcClient::spawn(socket, &["--mib", &mib.to_string()], &[&check]);
     let checked = client.until(&check);
     assert_eq!(checked["mismatched_pages"], 0, "{checked}");
     client.finish();
@@ -212,17 +195,15 @@ fn a_firecracker_client_is_served_from_a_compressed_image() {
     let zst = dir.path().join("fc.zst");
     compress(raw.file.path(), &zst, 64);
     let s = TestServer::start();
-    let socket = s.state_dir().join("fc.sock");
-    let (st, l) = s.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(json!({"socket": socket, "memory_source": {"kind": "zstd", "path": zst}})),
+    let l = s.add_listener(&s.listener_request("fc", zstd_source(&zst)));
+    let socket = Path::new(&l.socket);
+    assert!(
+        matches!(l.memory_source, MemorySource::Zstd { .. }),
+        "{l:?}"
     );
-    assert_eq!(st, 201, "{l}");
-    assert_eq!(l["memory_source"]["kind"], "zstd", "{l}");
     let check = format!("check:{}", raw.path());
     let mut client = FcClient::spawn(
-        &socket,
+        socket,
         &["--mib", &mib.to_string()],
         &["zero:0:2000", "zero:5000:40", &check],
     );
@@ -232,29 +213,19 @@ fn a_firecracker_client_is_served_from_a_compressed_image() {
 
     // A recorded working set is prefetched from the compressed image too:
     // the second client's check hardly faults, and reads the right bytes.
-    let ws_socket = s.state_dir().join("fc-ws.sock");
-    let (st, l) = s.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(json!({"socket": ws_socket, "working_set": true,
-                    "memory_source": {"kind": "zstd", "path": zst}})),
-    );
-    assert_eq!(st, 201, "{l}");
-    let lid = l["id"].as_str().expect("listener id").to_owned();
+    let l = s.add_listener(&CreateListener {
+        working_set: true,
+        ..s.listener_request("fc-ws", zstd_source(&zst))
+    });
+    let ws_socket = std::path::PathBuf::from(&l.socket);
+    let lid = l.id;
     FcClient::spawn(&ws_socket, &["--mib", &mib.to_string()], &["touch-seq"]).finish();
-    let recorded = || {
-        let (_, v) = s.api("GET", "/v1/firecracker/listeners", None);
-        v["listeners"]
-            .as_array()
-            .and_then(|a| a.iter().find(|l| l["id"] == lid.as_str()).cloned())
-            .unwrap_or_default()
-    };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while recorded()["recorded_pages"].as_u64().unwrap_or(0) == 0 {
+    while s.listener(&lid).recorded_pages == 0 {
         assert!(
             Instant::now() < deadline,
-            "no working set was recorded: {}",
-            recorded()
+            "no working set was recorded: {:?}",
+            s.listener(&lid)
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -265,19 +236,15 @@ fn a_firecracker_client_is_served_from_a_compressed_image() {
     );
     let checked = client.until(&check);
     assert_eq!(checked["mismatched_pages"], 0, "{checked}");
-    let (_, vms) = s.api("GET", "/v1/vms", None);
-    let fc = vms["vms"]
-        .as_array()
-        .and_then(|a| {
-            a.iter()
-                .find(|v| v["pid"].as_u64() == Some(u64::from(client.pid())))
-                .cloned()
-        })
+    let fc = s
+        .vms()
+        .into_iter()
+        .find(|v| v.pid == Some(client.pid()))
         .expect("the client's VM is listed");
-    let v = s.vm(fc["id"].as_str().expect("id"));
+    let v = s.vm(&fc.id);
     assert!(
-        fault_counter(&v, "missing") < pages_of(mib) / 10,
-        "the working set was not prefetched from memory.zst: {v}"
+        v.faults.missing < pages_of(mib) / 10,
+        "the working set was not prefetched from memory.zst: {v:?}"
     );
     client.finish();
     s.assert_healthy();
@@ -308,7 +275,7 @@ fn corrupt_compressed_images_fail_only_the_vm_that_reads_them() {
     let good = dir.path().join("good.zst");
     compress(raw.file.path(), &good, 64);
     let s = TestServer::start();
-    let other = s.create_vm(json!({"memory_mib": 16}));
+    let other = s.create_vm(&new_vm(16));
     s.fill(&other, 0, pages_of(16), 4);
     let frame_pages = 16u64;
 
@@ -341,13 +308,8 @@ fn corrupt_compressed_images_fail_only_the_vm_that_reads_them() {
     // A Firecracker-protocol client touching the corrupt frame gets SIGBUS
     // (the page is poisoned, never filled with wrong bytes); the server
     // says why, and keeps serving.
-    let socket = s.state_dir().join("fc-bad.sock");
-    let (st, l) = s.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(json!({"socket": socket, "memory_source": {"kind": "zstd", "path": flipped}})),
-    );
-    assert_eq!(st, 201, "{l}");
+    let l = s.add_listener(&s.listener_request("fc-bad", zstd_source(&flipped)));
+    let socket = std::path::PathBuf::from(&l.socket);
     let bad_page = bad as u64 * frame_pages + 1;
     let out = Command::new(bin("fc_client"))
         .arg("--socket")
@@ -381,18 +343,14 @@ fn corrupt_compressed_images_fail_only_the_vm_that_reads_them() {
             path.display()
         );
         let page = bad as u64 * frame_pages + 1;
-        let (status, body) =
-            s.try_exec(&id, json!({"op": "touch", "start_page": page, "pages": 1}));
-        assert!(
-            status >= 400,
-            "touching a corrupt frame answered {status}: {body}"
-        );
-        let v = wait_failed(&s, &id);
-        let failure = v["failure"].as_str().unwrap_or_default();
+        let r = s.try_exec(&id, &op::touch(page, 1, false)).unwrap_err();
+        assert!(r.status >= 400, "touching a corrupt frame answered {r}");
+        let v = s.wait_state(&id, RunState::Failed, Duration::from_secs(20));
+        let failure = v.failure.as_deref().unwrap_or_default();
         assert!(
             failure.contains(&format!("frame {bad}"))
                 && why.split('|').any(|w| failure.contains(w)),
-            "the failure does not say which frame and why ({why}): {v}"
+            "the failure does not say which frame and why ({why}): {v:?}"
         );
         // Everyone else keeps running.
         assert_eq!(s.verify(&other, 0, pages_of(16), 4), 0);
@@ -428,17 +386,14 @@ fn corrupt_compressed_images_fail_only_the_vm_that_reads_them() {
         o.write_all_at(&table, zst::format::HEADER_LEN).unwrap();
     }
     for (path, want) in [(&truncated, "outside"), (&outside, "outside")] {
-        let (status, v) = s.api(
-            "POST",
-            "/v1/vms",
-            Some(json!({"memory_mib": mib, "memory_source": {"kind": "zstd", "path": path}})),
-        );
-        assert!(
-            (400..500).contains(&status),
-            "{}: {status} {v}",
-            path.display()
-        );
-        let msg = v["error"].as_str().unwrap_or_default();
+        let v = s
+            .try_create_vm(&CreateVm {
+                memory_source: Some(zstd_source(path)),
+                ..new_vm(mib)
+            })
+            .unwrap_err();
+        assert!((400..500).contains(&v.status), "{}: {v}", path.display());
+        let msg = v.error();
         assert!(
             msg.contains("memory.zst") && msg.contains(want),
             "{}: the error does not say why: {v}",

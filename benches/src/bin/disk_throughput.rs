@@ -27,8 +27,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use pagefork_benches::{Plan, Row};
-use pagefork_tests::TestServer;
-use serde_json::{json, Value};
+use pagefork_tests::{new_vm, TestServer};
+use proto::api::{CreateVm, ExecRequest};
 use shared::pattern::{disk_word, MAX_SECTORS_PER_IO, SECTOR_SIZE};
 
 const BENCH: &str = "disk_throughput";
@@ -61,21 +61,34 @@ impl Sizes {
 }
 
 /// Run one disk op; returns MiB/s by the VMM's time of the op.
-fn guest_op(s: &TestServer, vm: &str, body: Value, mib: u64) -> f64 {
-    let (st, v) = s.try_exec(vm, body.clone());
-    assert!(st == 200, "exec {body}: {v}");
-    let us = v["elapsed_us"].as_u64().unwrap_or(0).max(1);
+fn guest_op(s: &TestServer, vm: &str, body: &ExecRequest, mib: u64) -> f64 {
+    let v = s
+        .try_exec(vm, body)
+        .unwrap_or_else(|v| panic!("exec {body:?}: {v}"));
+    let us = v.elapsed_us.max(1);
     mib as f64 / (us as f64 / 1e6)
 }
 
-fn fill(per_io: u64, mib: u64, seed: u64) -> Value {
-    json!({"op": "disk_fill", "sector": 0, "count": mib * MIB / SECTOR_SIZE,
-           "seed": seed, "sectors_per_io": per_io})
+/// Sectors per request as the request's field.
+fn per_request(per_io: u64) -> Option<u32> {
+    Some(u32::try_from(per_io).expect("sectors per request fit in u32"))
 }
 
-fn checksum(per_io: u64, mib: u64) -> Value {
-    json!({"op": "disk_checksum", "sector": 0, "count": mib * MIB / SECTOR_SIZE,
-           "sectors_per_io": per_io})
+fn fill(per_io: u64, mib: u64, seed: u64) -> ExecRequest {
+    ExecRequest::DiskFill {
+        sector: 0,
+        count: mib * MIB / SECTOR_SIZE,
+        seed,
+        sectors_per_io: per_request(per_io),
+    }
+}
+
+fn checksum(per_io: u64, mib: u64) -> ExecRequest {
+    ExecRequest::DiskChecksum {
+        sector: 0,
+        count: mib * MIB / SECTOR_SIZE,
+        sectors_per_io: per_request(per_io),
+    }
 }
 
 /// The bytes `disk_fill` of `seed` writes to the 1 MiB chunk `chunk`.
@@ -125,14 +138,12 @@ fn host_pread(path: &Path, mib: u64) -> f64 {
 fn run(plan: &Plan, s: &TestServer, xfs: &Path) {
     let sz = Sizes::of(plan);
     let vol_mib = sz.multi_mib.max(sz.one_mib);
-    let (st, v) = s.api(
-        "POST",
-        "/v1/volumes",
-        Some(json!({"name": "bench-disk", "size_mib": vol_mib})),
-    );
-    assert!(st == 201, "create volume: {v}");
+    s.create_volume("bench-disk", vol_mib);
     // Guest RAM holds the pages `disk_write_pages` sends.
-    let vm = s.create_vm(json!({"memory_mib": sz.multi_mib.max(64), "volume": "bench-disk"}));
+    let vm = s.create_vm(&CreateVm {
+        volume: Some("bench-disk".into()),
+        ..new_vm(sz.multi_mib.max(64))
+    });
     let host = xfs.join(format!("pagefork-bench-disk-{}", std::process::id()));
     {
         let f = OpenOptions::new()
@@ -145,7 +156,7 @@ fn run(plan: &Plan, s: &TestServer, xfs: &Path) {
         f.set_len(vol_mib * MIB).expect("size the baseline file");
     }
     // Write everything once, untimed: both sides then overwrite.
-    guest_op(s, &vm, fill(MAX_SECTORS_PER_IO, vol_mib, 1), vol_mib);
+    guest_op(s, &vm, &fill(MAX_SECTORS_PER_IO, vol_mib, 1), vol_mib);
     host_pwrite(&host, vol_mib, 1);
 
     let cases = [
@@ -155,12 +166,24 @@ fn run(plan: &Plan, s: &TestServer, xfs: &Path) {
     // Pages with data in every one (two pattern words each), faulted in
     // and written out once untimed.
     let pages = sz.multi_mib * MIB / 4096;
-    s.exec(&vm, json!({"op": "fill", "pages": pages, "seed": 3}));
-    let write_pages = json!({"op": "disk_write_pages", "pages": pages});
-    guest_op(s, &vm, write_pages.clone(), sz.multi_mib);
+    s.exec(
+        &vm,
+        &ExecRequest::Fill {
+            start_page: None,
+            pages: Some(pages),
+            seed: 3,
+        },
+    );
+    let write_pages = ExecRequest::DiskWritePages {
+        start_page: None,
+        pages: Some(pages),
+        sector: 0,
+        sectors_per_io: None,
+    };
+    guest_op(s, &vm, &write_pages, sz.multi_mib);
     let (mut guest, mut base) = (Vec::new(), Vec::new());
     for rep in 0..plan.reps {
-        guest.push(guest_op(s, &vm, write_pages.clone(), sz.multi_mib));
+        guest.push(guest_op(s, &vm, &write_pages, sz.multi_mib));
         base.push(host_pwrite(&host, sz.multi_mib, 10 + rep as u64));
     }
     Row::new(
@@ -186,7 +209,7 @@ fn run(plan: &Plan, s: &TestServer, xfs: &Path) {
         let (mut guest, mut base) = (Vec::new(), Vec::new());
         for rep in 0..plan.reps {
             let seed = 10 + rep as u64;
-            guest.push(guest_op(s, &vm, fill(per_io, mib, seed), mib));
+            guest.push(guest_op(s, &vm, &fill(per_io, mib, seed), mib));
             base.push(host_pwrite(&host, mib, seed));
         }
         Row::new(
@@ -213,7 +236,7 @@ fn run(plan: &Plan, s: &TestServer, xfs: &Path) {
     for (name, per_io, mib) in cases {
         let (mut guest, mut base) = (Vec::new(), Vec::new());
         for _ in 0..plan.reps {
-            guest.push(guest_op(s, &vm, checksum(per_io, mib), mib));
+            guest.push(guest_op(s, &vm, &checksum(per_io, mib), mib));
             base.push(host_pread(&host, mib));
         }
         Row::new(
@@ -234,7 +257,7 @@ fn run(plan: &Plan, s: &TestServer, xfs: &Path) {
         .emit();
     }
     let _ = std::fs::remove_file(&host);
-    s.api("DELETE", &format!("/v1/vms/{vm}"), None);
+    s.delete_vm(&vm);
 }
 
 fn request_size(per_io: u64) -> String {

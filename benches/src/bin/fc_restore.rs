@@ -24,10 +24,10 @@ use std::process::ExitCode;
 use pagefork_benches::fc_handler::BaselineVm;
 use pagefork_benches::mapping::{Mapping, PAGE};
 use pagefork_benches::{Plan, Row, Stats};
-use pagefork_tests::{bin, pages_of, RandomImage, TestServer};
+use pagefork_tests::{bin, file_source, pages_of, RandomImage, TestServer};
+use proto::api::{CreateListener, RunState, VmInfo, VmKind};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use serde_json::json;
 
 const BENCH: &str = "fc_restore";
 const TABLE: &str = "Firecracker backend: restore touch (issue 6)";
@@ -101,21 +101,14 @@ fn single_listener(
     image: &std::path::Path,
     tag: &str,
 ) -> Result<std::path::PathBuf, Box<dyn std::error::Error>> {
-    let socket = server.state_dir().join(format!("fc-{tag}.sock"));
-    let (st, v) = server.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(json!({
-            "socket": socket,
-            "memory_source": {"kind": "file", "path": image},
-            "fault_around_kib": 0,
-            "readahead_kib": 0,
-        })),
-    );
-    if st != 201 {
-        return Err(format!("cannot create listener: {v}").into());
-    }
-    Ok(socket)
+    let l = server
+        .try_add_listener(&CreateListener {
+            fault_around_kib: Some(0),
+            readahead_kib: Some(0),
+            ..server.listener_request(&format!("fc-{tag}"), file_source(image))
+        })
+        .map_err(|v| format!("cannot create listener: {v}"))?;
+    Ok(l.socket.into())
 }
 
 /// One `touch-seq-latency` client on `socket`, held connected until the
@@ -125,7 +118,7 @@ fn client_latency(
     server: &TestServer,
     socket: &std::path::Path,
     mib: u64,
-) -> Result<(serde_json::Value, serde_json::Value), Box<dyn std::error::Error>> {
+) -> Result<(serde_json::Value, VmInfo), Box<dyn std::error::Error>> {
     use std::io::BufRead;
     let mut child = std::process::Command::new(bin("fc_client"))
         .arg("--socket")
@@ -148,7 +141,7 @@ fn client_latency(
         .iter()
         .rev()
         .map(|id| server.vm(id))
-        .find(|v| v["kind"] == "firecracker" && v["state"] == "running")
+        .find(|v| v.kind == VmKind::Firecracker && v.state == RunState::Running)
         .ok_or("the client's VM is not listed")?;
     drop(child.stdin.take());
     // The client prints one more line (the hold's) before it exits.
@@ -172,21 +165,15 @@ fn pagefork_samples(
 ) -> Result<Vec<Vec<f64>>, Box<dyn std::error::Error>> {
     let mut out = Vec::new();
     for (key, _, fa, ra, ws) in MODES {
-        let socket = server.state_dir().join(format!("fc-{tag}-{key}.sock"));
-        let (st, v) = server.api(
-            "POST",
-            "/v1/firecracker/listeners",
-            Some(json!({
-                "socket": socket,
-                "memory_source": {"kind": "file", "path": image},
-                "fault_around_kib": fa,
-                "readahead_kib": ra,
-                "working_set": ws,
-            })),
-        );
-        if st != 201 {
-            return Err(format!("cannot create listener: {v}").into());
-        }
+        let l = server
+            .try_add_listener(&CreateListener {
+                fault_around_kib: Some(fa),
+                readahead_kib: Some(ra),
+                working_set: ws,
+                ..server.listener_request(&format!("fc-{tag}-{key}"), file_source(image))
+            })
+            .map_err(|v| format!("cannot create listener: {v}"))?;
+        let socket = std::path::PathBuf::from(l.socket);
         if ws {
             // The first client records the working set; it is not measured.
             client_touch(&socket, mib, cmd)?;
@@ -373,7 +360,7 @@ fn latency_rows(
     let polled_socket = single_listener(polling, image, "latency")?;
     let (mut ours, mut poll, mut base) =
         (Samples::default(), Samples::default(), Samples::default());
-    let (mut ours_vm, mut poll_vm) = (serde_json::Value::Null, serde_json::Value::Null);
+    let (mut ours_vm, mut poll_vm): (Option<VmInfo>, Option<VmInfo>) = (None, None);
     for _ in 0..plan.reps {
         for (srv, socket, s, vm) in [
             (server, &plain, &mut ours, &mut ours_vm),
@@ -388,7 +375,7 @@ fn latency_rows(
                 .push(pagefork_benches::phases::p50_p99_us(&info, "service").0 * 1e3);
             s.install_p50
                 .push(pagefork_benches::phases::p50_p99_us(&info, "install").0 * 1e3);
-            *vm = info;
+            *vm = Some(info);
         }
         let vm = BaselineVm::start(image, len)?;
         let (_, sum, p50, p99) = vm.touch_latency(&order);
@@ -418,7 +405,9 @@ fn latency_rows(
         .goal("≤ 0.9 (issue 13)")
         .note(format!(
             "last run: {}; with a 50 µs poll window {q} median {:.0} ns",
-            pagefork_benches::phases::describe(&ours_vm),
+            ours_vm
+                .as_ref()
+                .map_or_else(String::new, pagefork_benches::phases::describe),
             pagefork_benches::Stats::of(poll_q).map_or(f64::NAN, |s| s.median)
         ))
         .emit();
@@ -436,7 +425,9 @@ fn latency_rows(
     .goal("report (issue 13)")
     .note(format!(
         "from faults.phases of GET /v1/vms/{{id}}; with the poll window, last run: {}",
-        pagefork_benches::phases::describe(&poll_vm)
+        poll_vm
+            .as_ref()
+            .map_or_else(String::new, pagefork_benches::phases::describe)
     ))
     .emit();
     Row::new(

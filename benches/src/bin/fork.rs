@@ -29,8 +29,8 @@ use pagefork_benches::plan::FORK_COUNTS;
 use pagefork_benches::sys::{meminfo_kib, proc_status_kib};
 use pagefork_benches::wp_floor::WpFloor;
 use pagefork_benches::{Plan, Row};
-use pagefork_tests::{pages_of, TestServer};
-use serde_json::json;
+use pagefork_tests::{new_vm, op, pages_of, TestServer};
+use proto::api::CreateVm;
 use uffd_server::pages::{PageTable, CHUNK_PAGES};
 
 const BENCH: &str = "fork";
@@ -179,15 +179,14 @@ struct Forks {
 }
 
 fn delete(server: &TestServer, id: &str) {
-    let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert!(status < 300, "DELETE {id} failed: {v}");
+    server.delete_vm(id);
 }
 
 /// Every VM in `ids` answers `exec identity` (in parallel).
 fn all_answer(server: &TestServer, ids: &[String]) {
     std::thread::scope(|s| {
         for id in ids {
-            s.spawn(move || server.exec(id, json!({"op": "identity"})));
+            s.spawn(move || server.exec(id, &op::identity()));
         }
     });
 }
@@ -201,14 +200,10 @@ fn kib_delta(after: Option<u64>, before: Option<u64>) -> f64 {
 
 /// Guest time of rewriting (first byte, unchanged) each of `pages`.
 fn rewrite_us(server: &TestServer, vm: &str, pages: u64) -> f64 {
-    let (status, v) = server.try_exec(
-        vm,
-        json!({"op": "touch", "start_page": 0, "pages": pages, "write": true}),
-    );
-    assert_eq!(status, 200, "rewrite on {vm} failed: {v}");
-    v["elapsed_us"]
-        .as_f64()
-        .unwrap_or_else(|| panic!("no elapsed_us in {v}"))
+    let v = server
+        .try_exec(vm, &op::touch(0, pages, true))
+        .unwrap_or_else(|v| panic!("rewrite on {vm} failed: {v}"));
+    v.elapsed_us as f64
 }
 
 /// `count` real forks of `parent`, `plan.reps` times. With `rewrite`, the
@@ -228,34 +223,14 @@ fn real_forks(
     let mut f = Forks::default();
     for _ in 0..plan.reps {
         *seed += 1;
-        server.exec(
-            parent,
-            json!({"op": "fill", "start_page": 0, "pages": quarter, "seed": *seed}),
-        );
+        server.exec(parent, &op::fill(0, quarter, *seed));
         let free = rewrite.then(|| rewrite_us(server, parent, quarter));
         let (shmem0, rss0) = (meminfo_kib("Shmem"), proc_status_kib(server.pid(), "VmRSS"));
         let t = Instant::now();
-        let (status, v) = server.api(
-            "POST",
-            &format!("/v1/vms/{parent}/fork"),
-            Some(json!({"count": count})),
-        );
-        assert!(
-            status == 200 || status == 201,
-            "fork of {parent} failed ({status}): {v}"
-        );
+        let v = server.fork(parent, count);
         let (shmem1, rss1) = (meminfo_kib("Shmem"), proc_status_kib(server.pid(), "VmRSS"));
-        let children: Vec<String> = v["children"]
-            .as_array()
-            .unwrap_or_else(|| panic!("no children in {v}"))
-            .iter()
-            .map(|c| c.as_str().expect("child id is a string").to_owned())
-            .collect();
-        assert_eq!(children.len(), count as usize, "fork returned {v}");
-        let resident: u64 = children
-            .iter()
-            .map(|c| server.vm(c)["resident_pages"].as_u64().unwrap_or(0))
-            .sum();
+        let children = v.children.clone();
+        let resident: u64 = children.iter().map(|c| server.vm(c).resident_pages).sum();
         f.resident_pages_per_child
             .push(resident as f64 / f64::from(count));
         all_answer(server, &children);
@@ -265,12 +240,10 @@ fn real_forks(
             f.rewrite_free_us.push(free);
             f.rewrite_forked_us.push(after);
         }
-        f.fork_us.push(v["fork_us"].as_f64().unwrap_or(f64::NAN));
-        f.pause_us.push(v["pause_us"].as_f64().unwrap_or(f64::NAN));
-        f.server_wp_us
-            .push(v["phases"]["write_protect_us"].as_f64().unwrap_or(f64::NAN));
-        f.server_ahead_us
-            .push(v["phases"]["armed_ahead_us"].as_f64().unwrap_or(f64::NAN));
+        f.fork_us.push(v.fork_us as f64);
+        f.pause_us.push(v.pause_us as f64);
+        f.server_wp_us.push(v.phases.write_protect_us as f64);
+        f.server_ahead_us.push(v.phases.armed_ahead_us as f64);
         f.shmem_kib_per_child
             .push(kib_delta(shmem1, shmem0) / f64::from(count));
         f.rss_kib_per_child
@@ -291,8 +264,8 @@ fn cold_starts(server: &TestServer, plan: &Plan, mib: u64, count: u32) -> Vec<f6
                 let hs: Vec<_> = (0..count)
                     .map(|_| {
                         s.spawn(move || {
-                            let id = server.create_vm(json!({"memory_mib": mib}));
-                            server.exec(&id, json!({"op": "identity"}));
+                            let id = server.create_vm(&new_vm(mib));
+                            server.exec(&id, &op::identity());
                             id
                         })
                     })
@@ -335,13 +308,10 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
 
     let ip = in_process(plan, mib);
 
-    let parent = server.create_vm(json!({"memory_mib": mib}));
+    let parent = server.create_vm(&new_vm(mib));
     let mut seed = 0;
     let t = Instant::now();
-    server.exec(
-        &parent,
-        json!({"op": "fill", "start_page": 0, "pages": quarter, "seed": 1}),
-    );
+    server.exec(&parent, &op::fill(0, quarter, 1));
     eprintln!("  first fill of {mat}: {:.1} s", t.elapsed().as_secs_f64());
     let mut forks = Vec::new();
     for count in FORK_COUNTS {
@@ -363,7 +333,10 @@ fn bench_size(server: &TestServer, plan: &Plan, mib: u64) {
     // pass covers 2 MiB blocks.
     let blocks = quarter.div_ceil(512);
     let huge = pagefork_benches::wp_floor::reserve_hugepages(blocks + 64).then(|| {
-        let hp = server.create_vm(json!({"memory_mib": mib, "hugepages": true}));
+        let hp = server.create_vm(&CreateVm {
+            hugepages: Some(true),
+            ..new_vm(mib)
+        });
         let f = real_forks(server, plan, &hp, quarter, 1, &mut seed, true);
         delete(server, &hp);
         f

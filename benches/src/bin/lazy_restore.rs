@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use pagefork_benches::plan::FAULT_AROUND_KIB;
 use pagefork_benches::{Plan, Row};
-use pagefork_tests::{fault_counter, pages_of, RandomImage, TestServer};
-use serde_json::{json, Value};
+use pagefork_tests::{new_vm, op, pages_of, Api, RandomImage, TestServer};
+use proto::api::CreateVm;
 
 const BENCH: &str = "lazy_restore";
 const TABLE: &str = "Lazy restore from a raw image (issue 2)";
@@ -49,40 +49,29 @@ struct Samples {
 
 fn run_once(
     server: &TestServer,
-    body: Value,
+    body: CreateVm,
     pages: u64,
     s: &mut Samples,
     warm: Option<&mut Vec<f64>>,
 ) -> String {
     let t = Instant::now();
-    let id = server.create_vm(body);
-    let (status, v) = server.try_exec(
-        &id,
-        json!({"op": "touch", "start_page": 0, "pages": pages, "write": false}),
-    );
+    let id = server.create_vm(&body);
+    let v = server
+        .try_exec(&id, &op::touch(0, pages, false))
+        .unwrap_or_else(|v| panic!("touch on {id} failed: {v}"));
     let wall = t.elapsed();
-    assert_eq!(status, 200, "touch on {id} failed: {v}");
-    let guest = v["elapsed_us"]
-        .as_f64()
-        .unwrap_or_else(|| panic!("no elapsed_us in {v}"));
+    let guest = v.elapsed_us as f64;
     let vm = server.vm(&id);
     if let Some(warm) = warm {
-        let (status, v) = server.try_exec(
-            &id,
-            json!({"op": "touch", "start_page": 0, "pages": pages, "write": false}),
-        );
-        assert_eq!(status, 200, "second touch on {id} failed: {v}");
-        warm.push(
-            v["elapsed_us"]
-                .as_f64()
-                .unwrap_or_else(|| panic!("no elapsed_us in {v}")),
-        );
+        let v = server
+            .try_exec(&id, &op::touch(0, pages, false))
+            .unwrap_or_else(|v| panic!("second touch on {id} failed: {v}"));
+        warm.push(v.elapsed_us as f64);
     }
     s.guest_us.push(guest);
     s.wall_ms.push(wall.as_secs_f64() * 1e3);
-    s.missing.push(fault_counter(&vm, "missing") as f64);
-    let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert!(status < 300, "DELETE {id} failed: {v}");
+    s.missing.push(vm.faults.missing as f64);
+    server.delete_vm(&id);
     pagefork_benches::phases::describe(&vm)
 }
 
@@ -96,7 +85,7 @@ struct Observed {
 
 /// Whether `vm` has a trace listener, read from `/metrics`.
 fn has_listener(server: &TestServer, vm: &str) -> bool {
-    let (_, text) = server.api_raw("GET", "/metrics", b"");
+    let text = server.metrics_text();
     let name = format!("pagefork_vm_trace_listeners{{vm=\"{vm}\"}} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&name))
@@ -105,15 +94,21 @@ fn has_listener(server: &TestServer, vm: &str) -> bool {
 
 /// [`run_once`] with a fault-trace listener on the VM and `/metrics`
 /// scraped every 100 ms while the guest touches its memory.
-fn run_observed(server: &TestServer, body: Value, pages: u64, s: &mut Samples, o: &mut Observed) {
-    let id = server.create_vm(body);
-    let client = uffdctl::client::Client::new(server.api_sock());
+fn run_observed(
+    server: &TestServer,
+    body: CreateVm,
+    pages: u64,
+    s: &mut Samples,
+    o: &mut Observed,
+) {
+    let id = server.create_vm(&body);
+    let client = Api::clone(server);
     let (events, dropped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let listener = {
         let (events, dropped) = (events.clone(), dropped.clone());
         let path = format!("/v1/vms/{id}/faults?follow=true");
         std::thread::spawn(move || {
-            let r = client.stream_lines(&path, |line| {
+            let r = client.trace(&path, |line| {
                 match line.strip_prefix("{\"dropped\":") {
                     Some(n) => {
                         let n = n.trim_end_matches('}').parse().unwrap_or(0);
@@ -125,7 +120,7 @@ fn run_observed(server: &TestServer, body: Value, pages: u64, s: &mut Samples, o
                 }
                 true
             });
-            assert!(matches!(r, Ok(None)), "trace stream: {r:?}");
+            assert!(r.is_none(), "trace stream: {r:?}");
         })
     };
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -154,24 +149,16 @@ fn run_observed(server: &TestServer, body: Value, pages: u64, s: &mut Samples, o
         })
     };
     let t = Instant::now();
-    let (status, v) = server.try_exec(
-        &id,
-        json!({"op": "touch", "start_page": 0, "pages": pages, "write": false}),
-    );
+    let v = server.try_exec(&id, &op::touch(0, pages, false));
     let wall = t.elapsed();
-    assert_eq!(status, 200, "touch on {id} failed: {v}");
+    let v = v.unwrap_or_else(|v| panic!("touch on {id} failed: {v}"));
     stop.store(true, Ordering::Relaxed);
     let scrapes = scraper.join().expect("scraper");
     let vm = server.vm(&id);
-    s.guest_us.push(
-        v["elapsed_us"]
-            .as_f64()
-            .unwrap_or_else(|| panic!("no elapsed_us in {v}")),
-    );
+    s.guest_us.push(v.elapsed_us as f64);
     s.wall_ms.push(wall.as_secs_f64() * 1e3);
-    s.missing.push(fault_counter(&vm, "missing") as f64);
-    let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert!(status < 300, "DELETE {id} failed: {v}");
+    s.missing.push(vm.faults.missing as f64);
+    server.delete_vm(&id);
     // The stream ends with the VM.
     listener.join().expect("listener");
     o.events.push(events.load(Ordering::Relaxed) as f64);
@@ -220,8 +207,12 @@ fn main() -> ExitCode {
     for rep in 0..plan.reps {
         for fa in FAULT_AROUND_KIB {
             // Pure fault-around: readahead off.
-            let body = json!({"memory_mib": mib, "memory_source": image.source(),
-                              "fault_around_kib": fa, "readahead_kib": 0});
+            let body = CreateVm {
+                memory_source: Some(image.source()),
+                fault_around_kib: Some(fa),
+                readahead_kib: Some(0),
+                ..new_vm(mib)
+            };
             let served = run_once(
                 &server,
                 body.clone(),
@@ -242,17 +233,31 @@ fn main() -> ExitCode {
         }
         // The server's defaults: fault-around 64 KiB and sequential
         // readahead up to 2 MiB.
-        let body = json!({"memory_mib": mib, "memory_source": image.source()});
+        let body = CreateVm {
+            memory_source: Some(image.source()),
+            ..new_vm(mib)
+        };
         phases = run_once(&server, body.clone(), pages, &mut readahead, None);
         phases_whole = run_once(&whole, body, pages, &mut readahead_whole, None);
-        let body = json!({"memory_mib": mib, "memory_source": image.source(), "prefetch": true});
+        let body = CreateVm {
+            memory_source: Some(image.source()),
+            prefetch: true,
+            ..new_vm(mib)
+        };
         let _ = run_once(&server, body, pages, &mut floor, Some(&mut warm));
         if huge {
-            let body =
-                json!({"memory_mib": mib, "memory_source": image.source(), "hugepages": true});
+            let body = CreateVm {
+                memory_source: Some(image.source()),
+                hugepages: Some(true),
+                ..new_vm(mib)
+            };
             phases_huge = run_once(&server, body, pages, &mut lazy_huge, None);
-            let body = json!({"memory_mib": mib, "memory_source": image.source(),
-                              "hugepages": true, "prefetch": true});
+            let body = CreateVm {
+                memory_source: Some(image.source()),
+                hugepages: Some(true),
+                prefetch: true,
+                ..new_vm(mib)
+            };
             let _ = run_once(&server, body, pages, &mut floor_huge, None);
         }
         eprintln!(

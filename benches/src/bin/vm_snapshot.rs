@@ -45,8 +45,9 @@ use std::time::Instant;
 use pagefork_benches::sys::proc_status_kib;
 use pagefork_benches::wp_floor::WpFloor;
 use pagefork_benches::{Plan, Row};
-use pagefork_tests::{pages_of, TestServer};
-use serde_json::{json, Value};
+use pagefork_tests::{from_snapshot, new_vm, op, pages_of, TestServer};
+use proto::api::{CloneVm, CreateSnapshot, CreateVm, SnapshotMode};
+use serde_json::Value;
 
 const BENCH: &str = "vm_snapshot";
 const T_DIRTY: &str = "VM snapshots: dirty snapshot pause and total (issue 9)";
@@ -56,14 +57,20 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-fn snapshot(s: &TestServer, vm: &str, name: &str, mode: &str) -> Value {
-    let (st, v) = s.api(
-        "POST",
-        &format!("/v1/vms/{vm}/snapshots"),
-        Some(json!({"name": name, "mode": mode})),
-    );
-    assert!(st == 201, "snapshot {name}: {v}");
-    v
+/// Snapshot `vm` as `name`; the answer as JSON (its fields are read by
+/// name into the rows).
+fn snapshot(s: &TestServer, vm: &str, name: &str, mode: SnapshotMode) -> Value {
+    let r = s
+        .try_snapshot(
+            vm,
+            &CreateSnapshot {
+                name: name.to_owned(),
+                mode,
+                compress: false,
+            },
+        )
+        .unwrap_or_else(|v| panic!("snapshot {name}: {v}"));
+    pagefork_tests::body(&r)
 }
 
 fn med(v: &[f64]) -> f64 {
@@ -75,11 +82,11 @@ fn num(v: &Value, k: &str) -> f64 {
 }
 
 fn delete_vm(s: &TestServer, id: &str) {
-    s.api("DELETE", &format!("/v1/vms/{id}"), None);
+    let _ = s.try_delete_vm(id);
 }
 
 fn delete_snapshot(s: &TestServer, name: &str) {
-    s.api("DELETE", &format!("/v1/snapshots/{name}"), None);
+    let _ = s.try_delete_snapshot(name);
 }
 
 /// Time to write `bytes` sequentially into a new file in `dir` and fsync.
@@ -247,9 +254,9 @@ fn hash_chunks(bytes: u64, xxh3: bool) -> f64 {
 fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
     let mib = plan.snap_mib;
     let pages = pages_of(mib);
-    let vm = s.create_vm(json!({ "memory_mib": mib }));
+    let vm = s.create_vm(&new_vm(mib));
     s.fill(&vm, 0, pages, 1);
-    snapshot(s, &vm, "bench-base", "full");
+    snapshot(s, &vm, "bench-base", SnapshotMode::Full);
     let guest = GuestLike::new(mib);
     let mut last = "bench-base".to_owned();
     // The pause's fixed cost: dirty snapshots of a VM that wrote nothing
@@ -257,7 +264,10 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
     let mut idle = Vec::new();
     for rep in 0..plan.reps {
         let name = format!("bench-d0-{rep}");
-        idle.push(num(&snapshot(s, &vm, &name, "dirty"), "pause_us"));
+        idle.push(num(
+            &snapshot(s, &vm, &name, SnapshotMode::Dirty),
+            "pause_us",
+        ));
         delete_snapshot(s, &last);
         last = name;
     }
@@ -289,7 +299,7 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
             s.fill(&vm, 0, dirty, 100 + rep as u64);
             recycle_page_cache(xfs, dirty * 4096);
             let name = format!("bench-d{pct}-{rep}");
-            let r = snapshot(s, &vm, &name, "dirty");
+            let r = snapshot(s, &vm, &name, SnapshotMode::Dirty);
             assert!(r["mode_used"] == "dirty", "{r}");
             pause.push(num(&r, "pause_us"));
             ahead.push(num(&r["before_pause_us"], "armed_ahead"));
@@ -414,25 +424,25 @@ fn dirty_rows(plan: &Plan, s: &TestServer, xfs: &std::path::Path) {
 }
 
 fn answer(s: &TestServer, id: &str) {
-    s.exec(id, json!({"op": "identity"}));
+    s.exec(id, &op::identity());
 }
 
 fn restore_rows(plan: &Plan, s: &TestServer) {
     for &mib in &plan.restore_mib {
-        let vm = s.create_vm(json!({ "memory_mib": mib }));
+        let vm = s.create_vm(&new_vm(mib));
         s.fill(&vm, 0, pages_of(mib) / 16, 1);
         let name = format!("bench-restore-{mib}");
-        snapshot(s, &vm, &name, "full");
+        snapshot(s, &vm, &name, SnapshotMode::Full);
         delete_vm(s, &vm);
         let (mut restore, mut cold) = (Vec::new(), Vec::new());
         for _ in 0..plan.reps {
             let t = Instant::now();
-            let id = s.create_vm(json!({ "from_snapshot": name }));
+            let id = s.create_vm(&from_snapshot(&name));
             answer(s, &id);
             restore.push(ms(t));
             delete_vm(s, &id);
             let t = Instant::now();
-            let id = s.create_vm(json!({ "memory_mib": mib }));
+            let id = s.create_vm(&new_vm(mib));
             answer(s, &id);
             cold.push(ms(t));
             delete_vm(s, &id);
@@ -472,9 +482,12 @@ fn rollbacks(plan: &Plan, s: &TestServer, hugepages: bool) -> Rollbacks {
     } else {
         "bench-rb"
     };
-    let vm = s.create_vm(json!({ "memory_mib": mib, "hugepages": hugepages }));
+    let vm = s.create_vm(&CreateVm {
+        hugepages: Some(hugepages),
+        ..new_vm(mib)
+    });
     s.fill(&vm, 0, pages, 1);
-    snapshot(s, &vm, name, "full");
+    snapshot(s, &vm, name, SnapshotMode::Full);
     let mut out = Rollbacks {
         pause_ms: Vec::new(),
         phases: String::new(),
@@ -483,12 +496,10 @@ fn rollbacks(plan: &Plan, s: &TestServer, hugepages: bool) -> Rollbacks {
     let mut phases: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     for rep in 0..plan.reps {
         s.fill(&vm, 0, pages / 10, 50 + rep as u64);
-        let (st, r) = s.api(
-            "POST",
-            &format!("/v1/vms/{vm}/rollback"),
-            Some(json!({"snapshot": name})),
-        );
-        assert!(st == 200, "rollback: {r}");
+        let r = s
+            .try_rollback(&vm, name)
+            .map(|r| pagefork_tests::body(&r))
+            .unwrap_or_else(|r| panic!("rollback: {r}"));
         out.pause_ms.push(num(&r, "pause_us") / 1e3);
         for (k, v) in r["phases_us"].as_object().into_iter().flatten() {
             phases
@@ -497,7 +508,7 @@ fn rollbacks(plan: &Plan, s: &TestServer, hugepages: bool) -> Rollbacks {
                 .push(v.as_f64().unwrap_or(f64::NAN));
         }
         let t = Instant::now();
-        let id = s.create_vm(json!({ "from_snapshot": name }));
+        let id = s.create_vm(&from_snapshot(name));
         answer(s, &id);
         out.restore_ms.push(ms(t));
         delete_vm(s, &id);
@@ -611,23 +622,26 @@ fn rollback_rows(plan: &Plan, s: &TestServer) {
 fn clone_pool_row(plan: &Plan, without: &[f64]) {
     let n = plan.clone_count;
     let s = TestServer::start_with_args(&["--vmm-pool", &n.to_string()]);
-    let vm = s.create_vm(json!({ "memory_mib": 256 }));
+    let vm = s.create_vm(&new_vm(256));
     s.fill(&vm, 0, pages_of(256) / 4, 1);
     let mut clone = Vec::new();
     for _ in 0..plan.reps {
         s.wait_pool_ready(u64::from(n), std::time::Duration::from_secs(120));
         let t = Instant::now();
-        let (st, c) = s.api(
-            "POST",
-            &format!("/v1/vms/{vm}/clone"),
-            Some(json!({"count": n, "concurrency": 50})),
-        );
-        assert!(st == 201, "clone: {c}");
+        let c = s
+            .try_clone_vm(
+                &vm,
+                &CloneVm {
+                    count: n,
+                    concurrency: 50,
+                },
+            )
+            .unwrap_or_else(|c| panic!("clone: {c}"));
         clone.push(ms(t));
-        for id in c["clones"].as_array().into_iter().flatten() {
-            delete_vm(&s, id.as_str().unwrap_or_default());
+        for id in &c.clones {
+            delete_vm(&s, id);
         }
-        delete_snapshot(&s, c["snapshot"].as_str().unwrap_or_default());
+        delete_snapshot(&s, &c.snapshot);
     }
     Row::new(
         BENCH,
@@ -647,25 +661,28 @@ fn clone_pool_row(plan: &Plan, without: &[f64]) {
 
 fn clone_rows(plan: &Plan, s: &TestServer) -> Vec<f64> {
     let n = plan.clone_count;
-    let vm = s.create_vm(json!({ "memory_mib": 256 }));
+    let vm = s.create_vm(&new_vm(256));
     s.fill(&vm, 0, pages_of(256) / 4, 1);
     let (mut clone, mut cold, mut rss) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..plan.reps {
         let rss0 = proc_status_kib(s.pid(), "VmRSS").unwrap_or(0);
         let t = Instant::now();
-        let (st, c) = s.api(
-            "POST",
-            &format!("/v1/vms/{vm}/clone"),
-            Some(json!({"count": n, "concurrency": 50})),
-        );
-        assert!(st == 201, "clone: {c}");
+        let c = s
+            .try_clone_vm(
+                &vm,
+                &CloneVm {
+                    count: n,
+                    concurrency: 50,
+                },
+            )
+            .unwrap_or_else(|c| panic!("clone: {c}"));
         clone.push(ms(t));
         let rss1 = proc_status_kib(s.pid(), "VmRSS").unwrap_or(0);
         rss.push(rss1.saturating_sub(rss0) as f64 / f64::from(n));
-        for id in c["clones"].as_array().into_iter().flatten() {
-            delete_vm(s, id.as_str().unwrap_or_default());
+        for id in &c.clones {
+            delete_vm(s, id);
         }
-        delete_snapshot(s, c["snapshot"].as_str().unwrap_or_default());
+        delete_snapshot(s, &c.snapshot);
         let t = Instant::now();
         let ids: Vec<String> = std::thread::scope(|sc| {
             let per = n.div_ceil(50);
@@ -673,7 +690,7 @@ fn clone_rows(plan: &Plan, s: &TestServer) -> Vec<f64> {
                 .map(|_| {
                     sc.spawn(move || {
                         (0..per)
-                            .map(|_| s.create_vm(json!({ "memory_mib": 256 })))
+                            .map(|_| s.create_vm(&new_vm(256)))
                             .collect::<Vec<_>>()
                     })
                 })
@@ -717,17 +734,17 @@ fn clone_rows(plan: &Plan, s: &TestServer) -> Vec<f64> {
 }
 
 fn chain_row(plan: &Plan, s: &TestServer) {
-    let vm = s.create_vm(json!({ "memory_mib": 256 }));
+    let vm = s.create_vm(&new_vm(256));
     let pages = pages_of(256);
     s.fill(&vm, 0, pages, 1);
-    snapshot(s, &vm, "bench-chain-0", "full");
+    snapshot(s, &vm, "bench-chain-0", SnapshotMode::Full);
     let mut extents = Vec::new();
     for i in 1..=20u64 {
         // Scattered writes: every 97th page from a moving start.
         for k in 0..32 {
             s.fill(&vm, (i * 131 + k * 97 * 7) % pages, 1, i);
         }
-        let r = snapshot(s, &vm, &format!("bench-chain-{i}"), "dirty");
+        let r = snapshot(s, &vm, &format!("bench-chain-{i}"), SnapshotMode::Dirty);
         if i == 20 {
             extents.push(num(&r, "image_extents"));
         }
@@ -756,11 +773,9 @@ fn chain_row(plan: &Plan, s: &TestServer) {
 fn neighbour_row(plan: &Plan, s: &TestServer) {
     let mib = if plan.quick { 256 } else { 512 };
     let pages = pages_of(mib);
-    let parent = s.create_vm(json!({ "memory_mib": mib }));
+    let parent = s.create_vm(&new_vm(mib));
     s.fill(&parent, 0, pages, 1);
-    let (st, f) = s.api("POST", &format!("/v1/vms/{parent}/fork"), Some(json!({})));
-    assert!(st == 201, "fork: {f}");
-    let child = f["children"][0].as_str().expect("a child").to_owned();
+    let child = s.fork_one(&parent);
     const READ: u64 = 1000;
     let (mut alone, mut during, mut overlapped) = (Vec::new(), Vec::new(), 0);
     for i in 0..plan.reps as u64 {
@@ -770,14 +785,14 @@ fn neighbour_row(plan: &Plan, s: &TestServer) {
         alone.push(ms(t));
         let name = format!("bench-neighbour-{i}");
         std::thread::scope(|sc| {
-            let snap = sc.spawn(|| snapshot(s, &parent, &name, "full"));
-            while s.vm(&parent).get("snapshot_saving").is_none() && !snap.is_finished() {
+            let snap = sc.spawn(|| snapshot(s, &parent, &name, SnapshotMode::Full));
+            while s.vm(&parent).snapshot_saving.is_none() && !snap.is_finished() {
                 std::thread::sleep(std::time::Duration::from_micros(200));
             }
             let t = Instant::now();
             s.checksum(&child, (2 * i + 1) * READ, READ);
             during.push(ms(t));
-            if s.vm(&parent).get("snapshot_saving").is_some() {
+            if s.vm(&parent).snapshot_saving.is_some() {
                 overlapped += 1;
             }
             snap.join().expect("the snapshot thread");

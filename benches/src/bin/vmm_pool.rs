@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 
 use pagefork_benches::sys::{meminfo_kib, proc_status_kib};
 use pagefork_benches::{Plan, Row, Stats};
-use pagefork_tests::{pages_of, request_within, TestServer};
-use serde_json::{json, Value};
+use pagefork_tests::{body, from_snapshot, new_vm, op, pages_of, request_within, TestServer};
+use proto::api::{CreateSnapshot, ForkRequest, SnapshotMode};
+use serde_json::Value;
 
 const BENCH: &str = "vmm_pool";
 const T_START: &str = "VM start from a warm VMM pool (issue 13)";
@@ -49,7 +50,7 @@ fn identity(sock: &Path, id: &str) {
         sock,
         "POST",
         &format!("/v1/vms/{id}/exec"),
-        Some(json!({"op": "identity"})),
+        Some(body(&op::identity())),
         200,
     );
 }
@@ -118,19 +119,13 @@ fn server(pool: usize) -> TestServer {
 /// A paused 256 MiB template with a quarter written (and, with `snap`, a
 /// full snapshot of it under that name); returns its id.
 fn template(sock: &Path, snap: Option<&str>) -> String {
-    let v = call(
-        sock,
-        "POST",
-        "/v1/vms",
-        Some(json!({"memory_mib": MIB})),
-        201,
-    );
+    let v = call(sock, "POST", "/v1/vms", Some(body(&new_vm(MIB))), 201);
     let id = v["id"].as_str().expect("id").to_owned();
     call(
         sock,
         "POST",
         &format!("/v1/vms/{id}/exec"),
-        Some(json!({"op": "fill", "start_page": 0, "pages": pages_of(MIB) / 4, "seed": 7})),
+        Some(body(&op::fill(0, pages_of(MIB) / 4, 7))),
         200,
     );
     if let Some(name) = snap {
@@ -138,7 +133,11 @@ fn template(sock: &Path, snap: Option<&str>) -> String {
             sock,
             "POST",
             &format!("/v1/vms/{id}/snapshots"),
-            Some(json!({"name": name, "mode": "full"})),
+            Some(body(&CreateSnapshot {
+                name: name.to_owned(),
+                mode: SnapshotMode::Full,
+                compress: false,
+            })),
             201,
         );
     }
@@ -182,7 +181,7 @@ fn starts(server: &TestServer, pool: usize, n: usize) -> Starts {
             sock,
             "POST",
             "/v1/vms",
-            Some(json!({"from_snapshot": snap})),
+            Some(body(&from_snapshot(&snap))),
             201,
         );
         let id = v["id"].as_str().expect("id").to_owned();
@@ -243,7 +242,9 @@ fn fan_out(server: &TestServer, pool: usize, count: usize, reps: usize) -> Fan {
             &sock,
             "POST",
             &format!("/v1/vms/{tpl}/fork"),
-            Some(json!({"count": count})),
+            Some(body(&ForkRequest {
+                count: u32::try_from(count).expect("fork count fits in u32"),
+            })),
             201,
         );
         let children = ids(&v, "children");

@@ -16,8 +16,11 @@ use std::time::Instant;
 use pagefork_benches::fc_handler::BaselineVm;
 use pagefork_benches::mapping::PAGE;
 use pagefork_benches::{Plan, Row, Stats};
-use pagefork_tests::{bin, fault_counter, pages_of, realistic_memory, RandomImage, TestServer};
-use serde_json::{json, Value};
+use pagefork_tests::{
+    bin, new_vm, op, pages_of, realistic_memory, zstd_source, RandomImage, TestServer,
+};
+use proto::api::{CreateVm, VmInfo};
+use serde_json::Value;
 
 const BENCH: &str = "zstd_image";
 const TABLE: &str = "Compressed memory images: memory.zst (issue 10)";
@@ -31,17 +34,14 @@ fn median(v: &[f64]) -> f64 {
 
 /// Create a VM from `body`, touch all `pages`, delete it; the guest's
 /// time (µs) and the VM's fault counters after the touch.
-fn touch_vm(server: &TestServer, body: Value, pages: u64) -> (f64, Value) {
-    let id = server.create_vm(body);
-    let (status, v) = server.try_exec(
-        &id,
-        json!({"op": "touch", "start_page": 0, "pages": pages, "write": false}),
-    );
-    assert_eq!(status, 200, "touch on {id} failed: {v}");
-    let us = v["elapsed_us"].as_f64().expect("elapsed_us");
+fn touch_vm(server: &TestServer, body: CreateVm, pages: u64) -> (f64, VmInfo) {
+    let id = server.create_vm(&body);
+    let v = server
+        .try_exec(&id, &op::touch(0, pages, false))
+        .unwrap_or_else(|v| panic!("touch on {id} failed: {v}"));
+    let us = v.elapsed_us as f64;
     let vm = server.vm(&id);
-    let (status, v) = server.api("DELETE", &format!("/v1/vms/{id}"), None);
-    assert!(status < 300, "DELETE {id}: {v}");
+    server.delete_vm(&id);
     (us, vm)
 }
 
@@ -127,25 +127,32 @@ fn main() -> ExitCode {
     for rep in 0..plan.reps {
         let (us, _) = touch_vm(
             &server,
-            json!({"memory_mib": mib, "memory_source": raw.source()}),
+            CreateVm {
+                memory_source: Some(raw.source()),
+                ..new_vm(mib)
+            },
             pages,
         );
         raw_us.push(us);
         for (i, (_, path, _, _)) in images.iter().enumerate() {
             let (us, vm) = touch_vm(
                 &server,
-                json!({"memory_mib": mib, "memory_source": {"kind": "zstd", "path": path}}),
+                CreateVm {
+                    memory_source: Some(zstd_source(path)),
+                    ..new_vm(mib)
+                },
                 pages,
             );
             zstd_us[i].push(us);
-            zstd_faults[i] = (
-                fault_counter(&vm, "missing") as f64,
-                fault_counter(&vm, "frame_waits") as f64,
-            );
+            zstd_faults[i] = (vm.faults.missing as f64, vm.faults.frame_waits as f64);
         }
         let (us, _) = touch_vm(
             &server,
-            json!({"memory_mib": mib, "memory_source": raw.source(), "prefetch": true}),
+            CreateVm {
+                memory_source: Some(raw.source()),
+                prefetch: true,
+                ..new_vm(mib)
+            },
             pages,
         );
         pre_us.push(us);
@@ -195,14 +202,9 @@ fn main() -> ExitCode {
 
     // A Firecracker-protocol client from memory.zst vs the example handler
     // on the raw file, sequential touch.
-    let socket = server.state_dir().join("fc-zst.sock");
-    let (st, v) = server.api(
-        "POST",
-        "/v1/firecracker/listeners",
-        Some(json!({"socket": socket,
-                    "memory_source": {"kind": "zstd", "path": images[d].1}})),
-    );
-    assert_eq!(st, 201, "listener: {v}");
+    let listener =
+        server.add_listener(&server.listener_request("fc-zst", zstd_source(&images[d].1)));
+    let socket = std::path::PathBuf::from(listener.socket);
     let len = usize::try_from(mib << 20).expect("fits");
     let expected: u64 = (0..len / PAGE)
         .map(|p| u64::from(raw.bytes[p * PAGE]))
@@ -250,9 +252,13 @@ fn main() -> ExitCode {
     // thread), alone and with a compressed restore running beside it.
     let other_mib = mib / 4;
     let other_pages = pages_of(other_mib);
-    let other_body = json!({"memory_mib": other_mib, "memory_source": raw.source(),
-                            "fault_around_kib": 0, "readahead_kib": 0});
-    let beside = |restore: Value| {
+    let other_body = CreateVm {
+        memory_source: Some(raw.source()),
+        fault_around_kib: Some(0),
+        readahead_kib: Some(0),
+        ..new_vm(other_mib)
+    };
+    let beside = |restore: CreateVm| {
         std::thread::scope(|s| {
             let h = s.spawn(|| touch_vm(&server, restore, pages));
             // Let the restore get going first.
@@ -265,12 +271,14 @@ fn main() -> ExitCode {
     let (mut alone, mut beside_zst, mut beside_raw) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..plan.reps {
         alone.push(touch_vm(&server, other_body.clone(), other_pages).0);
-        beside_zst.push(beside(
-            json!({"memory_mib": mib, "memory_source": {"kind": "zstd", "path": images[d].1}}),
-        ));
-        beside_raw.push(beside(
-            json!({"memory_mib": mib, "memory_source": raw.source()}),
-        ));
+        beside_zst.push(beside(CreateVm {
+            memory_source: Some(zstd_source(&images[d].1)),
+            ..new_vm(mib)
+        }));
+        beside_raw.push(beside(CreateVm {
+            memory_source: Some(raw.source()),
+            ..new_vm(mib)
+        }));
     }
     Row::new(
         BENCH,

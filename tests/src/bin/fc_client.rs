@@ -22,6 +22,7 @@ use std::os::unix::net::UnixStream;
 use std::time::Instant;
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use proto::firecracker::GuestRegionUffdMapping;
 use userfaultfd::{FeatureFlags, UffdBuilder};
 
 const PAGE: usize = 4096;
@@ -101,14 +102,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|e| format!("create uffd: {e}"))?;
     uffd.register(mem, len)
         .map_err(|e| format!("register: {e}"))?;
-    let regions = serde_json::json!([{
-        "base_host_virt_addr": mem as u64,
-        "size": len,
-        "offset": args.offset,
-        "page_size": args.page_size,
-        "page_size_kib": args.page_size,
-    }]);
-    let body = regions.to_string();
+    let page_size = u64::try_from(args.page_size).map_err(|e| format!("page size: {e}"))?;
+    let regions = [GuestRegionUffdMapping {
+        base_host_virt_addr: mem as u64,
+        size: u64::try_from(len).map_err(|e| format!("size: {e}"))?,
+        offset: args.offset,
+        page_size: Some(page_size),
+        page_size_kib: Some(page_size),
+    }];
+    let body = serde_json::to_string(&regions).map_err(|e| format!("regions: {e}"))?;
     let stream =
         UnixStream::connect(&args.socket).map_err(|e| format!("connect {}: {e}", args.socket))?;
     let fds = [uffd.as_raw_fd()];
