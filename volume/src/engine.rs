@@ -2,10 +2,11 @@
 //!
 //! Every mutation runs under the index's write lock: checking and
 //! reserving the name, the filesystem change (mkdir, FICLONE, rename,
-//! unlink) and the index update form one critical section. They are constant-time metadata
-//! operations (a reflink shares extents, it copies no data), so serializing them costs
-//! little and rules out every interleaving (a snapshot racing the deletion
-//! of its volume, two creators of one name). Reads take the read lock only
+//! unlink) and the index update form one critical section. They are
+//! constant-time metadata operations (a reflink shares extents, it copies
+//! no data), so serializing them costs little and rules out every
+//! interleaving (a snapshot racing the deletion of its volume, two creators
+//! of one name). Reads take the read lock only
 //! to copy names, then stat and FIEMAP outside it.
 //!
 //! Each mutation is crash-safe with the rules of [`crate::index`]: new
