@@ -29,6 +29,8 @@ cargo build --workspace --all-targets
 echo "== format and lints" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+python3 scripts/test_check_imports.py
+python3 scripts/check-imports.py
 
 echo "== tests" >&2
 mkdir -p target

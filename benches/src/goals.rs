@@ -10,8 +10,8 @@
 
 use std::fmt::Write as _;
 
+use crate::numbers::fmt_num;
 use crate::plan::Plan;
-use crate::report::fmt_num;
 use crate::row::Row;
 
 /// Which number of a row a goal judges.

@@ -9,6 +9,7 @@
 //! - [`plan`]: sizes and repetitions for full and `--quick` runs, and the
 //!   rows each bench must emit (the report fails on a missing one).
 //! - [`report`]: the markdown report and its completeness check.
+//! - [`numbers`]: how figures read in the report (digits, `1/N` ratios).
 //! - [`goals`]: the goals of issues 9 and 13 at a glance, judged from the
 //!   rows of one run.
 //! - [`sys`]: host counters (Shmem, a process's RSS) and machine facts.
@@ -27,6 +28,7 @@
 pub mod fc_handler;
 pub mod goals;
 pub mod mapping;
+pub mod numbers;
 pub mod phases;
 pub mod plan;
 pub mod report;

@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
+use crate::numbers::{fmt_num, fmt_ratio};
 use crate::plan::{Plan, BENCHES};
 use crate::row::{Row, Stats};
 
@@ -88,32 +89,6 @@ pub fn volume_rows(v: &Value) -> Result<Vec<Row>, Box<dyn std::error::Error>> {
         .goal("≪ 1")
         .note(note),
     ])
-}
-
-/// A figure with about three significant digits.
-pub fn fmt_num(x: f64) -> String {
-    if !x.is_finite() {
-        return "n/a".into();
-    }
-    let a = x.abs();
-    if a >= 100.0 {
-        format!("{x:.0}")
-    } else if a >= 10.0 {
-        format!("{x:.1}")
-    } else if a >= 0.1 || a == 0.0 {
-        format!("{x:.2}")
-    } else {
-        format!("{x:.3}")
-    }
-}
-
-/// A ratio; tiny ones as `1/N` so the factor is readable.
-pub fn fmt_ratio(r: Option<f64>) -> String {
-    match r {
-        None => "—".into(),
-        Some(r) if r > 0.0 && r < 0.01 => format!("1/{:.0}", 1.0 / r),
-        Some(r) => format!("{r:.2}"),
-    }
 }
 
 fn fmt_median(s: &Option<Stats>, unit: &str, missing: &str) -> String {
@@ -277,13 +252,6 @@ pub fn render(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tiny_ratios_read_as_factors() {
-        assert_eq!(fmt_ratio(Some(0.001)), "1/1000");
-        assert_eq!(fmt_ratio(Some(1.234)), "1.23");
-        assert_eq!(fmt_ratio(None), "—");
-    }
 
     #[test]
     fn missing_rows_and_failures_are_problems() {

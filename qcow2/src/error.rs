@@ -38,7 +38,7 @@ pub enum Error {
     BadRequest(String),
     /// A test hook stopped the operation after a write group (crash tests).
     #[error("operation stopped by the failure hook after {0:?}")]
-    Injected(crate::ops::Stage),
+    Injected(crate::stage::Stage),
 }
 
 /// Result of this crate.

@@ -18,7 +18,8 @@
 //! - [`alloc`]: qemu's refcount and cluster allocator, mirrored decision for
 //!   decision, so that metadata lands where qemu would put it.
 //! - [`ops`]: internal snapshot create / apply / delete with fsync-separated
-//!   write groups and the header's 12 bytes at offset 60 as the commit point.
+//!   write groups ([`stage`] names them) and the header's 12 bytes at offset
+//!   60 as the commit point.
 //! - [`list`]: `qemu-img snapshot -l`'s table.
 //! - [`lock`]: qemu's OFD image locks, taken by the offline commands.
 //! - [`writer`]: a new v3 image from states that share clusters (export).
@@ -38,11 +39,13 @@ pub mod lock;
 pub mod ops;
 pub mod refcount;
 pub mod snapshot;
+pub mod stage;
 pub mod storage;
 pub mod writer;
 
 pub use error::{Error, Result};
 pub use image::{Image, View};
-pub use ops::{SnapshotTime, Stage};
+pub use ops::SnapshotTime;
 pub use snapshot::Snapshot;
+pub use stage::Stage;
 pub use storage::{Storage, StorageMut};

@@ -29,6 +29,7 @@ use crate::header::{self, MAX_SNAPSHOTS, SNAPSHOT_FIELDS_OFFSET};
 use crate::image::{read_u64s, Image};
 use crate::l2;
 use crate::snapshot::{self, cstr, Snapshot, KNOWN_EXTRA};
+use crate::stage::Stage;
 use crate::storage::StorageMut;
 
 /// A snapshot's date (qemu-img uses the wall clock, microsecond precision).
@@ -49,27 +50,6 @@ impl SnapshotTime {
             nsec: d.subsec_micros() * 1000,
         }
     }
-}
-
-/// The end of a write group (the point after its fsync).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
-    /// create: the snapshot's L1 copy is written and refcounts raised.
-    CopiedL1,
-    /// create/delete: the new snapshot table is written, not yet used.
-    TableWritten,
-    /// create/delete: the header points at the new table (commit).
-    HeaderCommitted,
-    /// create: the old snapshot table is freed.
-    OldTableFreed,
-    /// delete: the snapshot's clusters are released.
-    Released,
-    /// apply: the snapshot's clusters carry one more reference.
-    RefcountsRaised,
-    /// apply: the active L1 table is the snapshot's (commit).
-    ActiveL1Replaced,
-    /// apply: the old active clusters are released.
-    OldActiveReleased,
 }
 
 /// Called after each write group; an error stops the operation there.
@@ -184,7 +164,7 @@ fn write_table<S: StorageMut>(
 }
 
 /// The snapshots of the image in `st`.
-pub fn list<S: crate::Storage>(st: &S) -> Result<Vec<Snapshot>> {
+pub fn list<S: crate::storage::Storage>(st: &S) -> Result<Vec<Snapshot>> {
     Ok(Image::open(st)?.snapshots().to_vec())
 }
 

@@ -14,8 +14,8 @@ use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use qcow2::ops::{self, SnapshotTime, Stage};
-use qcow2::{Error, Image};
+use qcow2::ops::{self, SnapshotTime};
+use qcow2::{Error, Image, Stage};
 
 fn have_qemu() -> bool {
     let ok = Command::new("qemu-img")

@@ -106,7 +106,7 @@ impl GuestOp {
             | GuestOp::DiskChecksum { sector, count, .. } => Some((sector, count)),
             GuestOp::DiskWritePages { sector, pages, .. } => Some((
                 sector,
-                pages.saturating_mul(crate::PAGE_SIZE / crate::pattern::SECTOR_SIZE),
+                pages.saturating_mul(crate::geometry::PAGE_SIZE / crate::pattern::SECTOR_SIZE),
             )),
             _ => None,
         }

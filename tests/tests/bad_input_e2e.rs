@@ -1,5 +1,5 @@
-//! Bad input and failing files (issue 18, items 5, 6, 10, 11 and 12;
-//! DESIGN §10): a client's mistake answers 4xx, the paths a client names
+//! Bad input and failing files (issue 18, items 5, 6, 10, 11 and 12): a
+//! client's mistake answers 4xx, the paths a client names
 //! are opened only as regular files, a page that cannot be served fails
 //! its VM visibly (never silent zeroes, never a hang, never a log flood),
 //! a fork that fails half-way leaves nothing behind, and VM ids never

@@ -1,5 +1,5 @@
-//! End-to-end tests of the Firecracker-compatible UFFD backend (issue 6,
-//! DESIGN §9-10): a real `uffd-server` with Firecracker listeners and real
+//! End-to-end tests of the Firecracker-compatible UFFD backend (issue 6): a
+//! real `uffd-server` with Firecracker listeners and real
 //! `fc_client` processes that do what Firecracker's "Uffd" memory backend
 //! does (anonymous MAP_PRIVATE memory, their own uffd with EVENT_REMOVE, one
 //! handshake message with the JSON regions and the uffd).

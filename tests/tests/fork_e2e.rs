@@ -1,5 +1,7 @@
-//! Live fork end to end (DESIGN §3–4, issue 3): a real `uffd-server`, real
-//! `vmm` processes, real KVM and userfaultfd.
+//! Live fork end to end (issue 3): a real `uffd-server`, real `vmm`
+//! processes, real KVM and userfaultfd. A fork write-protects the parent's
+//! pages, gives the child the parent's page-source table, and copies a page
+//! only when one side writes it (`uffd-server/src/core/fork.rs`).
 //!
 //! Every test keeps a host-side [`Model`] of what each VM's guest RAM must
 //! hold (the seed last written to each page, or zero) and compares the

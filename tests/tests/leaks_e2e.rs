@@ -1,8 +1,8 @@
-//! What a VM holds goes when the VM goes (issue 18, items 1 and 2;
-//! DESIGN §10): after many create/fork/delete cycles of image-backed and
-//! plain VMs, the server's fds, userfaultfds, memory, child processes and
-//! state-directory files are back at their baseline (a bounded log history
-//! aside), even under a low fd limit; and the per-VM logs are private,
+//! What a VM holds goes when the VM goes (issue 18, items 1 and 2): after
+//! many create/fork/delete cycles of image-backed and plain VMs, the
+//! server's fds, userfaultfds, memory, child processes and state-directory
+//! files are back at their baseline (a bounded log history aside), even
+//! under a low fd limit; and the per-VM logs are private,
 //! never written through a planted link, and bounded.
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

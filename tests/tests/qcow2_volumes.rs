@@ -15,7 +15,7 @@ use std::process::Command;
 
 use pagefork_tests::{server_on_xfs, uffdctl_ok, TestServer};
 use proto::api::{ExportVolume, ImportVolume};
-use uffd_server::volume::{extents, Reflink, VolumeEngine, VolumeError};
+use volume::{Reflink, VolumeEngine, VolumeError};
 
 const MIB: u64 = 1 << 20;
 const CS: u64 = 65536;
@@ -158,7 +158,7 @@ fn import_keeps_every_snapshot_and_the_sharing_then_export_round_trips() {
     fs::remove_file(&img).expect("remove the source");
     let img = dir.join("orig-kept.qcow2");
     for n in names.iter().chain(std::iter::once(&"disk".to_string())) {
-        let u = extents::usage(&fs::File::open(vol_dir.join(n)).expect("open")).expect("usage");
+        let u = reflink::usage(&fs::File::open(vol_dir.join(n)).expect("open")).expect("usage");
         assert!(u.allocated_bytes >= 6 * MIB, "{n}: {u:?}");
         assert!(u.exclusive_bytes <= 6 * CS, "{n} lost its sharing: {u:?}");
     }

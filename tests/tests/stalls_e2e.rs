@@ -1,5 +1,5 @@
 //! Nothing a client or a VMM does may stall the server (issue 18, items 3,
-//! 4, 8, 9 and 13; DESIGN §10): idle or half-sent API connections are
+//! 4, 8, 9 and 13): idle or half-sent API connections are
 //! closed and capped, a stopped VMM gets a deadline and a bounded queue
 //! while health and every other VM keep being served, and the state the
 //! API shows is what the guest does, also when a pause meets a fork.

@@ -10,7 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier};
 
-use uffd_server::volume::{Reflink, Repair, VolumeEngine, VolumeError};
+use volume::{Reflink, Repair, VolumeEngine, VolumeError};
 
 const MIB: u64 = 1 << 20;
 

@@ -1,7 +1,7 @@
 //! The raw userfaultfd ABI of pagefork, in one place.
 //!
 //! The `userfaultfd` crate (0.9) creates, registers and reads uffds for us,
-//! but it cannot be used for everything (DESIGN §2):
+//! but it cannot be used for everything:
 //! - its `copy()` and `zeropage()` cast the kernel's *signed* result field
 //!   to `usize` before looking at it, so a partial install that ends in
 //!   EAGAIN or EEXIST loses its byte count (the field is then `-errno`);

@@ -10,7 +10,6 @@ pub mod memory;
 pub mod observe;
 pub mod pages;
 pub mod snapshot;
-pub mod volume;
 
 /// A hint to append to an I/O error that means the process ran out of file
 /// descriptors (EMFILE, ENFILE); empty otherwise.

@@ -324,7 +324,7 @@ fn run(args: Args) -> Result<(), StartError> {
     };
     let fault_around = uffd_server::pages::FaultAround::from_kib(args.fault_around_kib)
         .map_err(|e| StartError::BadArgument(format!("--fault-around-kib {e}")))?;
-    let volumes = match uffd_server::volume::VolumeEngine::open(&state_dir) {
+    let volumes = match volume::VolumeEngine::open(&state_dir) {
         Ok(engine) => Some(Arc::new(engine)),
         Err(e) => {
             warn!("volumes unavailable: {}", e.chain());

@@ -10,6 +10,7 @@ mod block;
 mod cli;
 mod connection;
 mod devices;
+mod error;
 mod fixed;
 mod kvm;
 mod layout;
@@ -21,44 +22,9 @@ mod standalone;
 mod state;
 mod uffd;
 
+use crate::error::Error;
 use clap::Parser;
-
-/// Top-level errors of the VMM binary.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("server mode needs --socket and --token (or use `vmm standalone`)")]
-    Usage,
-    #[error("the server sent {got} fds, the launch config needs {want}")]
-    FdCount { want: usize, got: usize },
-    #[error("bad --exec step {step}")]
-    Step {
-        step: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("--ram-fd {0} is not an open fd this process was started with")]
-    RamFd(i32),
-    #[error("cannot start the control thread")]
-    SpawnControl(#[source] std::io::Error),
-    #[error("cannot set up the standalone disk")]
-    Disk(#[source] std::io::Error),
-    #[error("{0}")]
-    Guest(String),
-    #[error(transparent)]
-    Connection(#[from] connection::ConnectionError),
-    #[error(transparent)]
-    Memory(#[from] memory::MemoryError),
-    #[error(transparent)]
-    Uffd(#[from] uffd::UffdError),
-    #[error(transparent)]
-    Vm(#[from] kvm::vm::VmError),
-}
-
-/// Result alias of the binary.
-pub type Result<T> = std::result::Result<T, Error>;
-
-/// One line for an error and its sources.
-pub use shared::error_chain;
+use shared::error_chain;
 
 fn main() -> std::process::ExitCode {
     // One malloc arena for all threads: the VMM has a handful of threads

@@ -19,11 +19,12 @@ use proto::vmm::{ServerMsg, VmmMsg};
 
 use crate::connection::{Connection, ConnectionError};
 use crate::devices::Disk;
+use crate::error::{Error, Result};
 use crate::kvm::{FirstVcpu, Machine, MachineConfig, Prewarmed, VcpuEvent};
 use crate::memory::{GuestRam, RamMapping};
 use crate::ops::{Dispatcher, Flow};
+use crate::uffd;
 use crate::uffd::Discarder;
-use crate::{uffd, Error, Result};
 
 /// Tell the server why we exit (best effort), then exit.
 fn exit_with(conn: &Connection, code: i32, reason: String) -> ! {
@@ -87,7 +88,7 @@ pub fn run(
     if let Some(r) = pre.ram().filter(|r| r.file.is_some()) {
         let len = usize::try_from(r.size).unwrap_or(usize::MAX);
         if let Err(e) = guest_uffd.register_ahead(r.host as *mut u8, len) {
-            tracing::debug!(error = %crate::error_chain(&e), "guest RAM is registered at the Welcome instead");
+            tracing::debug!(error = %shared::error_chain(&e), "guest RAM is registered at the Welcome instead");
         }
     }
     let control = Control::spawn()?;
@@ -106,7 +107,7 @@ pub fn run(
         control,
     ) {
         Ok(first) => first,
-        Err(e) => exit_with(&conn, 1, crate::error_chain(&e)),
+        Err(e) => exit_with(&conn, 1, shared::error_chain(&e)),
     };
     // This thread goes straight into KVM_RUN as vCPU 0. It returns only
     // when the vCPU stops, and the control thread ends the process then
@@ -155,7 +156,7 @@ impl Control {
                     }));
                     match served {
                         Ok(Ok(())) => exit_now(0),
-                        Ok(Err(e)) => exit_with(&conn, 1, crate::error_chain(&e)),
+                        Ok(Err(e)) => exit_with(&conn, 1, shared::error_chain(&e)),
                         Err(_) => exit_with(&conn, 1, "the control thread panicked".into()),
                     }
                 }
@@ -233,7 +234,7 @@ fn setup(
         VcpuEvent::Ready => {
             if !announced.swap(true, Ordering::SeqCst) {
                 if let Err(e) = events_conn.send(&VmmMsg::Running, &[]) {
-                    tracing::error!(error = %crate::error_chain(&e), "cannot report Running");
+                    tracing::error!(error = %shared::error_chain(&e), "cannot report Running");
                 }
                 // Logged only now: writing a log line takes 0.02-0.04 ms,
                 // which at the Welcome was on the start's path.
@@ -282,7 +283,7 @@ fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
                     request,
                     Box::new(move |result| {
                         if let Err(e) = c.send(&VmmMsg::Reply { seq, result }, &[]) {
-                            tracing::error!(seq, error = %crate::error_chain(&e), "cannot send a reply");
+                            tracing::error!(seq, error = %shared::error_chain(&e), "cannot send a reply");
                         }
                     }),
                 );

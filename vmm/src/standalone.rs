@@ -12,10 +12,10 @@ use shared::{GuestRegion, VmState};
 
 use crate::cli::{Extra, StandaloneArgs, Step};
 use crate::devices::Disk;
+use crate::error::{Error, Result};
 use crate::kvm::{Machine, MachineConfig, Prewarmed, VcpuEvent};
 use crate::memory::GuestRam;
 use crate::ops::{Dispatcher, Flow};
-use crate::{Error, Result};
 
 /// How long to wait for the agent to reach its command wait.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);

@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use pagefork_benches::{Plan, Row};
 use qcow2::ops::{self, SnapshotTime};
-use uffd_server::volume::{Reflink, VolumeEngine};
+use volume::{Reflink, VolumeEngine};
 
 const BENCH: &str = "qcow2_interchange";
 const TABLE: &str = "qcow2 interchange: import, export, internal snapshot (issue 14)";

@@ -110,7 +110,7 @@ fn timed_write_fsync(dir: &std::path::Path, bytes: u64, clone_of: Option<&std::p
     let t = Instant::now();
     let mut f = create_file(&path);
     if let Some(src) = &src {
-        uffd_server::volume::ficlone(&f, src).expect("FICLONE of the parent image");
+        reflink::ficlone(&f, src).expect("FICLONE of the parent image");
     }
     write_from(&mut f, &buf, bytes);
     f.sync_all().expect("baseline fsync");
@@ -169,7 +169,7 @@ impl GuestLike {
         let src = std::fs::File::open(image).expect("the parent snapshot's image");
         let t = Instant::now();
         let f = create_file(&path);
-        uffd_server::volume::ficlone(&f, &src).expect("FICLONE of the parent image");
+        reflink::ficlone(&f, &src).expect("FICLONE of the parent image");
         let mut at = 0;
         while at < bytes {
             let k = usize::try_from((bytes - at).min(buf.len() as u64)).unwrap_or(0);

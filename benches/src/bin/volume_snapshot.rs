@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
 
-use uffd_server::volume::{clone_range, Reflink, VolumeEngine};
+use volume::{Reflink, VolumeEngine};
 
 const GIB: u64 = 1 << 30;
 const CHUNK: usize = 8 << 20;
@@ -172,7 +172,8 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         };
         let (src, dst) = (open(e.volume_path("v1g"))?, open(e.volume_path("v16g"))?);
         for k in 0..16 {
-            clone_range(&dst, k * GIB, &src, 0, GIB).map_err(|e| format!("FICLONERANGE: {e}"))?;
+            reflink::ficlonerange(&dst, k * GIB, &src, 0, GIB)
+                .map_err(|e| format!("FICLONERANGE: {e}"))?;
         }
         dst.sync_all().map_err(|e| format!("fsync: {e}"))?;
     }

@@ -46,7 +46,7 @@ pub struct PageInfo {
     pub table_says_present: bool,
     /// With `?explain=true`: the whole chain of where the bytes come from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub explain: Option<super::PageExplain>,
+    pub explain: Option<super::observe::PageExplain>,
 }
 
 /// `GET /v1/tree`.
@@ -62,7 +62,7 @@ pub struct Tree {
 pub struct TreeNode {
     pub id: String,
     pub parent: Option<String>,
-    pub state: super::RunState,
+    pub state: super::vms::RunState,
     pub children: Vec<String>,
     /// Pages present in the VM's own memory.
     pub own_pages: u64,

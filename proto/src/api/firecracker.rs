@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::MemorySource;
+use super::vms::MemorySource;
 
 /// `POST /v1/firecracker/listeners`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

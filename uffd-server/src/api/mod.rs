@@ -353,10 +353,7 @@ async fn not_found() -> Error {
 }
 
 /// The whole API.
-pub fn router(
-    core: CoreHandle,
-    volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
-) -> Router {
+pub fn router(core: CoreHandle, volumes: Option<std::sync::Arc<volume::VolumeEngine>>) -> Router {
     let vms = Router::new()
         .route("/v1/health", get(health))
         .route("/v1/openapi.json", get(openapi_doc))

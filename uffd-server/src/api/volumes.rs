@@ -39,7 +39,7 @@ use serde::Serialize;
 
 use super::parse_body as parse;
 use crate::core::Error;
-use crate::volume::VolumeEngine;
+use volume::VolumeEngine;
 
 const MIB: u64 = 1 << 20;
 
@@ -79,7 +79,7 @@ fn mib_to_bytes(mib: u64) -> Result<u64, Error> {
 async fn blocking<T, F>(engine: Arc<VolumeEngine>, status: StatusCode, op: F) -> ApiResult<T>
 where
     T: Serialize + Send + 'static,
-    F: FnOnce(&VolumeEngine) -> crate::volume::Result<T> + Send + 'static,
+    F: FnOnce(&VolumeEngine) -> volume::Result<T> + Send + 'static,
 {
     let out = tokio::task::spawn_blocking(move || op(&engine))
         .await
@@ -369,7 +369,7 @@ mod tests {
     #[tokio::test]
     async fn engine_errors_become_json_with_their_status() {
         let (_dir, engine) = engine();
-        let unavailable = engine.reflink() != &crate::volume::Reflink::Supported;
+        let unavailable = engine.reflink() != &volume::Reflink::Supported;
         let res = get_volume(State(engine), Path("nope".into()))
             .await
             .unwrap_err();

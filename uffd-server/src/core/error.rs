@@ -13,7 +13,7 @@ use shared::VmId;
 
 use crate::memory::MemoryError;
 use crate::snapshot::ErrorKind as SnapshotKind;
-use crate::volume::{ErrorKind, VolumeError};
+use volume::{ErrorKind, VolumeError};
 
 /// An error for an API client.
 #[derive(Debug, thiserror::Error)]

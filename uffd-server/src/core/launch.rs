@@ -53,7 +53,7 @@ fn new_token() -> String {
 /// The launch config for `v` and its disk file, if any.
 pub(super) fn launch_config(
     v: &Vm,
-    volumes: Option<&crate::volume::VolumeEngine>,
+    volumes: Option<&volume::VolumeEngine>,
 ) -> Result<(LaunchConfig, Option<File>)> {
     let (disk_bytes, disk) = match (&v.volume, volumes) {
         (Some(name), Some(engine)) => {

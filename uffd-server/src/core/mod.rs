@@ -243,7 +243,7 @@ pub struct Core {
     pub reg: RefCell<Registry>,
     pub settings: Settings,
     pub pending: PendingLaunches,
-    pub volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+    pub volumes: Option<std::sync::Arc<volume::VolumeEngine>>,
     /// The complete VM snapshots of the state directory.
     pub snapshots: RefCell<crate::snapshot::Catalog>,
     /// Where connection threads (VMM and Firecracker) report.
@@ -364,7 +364,7 @@ impl Core {
     pub fn new(
         settings: Settings,
         pending: PendingLaunches,
-        volumes: Option<std::sync::Arc<crate::volume::VolumeEngine>>,
+        volumes: Option<std::sync::Arc<volume::VolumeEngine>>,
         snapshots: crate::snapshot::Catalog,
         events: mpsc::UnboundedSender<ConnEvent>,
         frames: std::sync::Arc<crate::images::zst::FramePool>,

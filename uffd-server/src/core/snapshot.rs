@@ -339,9 +339,9 @@ impl Registry {
                 // never read since the restore gets here: decode its frame
                 // now rather than lose the page.
                 for f in frames {
-                    image.decode_now(f).map_err(|reason| ResolveError::Frame {
+                    image.decode_now(f).map_err(|source| ResolveError::Frame {
                         path: image.path.clone(),
-                        reason,
+                        source,
                     })?;
                 }
                 read()?;

@@ -168,7 +168,7 @@ fn private_clone(file: &File, dir: &Path) -> std::io::Result<File> {
         .mode(0o600)
         .custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC)
         .open(dir)?;
-    crate::volume::ffi::ficlone(&copy, file)?;
+    reflink::ficlone(&copy, file)?;
     Ok(copy)
 }
 

@@ -19,8 +19,8 @@
 //! not wait behind a worker's insert of another frame) bounded in bytes,
 //! evicting in insertion order. A frame that cannot be decoded (truncated
 //! file, checksum mismatch, decoder error, the image changed) is remembered
-//! as failed with its reason: every fault on it fails the same way at once
-//! instead of decoding again.
+//! as failed with its [`FrameError`]: every fault on it fails the same way
+//! at once instead of decoding again.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -34,10 +34,34 @@ use dashmap::DashMap;
 use tokio::sync::oneshot;
 use tracing::warn;
 
-use super::Pin;
+use super::{Changed, Pin};
 
 /// A cache key: (image, frame).
 type Key = (u64, u64);
+
+/// Why a frame of a `memory.zst` cannot be served. A failed frame is
+/// remembered and every later fault on it gets a clone of this error, so
+/// the causes are shared.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FrameError {
+    /// The client's file changed since it was opened (an image served
+    /// from the file itself, see [`Pin::Stamp`]).
+    #[error(transparent)]
+    Changed(Arc<Changed>),
+    /// This thread cannot get a zstd decompression context.
+    #[error("cannot create a zstd decoder")]
+    CreateDecoder(#[source] Arc<std::io::Error>),
+    /// Reading or decoding the frame failed (truncated file, checksum
+    /// mismatch, data zstd refuses); the error names the frame.
+    #[error(transparent)]
+    Decode(Arc<zst::Error>),
+    /// The decoder threads have exited (the server is stopping).
+    #[error("the zstd decoder threads are gone")]
+    PoolGone,
+}
+
+/// Result of serving one frame.
+pub type FrameResult<T> = Result<T, FrameError>;
 
 /// An open `memory.zst` and what the server knows of it.
 #[derive(Debug)]
@@ -87,13 +111,13 @@ impl ZstdImage {
 
     /// Frame `frame`'s bytes if decoded; `Err` with the reason if it
     /// cannot be.
-    pub fn cached(&self, frame: u64) -> Result<Option<Arc<[u8]>>, String> {
+    pub fn cached(&self, frame: u64) -> FrameResult<Option<Arc<[u8]>>> {
         self.pool.lookup((self.key, frame))
     }
 
     /// Decode `frame` on this thread (and cache it): only for paths that
     /// cannot wait for the pool (see `core/snapshot.rs`).
-    pub fn decode_now(&self, frame: u64) -> Result<Arc<[u8]>, String> {
+    pub fn decode_now(&self, frame: u64) -> FrameResult<Arc<[u8]>> {
         if let Some(b) = self.cached(frame)? {
             return Ok(b);
         }
@@ -140,7 +164,7 @@ pub struct FramePool {
     /// Frames being decoded, with who waits for each.
     inflight: Mutex<HashMap<Key, Vec<oneshot::Sender<()>>>>,
     /// Frames that cannot be decoded, with the reason.
-    failed: DashMap<Key, String>,
+    failed: DashMap<Key, FrameError>,
     jobs: Mutex<Option<Sender<Job>>>,
     next_key: AtomicU64,
     /// Frames decoded by the workers (for `/metrics`).
@@ -204,7 +228,7 @@ impl FramePool {
         }))
     }
 
-    fn lookup(&self, key: Key) -> Result<Option<Arc<[u8]>>, String> {
+    fn lookup(&self, key: Key) -> FrameResult<Option<Arc<[u8]>>> {
         if let Some(b) = self.cache.get(&key) {
             return Ok(Some(Arc::clone(&b)));
         }
@@ -266,8 +290,7 @@ impl FramePool {
                     .map(|tx| tx.send(job));
                 if !matches!(sent, Some(Ok(()))) {
                     inflight.remove(&key);
-                    self.failed
-                        .insert(key, "the zstd decoder threads are gone".into());
+                    self.failed.insert(key, FrameError::PoolGone);
                     return None;
                 }
             }
@@ -276,7 +299,7 @@ impl FramePool {
     }
 
     /// Record the outcome of decoding `key` and wake its waiters.
-    fn finish(&self, key: Key, result: Result<Arc<[u8]>, String>) {
+    fn finish(&self, key: Key, result: FrameResult<Arc<[u8]>>) {
         match result {
             Ok(bytes) => {
                 let len = bytes.len();
@@ -340,26 +363,27 @@ thread_local! {
 }
 
 /// Decode frame `frame` of `image` into a new buffer.
-fn decode(image: &ZstdImage, frame: u64) -> Result<Arc<[u8]>, String> {
+fn decode(image: &ZstdImage, frame: u64) -> FrameResult<Arc<[u8]>> {
     if let Pin::Stamp(stamp) = &image.pin {
         stamp
             .check(image.image.file())
-            .map_err(|e| shared::error_chain(&e))?;
+            .map_err(|e| FrameError::Changed(Arc::new(e)))?;
     }
     let mut out = vec![0u8; image.image.frame_bytes(frame)];
     DECODER.with(|d| {
         let mut d = d.borrow_mut();
-        if d.is_none() {
-            let dec = zstd::bulk::Decompressor::new().map_err(|e| e.to_string())?;
-            *d = Some((dec, Vec::new()));
-        }
-        let Some((dec, scratch)) = d.as_mut() else {
-            return Err("no zstd decoder".to_owned());
+        let (dec, scratch) = match &mut *d {
+            Some(ctx) => ctx,
+            slot @ None => {
+                let dec = zstd::bulk::Decompressor::new()
+                    .map_err(|e| FrameError::CreateDecoder(Arc::new(e)))?;
+                slot.insert((dec, Vec::new()))
+            }
         };
         image
             .image
             .decode_frame(frame, dec, scratch, &mut out)
-            .map_err(|e| format!("{}: {}", image.path.display(), shared::error_chain(&e)))
+            .map_err(|e| FrameError::Decode(Arc::new(e)))
     })?;
     Ok(Arc::from(out))
 }
@@ -397,7 +421,12 @@ fn worker(rx: &Mutex<Receiver<Job>>, pool: &std::sync::Weak<FramePool>) {
         let Ok(job) = job else { return };
         let result = decode(&job.image, job.frame);
         if let Err(e) = &result {
-            warn!("zstd frame {} cannot be decoded: {e}", job.frame);
+            warn!(
+                "{}: zstd frame {} cannot be decoded: {}",
+                job.image.path.display(),
+                job.frame,
+                shared::error_chain(e)
+            );
         }
         let Some(pool) = pool.upgrade() else { return };
         pool.decoded.fetch_add(1, Ordering::Relaxed);

@@ -64,8 +64,11 @@ pub enum ResolveError {
         image: std::sync::Arc<crate::images::zst::ZstdImage>,
         frames: Range<u64>,
     },
-    #[error("cannot decode compressed image {}: {reason}", path.display())]
-    Frame { path: PathBuf, reason: String },
+    #[error("cannot decode compressed image {}", path.display())]
+    Frame {
+        path: PathBuf,
+        source: crate::images::zst::FrameError,
+    },
 }
 
 /// Result alias of this module.
@@ -235,10 +238,10 @@ pub fn read_pages(
                             frames,
                         })
                     }
-                    Err(reason) => {
+                    Err(source) => {
                         return Err(ResolveError::Frame {
                             path: z.path.clone(),
-                            reason,
+                            source,
                         })
                     }
                 }

@@ -240,7 +240,7 @@ impl Catalog {
     /// Take `name` for a snapshot about to be written and create its
     /// temporary directory. Returns that directory.
     pub fn reserve(&mut self, name: &str) -> Result<PathBuf> {
-        crate::volume::name::validate(name).map_err(|source| SnapshotError::BadName {
+        volume::name::validate(name).map_err(|source| SnapshotError::BadName {
             name: name.to_owned(),
             source,
         })?;

@@ -9,7 +9,7 @@ pub enum SnapshotError {
     BadName {
         name: String,
         #[source]
-        source: crate::volume::name::NameError,
+        source: volume::name::NameError,
     },
     #[error("snapshot {0} exists already (or is being written); pick another name")]
     Exists(String),

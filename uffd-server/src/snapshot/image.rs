@@ -105,7 +105,7 @@ impl ImageWriter {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)?;
-        let cloned = crate::volume::ficlone(&file, &src).and_then(|()| file.set_len(size));
+        let cloned = reflink::ficlone(&file, &src).and_then(|()| file.set_len(size));
         if let Err(e) = cloned {
             drop(file);
             let _ = std::fs::remove_file(path);
@@ -278,12 +278,12 @@ pub fn rewrite_sequential(path: &Path) -> std::io::Result<(u64, u64)> {
 
 /// Number of extents of `file` (FIEMAP; 0 if it cannot tell).
 pub fn extent_count(file: &File) -> u64 {
-    crate::volume::fiemap(file).map_or(0, |e| e.len() as u64)
+    reflink::fiemap(file).map_or(0, |e| e.len() as u64)
 }
 
 /// Bytes of `file` no other file shares (FIEMAP).
 pub fn exclusive_bytes(file: &File) -> u64 {
-    crate::volume::extents::usage(file).map_or(0, |u| u.exclusive_bytes)
+    reflink::usage(file).map_or(0, |u| u.exclusive_bytes)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 use iced_x86::code_asm::*;
 use shared::pattern::{DISK_SALT, FOLD_MUL, PATTERN_MUL_PAGE, PATTERN_MUL_SEED};
 
-use super::{
+use super::protocol::{
     mailbox, opcode, Agent, CMD_PORT, DISK_PORT, DISK_READ, DISK_WRITE, DONE_PORT, IDENTITY_PORT,
 };
 use crate::layout::{CODE, DISK_READ_BUF, DISK_WRITE_BUF, MAILBOX, STACK_TOP};

@@ -128,7 +128,7 @@ impl VcpuThread {
     /// The thread body: run until stopped, report a fatal error.
     pub fn run(mut self) {
         if let Err(e) = self.run_loop() {
-            let reason = format!("vCPU {}: {}", self.index, crate::error_chain(&e));
+            let reason = format!("vCPU {}: {}", self.index, shared::error_chain(&e));
             tracing::error!("{reason}");
             (self.events)(VcpuEvent::Fatal(reason));
         }

@@ -337,7 +337,7 @@ impl Prewarmed {
             return;
         };
         let warmed = vcpu::setup_long_mode(fd, agent::PARK)
-            .map_err(|e| crate::error_chain(&e))
+            .map_err(|e| shared::error_chain(&e))
             .and_then(|()| fd.run().map_err(|e| e.to_string()))
             .and_then(|exit| match exit {
                 kvm_ioctls::VcpuExit::Hlt => Ok(()),

@@ -18,24 +18,19 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use proto::api::ImportedVolume;
 use qcow2::l2::{Mapping, L1_OFFSET_MASK};
 use qcow2::{Image, StorageMut, View};
 
-use super::engine::{reserve, sync_dir, validate, validate_size, VolumeEngine};
-use super::error::{Result, VolumeError};
-use super::ffi;
-use super::index::{mtime_ns, Order, Snap, SEQ_XATTR};
+use crate::engine::{reserve, staging_dir, sync_dir, validate, validate_size, VolumeEngine};
+use crate::error::{Result, VolumeError};
+use crate::index::{mtime_ns, Order, Snap, SEQ_XATTR};
+use crate::xattr;
 
 static STAGING_SEQ: AtomicU64 = AtomicU64::new(0);
-
-/// The staging directory for imports under `root`.
-pub(super) fn staging_dir(root: &Path) -> PathBuf {
-    root.join("staging")
-}
 
 impl VolumeEngine {
     /// Import the qcow2 file at `path` as volume `name`, with one volume
@@ -123,7 +118,7 @@ impl VolumeEngine {
             let l1 = img.l1_table(*view)?;
             let size = img.size(*view)?;
             if let Some((pf, _, _)) = &prev {
-                ffi::ficlone(&out, pf)?;
+                reflink::ficlone(&out, pf)?;
             }
             out.set_len(size)?;
             write_state(
@@ -150,7 +145,7 @@ impl VolumeEngine {
         for (n, f) in names.iter().zip(snap_files) {
             let seq = index.next_seq.max(1);
             let file = File::open(f)?;
-            ffi::fsetxattr(&file, SEQ_XATTR, seq.to_string().as_bytes())?;
+            xattr::fsetxattr(&file, SEQ_XATTR, seq.to_string().as_bytes())?;
             let target = dir.join(n);
             fs::rename(f, &target)?;
             let meta = fs::metadata(&target)?;
@@ -250,7 +245,7 @@ fn write_state(
                     }
                 }
                 Mapping::Data { host } if host.is_multiple_of(4096) && len.is_multiple_of(4096) => {
-                    if ffi::ficlonerange(out, at, src, host, len).is_err() {
+                    if reflink::ficlonerange(out, at, src, host, len).is_err() {
                         copy(img, m, out, at, len, &mut buf)?;
                     }
                 }

@@ -11,10 +11,9 @@ use std::path::Path;
 
 use proto::api::{Usage, VolumeInfo, VolumeSnapshotInfo as SnapshotInfo};
 
-use super::engine::VolumeEngine;
-use super::error::{Result, VolumeError};
-use super::extents;
-use super::index::{mtime_ns, Snap};
+use crate::engine::VolumeEngine;
+use crate::error::{Result, VolumeError};
+use crate::index::{mtime_ns, Snap};
 
 impl VolumeEngine {
     /// All volumes, by name.
@@ -184,7 +183,12 @@ impl VolumeEngine {
 fn inspect(path: &Path) -> io::Result<(u64, Usage, i64)> {
     let file = File::open(path)?;
     let meta = file.metadata()?;
-    let usage = extents::usage(&file)?;
+    let u = reflink::usage(&file)?;
+    let usage = Usage {
+        allocated_bytes: u.allocated_bytes,
+        shared_bytes: u.shared_bytes,
+        exclusive_bytes: u.exclusive_bytes,
+    };
     let ms = i64::try_from(mtime_ns(&meta) / 1_000_000).unwrap_or(i64::MAX);
     Ok((meta.len(), usage, ms))
 }

@@ -3,7 +3,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use super::name::NameError;
+use crate::name::NameError;
 
 /// Result alias of the volume engine.
 pub type Result<T> = std::result::Result<T, VolumeError>;

@@ -1,14 +1,14 @@
 //! The start-up probe: can the state directory's filesystem reflink?
 //!
 //! One FICLONE between two temporary files in the root answers it. This is
-//! the only place that asks; the engine refuses every volume operation when
+//! the only place that asks; the volume engine refuses every operation when
 //! the answer is no, naming the filesystem, and never falls back to copying.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 
-use super::ffi;
+use crate::ffi;
 
 /// The outcome of the probe.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,10 +1,10 @@
-//! Raw kernel interfaces of the volume engine, behind safe wrappers:
-//! `FICLONE`, `FICLONERANGE`, `FS_IOC_FIEMAP` and file extended attributes.
+//! The raw ioctls, behind safe wrappers: `FICLONE`, `FICLONERANGE` and
+//! `FS_IOC_FIEMAP`, with their `repr(C)` structs checked against the kernel
+//! ABI at compile time.
 //!
-//! Everything unsafe in `volume/` lives here; the rest of the module tree is
-//! safe Rust working on `std::fs::File`.
+//! Everything unsafe in this crate lives here; the rest works on
+//! `std::fs::File`.
 
-use std::ffi::CStr;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -173,48 +173,4 @@ pub fn fiemap(file: &File) -> io::Result<Vec<Extent>> {
         }
         start = next;
     }
-}
-
-/// Set the extended attribute `name` of `file` to `value`.
-pub fn fsetxattr(file: &File, name: &CStr, value: &[u8]) -> io::Result<()> {
-    // SAFETY: `name` is NUL-terminated and `value` is valid for
-    // `value.len()` bytes; both outlive the call, which only reads them.
-    let rc = unsafe {
-        libc::fsetxattr(
-            file.as_raw_fd(),
-            name.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// The extended attribute `name` of `file`, or `None` if it has none
-/// (values longer than 64 bytes are reported as `E2BIG`).
-pub fn fgetxattr(file: &File, name: &CStr) -> io::Result<Option<Vec<u8>>> {
-    let mut buf = [0u8; 64];
-    // SAFETY: `name` is NUL-terminated; `buf` is writable for `buf.len()`
-    // bytes and outlives the call.
-    let rc = unsafe {
-        libc::fgetxattr(
-            file.as_raw_fd(),
-            name.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if rc < 0 {
-        let err = io::Error::last_os_error();
-        return match err.raw_os_error() {
-            Some(libc::ENODATA) | Some(libc::ENOTSUP) => Ok(None),
-            _ => Err(err),
-        };
-    }
-    let len = usize::try_from(rc).map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
-    Ok(Some(buf[..len.min(buf.len())].to_vec()))
 }

@@ -21,10 +21,10 @@ use std::path::{Path, PathBuf};
 use proto::api::ExportedVolume;
 use qcow2::writer::{self, State};
 use qcow2::SnapshotTime;
+use reflink::{Extent, FIEMAP_EXTENT_NO_IDENTITY, FIEMAP_EXTENT_UNWRITTEN};
 
-use super::engine::{sync_dir, VolumeEngine};
-use super::error::{Result, VolumeError};
-use super::ffi::{self, Extent, FIEMAP_EXTENT_NO_IDENTITY, FIEMAP_EXTENT_UNWRITTEN};
+use crate::engine::{sync_dir, VolumeEngine};
+use crate::error::{Result, VolumeError};
 
 /// 64 KiB clusters, qemu's default.
 const CLUSTER_BITS: u32 = 16;
@@ -167,7 +167,7 @@ fn write_export(
     for (k, f) in files.iter().enumerate() {
         let meta = f.metadata().map_err(ExportError::Io)?;
         let size = meta.len();
-        let extents = ffi::fiemap(f).map_err(ExportError::Io)?;
+        let extents = reflink::fiemap(f).map_err(ExportError::Io)?;
         let mut clusters = Vec::new();
         for c in 0..size.div_ceil(CS) {
             let at = c * CS;
@@ -210,7 +210,7 @@ fn write_export(
     let mut copy = |d: u32, host: u64| -> io::Result<()> {
         let (k, at, len) = sources[d as usize];
         let src = &files[k];
-        if len.is_multiple_of(4096) && ffi::ficlonerange(out, host, src, at, len).is_ok() {
+        if len.is_multiple_of(4096) && reflink::ficlonerange(out, host, src, at, len).is_ok() {
             return Ok(());
         }
         #[allow(clippy::cast_possible_truncation)] // len <= CS

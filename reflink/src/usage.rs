@@ -8,9 +8,18 @@
 
 use std::fs::File;
 
-pub use proto::api::Usage;
+use crate::ffi::{self, Extent, FIEMAP_EXTENT_SHARED};
 
-use super::ffi::{self, Extent, FIEMAP_EXTENT_SHARED};
+/// Space taken by one file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Bytes of the file's allocated extents.
+    pub allocated_bytes: u64,
+    /// Of those, bytes whose blocks another file shares (reflinked).
+    pub shared_bytes: u64,
+    /// Of those, bytes only this file holds: about what deleting it frees.
+    pub exclusive_bytes: u64,
+}
 
 /// Sum a file's extents into a [`Usage`].
 pub fn usage_of_extents(extents: &[Extent]) -> Usage {

@@ -2,13 +2,14 @@
 //!
 //! Every mutation runs under the index's write lock: checking and
 //! reserving the name, the filesystem change (mkdir, FICLONE, rename,
-//! unlink) and the index update form one critical section. By design (§8)
-//! they are constant-time metadata operations, so serializing them costs
-//! little and rules out every interleaving (a snapshot racing the deletion
-//! of its volume, two creators of one name). Reads take the read lock only
+//! unlink) and the index update form one critical section. They are
+//! constant-time metadata operations (a reflink shares extents, it copies
+//! no data), so serializing them costs little and rules out every
+//! interleaving (a snapshot racing the deletion of its volume, two creators
+//! of one name). Reads take the read lock only
 //! to copy names, then stat and FIEMAP outside it.
 //!
-//! Each mutation is crash-safe with the rules of [`super::index`]: new
+//! Each mutation is crash-safe with the rules of [`crate::index`]: new
 //! volumes and rollbacks are written to a hidden temporary file and renamed
 //! into place; a snapshot is created empty, tagged with its sequence number
 //! and filled by one FICLONE, so a crash leaves at most a zero-byte file.
@@ -19,11 +20,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use proto::api::{VolumeInfo, VolumeRollback as Rollback, VolumeSnapshotInfo as SnapshotInfo};
+use reflink::Reflink;
 
-use super::error::{Result, VolumeError};
-use super::index::{self, mtime_ns, Index, Order, Repair, Snap, SEQ_XATTR};
-use super::probe::{self, Reflink};
-use super::{ffi, name};
+use crate::error::{Result, VolumeError};
+use crate::index::{self, mtime_ns, Index, Order, Repair, Snap, SEQ_XATTR};
+use crate::{name, xattr};
+
+/// The staging directory for imports under `root` ([`crate::import`]),
+/// emptied when the engine opens.
+pub(crate) fn staging_dir(root: &Path) -> PathBuf {
+    root.join("staging")
+}
 
 /// Sizes are multiples of this (one sector of the guest block device).
 pub const SECTOR: u64 = 512;
@@ -52,7 +59,7 @@ impl VolumeEngine {
             path: volumes_dir.clone(),
             source,
         })?;
-        let reflink = probe::probe(root).map_err(|source| VolumeError::Probe {
+        let reflink = reflink::probe(root).map_err(|source| VolumeError::Probe {
             path: root.to_owned(),
             source,
         })?;
@@ -63,7 +70,7 @@ impl VolumeEngine {
             );
         }
         // Imports that died before their rename leave only staging files.
-        let _ = fs::remove_dir_all(super::import::staging_dir(root));
+        let _ = fs::remove_dir_all(staging_dir(root));
         let (index, repairs) = index::scan(&volumes_dir).map_err(|source| VolumeError::Scan {
             path: volumes_dir.clone(),
             source,
@@ -349,7 +356,7 @@ impl VolumeEngine {
             .write(true)
             .open(self.volume_path(name))
             .map_err(err)?;
-        ffi::ficlone(&dst, &src)
+        reflink::ficlone(&dst, &src)
             .and_then(|()| dst.set_len(len))
             .and_then(|()| dst.sync_all())
             .map_err(err)
@@ -379,7 +386,7 @@ impl VolumeEngine {
             source,
         };
         let src_file = File::open(src_path).map_err(err)?;
-        self.materialize(name, |file| ffi::ficlone(file, &src_file))
+        self.materialize(name, |file| reflink::ficlone(file, &src_file))
             .map_err(err)?;
         index.volumes.insert(name.to_owned());
         Ok(())
@@ -492,8 +499,8 @@ fn write_snapshot(src_path: &Path, path: &Path, seq: u64) -> io::Result<i128> {
         .write(true)
         .create_new(true)
         .open(path)?;
-    ffi::fsetxattr(&dst, SEQ_XATTR, seq.to_string().as_bytes())?;
-    ffi::ficlone(&dst, &src)?;
+    xattr::fsetxattr(&dst, SEQ_XATTR, seq.to_string().as_bytes())?;
+    reflink::ficlone(&dst, &src)?;
     dst.sync_all()?;
     if let Some(dir) = path.parent() {
         sync_dir(dir)?;
@@ -511,7 +518,7 @@ fn replace_with_clone(src: &Path, tmp: &Path, target: &Path) -> io::Result<()> {
         .write(true)
         .create_new(true)
         .open(tmp)?;
-    ffi::ficlone(&file, &src)?;
+    reflink::ficlone(&file, &src)?;
     file.sync_all()?;
     fs::rename(tmp, target)?;
     match target.parent() {

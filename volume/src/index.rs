@@ -32,7 +32,7 @@ use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::{ffi, name};
+use crate::{name, xattr};
 
 /// The extended attribute holding a snapshot's creation sequence number.
 pub const SEQ_XATTR: &CStr = c"user.pagefork.seq";
@@ -253,7 +253,7 @@ fn scan_dir(
 /// A snapshot's order from its `user.pagefork.seq` xattr and mtime.
 fn read_order(path: &Path, meta: &fs::Metadata) -> io::Result<Order> {
     let file = File::open(path)?;
-    let seq = ffi::fgetxattr(&file, SEQ_XATTR)?
+    let seq = xattr::fgetxattr(&file, SEQ_XATTR)?
         .and_then(|v| {
             std::str::from_utf8(&v)
                 .ok()
@@ -373,7 +373,7 @@ mod tests {
         write(&vols.join("a/a"), b"vol");
         write(&vols.join("a/s1"), b"snap");
         let f = File::open(vols.join("a/s1")).unwrap();
-        if ffi::fsetxattr(&f, SEQ_XATTR, b"41").is_err() {
+        if xattr::fsetxattr(&f, SEQ_XATTR, b"41").is_err() {
             eprintln!("skipping: no user xattrs on this filesystem");
             return;
         }

@@ -1,5 +1,9 @@
 //! Reflink volumes: disk images for VMs whose snapshots, clones, rollbacks
-//! and fork copies are single FICLONE calls (DESIGN §8).
+//! and fork copies are single FICLONE calls, so each costs the same for a
+//! 16 GiB volume as for 1 GiB (the filesystem shares extents; no data is
+//! copied). The engine is a library: the daemon serves it over HTTP
+//! (`uffd-server`'s `api/volumes.rs`) and attaches volumes to VMs; reflinks
+//! and extents are the `reflink` crate's.
 //!
 //! Invariants:
 //! - `ROOT/volumes/<vol>/<vol>` is a volume; its snapshots are sibling files.
@@ -12,37 +16,19 @@
 //!   engine's write lock.
 //! - Nothing ever copies data: if the filesystem cannot reflink (probed at
 //!   start-up), every operation is refused with the filesystem's name.
-//!   (qcow2 import and export copy what they must: [`import`] and
-//!   [`export`].)
+//!   (qcow2 import and export copy what they must: `import.rs` and
+//!   `export.rs`.)
 
 mod engine;
 mod error;
 mod export;
-pub mod extents;
-pub(crate) mod ffi;
 mod import;
 pub mod index;
 pub mod name;
-pub mod probe;
 mod queries;
+mod xattr;
 
 pub use engine::{VolumeEngine, SECTOR};
 pub use error::{ErrorKind, Result, VolumeError};
-pub use extents::Usage;
-/// Whole-file reflink and extent listing, for the snapshot images.
-pub use ffi::{ficlone, fiemap, Extent};
 pub use index::Repair;
-pub use probe::Reflink;
-
-/// Clone `len` bytes of `src` at `src_offset` into `dst` at `dst_offset`
-/// (FICLONERANGE): block-aligned, shares extents instead of copying. For
-/// tools that build large test images cheaply.
-pub fn clone_range(
-    dst: &std::fs::File,
-    dst_offset: u64,
-    src: &std::fs::File,
-    src_offset: u64,
-    len: u64,
-) -> std::io::Result<()> {
-    ffi::ficlonerange(dst, dst_offset, src, src_offset, len)
-}
+pub use reflink::Reflink;
