@@ -6,8 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::server::TestServer;
-
 /// Directory holding the built `uffd-server` and `vmm` binaries.
 pub fn bin_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("PAGEFORK_BIN_DIR") {
@@ -138,20 +136,6 @@ pub fn xfs_dir() -> Option<PathBuf> {
             None
         }
     }
-}
-
-/// A server whose state directory is on the XFS mount, started with
-/// `args`, or None (see [`xfs_dir`], [`require_kvm_uffd`]). The harness
-/// makes its temporary directories under TMPDIR, which this points at the
-/// mount for the rest of the test binary: images made there share the
-/// state directory's filesystem.
-pub fn server_on_xfs(args: &[&str]) -> Option<TestServer> {
-    let dir = xfs_dir()?;
-    if !require_kvm_uffd() {
-        return None;
-    }
-    std::env::set_var("TMPDIR", &dir);
-    Some(TestServer::start_with_args(args))
 }
 
 /// Call `f` every 50 ms until it gives a value or `within` has passed.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use proto::api::{CreateListener, MemorySource};
 
 use crate::api::{new_listener, Api};
-use crate::host::{bin, process_exists, signal, tail};
+use crate::host::{bin, process_exists, require_kvm_uffd, signal, tail, xfs_dir};
 
 /// A running `uffd-server` on its own temporary state directory.
 #[derive(Debug)]
@@ -349,4 +349,18 @@ pub fn server_start_failure(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A server whose state directory is on the XFS mount, started with
+/// `args`, or None (see [`xfs_dir`], [`require_kvm_uffd`]). The harness
+/// makes its temporary directories under TMPDIR, which this points at the
+/// mount for the rest of the test binary: images made there share the
+/// state directory's filesystem.
+pub fn server_on_xfs(args: &[&str]) -> Option<TestServer> {
+    let dir = xfs_dir()?;
+    if !require_kvm_uffd() {
+        return None;
+    }
+    std::env::set_var("TMPDIR", &dir);
+    Some(TestServer::start_with_args(args))
 }
