@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 use tracing::{error, info, warn};
 use uffd_server::conn::{self, PendingLaunches};
-use uffd_server::core::{CommandKind, Core, Settings};
+use uffd_server::core::{Core, Settings};
 
 /// The pagefork page server: owns guest RAM, serves VM page faults, forks VMs.
 #[derive(Debug, Parser)]
@@ -461,7 +461,7 @@ fn run(args: Args) -> Result<(), StartError> {
         tokio::spawn(async move {
             wait_for_signal().await;
             info!("signal received; stopping");
-            let _ = stopper.call(CommandKind::Shutdown).await;
+            stopper.shutdown().await;
         });
         info!(
             "uffd-server listening: api {} vmm {}",
