@@ -80,7 +80,8 @@ struct Args {
     /// Requests in flight per VM at most; beyond it that VM answers 503.
     #[arg(long, default_value_t = 64)]
     vmm_queue: usize,
-    /// API connections open at once at most; one more gets a 503.
+    /// API connections open at once at most; one more closes the one idle
+    /// longest, or gets a 503 if every one has a request in flight.
     #[arg(long, default_value_t = 256)]
     api_max_connections: usize,
     /// An API client must send a request's headers within this, in ms.
