@@ -3,6 +3,7 @@
 //! ```text
 //! POST   /v1/firecracker/listeners        CreateListener: listen on a socket
 //! GET    /v1/firecracker/listeners        every listener
+//! GET    /v1/firecracker/listeners/{id}   one listener
 //! DELETE /v1/firecracker/listeners/{id}   stop accepting (connected VMs stay served)
 //! ```
 
@@ -19,7 +20,7 @@ use crate::core::{CoreHandle, Error};
 pub fn routes() -> OpenApiRouter<CoreHandle> {
     OpenApiRouter::default()
         .routes(routes!(add_listener, list_listeners))
-        .routes(routes!(delete_listener))
+        .routes(routes!(get_listener, delete_listener))
 }
 
 /// Listen for Firecracker VMs on a Unix socket, serving them one memory
@@ -38,6 +39,18 @@ async fn add_listener(
 #[utoipa::path(get, path = "/v1/firecracker/listeners")]
 async fn list_listeners(State(core): State<CoreHandle>) -> Result<Json<ListenerList>, Error> {
     core.run(|c| async move { Ok(c.fc_listeners()) })
+        .await
+        .map(Json)
+}
+
+/// One listener.
+#[utoipa::path(get, path = "/v1/firecracker/listeners/{id}")]
+async fn get_listener(
+    State(core): State<CoreHandle>,
+    Path(p): Path<ListenerPath>,
+) -> Result<Json<ListenerInfo>, Error> {
+    let id = p.listener()?;
+    core.run(move |c| async move { c.fc_listener_info(id) })
         .await
         .map(Json)
 }
