@@ -266,7 +266,7 @@ pub type PendingReply = oneshot::Receiver<Result<Reply>>;
 /// Work for the core thread, sent from an API handler: it makes the future
 /// that does a request and answers it (see [`CoreHandle::run`]). The
 /// closure crosses threads; the future it makes stays on the core thread
-/// and may hold `Rc`s and `RefCell` borrows between its awaits.
+/// and may hold `Rc`s (it need not be `Send`).
 type Job = Box<dyn FnOnce(Rc<Core>) -> Pin<Box<dyn Future<Output = ()>>> + Send>;
 
 /// What the API asks the core.
