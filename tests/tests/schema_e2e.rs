@@ -2,7 +2,9 @@
 //! generates requests from `/v1/openapi.json` for every operation, valid and
 //! invalid, and checks every answer: no 5xx (but the documented 507 of
 //! admission control), every response and status as the document says,
-//! invalid bodies refused. The server runs on the XFS mount so the volume
+//! invalid bodies refused. The operations to cover are the document's
+//! own (the server's router makes it): every one must have had requests,
+//! by schemathesis's JUnit report. The server runs on the XFS mount so the volume
 //! routes are live, with a VM, a volume and a snapshot to aim at, behind a
 //! TCP bridge of its Unix API socket (schemathesis speaks TCP). Afterwards
 //! the server is healthy and its page-source invariant holds.
@@ -11,6 +13,7 @@
 //! names it in `PAGEFORK_SCHEMATHESIS`; without it the test skips, or fails
 //! with `CI=true`.
 
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
@@ -18,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use pagefork_tests::{new_vm, require_kvm_uffd, xfs_dir, TestServer};
+use serde_json::Value;
 
 /// Examples per operation and phase: enough to reach every branch of the
 /// request checks, bounded so the test takes well under a minute here.
@@ -80,8 +84,9 @@ fn pump_down(mut from: UnixStream, mut to: TcpStream) {
     let _ = to.shutdown(Shutdown::Write);
 }
 
-/// Run schemathesis with `config` and `args`; returns (success, output).
-fn run(st: &Path, config: &Path, url: &str, args: &[&str]) -> (bool, String) {
+/// Run schemathesis with `config` and `args`, its JUnit report in
+/// `junit`; returns (success, output).
+fn run(st: &Path, config: &Path, url: &str, junit: &Path, args: &[&str]) -> (bool, String) {
     let out = Command::new(st)
         .arg("--config-file")
         .arg(config)
@@ -98,6 +103,10 @@ fn run(st: &Path, config: &Path, url: &str, args: &[&str]) -> (bool, String) {
         // The server refuses some schema-valid bodies for reasons a schema
         // cannot state (e.g. exactly one of two fields); that check is off.
         .args(["--exclude-checks", "positive_data_acceptance"])
+        .arg("--report")
+        .arg("junit")
+        .arg("--report-junit-path")
+        .arg(junit)
         .args(args)
         // Its cache (found crashes) goes in the config's directory, not
         // the source tree.
@@ -125,6 +134,27 @@ fn generated(output: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Every operation of the document, as "METHOD /path".
+fn operations(doc: &Value) -> BTreeSet<String> {
+    let mut ops = BTreeSet::new();
+    for (path, item) in doc["paths"].as_object().expect("the document has no paths") {
+        for method in item.as_object().expect("a path item").keys() {
+            ops.insert(format!("{} {path}", method.to_uppercase()));
+        }
+    }
+    ops
+}
+
+/// The operations a JUnit report of schemathesis has test cases of.
+fn tested(junit: &Path) -> BTreeSet<String> {
+    let xml = std::fs::read_to_string(junit)
+        .unwrap_or_else(|e| panic!("no report {}: {e}", junit.display()));
+    xml.split("<testcase name=\"")
+        .skip(1)
+        .filter_map(|t| t.split_once('"').map(|(name, _)| name.to_owned()))
+        .collect()
+}
+
 #[test]
 fn the_live_api_matches_its_openapi_document() {
     let Some(st) = schemathesis() else {
@@ -142,6 +172,16 @@ fn the_live_api_matches_its_openapi_document() {
     let vm = s.create_vm(&new_vm(8));
     s.create_volume("v1", 4);
     s.snapshot_volume("v1", "s1");
+
+    let doc = s.raw("GET", "/v1/openapi.json", None);
+    assert_eq!(doc.status, 200, "{}", doc.body);
+    let doc = doc.body;
+    // Creating a Firecracker listener binds a socket at a client-chosen
+    // path; it has its own tests. Every other operation gets requests.
+    let skipped = "POST /v1/firecracker/listeners";
+    let mut expected = operations(&doc);
+    assert!(expected.remove(skipped), "{skipped} is not in the document");
+    assert!(expected.len() > 40, "{expected:?}");
 
     let port = tcp_bridge(&s.api_sock());
     let url = format!("http://127.0.0.1:{port}/v1/openapi.json");
@@ -161,27 +201,42 @@ fn the_live_api_matches_its_openapi_document() {
     drop(f);
 
     // Everything but deletes first (so the VM and volume stay there to be
-    // aimed at), then the deletes. Creating a Firecracker listener binds a
-    // socket at a client-chosen path; it has its own tests.
+    // aimed at), then the deletes.
+    let reports = config.with_file_name("junit");
+    let (first, deletes) = (reports.join("first.xml"), reports.join("deletes.xml"));
     let (ok, out) = run(
         &st,
         &config,
         &url,
-        &[
-            "--exclude-operation-id",
-            "add_listener",
-            "--exclude-method",
-            "DELETE",
-        ],
+        &first,
+        &["--exclude-name", skipped, "--exclude-method", "DELETE"],
     );
     assert!(ok, "schemathesis found problems:\n{out}");
     let mut cases = generated(&out);
-    let (ok, out) = run(&st, &config, &url, &["--include-method", "DELETE"]);
+    let (ok, out) = run(
+        &st,
+        &config,
+        &url,
+        &deletes,
+        &["--include-method", "DELETE"],
+    );
     assert!(ok, "schemathesis found problems with deletes:\n{out}");
     cases += generated(&out);
-    eprintln!("schemathesis: {cases} generated requests, no problem found");
+    let mut covered = tested(&first);
+    covered.extend(tested(&deletes));
+    let missed: Vec<&String> = expected.difference(&covered).collect();
+    assert!(
+        missed.is_empty(),
+        "operations of the document schemathesis never tested: {missed:?}"
+    );
+    assert!(!covered.contains(skipped), "{skipped} was tested");
+    eprintln!(
+        "schemathesis: {cases} generated requests over all {} operations but {skipped}, \
+         no problem found",
+        expected.len()
+    );
     assert!(cases > 500, "too few requests were generated ({cases})");
 
     s.assert_healthy();
-    s.assert_invariant("after the generated requests");
+    s.assert_invariant("after the schema run");
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::Parser;
 use tracing::{error, info, warn};
 use uffd_server::conn::{self, PendingLaunches};
-use uffd_server::core::{CommandKind, Core, Settings};
+use uffd_server::core::{Core, Settings};
 
 /// The pagefork page server: owns guest RAM, serves VM page faults, forks VMs.
 #[derive(Debug, Parser)]
@@ -80,7 +80,8 @@ struct Args {
     /// Requests in flight per VM at most; beyond it that VM answers 503.
     #[arg(long, default_value_t = 64)]
     vmm_queue: usize,
-    /// API connections open at once at most; one more gets a 503.
+    /// API connections open at once at most; one more closes the one idle
+    /// longest, or gets a 503 if every one has a request in flight.
     #[arg(long, default_value_t = 256)]
     api_max_connections: usize,
     /// An API client must send a request's headers within this, in ms.
@@ -461,7 +462,7 @@ fn run(args: Args) -> Result<(), StartError> {
         tokio::spawn(async move {
             wait_for_signal().await;
             info!("signal received; stopping");
-            let _ = stopper.call(CommandKind::Shutdown).await;
+            stopper.shutdown().await;
         });
         info!(
             "uffd-server listening: api {} vmm {}",

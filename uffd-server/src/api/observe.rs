@@ -7,6 +7,7 @@
 //! GET /v1/vms/{id}/access.png[?cells=N]                      heat map
 //! GET /v1/vms/{id}/map[?cells=N]                             JSON cells
 //! GET /v1/vms/{id}/map.png[?cells=N]                         page-source map
+//! GET /metrics                                               Prometheus metrics
 //! ```
 //!
 //! The trace is a stream (`application/x-ndjson`): one [`FaultEvent`]
@@ -19,74 +20,180 @@
 //! [`FaultEvent`]: proto::api::FaultEvent
 //! [`TraceDropped`]: proto::api::TraceDropped
 
-use axum::body::Body;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
-use proto::api::{AccessQuery, FaultKind, MapQuery, TraceDropped, TraceQuery};
-use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use std::collections::BTreeMap;
 
-use super::{call, vm_id, ApiResult};
-use crate::core::{Answer, CommandKind, CoreHandle, Error};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use proto::api::{
+    AccessMap, AccessQuery, FaultEvent, FaultKind, MapQuery, PageMap, TraceDropped, TraceQuery,
+};
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, OneOfBuilder, SchemaFormat, Type};
+use utoipa::openapi::{ContentBuilder, RefOr, ResponseBuilder, ResponsesBuilder};
+use utoipa::IntoResponses;
+use utoipa_axum::router::OpenApiRouter;
+
+use super::body::{push_schema, Answer, Json, Path, Query, Schemas};
+use super::openapi::routes;
+use super::params::VmPath;
+use crate::core::{CoreHandle, Error};
 use crate::observe::trace::{RawEvent, Subscription};
 
 /// Content type of the fault trace.
 pub const NDJSON: &str = "application/x-ndjson";
 
-/// The observation routes, to merge into the VM router.
-pub fn routes() -> Router<CoreHandle> {
-    Router::new()
-        .route("/v1/vms/{id}/faults", get(faults))
-        .route("/v1/vms/{id}/access", get(access).delete(reset_access))
-        .route("/v1/vms/{id}/access.png", get(access_png))
-        .route("/v1/vms/{id}/map", get(map))
-        .route("/v1/vms/{id}/map.png", get(map_png))
+/// The observation routes.
+pub fn routes() -> OpenApiRouter<CoreHandle> {
+    OpenApiRouter::default()
+        .routes(routes!(faults))
+        .routes(routes!(access, reset_access))
+        .routes(routes!(access_png))
+        .routes(routes!(map))
+        .routes(routes!(map_png))
+        .routes(routes!(metrics))
 }
 
-/// A query string, or a 400 that says what is wrong with it.
-pub(super) fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Error> {
-    q.map(|Query(q)| q)
-        .map_err(|e| Error::BadRequest(format!("invalid query: {}", e.body_text())))
+/// One `200` response of `content_type` with `schema`.
+fn responses(
+    description: &str,
+    content_type: &str,
+    schema: impl Into<RefOr<utoipa::openapi::Schema>>,
+) -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+    ResponsesBuilder::new()
+        .response(
+            "200",
+            ResponseBuilder::new().description(description).content(
+                content_type,
+                ContentBuilder::new().schema(Some(schema)).build(),
+            ),
+        )
+        .build()
+        .into()
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/vms/{id}/faults",
-    params(("id" = String, description = "a VM id (vm-N)"), TraceQuery),
-    responses(
-        (status = 200, description = "the VM's faults as they happen: one JSON object per line, \
-         a FaultEvent or a TraceDropped", body = proto::api::FaultEvent,
-         content_type = "application/x-ndjson"),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server is stopping", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn faults(
+/// The live fault trace: NDJSON lines, each a [`FaultEvent`] or a
+/// [`TraceDropped`].
+#[derive(Debug)]
+pub struct FaultStream(Body);
+
+impl IntoResponse for FaultStream {
+    fn into_response(self) -> Response {
+        ([(header::CONTENT_TYPE, NDJSON)], self.0).into_response()
+    }
+}
+
+impl IntoResponses for FaultStream {
+    fn responses() -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+        let line = OneOfBuilder::new()
+            .item(utoipa::openapi::Ref::from_schema_name("FaultEvent"))
+            .item(utoipa::openapi::Ref::from_schema_name("TraceDropped"));
+        responses(
+            "the VM's faults as they happen: one JSON object per line, a FaultEvent or a \
+             TraceDropped",
+            NDJSON,
+            line,
+        )
+    }
+}
+
+impl Answer for FaultStream {
+    fn schemas(out: &mut Schemas) {
+        push_schema::<FaultEvent>(out);
+        push_schema::<TraceDropped>(out);
+    }
+}
+
+/// A picture the core drew; its layout as JSON in the PNG's iTXt chunk
+/// `pagefork-layout`.
+#[derive(Debug)]
+pub struct Png(Vec<u8>);
+
+impl IntoResponse for Png {
+    fn into_response(self) -> Response {
+        ([(header::CONTENT_TYPE, "image/png")], self.0).into_response()
+    }
+}
+
+impl IntoResponses for Png {
+    fn responses() -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+        let bytes = ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)));
+        responses(
+            "a PNG; its layout as JSON in its iTXt chunk pagefork-layout",
+            "image/png",
+            bytes,
+        )
+    }
+}
+
+impl Answer for Png {
+    fn schemas(_: &mut Schemas) {}
+}
+
+/// The server's metrics as OpenMetrics text.
+#[derive(Debug)]
+pub struct Metrics(String);
+
+impl IntoResponse for Metrics {
+    fn into_response(self) -> Response {
+        (
+            [(header::CONTENT_TYPE, crate::observe::metrics::CONTENT_TYPE)],
+            self.0,
+        )
+            .into_response()
+    }
+}
+
+impl IntoResponses for Metrics {
+    fn responses() -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+        responses(
+            "Prometheus metrics (OpenMetrics text)",
+            "application/openmetrics-text",
+            ObjectBuilder::new().schema_type(Type::String),
+        )
+    }
+}
+
+impl Answer for Metrics {
+    fn schemas(_: &mut Schemas) {}
+}
+
+/// The server's counters for Prometheus: VMs, faults and their times, the
+/// pool, snapshots.
+#[utoipa::path(get, path = "/metrics")]
+pub(super) async fn metrics(State(core): State<CoreHandle>) -> Result<Metrics, Error> {
+    let sample = core.run(|c| async move { Ok(c.metrics_sample()) }).await?;
+    Ok(Metrics(crate::observe::metrics::render(&sample)))
+}
+
+/// The VM's faults as they happen (`?follow=true`), until `limit` events,
+/// its VMM going, or the client hanging up.
+#[utoipa::path(get, path = "/v1/vms/{id}/faults")]
+async fn faults(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    q: Result<Query<TraceQuery>, QueryRejection>,
-) -> Result<Response, Error> {
-    let id = vm_id(&id)?;
-    let q = query(q)?;
+    Path(p): Path<VmPath>,
+    Query(q): Query<TraceQuery>,
+) -> Result<FaultStream, Error> {
+    let id = p.vm()?;
     if !q.follow {
         return Err(Error::BadRequest(format!(
             "the fault trace is live: add ?follow=true (what {id} touched so far: \
              GET /v1/vms/{id}/access)"
         )));
     }
-    let Answer::Trace(sub) = core.call(CommandKind::Faults(id)).await? else {
-        return Err(Error::ShuttingDown);
-    };
+    let sub = core
+        .run(move |c| async move { c.subscribe_faults(id) })
+        .await?;
     // The JSON is made on a thread of the listener's own: the core thread
     // (which also runs this stream) only forwards finished chunks.
     let (tx, rx) = tokio::sync::mpsc::channel::<String>(CHUNKS);
     let (kind, limit) = (q.kind, q.limit);
     std::thread::Builder::new()
         .name(format!("trace-{id}"))
-        .spawn(move || write_lines(*sub, kind, limit, &tx))
+        .spawn(move || write_lines(sub, kind, limit, &tx))
         .map_err(|source| Error::SpawnThread {
             what: "write a fault trace",
             source,
@@ -96,7 +203,7 @@ pub(super) async fn faults(
             .await
             .map(|chunk| (Ok::<_, std::convert::Infallible>(chunk), rx))
     });
-    Ok(([(header::CONTENT_TYPE, NDJSON)], Body::from_stream(stream)).into_response())
+    Ok(FaultStream(Body::from_stream(stream)))
 }
 
 /// How long a listener lets events gather after the first one before it
@@ -156,112 +263,67 @@ fn write_lines(
     }
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/vms/{id}/access",
-    params(("id" = String, description = "a VM id (vm-N)"), AccessQuery),
-    responses(
-        (status = 200, description = "the pages the VM faulted on since its record began", body = proto::api::AccessMap),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn access(
+/// The pages the VM faulted on since its access record began, as extents.
+#[utoipa::path(get, path = "/v1/vms/{id}/access")]
+async fn access(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    q: Result<Query<AccessQuery>, QueryRejection>,
-) -> ApiResult {
-    let id = vm_id(&id)?;
-    let q = query(q)?;
-    call(&core, CommandKind::Access(id, q), StatusCode::OK).await
+    Path(p): Path<VmPath>,
+    Query(q): Query<AccessQuery>,
+) -> Result<Json<AccessMap>, Error> {
+    let id = p.vm()?;
+    core.run(move |c| async move { c.access(id, &q) })
+        .await
+        .map(Json)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/vms/{id}/map",
-    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), MapQuery),
-    responses(
-        (status = 200, description = "the page-source table as cells, with its legend", body = proto::api::PageMap),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn map(
+/// The page-source table as cells (what `map.png` draws), with its legend.
+#[utoipa::path(get, path = "/v1/vms/{id}/map")]
+async fn map(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    q: Result<Query<MapQuery>, QueryRejection>,
-) -> ApiResult {
-    let id = vm_id(&id)?;
-    let q = query(q)?;
-    call(&core, CommandKind::Map(id, q), StatusCode::OK).await
+    Path(p): Path<VmPath>,
+    Query(q): Query<MapQuery>,
+) -> Result<Json<PageMap>, Error> {
+    let id = p.vm()?;
+    core.run(move |c| async move { c.page_map(id, &q) })
+        .await
+        .map(Json)
 }
 
-/// A PNG the core drew.
-async fn png(core: &CoreHandle, kind: CommandKind) -> Result<Response, Error> {
-    let Answer::Png(bytes) = core.call(kind).await? else {
-        return Err(Error::ShuttingDown);
-    };
-    Ok(([(header::CONTENT_TYPE, "image/png")], bytes).into_response())
+/// The page-source map: one cell per page or group of pages, coloured by
+/// source, faded where not present, with a legend.
+#[utoipa::path(get, path = "/v1/vms/{id}/map.png")]
+async fn map_png(
+    State(core): State<CoreHandle>,
+    Path(p): Path<VmPath>,
+    Query(q): Query<MapQuery>,
+) -> Result<Png, Error> {
+    let id = p.vm()?;
+    let map = core.run(move |c| async move { c.page_map(id, &q) }).await?;
+    Ok(Png(crate::observe::map::source_png(&map)))
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/vms/{id}/map.png",
-    params(("id" = String, description = "a VM id (vm-N) or a listener id (fc-N)"), MapQuery),
-    responses(
-        (status = 200, description = "the page-source map: one cell per page or group of pages, \
-         coloured by source, faded where not present, with a legend; its layout as JSON in the \
-         iTXt chunk pagefork-layout", body = Vec<u8>, content_type = "image/png"),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn map_png(
+/// Faults per page since the access record began, as a heat map.
+#[utoipa::path(get, path = "/v1/vms/{id}/access.png")]
+async fn access_png(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    q: Result<Query<MapQuery>, QueryRejection>,
-) -> Result<Response, Error> {
-    let id = vm_id(&id)?;
-    let q = query(q)?;
-    png(&core, CommandKind::MapPng(id, q)).await
+    Path(p): Path<VmPath>,
+    Query(q): Query<MapQuery>,
+) -> Result<Png, Error> {
+    let id = p.vm()?;
+    core.run(move |c| async move { c.access_png(id, &q) })
+        .await
+        .map(Png)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/vms/{id}/access.png",
-    params(("id" = String, description = "a VM id (vm-N)"), MapQuery),
-    responses(
-        (status = 200, description = "faults per page since the access record began, as a heat \
-         map; its layout as JSON in the iTXt chunk pagefork-layout", body = Vec<u8>,
-         content_type = "image/png"),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn access_png(
+/// Begin the access record again now (install records stay); answers the
+/// record, empty.
+#[utoipa::path(delete, path = "/v1/vms/{id}/access")]
+async fn reset_access(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    q: Result<Query<MapQuery>, QueryRejection>,
-) -> Result<Response, Error> {
-    let id = vm_id(&id)?;
-    let q = query(q)?;
-    png(&core, CommandKind::AccessPng(id, q)).await
-}
-
-#[utoipa::path(
-    delete,
-    path = "/v1/vms/{id}/access",
-    params(("id" = String, description = "a VM id (vm-N)")),
-    responses(
-        (status = 200, description = "the access record begins again now (install records stay)", body = proto::api::AccessMap),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn reset_access(
-    State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-) -> ApiResult {
-    let id = vm_id(&id)?;
-    call(&core, CommandKind::ResetAccess(id), StatusCode::OK).await
+    Path(p): Path<VmPath>,
+) -> Result<Json<AccessMap>, Error> {
+    let id = p.vm()?;
+    core.run(move |c| async move { c.reset_access(id) })
+        .await
+        .map(Json)
 }

@@ -11,134 +11,96 @@
 //!
 //! `POST /v1/vms` with `{"from_snapshot": "name"}` starts a VM from one.
 
-use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::routing::{get, post};
-use axum::Router;
+use axum::extract::State;
+use proto::api::{
+    CloneVm, ClonedVms, CreateSnapshot, RollbackVm, SnapshotCreated, SnapshotDeleted, SnapshotInfo,
+    SnapshotList, VmRolledBack,
+};
+use utoipa_axum::router::OpenApiRouter;
 
-use super::{call, parse_body, vm_id, ApiResult};
-use crate::core::{CommandKind, CoreHandle};
+use super::body::{Created, Json, Path};
+use super::openapi::routes;
+use super::params::{SnapshotPath, VmPath};
+use crate::core::{CoreHandle, Error};
 
-/// The snapshot routes, to merge into the VM router.
-pub fn routes() -> Router<CoreHandle> {
-    Router::new()
-        .route("/v1/vms/{id}/snapshots", post(create_snapshot))
-        .route("/v1/vms/{id}/rollback", post(rollback_vm))
-        .route("/v1/vms/{id}/clone", post(clone_vm))
-        .route("/v1/snapshots", get(list_snapshots))
-        .route(
-            "/v1/snapshots/{name}",
-            get(get_snapshot).delete(delete_snapshot),
-        )
+/// The snapshot routes.
+pub fn routes() -> OpenApiRouter<CoreHandle> {
+    OpenApiRouter::default()
+        .routes(routes!(create_snapshot))
+        .routes(routes!(rollback_vm))
+        .routes(routes!(clone_vm))
+        .routes(routes!(list_snapshots))
+        .routes(routes!(get_snapshot, delete_snapshot))
 }
 
-#[utoipa::path(
-    post,
-    path = "/v1/vms/{id}/snapshots",
-    params(("id" = String, description = "a VM id (vm-N)")),
-    request_body = proto::api::CreateSnapshot,
-    responses(
-        (status = 201, description = "the snapshot is complete on disk", body = proto::api::SnapshotCreated),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn create_snapshot(
+/// Snapshot a VM; it answers once the snapshot is complete on disk (507
+/// when the disk has not the room for it).
+#[utoipa::path(post, path = "/v1/vms/{id}/snapshots")]
+async fn create_snapshot(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    body: Bytes,
-) -> ApiResult {
-    let id = vm_id(&id)?;
-    let req = parse_body(&body)?;
-    call(&core, CommandKind::Snapshot(id, req), StatusCode::CREATED).await
+    Path(p): Path<VmPath>,
+    Json(req): Json<CreateSnapshot>,
+) -> Result<Created<SnapshotCreated>, Error> {
+    let id = p.vm()?;
+    core.run(move |c| async move { c.snapshot(id, req).await })
+        .await
+        .map(Created)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/snapshots",
-    responses(
-        (status = 200, description = "every complete snapshot", body = proto::api::SnapshotList),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn list_snapshots(State(core): State<CoreHandle>) -> ApiResult {
-    call(&core, CommandKind::ListSnapshots, StatusCode::OK).await
+/// Every complete snapshot.
+#[utoipa::path(get, path = "/v1/snapshots")]
+async fn list_snapshots(State(core): State<CoreHandle>) -> Result<Json<SnapshotList>, Error> {
+    core.run(|c| async move { Ok(c.list_snapshots()) })
+        .await
+        .map(Json)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/snapshots/{name}",
-    params(("name" = String, description = "a snapshot name")),
-    responses(
-        (status = 200, description = "the snapshot", body = proto::api::SnapshotInfo),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn get_snapshot(
+/// One snapshot.
+#[utoipa::path(get, path = "/v1/snapshots/{name}")]
+async fn get_snapshot(
     State(core): State<CoreHandle>,
-    Path(name): Path<String>,
-) -> ApiResult {
-    call(&core, CommandKind::GetSnapshot(name), StatusCode::OK).await
+    Path(p): Path<SnapshotPath>,
+) -> Result<Json<SnapshotInfo>, Error> {
+    core.run(move |c| async move { c.snapshot_info(&p.name) })
+        .await
+        .map(Json)
 }
 
-#[utoipa::path(
-    delete,
-    path = "/v1/snapshots/{name}",
-    params(("name" = String, description = "a snapshot name")),
-    responses(
-        (status = 200, description = "deleted", body = proto::api::SnapshotDeleted),
-        (status = "4XX", description = "the request is wrong (409: VMs still read from it)", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn delete_snapshot(
+/// Delete a snapshot (409 while VMs read from it).
+#[utoipa::path(delete, path = "/v1/snapshots/{name}")]
+async fn delete_snapshot(
     State(core): State<CoreHandle>,
-    Path(name): Path<String>,
-) -> ApiResult {
-    call(&core, CommandKind::DeleteSnapshot(name), StatusCode::OK).await
+    Path(p): Path<SnapshotPath>,
+) -> Result<Json<SnapshotDeleted>, Error> {
+    core.run(move |c| async move { c.delete_snapshot(&p.name) })
+        .await
+        .map(Json)
 }
 
-#[utoipa::path(
-    post,
-    path = "/v1/vms/{id}/rollback",
-    params(("id" = String, description = "a VM id (vm-N)")),
-    request_body = proto::api::RollbackVm,
-    responses(
-        (status = 200, description = "the VM runs from the snapshot's moment", body = proto::api::VmRolledBack),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn rollback_vm(
+/// Roll a VM back in place to a snapshot's moment; it answers once the VM
+/// runs from there.
+#[utoipa::path(post, path = "/v1/vms/{id}/rollback")]
+async fn rollback_vm(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    body: Bytes,
-) -> ApiResult {
-    let id = vm_id(&id)?;
-    let req = parse_body(&body)?;
-    call(&core, CommandKind::Rollback(id, req), StatusCode::OK).await
+    Path(p): Path<VmPath>,
+    Json(req): Json<RollbackVm>,
+) -> Result<Json<VmRolledBack>, Error> {
+    let id = p.vm()?;
+    core.run(move |c| async move { c.rollback(id, req).await })
+        .await
+        .map(Json)
 }
 
-#[utoipa::path(
-    post,
-    path = "/v1/vms/{id}/clone",
-    params(("id" = String, description = "a VM id (vm-N)")),
-    request_body = proto::api::CloneVm,
-    responses(
-        (status = 201, description = "every clone runs", body = proto::api::ClonedVms),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed; no clone was kept", body = proto::api::ErrorBody)
-    )
-)]
-pub(super) async fn clone_vm(
+/// Clone a VM `count` times, all or none: once every clone runs, or none
+/// is kept.
+#[utoipa::path(post, path = "/v1/vms/{id}/clone")]
+async fn clone_vm(
     State(core): State<CoreHandle>,
-    Path(id): Path<String>,
-    body: Bytes,
-) -> ApiResult {
-    let id = vm_id(&id)?;
-    let req = parse_body(&body)?;
-    call(&core, CommandKind::Clone(id, req), StatusCode::CREATED).await
+    Path(p): Path<VmPath>,
+    Json(req): Json<CloneVm>,
+) -> Result<Created<ClonedVms>, Error> {
+    let id = p.vm()?;
+    core.run(move |c| async move { c.clone_vm(id, req).await })
+        .await
+        .map(Created)
 }

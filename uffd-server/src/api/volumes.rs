@@ -1,6 +1,7 @@
 //! REST handlers for volumes and snapshots.
 //!
-//! Routes (described in the OpenAPI document, see `openapi.rs`):
+//! Routes (each handler's signature makes its entry in the OpenAPI
+//! document, see `openapi.rs`):
 //!
 //! ```text
 //! GET    /v1/volumes                          list volumes
@@ -21,324 +22,276 @@
 //!
 //! Errors are `{"error": "..."}`: 400 bad input, 404 unknown name, 409 name
 //! taken, 503 when the state directory cannot reflink (a server condition
-//! the client cannot fix by changing the request), 500 filesystem failure.
+//! the client cannot fix by changing the request), 507 out of disk space,
+//! 500 other filesystem failures.
 //! Engine calls do blocking file I/O and run on the blocking pool.
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::extract::State;
 use proto::api::{
     CreateVolume, CreateVolumeSnapshot, Deleted, ExportVolume, ExportedVolume, GrowVolume,
     ImportVolume, ImportedVolume, RollbackVolume, VolumeInfo, VolumeRollback, VolumeSnapshotInfo,
 };
-use serde::Serialize;
+use utoipa_axum::router::OpenApiRouter;
 
-use super::parse_body as parse;
+use super::body::{Created, Json, JsonList, Path};
+use super::openapi::routes;
+use super::params::VolumePath;
 use crate::core::Error;
 use volume::VolumeEngine;
 
 const MIB: u64 = 1 << 20;
 
-/// The volume routes, to merge into the API router.
-pub fn router(engine: Arc<VolumeEngine>) -> Router {
-    Router::new()
-        .route("/v1/volumes", get(list_volumes).post(create_volume))
-        .route("/v1/volumes/{name}", get(get_volume).delete(delete_volume))
-        .route("/v1/volumes/{name}/grow", post(grow_volume))
-        .route(
-            "/v1/volumes/{name}/snapshots",
-            get(list_volume_snapshots).post(snapshot_volume),
-        )
-        .route("/v1/volumes/{name}/rollback", post(rollback_volume))
-        .route("/v1/volumes/import", post(import_volume))
-        .route("/v1/volumes/{name}/export", post(export_volume))
-        .route("/v1/volume-snapshots", get(list_snapshots))
-        .route(
-            "/v1/volume-snapshots/{name}",
-            get(get_snapshot).delete(delete_snapshot),
-        )
-        .route(
-            "/v1/volume-snapshots/{name}/snapshots",
-            post(snapshot_snapshot),
-        )
-        .with_state(engine)
+/// The volume routes.
+pub fn routes() -> OpenApiRouter<Arc<VolumeEngine>> {
+    OpenApiRouter::default()
+        .routes(routes!(list_volumes, create_volume))
+        .routes(routes!(get_volume, delete_volume))
+        .routes(routes!(grow_volume))
+        .routes(routes!(list_volume_snapshots, snapshot_volume))
+        .routes(routes!(rollback_volume))
+        .routes(routes!(import_volume))
+        .routes(routes!(export_volume))
+        .routes(routes!(list_snapshots))
+        .routes(routes!(get_snapshot, delete_snapshot))
+        .routes(routes!(snapshot_snapshot))
 }
-
-type ApiResult<T> = Result<(StatusCode, Json<T>), Error>;
 
 fn mib_to_bytes(mib: u64) -> Result<u64, Error> {
     mib.checked_mul(MIB)
         .ok_or_else(|| Error::BadRequest(format!("size_mib {mib} is too large")))
 }
 
-/// Run `op` on the blocking pool and answer `status` with its JSON.
-async fn blocking<T, F>(engine: Arc<VolumeEngine>, status: StatusCode, op: F) -> ApiResult<T>
+/// Run `op` on the blocking pool.
+async fn blocking<T, F>(engine: Arc<VolumeEngine>, op: F) -> Result<T, Error>
 where
-    T: Serialize + Send + 'static,
+    T: Send + 'static,
     F: FnOnce(&VolumeEngine) -> volume::Result<T> + Send + 'static,
 {
-    let out = tokio::task::spawn_blocking(move || op(&engine))
+    Ok(tokio::task::spawn_blocking(move || op(&engine))
         .await
-        .map_err(|_| Error::ShuttingDown)??;
-    Ok((status, Json(out)))
+        .map_err(|_| Error::ShuttingDown)??)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/volumes",
-    responses(
-        (status = 200, description = "every volume", body = Vec<proto::api::VolumeInfo>),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-async fn list_volumes(State(engine): State<Arc<VolumeEngine>>) -> ApiResult<Vec<VolumeInfo>> {
-    blocking(engine, StatusCode::OK, |e| e.list()).await
+/// Every volume.
+#[utoipa::path(get, path = "/v1/volumes")]
+async fn list_volumes(
+    State(engine): State<Arc<VolumeEngine>>,
+) -> Result<JsonList<VolumeInfo>, Error> {
+    blocking(engine, |e| e.list()).await.map(JsonList)
 }
 
-#[utoipa::path(
-    post,
-    path = "/v1/volumes",
-    request_body = proto::api::CreateVolume,
-    responses(
-        (status = 201, description = "the new volume", body = proto::api::VolumeInfo),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// Create a volume: empty of `size_mib`, or a copy of `from_snapshot`.
+#[utoipa::path(post, path = "/v1/volumes")]
 async fn create_volume(
     State(engine): State<Arc<VolumeEngine>>,
-    body: Bytes,
-) -> ApiResult<VolumeInfo> {
-    let req: CreateVolume = parse(&body)?;
-    match (req.size_mib, req.from_snapshot) {
+    Json(req): Json<CreateVolume>,
+) -> Result<Created<VolumeInfo>, Error> {
+    let made = match (req.size_mib, req.from_snapshot) {
         (Some(mib), None) => {
             let size = mib_to_bytes(mib)?;
-            blocking(engine, StatusCode::CREATED, move |e| {
-                e.create(&req.name, size)
-            })
-            .await
+            blocking(engine, move |e| e.create(&req.name, size)).await
         }
-        (None, Some(snap)) => {
-            blocking(engine, StatusCode::CREATED, move |e| {
-                e.clone_snapshot(&snap, &req.name)
-            })
-            .await
-        }
+        (None, Some(snap)) => blocking(engine, move |e| e.clone_snapshot(&snap, &req.name)).await,
         _ => Err(Error::BadRequest(
             "give exactly one of \"size_mib\" (new empty volume) and \"from_snapshot\" (clone)"
                 .into(),
         )),
-    }
+    };
+    made.map(Created)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/volumes/{name}",
-    params(("name" = String, description = "a volume or snapshot name")),
-    responses(
-        (status = 200, description = "the volume", body = proto::api::VolumeInfo),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// One volume.
+#[utoipa::path(get, path = "/v1/volumes/{name}")]
 async fn get_volume(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-) -> ApiResult<VolumeInfo> {
-    blocking(engine, StatusCode::OK, move |e| e.show(&name)).await
+    Path(p): Path<VolumePath>,
+) -> Result<Json<VolumeInfo>, Error> {
+    blocking(engine, move |e| e.show(&p.name)).await.map(Json)
 }
 
-#[utoipa::path(
-    delete,
-    path = "/v1/volumes/{name}",
-    params(("name" = String, description = "a volume or snapshot name")),
-    responses(
-        (status = 200, description = "deleted; its snapshots stay", body = proto::api::Deleted),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// Delete a volume; its snapshots stay.
+#[utoipa::path(delete, path = "/v1/volumes/{name}")]
 async fn delete_volume(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-) -> ApiResult<Deleted> {
-    blocking(engine, StatusCode::OK, move |e| {
+    Path(p): Path<VolumePath>,
+) -> Result<Json<Deleted>, Error> {
+    let name = p.name;
+    blocking(engine, move |e| {
         e.delete(&name).map(|()| Deleted { deleted: name })
     })
     .await
+    .map(Json)
 }
 
-#[utoipa::path(
-    post,
-    path = "/v1/volumes/{name}/grow",
-    params(("name" = String, description = "a volume or snapshot name")),
-    request_body = proto::api::GrowVolume,
-    responses(
-        (status = 200, description = "grown", body = proto::api::VolumeInfo),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// Grow a volume to `size_mib`.
+#[utoipa::path(post, path = "/v1/volumes/{name}/grow")]
 async fn grow_volume(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-    body: Bytes,
-) -> ApiResult<VolumeInfo> {
-    let req: GrowVolume = parse(&body)?;
+    Path(p): Path<VolumePath>,
+    Json(req): Json<GrowVolume>,
+) -> Result<Json<VolumeInfo>, Error> {
     let size = mib_to_bytes(req.size_mib)?;
-    blocking(engine, StatusCode::OK, move |e| e.grow(&name, size)).await
+    blocking(engine, move |e| e.grow(&p.name, size))
+        .await
+        .map(Json)
 }
 
 /// Snapshot a volume (`/v1/volumes/{name}/snapshots`) or a snapshot
 /// (`/v1/volume-snapshots/{name}/snapshots`, recorded against its volume).
-#[utoipa::path(
-    post,
-    path = "/v1/volumes/{name}/snapshots",
-    params(("name" = String, description = "a volume or snapshot name")),
-    request_body = proto::api::CreateVolumeSnapshot,
-    responses(
-        (status = 201, description = "the snapshot", body = proto::api::VolumeSnapshotInfo),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+async fn take_snapshot(
+    engine: Arc<VolumeEngine>,
+    from: String,
+    req: CreateVolumeSnapshot,
+) -> Result<Created<VolumeSnapshotInfo>, Error> {
+    blocking(engine, move |e| e.snapshot(&from, &req.name))
+        .await
+        .map(Created)
+}
+
+/// Snapshot a volume.
+#[utoipa::path(post, path = "/v1/volumes/{name}/snapshots")]
 async fn snapshot_volume(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(from): Path<String>,
-    body: Bytes,
-) -> ApiResult<VolumeSnapshotInfo> {
-    let req: CreateVolumeSnapshot = parse(&body)?;
-    blocking(engine, StatusCode::CREATED, move |e| {
-        e.snapshot(&from, &req.name)
-    })
-    .await
+    Path(p): Path<VolumePath>,
+    Json(req): Json<CreateVolumeSnapshot>,
+) -> Result<Created<VolumeSnapshotInfo>, Error> {
+    take_snapshot(engine, p.name, req).await
 }
 
-/// A snapshot of a snapshot (recorded against its volume).
-#[utoipa::path(
-    post,
-    path = "/v1/volume-snapshots/{name}/snapshots",
-    params(("name" = String, description = "a volume or snapshot name")),
-    request_body = proto::api::CreateVolumeSnapshot,
-    responses(
-        (status = 201, description = "the snapshot, recorded against the volume", body = proto::api::VolumeSnapshotInfo),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// A snapshot of a snapshot, recorded against its volume.
+#[utoipa::path(post, path = "/v1/volume-snapshots/{name}/snapshots")]
 async fn snapshot_snapshot(
-    engine: State<Arc<VolumeEngine>>,
-    from: Path<String>,
-    body: Bytes,
-) -> ApiResult<VolumeSnapshotInfo> {
-    snapshot_volume(engine, from, body).await
+    State(engine): State<Arc<VolumeEngine>>,
+    Path(p): Path<VolumePath>,
+    Json(req): Json<CreateVolumeSnapshot>,
+) -> Result<Created<VolumeSnapshotInfo>, Error> {
+    take_snapshot(engine, p.name, req).await
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/volumes/{name}/snapshots",
-    params(("name" = String, description = "a volume or snapshot name")),
-    responses(
-        (status = 200, description = "its snapshots, oldest first", body = Vec<proto::api::VolumeSnapshotInfo>),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// A volume's snapshots, oldest first.
+#[utoipa::path(get, path = "/v1/volumes/{name}/snapshots")]
 async fn list_volume_snapshots(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-) -> ApiResult<Vec<VolumeSnapshotInfo>> {
-    blocking(engine, StatusCode::OK, move |e| e.list_snapshots(&name)).await
+    Path(p): Path<VolumePath>,
+) -> Result<JsonList<VolumeSnapshotInfo>, Error> {
+    blocking(engine, move |e| e.list_snapshots(&p.name))
+        .await
+        .map(JsonList)
 }
 
-#[utoipa::path(
-    post,
-    path = "/v1/volumes/{name}/rollback",
-    params(("name" = String, description = "a volume or snapshot name")),
-    request_body = proto::api::RollbackVolume,
-    responses(
-        (status = 200, description = "rolled back", body = proto::api::VolumeRollback),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// Roll a volume back to one of its snapshots.
+#[utoipa::path(post, path = "/v1/volumes/{name}/rollback")]
 async fn rollback_volume(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-    body: Bytes,
-) -> ApiResult<VolumeRollback> {
-    let req: RollbackVolume = parse(&body)?;
-    blocking(engine, StatusCode::OK, move |e| {
-        e.rollback(&name, &req.snapshot, req.delete_newer)
+    Path(p): Path<VolumePath>,
+    Json(req): Json<RollbackVolume>,
+) -> Result<Json<VolumeRollback>, Error> {
+    blocking(engine, move |e| {
+        e.rollback(&p.name, &req.snapshot, req.delete_newer)
     })
     .await
+    .map(Json)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/volume-snapshots",
-    responses(
-        (status = 200, description = "every snapshot", body = Vec<proto::api::VolumeSnapshotInfo>),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// Every volume snapshot.
+#[utoipa::path(get, path = "/v1/volume-snapshots")]
 async fn list_snapshots(
     State(engine): State<Arc<VolumeEngine>>,
-) -> ApiResult<Vec<VolumeSnapshotInfo>> {
-    blocking(engine, StatusCode::OK, |e| e.list_all_snapshots()).await
+) -> Result<JsonList<VolumeSnapshotInfo>, Error> {
+    blocking(engine, |e| e.list_all_snapshots())
+        .await
+        .map(JsonList)
 }
 
-#[utoipa::path(
-    get,
-    path = "/v1/volume-snapshots/{name}",
-    params(("name" = String, description = "a volume or snapshot name")),
-    responses(
-        (status = 200, description = "the snapshot", body = proto::api::VolumeSnapshotInfo),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// One volume snapshot.
+#[utoipa::path(get, path = "/v1/volume-snapshots/{name}")]
 async fn get_snapshot(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-) -> ApiResult<VolumeSnapshotInfo> {
-    blocking(engine, StatusCode::OK, move |e| e.snapshot_info(&name)).await
+    Path(p): Path<VolumePath>,
+) -> Result<Json<VolumeSnapshotInfo>, Error> {
+    blocking(engine, move |e| e.snapshot_info(&p.name))
+        .await
+        .map(Json)
 }
 
-#[utoipa::path(
-    delete,
-    path = "/v1/volume-snapshots/{name}",
-    params(("name" = String, description = "a volume or snapshot name")),
-    responses(
-        (status = 200, description = "deleted", body = proto::api::Deleted),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
+/// Delete a volume snapshot.
+#[utoipa::path(delete, path = "/v1/volume-snapshots/{name}")]
 async fn delete_snapshot(
     State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-) -> ApiResult<Deleted> {
-    blocking(engine, StatusCode::OK, move |e| {
+    Path(p): Path<VolumePath>,
+) -> Result<Json<Deleted>, Error> {
+    let name = p.name;
+    blocking(engine, move |e| {
         e.delete_snapshot(&name).map(|()| Deleted { deleted: name })
     })
     .await
+    .map(Json)
+}
+
+/// Import a qcow2 file on the server's host as a new volume, its internal
+/// snapshots as volume snapshots.
+#[utoipa::path(post, path = "/v1/volumes/import")]
+async fn import_volume(
+    State(engine): State<Arc<VolumeEngine>>,
+    Json(req): Json<ImportVolume>,
+) -> Result<Created<ImportedVolume>, Error> {
+    let path = std::path::PathBuf::from(&req.path);
+    if !path.is_absolute() {
+        return Err(Error::BadRequest(format!(
+            "path {:?} is not absolute; give the qcow2 file's absolute path on the server's host",
+            req.path
+        )));
+    }
+    blocking(engine, move |e| {
+        e.import_qcow2(&path, &req.name, &req.snapshot_prefix)
+    })
+    .await
+    .map(Created)
+}
+
+/// Write a volume to a new qcow2 file on the server's host.
+#[utoipa::path(post, path = "/v1/volumes/{name}/export")]
+async fn export_volume(
+    State(engine): State<Arc<VolumeEngine>>,
+    Path(p): Path<VolumePath>,
+    Json(req): Json<ExportVolume>,
+) -> Result<Json<ExportedVolume>, Error> {
+    let path = std::path::PathBuf::from(req.path);
+    blocking(engine, move |e| e.export_qcow2(&p.name, &path))
+        .await
+        .map(Json)
 }
 
 #[cfg(test)]
 mod tests {
+    use axum::body::Bytes;
+    use axum::extract::FromRequest;
+    use axum::http::Request;
+    use axum::response::IntoResponse;
+
     use super::*;
 
     fn engine() -> (tempfile::TempDir, Arc<VolumeEngine>) {
         let dir = tempfile::tempdir().unwrap();
         let engine = Arc::new(VolumeEngine::open(dir.path()).unwrap());
         (dir, engine)
+    }
+
+    /// `body` through the JSON extractor and `create_volume`: the status.
+    async fn create(engine: &Arc<VolumeEngine>, body: impl Into<Bytes>) -> u16 {
+        let req = Request::post("/v1/volumes")
+            .body(axum::body::Body::from(body.into()))
+            .unwrap();
+        let res = match Json::<CreateVolume>::from_request(req, &()).await {
+            Ok(json) => match create_volume(State(engine.clone()), json).await {
+                Ok(created) => created.into_response(),
+                Err(e) => e.into_response(),
+            },
+            Err(rejected) => rejected,
+        };
+        res.status().as_u16()
     }
 
     #[tokio::test]
@@ -351,18 +304,10 @@ mod tests {
             "{",
             r#"{"name":"v","size":1}"#,
         ] {
-            let err = create_volume(State(engine.clone()), Bytes::from(body))
-                .await
-                .unwrap_err();
-            assert_eq!(err.status(), 400, "{body}: {err}");
+            assert_eq!(create(&engine, body).await, 400, "{body}");
         }
-        let err = create_volume(
-            State(engine),
-            Bytes::from(format!(r#"{{"name":"v","size_mib":{}}}"#, u64::MAX)),
-        )
-        .await
-        .unwrap_err();
-        assert_eq!(err.status(), 400);
+        let huge = format!(r#"{{"name":"v","size_mib":{}}}"#, u64::MAX);
+        assert_eq!(create(&engine, huge).await, 400);
     }
 
     /// /tmp is not expected to reflink; where it does, the engine works.
@@ -370,9 +315,14 @@ mod tests {
     async fn engine_errors_become_json_with_their_status() {
         let (_dir, engine) = engine();
         let unavailable = engine.reflink() != &volume::Reflink::Supported;
-        let res = get_volume(State(engine), Path("nope".into()))
-            .await
-            .unwrap_err();
+        let res = get_volume(
+            State(engine),
+            Path(VolumePath {
+                name: "nope".into(),
+            }),
+        )
+        .await
+        .unwrap_err();
         let want = if unavailable { 503 } else { 404 };
         assert_eq!(res.status(), want, "{res}");
         if unavailable {
@@ -382,59 +332,7 @@ mod tests {
                 "{message}"
             );
         }
-        let resp = axum::response::IntoResponse::into_response(res);
+        let resp = res.into_response();
         assert_eq!(resp.status().as_u16(), want);
     }
-}
-
-#[utoipa::path(
-    post,
-    path = "/v1/volumes/import",
-    request_body = proto::api::ImportVolume,
-    responses(
-        (status = 201, description = "the new volume and its snapshots", body = proto::api::ImportedVolume),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-async fn import_volume(
-    State(engine): State<Arc<VolumeEngine>>,
-    body: Bytes,
-) -> ApiResult<ImportedVolume> {
-    let req: ImportVolume = parse(&body)?;
-    let path = std::path::PathBuf::from(&req.path);
-    if !path.is_absolute() {
-        return Err(Error::BadRequest(format!(
-            "path {:?} is not absolute; give the qcow2 file's absolute path on the server's host",
-            req.path
-        )));
-    }
-    blocking(engine, StatusCode::CREATED, move |e| {
-        e.import_qcow2(&path, &req.name, &req.snapshot_prefix)
-    })
-    .await
-}
-
-#[utoipa::path(
-    post,
-    path = "/v1/volumes/{name}/export",
-    params(("name" = String, description = "a volume name")),
-    request_body = proto::api::ExportVolume,
-    responses(
-        (status = 200, description = "the file written", body = proto::api::ExportedVolume),
-        (status = "4XX", description = "the request is wrong: the message says how", body = proto::api::ErrorBody),
-        (status = "5XX", description = "the server or a VMM failed", body = proto::api::ErrorBody)
-    )
-)]
-async fn export_volume(
-    State(engine): State<Arc<VolumeEngine>>,
-    Path(name): Path<String>,
-    body: Bytes,
-) -> ApiResult<ExportedVolume> {
-    let req: ExportVolume = parse(&body)?;
-    let path = std::path::PathBuf::from(req.path);
-    blocking(engine, StatusCode::OK, move |e| {
-        e.export_qcow2(&name, &path)
-    })
-    .await
 }

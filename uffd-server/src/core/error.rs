@@ -185,8 +185,17 @@ fn hint(state: RunState) -> &'static str {
 
 impl Error {
     /// The HTTP status of this error: the one place that decides it.
+    ///
+    /// 507 Insufficient Storage is the server without the room for what was
+    /// asked, which the client can free or ask less of: admission (the
+    /// memory budget, the VM limit) and a full disk or quota: an `ENOSPC`
+    /// or `EDQUOT` anywhere in the error's sources, whatever failed on it
+    /// (a snapshot's files, a volume, a log), is 507 before anything else.
     pub fn status(&self) -> u16 {
         use Error::*;
+        if self.out_of_space() {
+            return 507;
+        }
         match self {
             BadRequest(_)
             | PageOutOfRange { .. }
@@ -244,6 +253,23 @@ impl Error {
         }
     }
 
+    /// Whether a filesystem was full: an I/O error of `ENOSPC` or `EDQUOT`
+    /// among the error's sources.
+    fn out_of_space(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cause {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                if matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+                    || io.kind() == std::io::ErrorKind::StorageFull
+                {
+                    return true;
+                }
+            }
+            cause = e.source();
+        }
+        false
+    }
+
     /// The message with its sources, as the client sees it.
     pub fn message(&self) -> String {
         shared::error_chain(self)
@@ -258,6 +284,7 @@ mod tests {
     fn client_mistakes_are_4xx_and_server_failures_5xx() {
         let vm = VmId(1);
         let io = || std::io::Error::from_raw_os_error(libc::EIO);
+        let full = || std::io::Error::from_raw_os_error(libc::ENOSPC);
         for (e, want) in [
             (Error::BadRequest("x".into()), 400),
             (Error::NoDisk { vm }, 400),
@@ -334,6 +361,62 @@ mod tests {
                     fs: "ext4".into(),
                 }),
                 503,
+            ),
+            // Out of room is the client's to free: admission, and a full
+            // disk or quota under whatever wrote to it.
+            (
+                Error::OverBudget {
+                    asked_mib: 64,
+                    promised_mib: 1024,
+                    budget_mib: 1024,
+                },
+                507,
+            ),
+            (Error::TooManyVms(12), 507),
+            (
+                Error::Snapshot(crate::snapshot::SnapshotError::Io {
+                    what: "write",
+                    path: "memory.img".into(),
+                    source: full(),
+                }),
+                507,
+            ),
+            (
+                Error::Volume(VolumeError::Create {
+                    name: "v".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EDQUOT),
+                }),
+                507,
+            ),
+            (
+                Error::CreateLog {
+                    vm,
+                    path: "logs/vm-1.log".into(),
+                    source: full(),
+                },
+                507,
+            ),
+            (
+                Error::CloneFailed {
+                    vm,
+                    index: 2,
+                    count: 4,
+                    source: Box::new(Error::Snapshot(crate::snapshot::SnapshotError::Io {
+                        what: "write",
+                        path: "memory.img".into(),
+                        source: full(),
+                    })),
+                },
+                507,
+            ),
+            // Other I/O failures stay the server's.
+            (
+                Error::Snapshot(crate::snapshot::SnapshotError::Io {
+                    what: "write",
+                    path: "memory.img".into(),
+                    source: io(),
+                }),
+                500,
             ),
         ] {
             assert_eq!(e.status(), want, "{e}");

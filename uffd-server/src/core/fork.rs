@@ -45,7 +45,7 @@ fn us(t: Instant) -> u64 {
 
 impl Core {
     /// `POST /v1/vms/{id}/fork`.
-    pub(super) async fn fork(self: &Rc<Self>, parent: VmId, count: u32) -> Result<ForkResponse> {
+    pub(crate) async fn fork(self: &Rc<Self>, parent: VmId, count: u32) -> Result<ForkResponse> {
         if count == 0 || count > MAX_FORK_COUNT {
             return Err(Error::BadRequest(format!(
                 "count must be between 1 and {MAX_FORK_COUNT}"

@@ -213,7 +213,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
 
 impl Core {
     /// `GET /v1/vms/{id}/sources`.
-    pub(super) fn sources(&self, id: VmId) -> Result<Sources> {
+    pub(crate) fn sources(&self, id: VmId) -> Result<Sources> {
         let reg = self.reg.borrow();
         let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
         let describe = |src| {
@@ -249,7 +249,7 @@ impl Core {
     }
 
     /// `GET /v1/vms/{id}/pages/{page}[?explain=true]`.
-    pub(super) fn page(&self, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
+    pub(crate) fn page(&self, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
         let reg = self.reg.borrow();
         let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
         if page >= v.table.pages() {
@@ -279,7 +279,7 @@ impl Core {
     }
 
     /// `GET /v1/vms/{id}/map`: the table as cells (see `observe/map.rs`).
-    pub(super) fn page_map(&self, id: VmId, q: &MapQuery) -> Result<PageMap> {
+    pub(crate) fn page_map(&self, id: VmId, q: &MapQuery) -> Result<PageMap> {
         use crate::observe::map;
         let reg = self.reg.borrow();
         let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
@@ -342,7 +342,7 @@ impl Core {
     }
 
     /// `GET /v1/vms/{id}/access.png`: the PNG of faults per cell.
-    pub(super) fn access_png(&self, id: VmId, q: &MapQuery) -> Result<Vec<u8>> {
+    pub(crate) fn access_png(&self, id: VmId, q: &MapQuery) -> Result<Vec<u8>> {
         use crate::observe::map;
         let reg = self.reg.borrow();
         let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
@@ -363,7 +363,7 @@ impl Core {
     }
 
     /// `GET /v1/vms/{id}/access`.
-    pub(super) fn access(&self, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
+    pub(crate) fn access(&self, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
         let reg = self.reg.borrow();
         let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
         let extents = v.log.extents(q.within_ms);
@@ -378,7 +378,7 @@ impl Core {
 
     /// `GET /v1/tree`: every VM (deleted-but-frozen ones too) with its
     /// parent, children and how many pages it reads from each other VM.
-    pub(super) fn tree(&self) -> Tree {
+    pub(crate) fn tree(&self) -> Tree {
         let reg = self.reg.borrow();
         let vms = reg
             .vms
@@ -427,7 +427,7 @@ impl Core {
     /// `Vm(self)` exactly where the memfd holds the page, or the page is
     /// stale (a rollback's, in the memfd until it is punched: see
     /// `Vm::stale`).
-    pub(super) fn check_invariant(&self) -> Invariant {
+    pub(crate) fn check_invariant(&self) -> Invariant {
         let reg = self.reg.borrow();
         let mut violations = Vec::new();
         let mut checked = 0u64;

@@ -91,7 +91,7 @@ impl Core {
     }
 
     /// `POST /v1/vms`.
-    pub(super) async fn create_vm(self: Rc<Self>, req: CreateVm) -> Result<VmInfo> {
+    pub(crate) async fn create_vm(self: Rc<Self>, req: CreateVm) -> Result<VmInfo> {
         let (id, ready_rx) = match &req.from_snapshot {
             Some(name) => self.prepare_restore(&req, name)?,
             None => self.prepare_vm(&req)?,
@@ -488,7 +488,7 @@ impl Core {
     }
 
     /// `DELETE /v1/vms/{id}`.
-    pub(super) async fn delete_vm(self: Rc<Self>, id: VmId) -> Result<VmDeleted> {
+    pub(crate) async fn delete_vm(self: Rc<Self>, id: VmId) -> Result<VmDeleted> {
         if let Some(v) = self.delete_fc_vm(id) {
             return Ok(v);
         }

@@ -24,13 +24,14 @@ pub mod vm;
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::time::Duration;
 
 pub use error::{Error, Result};
-use proto::api;
 use proto::vmm::{Reply, Request, ServerMsg, VmmMsg};
 use serve::serve_faults;
 use shared::VmId;
@@ -262,84 +263,27 @@ pub struct Core {
 /// The answer to a request in flight.
 pub type PendingReply = oneshot::Receiver<Result<Reply>>;
 
-/// A command from the API, with where to send its answer.
-#[derive(Debug)]
-pub struct Command {
-    pub kind: CommandKind,
-    pub reply: oneshot::Sender<Result<Answer>>,
+/// Work for the core thread, sent from an API handler: it makes the future
+/// that does a request and answers it (see [`CoreHandle::run`]). The
+/// closure crosses threads; the future it makes stays on the core thread
+/// and may hold `Rc`s (it need not be `Send`).
+type Job = Box<dyn FnOnce(Rc<Core>) -> Pin<Box<dyn Future<Output = ()>>> + Send>;
+
+/// What the API asks the core.
+pub enum Command {
+    /// Do one request's work (a [`CoreHandle::run`]).
+    Run(Job),
+    /// Stop every VM and end the event loop; answered once stopped.
+    Shutdown(oneshot::Sender<()>),
 }
 
-/// What the core answers: one `proto::api` type per kind of request. Only
-/// the HTTP layer turns it into JSON.
-#[derive(Debug, serde::Serialize)]
-#[serde(untagged)]
-pub enum Answer {
-    Vm(Box<api::VmInfo>),
-    Vms(api::VmList),
-    VmDeleted(api::VmDeleted),
-    Exec(api::ExecResponse),
-    Fork(api::ForkResponse),
-    Sources(api::Sources),
-    Page(api::PageInfo),
-    Tree(api::Tree),
-    Invariant(api::Invariant),
-    Listener(api::ListenerInfo),
-    Listeners(api::ListenerList),
-    ListenerDeleted(api::ListenerDeleted),
-    SnapshotCreated(api::SnapshotCreated),
-    Snapshots(api::SnapshotList),
-    Snapshot(Box<api::SnapshotInfo>),
-    SnapshotDeleted(api::SnapshotDeleted),
-    RolledBack(api::VmRolledBack),
-    Cloned(api::ClonedVms),
-    /// Counters for `/metrics` (rendered as text by the API, never JSON).
-    #[serde(skip)]
-    Metrics(Box<crate::observe::metrics::Sample>),
-    /// A listener of a VM's fault trace (streamed as NDJSON by the API).
-    #[serde(skip)]
-    Trace(Box<crate::observe::trace::Subscription>),
-    Access(api::AccessMap),
-    Map(Box<api::PageMap>),
-    /// A picture (PNG bytes, sent as they are).
-    #[serde(skip)]
-    Png(Vec<u8>),
-    /// The server is stopping.
-    Stopped,
-}
-
-/// What the API can ask.
-#[derive(Debug)]
-pub enum CommandKind {
-    CreateVm(proto::api::CreateVm),
-    ListVms,
-    GetVm(VmId),
-    DeleteVm(VmId),
-    Pause(VmId),
-    Resume(VmId),
-    Exec(VmId, proto::api::ExecRequest),
-    Fork(VmId, proto::api::ForkRequest),
-    Sources(VmId),
-    /// A page; with `true`, its whole chain.
-    Page(VmId, u64, bool),
-    Faults(VmId),
-    Access(VmId, api::AccessQuery),
-    ResetAccess(VmId),
-    Map(VmId, api::MapQuery),
-    MapPng(VmId, api::MapQuery),
-    AccessPng(VmId, api::MapQuery),
-    Tree,
-    CheckInvariant,
-    Metrics,
-    AddFcListener(proto::api::CreateListener),
-    ListFcListeners,
-    DeleteFcListener(u32),
-    Snapshot(VmId, proto::api::CreateSnapshot),
-    ListSnapshots,
-    GetSnapshot(String),
-    DeleteSnapshot(String),
-    Rollback(VmId, proto::api::RollbackVm),
-    Clone(VmId, proto::api::CloneVm),
-    Shutdown,
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Command::Run(_) => "Run",
+            Command::Shutdown(_) => "Shutdown",
+        })
+    }
 }
 
 /// A cloneable, `Send` handle to the core for API handlers.
@@ -349,13 +293,34 @@ pub struct CoreHandle {
 }
 
 impl CoreHandle {
-    /// Ask the core and wait for its answer.
-    pub async fn call(&self, kind: CommandKind) -> Result<Answer> {
-        let (reply, rx) = oneshot::channel();
+    /// Run `work` on the core thread and wait for the value it answers:
+    /// `core.run(move |core| async move { core.info(id) })`. The handler
+    /// decides the request's type and its answer's; the core only runs it.
+    pub async fn run<T, F, Fut>(&self, work: F) -> Result<T>
+    where
+        F: FnOnce(Rc<Core>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T>> + 'static,
+        T: Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let job: Job = Box::new(move |core| {
+            Box::pin(async move {
+                let _ = reply.send(work(core).await);
+            })
+        });
         self.tx
-            .send(Command { kind, reply })
+            .send(Command::Run(job))
             .map_err(|_| Error::ShuttingDown)?;
-        rx.await.map_err(|_| Error::ShuttingDown)?
+        answer.await.map_err(|_| Error::ShuttingDown)?
+    }
+
+    /// Stop every VM and the core; returns once they are stopped (or the
+    /// core was gone already).
+    pub async fn shutdown(&self) {
+        let (done, stopped) = oneshot::channel();
+        if self.tx.send(Command::Shutdown(done)).is_ok() {
+            let _ = stopped.await;
+        }
     }
 }
 
@@ -390,8 +355,9 @@ impl Core {
         })
     }
 
-    /// Run the core until a `Shutdown` command: dispatch API commands and
-    /// VMM connection events. Must run inside a `LocalSet`.
+    /// Run the core until a `Shutdown` command: run API requests (each a
+    /// task of its own) and handle VMM connection events. Must run inside
+    /// a `LocalSet`.
     pub async fn run(
         self: Rc<Self>,
         mut commands: mpsc::UnboundedReceiver<Command>,
@@ -399,21 +365,23 @@ impl Core {
     ) {
         loop {
             tokio::select! {
-                cmd = commands.recv() => {
-                    let Some(cmd) = cmd else { break };
-                    if matches!(cmd.kind, CommandKind::Shutdown) {
+                cmd = commands.recv() => match cmd {
+                    None => break,
+                    Some(Command::Shutdown(done)) => {
                         self.shutdown().await;
-                        let _ = cmd.reply.send(Ok(Answer::Stopped));
+                        let _ = done.send(());
                         break;
                     }
-                    let core = self.clone();
-                    tokio::task::spawn_local(async move {
-                        let _busy = core.pool_activity();
-                        let r = core.clone().dispatch(cmd.kind).await;
-                        let _ = cmd.reply.send(r);
-                        core.flush_after_answer().await;
-                    });
-                }
+                    Some(Command::Run(job)) => {
+                        let core = self.clone();
+                        tokio::task::spawn_local(async move {
+                            // The pool refills only while the API is quiet.
+                            let _busy = core.pool_activity();
+                            job(core.clone()).await;
+                            core.flush_after_answer().await;
+                        });
+                    }
+                },
                 ev = events.recv() => {
                     let Some(ev) = ev else { break };
                     self.on_conn_event(ev);
@@ -450,54 +418,13 @@ impl Core {
         (CoreHandle { tx }, rx)
     }
 
-    async fn dispatch(self: Rc<Self>, kind: CommandKind) -> Result<Answer> {
-        let vm = |info: api::VmInfo| Answer::Vm(Box::new(info));
-        Ok(match kind {
-            CommandKind::CreateVm(req) => vm(self.create_vm(req).await?),
-            CommandKind::ListVms => Answer::Vms(self.list_vms()),
-            CommandKind::Metrics => Answer::Metrics(Box::new(self.metrics_sample())),
-            CommandKind::GetVm(id) => vm(self.info(id)?),
-            CommandKind::DeleteVm(id) => Answer::VmDeleted(self.delete_vm(id).await?),
-            CommandKind::Pause(id) => vm(self.pause(id).await?),
-            CommandKind::Resume(id) => vm(self.resume(id).await?),
-            CommandKind::Exec(id, req) => Answer::Exec(self.exec(id, req).await?),
-            CommandKind::Fork(id, req) => Answer::Fork(self.fork(id, req.count).await?),
-            CommandKind::Sources(id) => Answer::Sources(self.sources(id)?),
-            CommandKind::Page(id, page, explain) => Answer::Page(self.page(id, page, explain)?),
-            CommandKind::Faults(id) => Answer::Trace(Box::new(self.subscribe_faults(id)?)),
-            CommandKind::Access(id, q) => Answer::Access(self.access(id, &q)?),
-            CommandKind::ResetAccess(id) => {
-                if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
-                    v.log.reset_access();
-                }
-                Answer::Access(self.access(id, &api::AccessQuery::default())?)
-            }
-            CommandKind::Map(id, q) => Answer::Map(Box::new(self.page_map(id, &q)?)),
-            CommandKind::MapPng(id, q) => {
-                Answer::Png(crate::observe::map::source_png(&self.page_map(id, &q)?))
-            }
-            CommandKind::AccessPng(id, q) => Answer::Png(self.access_png(id, &q)?),
-            CommandKind::Tree => Answer::Tree(self.tree()),
-            CommandKind::CheckInvariant => Answer::Invariant(self.check_invariant()),
-            CommandKind::AddFcListener(req) => Answer::Listener(self.add_fc_listener(req)?),
-            CommandKind::ListFcListeners => Answer::Listeners(self.fc_listeners()),
-            CommandKind::DeleteFcListener(id) => {
-                Answer::ListenerDeleted(self.delete_fc_listener(id)?)
-            }
-            CommandKind::Snapshot(id, req) => {
-                Answer::SnapshotCreated(self.snapshot(id, req).await?)
-            }
-            CommandKind::ListSnapshots => Answer::Snapshots(self.list_snapshots()),
-            CommandKind::GetSnapshot(name) => {
-                Answer::Snapshot(Box::new(self.snapshot_info(&name)?))
-            }
-            CommandKind::DeleteSnapshot(name) => {
-                Answer::SnapshotDeleted(self.delete_snapshot(&name)?)
-            }
-            CommandKind::Rollback(id, req) => Answer::RolledBack(self.rollback(id, req).await?),
-            CommandKind::Clone(id, req) => Answer::Cloned(self.clone_vm(id, req).await?),
-            CommandKind::Shutdown => Answer::Stopped,
-        })
+    /// Begin `id`'s access record again; answers the record, empty now
+    /// (its install records stay).
+    pub(crate) fn reset_access(&self, id: VmId) -> Result<proto::api::AccessMap> {
+        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
+            v.log.reset_access();
+        }
+        self.access(id, &proto::api::AccessQuery::default())
     }
 
     /// Handle a VMM connection event.

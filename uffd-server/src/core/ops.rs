@@ -210,7 +210,7 @@ impl Core {
     }
 
     /// `POST /v1/vms/{id}/pause`.
-    pub(super) async fn pause(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
+    pub(crate) async fn pause(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
         self.refuse_while_busy(id, "pause")?;
         self.expect_state(id, RunState::Running, "pause")?;
         self.pause_or_resume(id, true).await?;
@@ -218,7 +218,7 @@ impl Core {
     }
 
     /// `POST /v1/vms/{id}/resume`.
-    pub(super) async fn resume(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
+    pub(crate) async fn resume(self: Rc<Self>, id: VmId) -> Result<VmInfo> {
         self.refuse_while_busy(id, "resume")?;
         self.expect_state(id, RunState::Paused, "resume")?;
         self.pause_or_resume(id, false).await?;
@@ -226,7 +226,7 @@ impl Core {
     }
 
     /// `POST /v1/vms/{id}/exec`.
-    pub(super) async fn exec(self: &Rc<Self>, id: VmId, req: ExecRequest) -> Result<ExecResponse> {
+    pub(crate) async fn exec(self: &Rc<Self>, id: VmId, req: ExecRequest) -> Result<ExecResponse> {
         let (pages, has_disk) = {
             let reg = self.reg.borrow();
             let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;

@@ -67,7 +67,7 @@ fn us(t: Instant) -> u64 {
 
 impl Core {
     /// `POST /v1/vms/{id}/rollback`.
-    pub(super) async fn rollback(
+    pub(crate) async fn rollback(
         self: &Rc<Self>,
         vm: VmId,
         req: RollbackVm,
@@ -411,7 +411,7 @@ impl Core {
     }
 
     /// `POST /v1/vms/{id}/clone`.
-    pub(super) async fn clone_vm(self: &Rc<Self>, vm: VmId, req: CloneVm) -> Result<ClonedVms> {
+    pub(crate) async fn clone_vm(self: &Rc<Self>, vm: VmId, req: CloneVm) -> Result<ClonedVms> {
         if req.count == 0 || req.count > MAX_CLONE_COUNT {
             return Err(Error::BadRequest(format!(
                 "count must be between 1 and {MAX_CLONE_COUNT}"

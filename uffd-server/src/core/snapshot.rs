@@ -399,7 +399,7 @@ impl Registry {
 
 impl Core {
     /// `POST /v1/vms/{id}/snapshots`.
-    pub(super) async fn snapshot(
+    pub(crate) async fn snapshot(
         self: &Rc<Self>,
         vm: VmId,
         req: CreateSnapshot,
@@ -1000,7 +1000,7 @@ impl Core {
     }
 
     /// `GET /v1/snapshots`.
-    pub(super) fn list_snapshots(&self) -> SnapshotList {
+    pub(crate) fn list_snapshots(&self) -> SnapshotList {
         let names: Vec<String> = self
             .snapshots
             .borrow()
@@ -1017,7 +1017,7 @@ impl Core {
     }
 
     /// `GET /v1/snapshots/{name}`.
-    pub(super) fn snapshot_info(&self, name: &str) -> Result<SnapshotInfo> {
+    pub(crate) fn snapshot_info(&self, name: &str) -> Result<SnapshotInfo> {
         let cat = self.snapshots.borrow();
         let s = cat.get(name)?;
         let path = cat.image_of(name);
@@ -1056,7 +1056,7 @@ impl Core {
     }
 
     /// `DELETE /v1/snapshots/{name}`: refused while a VM reads from it.
-    pub(super) fn delete_snapshot(&self, name: &str) -> Result<SnapshotDeleted> {
+    pub(crate) fn delete_snapshot(&self, name: &str) -> Result<SnapshotDeleted> {
         self.snapshots.borrow().get(name)?;
         let readers = {
             let mut reg = self.reg.borrow_mut();

@@ -72,7 +72,7 @@ impl Registry {
 
 impl Core {
     /// Listen to `id`'s faults from now on.
-    pub(super) fn subscribe_faults(&self, id: VmId) -> Result<Subscription> {
+    pub(crate) fn subscribe_faults(&self, id: VmId) -> Result<Subscription> {
         let reg = self.reg.borrow();
         let Some(v) = reg.vms.get(&id) else {
             if reg.fc_vms.contains_key(&id) {
