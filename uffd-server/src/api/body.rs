@@ -27,8 +27,11 @@ use serde::Serialize;
 use utoipa::openapi::{ContentBuilder, RefOr, ResponseBuilder, ResponsesBuilder, Schema};
 use utoipa::{IntoResponses, ToSchema};
 
-use super::MAX_BODY;
 use crate::core::Error;
+
+/// Largest request body accepted: every body of this API is a small JSON
+/// object.
+pub const MAX_BODY: usize = 64 << 10;
 
 /// Schemas by name, as utoipa collects them for a document's components.
 pub type Schemas = Vec<(String, RefOr<Schema>)>;

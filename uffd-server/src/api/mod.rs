@@ -54,12 +54,10 @@ use utoipa_axum::router::OpenApiRouter;
 use crate::core::{CoreHandle, Error};
 use volume::VolumeEngine;
 
-/// Largest request body accepted: every body of this API is a small JSON
-/// object.
-pub const MAX_BODY: usize = 64 << 10;
+pub use body::MAX_BODY;
 
 /// The routes served by the core.
-fn core_routes() -> OpenApiRouter<CoreHandle> {
+pub(crate) fn core_routes() -> OpenApiRouter<CoreHandle> {
     OpenApiRouter::default()
         .merge(vms::routes())
         .merge(debug::routes())

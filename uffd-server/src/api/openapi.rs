@@ -185,16 +185,16 @@ fn operations(item: &mut utoipa::openapi::PathItem) -> impl Iterator<Item = &mut
     .flatten()
 }
 
-/// The document of a server with a volume engine (every route).
-pub fn document() -> serde_json::Value {
-    let mut doc = ApiDoc::openapi();
-    doc.merge(super::core_routes().into_openapi());
-    doc.merge(super::volumes::routes().into_openapi());
-    finish(doc)
-}
-
 #[cfg(test)]
 mod tests {
+    /// The document of a server with a volume engine (every route).
+    fn document() -> serde_json::Value {
+        let mut doc = ApiDoc::openapi();
+        doc.merge(crate::api::core_routes().into_openapi());
+        doc.merge(crate::api::volumes::routes().into_openapi());
+        finish(doc)
+    }
+
     use std::sync::Arc;
 
     use axum::body::Body;
