@@ -196,7 +196,7 @@ admin socket =
 [client.rgw.a]
 admin socket = $DIR/run/\$name.asok
 # Every address, so namespaces of scripts/netns.sh reach it over their veth.
-rgw frontends = beast endpoint=0.0.0.0:$RGW_PORT
+rgw frontends = beast endpoint=0.0.0.0:$RGW_PORT tcp_nodelay=1
 rgw enable usage log = false
 EOF
 }
