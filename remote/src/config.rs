@@ -147,7 +147,7 @@ impl Default for Tuning {
     fn default() -> Self {
         Self {
             concurrency: 16,
-            zstd_level: 3,
+            zstd_level: 1,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
             retries: 3,

@@ -134,6 +134,17 @@ impl SparseWriter {
                     .map_err(Error::io("write", &self.tmp))?;
             }
         }
+        // Start writing back now, so the fsync at the end (the commit)
+        // waits for what is left, not for the whole file.
+        let (off, len) = (
+            libc::off64_t::try_from(offset).unwrap_or(0),
+            libc::off64_t::try_from(bytes.len()).unwrap_or(0),
+        );
+        // SAFETY: sync_file_range on an open fd has no memory effects; it
+        // only starts writeback of the range.
+        let _ = unsafe {
+            libc::sync_file_range(self.file.as_raw_fd(), off, len, libc::SYNC_FILE_RANGE_WRITE)
+        };
         Ok(())
     }
 
