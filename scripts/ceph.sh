@@ -30,12 +30,12 @@
 # broken one is stopped and booted again.
 #
 # Environment: PAGEFORK_CEPH_MEMSTORE_BYTES (the OSD's capacity, default
-# 8 GiB; memstore holds it in RAM as it fills), PAGEFORK_CEPH_TIMEOUT
+# 6 GiB; memstore holds what is stored in RAM), PAGEFORK_CEPH_TIMEOUT
 # (seconds to wait for each step, default 90).
 set -euo pipefail
 
 DIR_DEFAULT="${TMPDIR:-/tmp}/pagefork-ceph"
-MEMSTORE_BYTES="${PAGEFORK_CEPH_MEMSTORE_BYTES:-$((8 << 30))}"
+MEMSTORE_BYTES="${PAGEFORK_CEPH_MEMSTORE_BYTES:-$((6 << 30))}"
 TIMEOUT="${PAGEFORK_CEPH_TIMEOUT:-90}"
 BUCKET=pagefork
 REGION=us-east-1
@@ -198,6 +198,11 @@ admin socket = $DIR/run/\$name.asok
 # Every address, so namespaces of scripts/netns.sh reach it over their veth.
 rgw frontends = beast endpoint=0.0.0.0:$RGW_PORT tcp_nodelay=1
 rgw enable usage log = false
+# Deleted objects' tails (multipart parts, anything past 4 MiB) are freed by
+# RGW's own gc, by default two hours later: memstore holds them in RAM
+# until then and fills up.
+rgw gc obj min wait = 5
+rgw gc processor period = 10
 EOF
 }
 
