@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::{make_file, make_snapshot, quiet, runtime, store};
-use object_store::ObjectStoreExt;
+use object_store::{ObjectStore, ObjectStoreExt};
 use pagefork_remote::{
     ChunkCache, ChunkRef, Error, PageRun, PullTarget, PushSource, Remote, RemoteConfig, Secret,
     Tuning, CHUNK_BYTES,
@@ -510,4 +510,33 @@ fn a_manifest_that_does_not_parse_is_refused() {
     // gc cannot know what it names: it stops rather than delete.
     let e = rt.block_on(remote.gc()).unwrap_err();
     assert!(matches!(e, Error::BadManifest { .. }), "{e:?}");
+}
+
+/// The commit of a manifest relies on the store refusing a create over an
+/// existing object (`If-None-Match: *`): two pushes of one name cannot
+/// both commit.
+#[test]
+fn the_store_refuses_a_create_over_an_existing_object() {
+    let Some(s) = store() else { return };
+    let rt = runtime();
+    let remote = s.remote("create");
+    let raw = s.raw();
+    let key = object_store::path::Path::from(format!("{}/manifests/x", remote.url().prefix));
+    let create = || object_store::PutOptions {
+        mode: object_store::PutMode::Create,
+        ..Default::default()
+    };
+    rt.block_on(raw.put_opts(&key, Bytes::from_static(b"first").into(), create()))
+        .unwrap();
+    let second = rt.block_on(raw.put_opts(&key, Bytes::from_static(b"second").into(), create()));
+    assert!(
+        matches!(
+            second,
+            Err(object_store::Error::AlreadyExists { .. }
+                | object_store::Error::Precondition { .. })
+        ),
+        "{second:?}"
+    );
+    let kept = rt.block_on(async { raw.get(&key).await.unwrap().bytes().await.unwrap() });
+    assert_eq!(&kept[..], b"first");
 }
