@@ -191,7 +191,17 @@ impl ChunkCache {
                 drop(st);
                 match self.read(c) {
                     Ok(b) => return Ok(b),
-                    Err(why) => {
+                    // Evicted by another thread since (or removed by
+                    // hand): forget it and look again.
+                    Err(None) => {
+                        st = self.lock();
+                        st.stats.hits -= 1;
+                        if !self.path_of(&c.digest).exists() {
+                            st.remove(&c.digest);
+                        }
+                        continue;
+                    }
+                    Err(Some(why)) => {
                         warn!(
                             "cached chunk {} is damaged ({why}); fetching it again",
                             c.digest
@@ -234,14 +244,23 @@ impl ChunkCache {
         got
     }
 
-    /// The cached file of `c`, checked.
-    fn read(&self, c: &ChunkRef) -> std::result::Result<Bytes, String> {
-        let bytes = fs::read(self.path_of(&c.digest)).map_err(|e| e.to_string())?;
+    /// The cached file of `c`, checked: `Err(None)` if it is gone,
+    /// `Err(Some(why))` if it is not the chunk.
+    fn read(&self, c: &ChunkRef) -> std::result::Result<Bytes, Option<String>> {
+        let bytes = match fs::read(self.path_of(&c.digest)) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(None),
+            Err(e) => return Err(Some(e.to_string())),
+        };
         if bytes.len() as u64 != c.len {
-            return Err(format!("{} bytes, the chunk has {}", bytes.len(), c.len));
+            return Err(Some(format!(
+                "{} bytes, the chunk has {}",
+                bytes.len(),
+                c.len
+            )));
         }
         if chunk::digest(&bytes) != c.digest {
-            return Err("its bytes do not hash to its name".into());
+            return Err(Some("its bytes do not hash to its name".into()));
         }
         Ok(Bytes::from(bytes))
     }

@@ -540,3 +540,55 @@ fn the_store_refuses_a_create_over_an_existing_object() {
     let kept = rt.block_on(async { raw.get(&key).await.unwrap().bytes().await.unwrap() });
     assert_eq!(&kept[..], b"first");
 }
+
+/// A snapshot with `memory.zst` beside its image pushes the image alone:
+/// the pulled snapshot is the same snapshot without the compressed copy.
+#[test]
+fn a_compressed_snapshot_travels_as_its_image_alone() {
+    let Some(s) = store() else { return };
+    let rt = runtime();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = make_snapshot(tmp.path(), "z", 2 * MIB, &|p| Some(p as u8), None);
+    let zst = dir.join("memory.zst");
+    fs::write(&zst, b"a compressed copy the store does not need").unwrap();
+    let mut state: proto::snapshot::StateFile =
+        serde_json::from_slice(&fs::read(dir.join("state.json")).unwrap()).unwrap();
+    state
+        .files
+        .insert("memory.zst".into(), common::sum_of(&zst));
+    fs::write(
+        dir.join("state.json"),
+        serde_json::to_vec_pretty(&state).unwrap(),
+    )
+    .unwrap();
+
+    let remote = s.remote("zst");
+    rt.block_on(remote.push(
+        &PushSource {
+            dir: dir.clone(),
+            ..Default::default()
+        },
+        &quiet,
+    ))
+    .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let t = PullTarget {
+        dir: out.path().join("z"),
+        volume: None,
+    };
+    rt.block_on(remote.pull("z", &t, &quiet)).unwrap();
+    let mut names: Vec<String> = fs::read_dir(&t.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["memory.img", "state.json"]);
+    let pulled: proto::snapshot::StateFile =
+        serde_json::from_slice(&fs::read(t.dir.join("state.json")).unwrap()).unwrap();
+    state.files.remove("memory.zst");
+    assert_eq!(pulled, state);
+    assert_eq!(
+        fs::read(t.dir.join(MEMORY_FILE)).unwrap(),
+        fs::read(dir.join(MEMORY_FILE)).unwrap()
+    );
+}
