@@ -7,8 +7,8 @@
 //! 3. fetch every distinct non-hole chunk in parallel (one range GET
 //!    each, checked against its digest) and write it wherever it occurs,
 //!    leaving its zero pages as holes;
-//! 4. write `state.json`, fsync, rename the directory into place (and
-//!    the volume file).
+//! 4. write `state.json`, fsync, rename the volume file into place, then
+//!    the directory (the commit).
 //!
 //! A pull stopped before step 4 leaves only a `.tmp-` directory (which
 //! uffd-server removes at start) and never a half snapshot under its name.
@@ -113,11 +113,12 @@ impl Remote {
                 state.name = local_name.clone();
                 local::write_state(&tmp, &state)?;
                 local::sync_dir(&tmp)?;
-                fs::rename(&tmp, &target.dir).map_err(Error::io("rename into", &target.dir))?;
-                local::sync_dir(&parent)?;
+                // The volume first: the directory's rename is the commit.
                 if let (Some(w), Some(p)) = (vol_writer, &volume_to) {
                     w.publish(p)?;
                 }
+                fs::rename(&tmp, &target.dir).map_err(Error::io("rename into", &target.dir))?;
+                local::sync_dir(&parent)?;
                 Ok(counts)
             });
         match result {
@@ -135,6 +136,11 @@ impl Remote {
                 let _ = fs::remove_dir_all(&tmp);
                 if let Some(p) = &volume_to {
                     let _ = fs::remove_file(volume_tmp(p));
+                    // Published, but its snapshot never committed (the
+                    // file did not exist before this pull).
+                    if !target.dir.exists() {
+                        let _ = fs::remove_file(p);
+                    }
                 }
                 Err(e)
             }

@@ -111,13 +111,14 @@ fn store_stopped_mid_pull_fails_with_a_clear_error() {
 #[test]
 fn hung_store_fails_a_fetch_at_its_deadline() {
     let Some(s) = store() else { return };
+    // The other test restarts RGW: its pid is read once that is over.
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(pid) = s.rgw_pid() else {
         eprintln!("skipping: the store is not a scripts/ceph.sh cluster (no PAGEFORK_CEPH_DIR)");
         return;
     };
-    let _one = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let rt = runtime();
     let tmp = tempfile::tempdir().unwrap();
     let dir = make_snapshot(tmp.path(), "h", 2 * CHUNK_BYTES, &|p| Some(p as u8), None);
