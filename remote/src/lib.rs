@@ -23,9 +23,9 @@
 //! comes from: a push uploads only the chunks the store lacks (a HEAD per
 //! chunk tells), so an incremental or dirty snapshot, or a second template
 //! booted from the same image, costs the chunks it changed. Holes (chunks
-//! whose digest is that of zeroes) are not stored at all; a pull leaves
-//! every zero page of the chunks it writes a hole too, as uffd-server's
-//! own images are.
+//! whose digest is that of zeroes) are not stored at all, and a pull
+//! leaves them holes, as well as every run of 64 KiB or more of zero pages
+//! in the chunks it writes.
 //!
 //! **One frame per chunk.** A chunk is a single zstd frame of its 1 MiB
 //! (level 1), fetched with one range GET of exactly its stored length (the
