@@ -3,8 +3,9 @@
 # libclang (userfaultfd-sys runs bindgen at build time), xfsprogs (the
 # reflink volume tests use a loop-mounted XFS), prometheus (its promtool
 # checks /metrics), qemu-utils (qemu-img and qemu-io: the oracle of the qcow2
-# tests), tmux (a real terminal for the `uffdctl top` test), and
-# schemathesis from PyPI
+# tests), tmux (a real terminal for the `uffdctl top` test), Ceph
+# (ceph-mon, ceph-mgr, ceph-osd, radosgw: the S3 store scripts/ceph.sh
+# boots for the remote-snapshot tests) with s3cmd, and schemathesis from PyPI
 # in a venv (the API-schema test; PAGEFORK_VENV, default
 # /var/tmp/pagefork-venv). Idempotent; root needed only when a Debian
 # package is missing.
@@ -17,6 +18,10 @@ command -v losetup >/dev/null 2>&1 || missing+=(mount)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus) # promtool checks /metrics
 command -v qemu-img >/dev/null 2>&1 && command -v qemu-io >/dev/null 2>&1 || missing+=(qemu-utils) # qcow2 differential tests
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)             # the terminal of the `uffdctl top` test
+command -v curl >/dev/null 2>&1 || missing+=(curl)             # scripts/ceph.sh waits on RGW with it
+for tool in ceph-mon ceph-mgr ceph-osd radosgw s3cmd; do        # scripts/ceph.sh: the S3 store
+	command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
 
 if [ "${#missing[@]}" -gt 0 ]; then
 	echo "setup: installing ${missing[*]}" >&2

@@ -5,7 +5,8 @@
 # second pass of the fork, snapshot, Firecracker, core and stall tests with
 # a warm VMM pool (--vmm-pool 2), a third of the fork and snapshot tests on
 # hugepage guest RAM (--hugepages), a bounded run of every fuzz target, and a
-# smoke run of every benchmark (no timing thresholds).
+# smoke run of every benchmark (no timing thresholds). The remote-snapshot
+# tests run against a one-node Ceph (scripts/ceph.sh) booted for the run.
 #
 # With CI=true, tests whose prerequisites (/dev/kvm, /dev/userfaultfd, the
 # XFS mount) are missing fail instead of skipping.
@@ -15,12 +16,33 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 
 XFS_DIR="${PAGEFORK_XFS_DIR:-/var/tmp/pagefork-test-xfs}"
-cleanup() { scripts/xfs-loop.sh down "$XFS_DIR" >/dev/null 2>&1 || true; }
+CEPH_DIR="$PWD/target/ceph"
+stop_xfs=false
+stop_ceph=false
+cleanup() {
+	if $stop_ceph; then
+		# A boot still under way finishes first, so nothing outlives the stop.
+		[ -z "${ceph_pid:-}" ] || wait "$ceph_pid" 2>/dev/null || true
+		scripts/ceph.sh stop "$CEPH_DIR" >/dev/null 2>&1 || true
+	fi
+	if $stop_xfs; then scripts/xfs-loop.sh down "$XFS_DIR" >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
 if [ -z "${PAGEFORK_XFS_DIR:-}" ]; then
-	trap cleanup EXIT
+	stop_xfs=true
 	scripts/xfs-loop.sh up "$XFS_DIR" >/dev/null
 fi
 export PAGEFORK_XFS_DIR="$XFS_DIR"
+
+# The S3 store of the remote-snapshot tests (a one-node Ceph with RGW),
+# unless AWS_* already name one: booted once, while the workspace builds.
+mkdir -p target
+if [ -z "${AWS_ENDPOINT_URL:-}" ]; then
+	stop_ceph=true
+	ceph_t0=$SECONDS
+	scripts/ceph.sh start "$CEPH_DIR" >target/ceph.env 2>target/ceph.log &
+	ceph_pid=$!
+fi
 export PAGEFORK_SCHEMATHESIS="${PAGEFORK_VENV:-/var/tmp/pagefork-venv}/bin/schemathesis"
 
 echo "== build" >&2
@@ -32,12 +54,26 @@ cargo clippy --workspace --all-targets -- -D warnings
 python3 scripts/test_check_imports.py
 python3 scripts/check-imports.py
 
+if $stop_ceph; then
+	if ! wait "$ceph_pid"; then
+		cat target/ceph.log >&2
+		echo "test: cannot boot Ceph (above)" >&2
+		exit 1
+	fi
+	eval "$(cat target/ceph.env)"
+	echo "== $(grep -o 'ceph: up in [0-9]* s' target/ceph.log || echo 'ceph: up'), $((SECONDS - ceph_t0)) s before the tests, overlapping the build" >&2
+fi
+
 echo "== tests" >&2
-mkdir -p target
 set +e
 cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee target/test.log
 status=${PIPESTATUS[0]}
 set -e
+if $stop_ceph; then
+	# Only the first pass uses the store: free its memory and cores.
+	scripts/ceph.sh stop "$CEPH_DIR"
+	stop_ceph=false
+fi
 
 echo "== fork, snapshot, Firecracker, core and stall tests again, with a warm VMM pool" >&2
 set +e

@@ -1,0 +1,307 @@
+//! What the store tests share: the real store (Ceph RGW), fresh locations
+//! in it, and snapshot directories laid out as uffd-server writes them.
+//!
+//! The store is the one in the environment (`AWS_ENDPOINT_URL`,
+//! `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `PAGEFORK_REMOTE`, as
+//! `eval "$(scripts/ceph.sh start)"` sets them; scripts/test.sh does), or
+//! else one this test binary boots with scripts/ceph.sh and stops at exit.
+//! Without Ceph installed the tests skip with the reason, and fail under
+//! `CI=true`.
+#![allow(dead_code)]
+// Test data: page and chunk indices become seed bytes, wrapping on purpose.
+#![allow(clippy::cast_possible_truncation)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime};
+
+use pagefork_remote::{Remote, RemoteConfig, Tuning, CHUNK_BYTES};
+use proto::snapshot::{Algorithm, FileSum, StateFile, MEMORY_FILE};
+
+/// The store the tests use.
+#[derive(Debug)]
+pub struct Store {
+    pub env: HashMap<String, String>,
+    /// The cluster's directory, when scripts/ceph.sh made it.
+    pub ceph_dir: Option<PathBuf>,
+}
+
+static STORE: OnceLock<Option<Store>> = OnceLock::new();
+static BOOTED: OnceLock<PathBuf> = OnceLock::new();
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+extern "C" fn stop_booted() {
+    if let Some(dir) = BOOTED.get() {
+        let _ = Command::new(repo().join("scripts/ceph.sh"))
+            .arg("stop")
+            .arg(dir)
+            .status();
+    }
+}
+
+fn skip_or_fail(why: &str) -> Option<Store> {
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("CI=true but the store tests cannot run: {why}");
+    }
+    eprintln!("skipping: {why}");
+    None
+}
+
+fn parse_env(text: &str) -> HashMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+fn boot() -> Option<Store> {
+    let keys = [
+        "AWS_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "PAGEFORK_REMOTE",
+    ];
+    let env: HashMap<String, String> = keys
+        .iter()
+        .chain(&["AWS_REGION", "PAGEFORK_CEPH_DIR"])
+        .filter_map(|k| std::env::var(k).ok().map(|v| ((*k).to_owned(), v)))
+        .collect();
+    if keys.iter().all(|k| env.contains_key(*k)) {
+        let ceph_dir = env.get("PAGEFORK_CEPH_DIR").map(PathBuf::from);
+        return Some(Store { env, ceph_dir });
+    }
+    if Command::new("radosgw").arg("--version").output().is_err() {
+        return skip_or_fail(
+            "no store: set AWS_* and PAGEFORK_REMOTE (eval \"$(scripts/ceph.sh start)\") \
+             or install Ceph (scripts/setup.sh)",
+        );
+    }
+    let dir = std::env::temp_dir().join(format!("pagefork-ceph-test-{}", std::process::id()));
+    eprintln!("booting Ceph for this test binary in {}", dir.display());
+    let out = Command::new(repo().join("scripts/ceph.sh"))
+        .arg("start")
+        .arg(&dir)
+        .output();
+    let _ = BOOTED.set(dir.clone());
+    // SAFETY: registering a plain extern "C" function with no captured state.
+    unsafe {
+        libc::atexit(stop_booted);
+    }
+    match out {
+        Ok(o) if o.status.success() => {
+            let env = parse_env(&String::from_utf8_lossy(&o.stdout));
+            Some(Store {
+                env,
+                ceph_dir: Some(dir),
+            })
+        }
+        Ok(o) => skip_or_fail(&format!(
+            "scripts/ceph.sh start failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        )),
+        Err(e) => skip_or_fail(&format!("cannot run scripts/ceph.sh: {e}")),
+    }
+}
+
+/// The store, or `None` (the test returns) when there is none to use.
+pub fn store() -> Option<&'static Store> {
+    STORE.get_or_init(boot).as_ref()
+}
+
+impl Store {
+    /// A location no other test uses.
+    pub fn fresh_url(&self, test: &str) -> String {
+        let nanos = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!(
+            "{}/t-{test}-{}-{nanos:x}",
+            self.env["PAGEFORK_REMOTE"].trim_end_matches('/'),
+            std::process::id()
+        )
+    }
+
+    /// A configuration for `url` with `tuning`.
+    pub fn config(&self, url: &str, tuning: Tuning) -> RemoteConfig {
+        let mut c = RemoteConfig::from_lookup(url, |k| self.env.get(k).cloned())
+            .expect("the store's environment makes a configuration");
+        c.tuning = tuning;
+        c
+    }
+
+    /// A client of a fresh location.
+    pub fn remote(&self, test: &str) -> Remote {
+        self.remote_with(test, Tuning::default())
+    }
+
+    pub fn remote_with(&self, test: &str, tuning: Tuning) -> Remote {
+        Remote::new(self.config(&self.fresh_url(test), tuning)).expect("client")
+    }
+
+    /// A raw client of the bucket, to damage objects behind the crate's back.
+    pub fn raw(&self) -> object_store::aws::AmazonS3 {
+        let bucket = self.env["PAGEFORK_REMOTE"]
+            .trim_start_matches("s3://")
+            .split('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(bucket)
+            .with_endpoint(&self.env["AWS_ENDPOINT_URL"])
+            .with_region(
+                self.env
+                    .get("AWS_REGION")
+                    .map_or("us-east-1", String::as_str),
+            )
+            .with_access_key_id(&self.env["AWS_ACCESS_KEY_ID"])
+            .with_secret_access_key(&self.env["AWS_SECRET_ACCESS_KEY"])
+            .with_allow_http(true)
+            .build()
+            .expect("raw client")
+    }
+
+    /// Run `scripts/ceph.sh CMD` on the cluster; false if there is none of
+    /// ours to act on.
+    pub fn ceph(&self, cmd: &str) -> bool {
+        let Some(dir) = &self.ceph_dir else {
+            return false;
+        };
+        let st = Command::new(repo().join("scripts/ceph.sh"))
+            .arg(cmd)
+            .arg(dir)
+            .status()
+            .expect("run scripts/ceph.sh");
+        assert!(st.success(), "scripts/ceph.sh {cmd} failed");
+        true
+    }
+
+    /// The RGW process id of our cluster.
+    pub fn rgw_pid(&self) -> Option<i32> {
+        let dir = self.ceph_dir.as_ref()?;
+        fs::read_to_string(dir.join("run/rgw.pid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+}
+
+/// A multi-threaded runtime for a test.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// The bytes of page `p` of a test image with `seed`: compressible like
+/// guest memory, different for each seed and each page of a chunk, the
+/// same at the same place of every chunk (so chunks can repeat).
+pub fn page_bytes(p: u64, seed: u8) -> Vec<u8> {
+    let in_chunk = p % (CHUNK_BYTES / 4096);
+    let mut b = vec![0u8; 4096];
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = ((in_chunk as usize * 31 + i / 64) as u8) ^ seed.wrapping_mul(7);
+    }
+    b[0] = seed;
+    b[8..16].copy_from_slice(&in_chunk.to_le_bytes());
+    b
+}
+
+/// The XXH3-128 checksums of `path` as state.json has them.
+pub fn sum_of(path: &Path) -> FileSum {
+    let bytes = fs::read(path).expect("read image");
+    let chunks: Vec<String> = bytes
+        .chunks(CHUNK_BYTES as usize)
+        .map(pagefork_remote::digest)
+        .collect();
+    let raw: Vec<u8> = chunks
+        .iter()
+        .flat_map(|c| u128::from_str_radix(c, 16).expect("hex").to_be_bytes())
+        .collect();
+    FileSum {
+        bytes: bytes.len() as u64,
+        algorithm: Algorithm::Xxh3,
+        digest: pagefork_remote::digest(&raw),
+        chunks,
+    }
+}
+
+/// A snapshot directory `parent/name` with `memory_bytes` of memory whose
+/// page `p` holds `page_bytes(p, seed)` where `data(p)` gives `Some(seed)`
+/// (a hole elsewhere), and `state.json` as uffd-server writes it.
+pub fn make_snapshot(
+    parent: &Path,
+    name: &str,
+    memory_bytes: u64,
+    data: &dyn Fn(u64) -> Option<u8>,
+    volume_snapshot: Option<&str>,
+) -> PathBuf {
+    let dir = parent.join(name);
+    fs::create_dir_all(&dir).expect("mkdir");
+    let img = dir.join(MEMORY_FILE);
+    let f = fs::File::create(&img).expect("create image");
+    f.set_len(memory_bytes).expect("size");
+    for p in 0..memory_bytes / 4096 {
+        if let Some(seed) = data(p) {
+            f.write_all_at(&page_bytes(p, seed), p * 4096)
+                .expect("write page");
+        }
+    }
+    f.sync_all().expect("sync");
+    let state = StateFile {
+        format_version: proto::snapshot::FORMAT_VERSION,
+        name: name.to_owned(),
+        vm: "vm-1".into(),
+        mode: proto::api::SnapshotMode::Full,
+        parent: None,
+        created: 1_767_225_600,
+        memory_bytes,
+        page_size: 4096,
+        hugepages: false,
+        vm_state: shared::VmState {
+            vcpus: vec![shared::VcpuState {
+                regs: vec![1; 144],
+                ..Default::default()
+            }],
+            devices: vec![7; 100],
+        },
+        volume_snapshot: volume_snapshot.map(str::to_owned),
+        files: BTreeMap::from([(MEMORY_FILE.to_owned(), sum_of(&img))]),
+    };
+    fs::write(
+        dir.join("state.json"),
+        serde_json::to_vec_pretty(&state).expect("encode"),
+    )
+    .expect("write state.json");
+    dir
+}
+
+/// A sparse file of `len` bytes with data where `data(page)` says.
+pub fn make_file(path: &Path, len: u64, data: &dyn Fn(u64) -> Option<u8>) {
+    let f = fs::File::create(path).expect("create");
+    f.set_len(len).expect("size");
+    for p in 0..len.div_ceil(4096) {
+        if let Some(seed) = data(p) {
+            let b = page_bytes(p, seed);
+            let n = (len - p * 4096).min(4096) as usize;
+            f.write_all_at(&b[..n], p * 4096).expect("write");
+        }
+    }
+}
+
+/// Ignore progress.
+pub fn quiet(_: &pagefork_remote::Progress) {}
+
+/// A bound on a step that must not hang: a test fails instead.
+pub const HANG: Duration = Duration::from_secs(120);
