@@ -342,7 +342,8 @@ impl Core {
                     return Err(Error::CreateMemory(e));
                 }
             };
-            let self_src = reg.arena.vm(id);
+            let memory = Rc::new(memory);
+            let self_src = reg.arena.vm_with_memory(id, Rc::clone(&memory));
             let (tx, rx) = oneshot::channel();
             let mut vm = Vm::new(VmParts {
                 id,

@@ -129,10 +129,12 @@ impl Core {
             .map_or(0, |v| v.memory.pages());
         let mut p = 0;
         while p < pages {
-            let result =
-                self.reg
-                    .borrow_mut()
-                    .materialize(id, p, crate::observe::access::By::Prefetch);
+            let result = super::fault::materialize::materialize(
+                &mut self.reg.borrow_mut(),
+                id,
+                p,
+                crate::observe::access::By::Prefetch,
+            );
             match result {
                 Ok((first, n)) => p = p.max(first + n),
                 Err(crate::pages::ResolveError::NotDecoded { image, frames }) => {
@@ -297,7 +299,8 @@ impl Core {
         let (memory, pooled) = self
             .new_guest_memory(id, size, page_size)
             .map_err(Error::CreateMemory)?;
-        let self_src = reg.arena.vm(id);
+        let memory = Rc::new(memory);
+        let self_src = reg.arena.vm_with_memory(id, Rc::clone(&memory));
         let pages = size / PAGE_SIZE;
         // A compressed image's zero frames read as zero without it.
         let data = image

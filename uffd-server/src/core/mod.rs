@@ -227,7 +227,7 @@ pub struct Registry {
     pub fc_vms: firecracker::FcVms,
     next_listener: u32,
     /// Fault counters of VMs that are gone (for server-wide totals).
-    pub retired: vm::FaultStats,
+    pub retired: crate::observe::stats::FaultStats,
     /// Pages the fault engine installed in any VM, ever (the trace reads
     /// what one event installed from it).
     pub installed: u64,

@@ -156,7 +156,8 @@ impl Core {
                 for p in *first..first + n {
                     let present = reg.vms.get(&vm).is_some_and(|v| v.table.get(p) == self_src);
                     if present {
-                        handed += reg.preserve_for_dependents(vm, p);
+                        handed +=
+                            super::fault::dependents::preserve_for_dependents(&mut reg, vm, p);
                     }
                 }
             }

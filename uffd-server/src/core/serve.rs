@@ -32,7 +32,8 @@ use tokio::sync::mpsc;
 use tracing::warn;
 use userfaultfd::{Event, EventBuffer, Uffd};
 
-use super::{fault, vm, Core};
+use super::fault::resolve::{self as fault, Handled};
+use super::Core;
 use crate::observe::phases::{self, Laps, Phase};
 
 /// Why a serving loop stops reading a uffd.
@@ -110,7 +111,7 @@ pub(super) async fn serve_faults(
     let mut batch = Batch::default();
     let window = core.settings.fault_poll;
     // Faults parked on frames being decoded, or on a dependent's uffd
-    // (see `Registry::resolve_write_protect`), come back here when ready.
+    // (see `fault::resolve::resolve_write_protect`), come back here when ready.
     let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<(u64, bool)>();
     loop {
         let ready = tokio::select! {
@@ -123,9 +124,9 @@ pub(super) async fn serve_faults(
                     // is still to happen, so it is recorded again (the
                     // sets are idempotent) before the protection lifts.
                     reg.before_write(vm, page);
-                    reg.resolve_write_protect(vm, page)
+                    fault::resolve_write_protect(&mut reg, vm, page)
                 } else {
-                    reg.resolve_missing(vm, page)
+                    fault::resolve_missing(&mut reg, vm, page)
                 };
                 drop(reg);
                 if !core.after_fault(vm, outcome, &retry_tx) {
@@ -206,7 +207,7 @@ pub(super) async fn serve_faults(
 #[derive(Debug, Default)]
 struct Batch {
     events: Vec<Event>,
-    outcomes: Vec<fault::Handled>,
+    outcomes: Vec<Handled>,
     /// The phases of each event of the batch, then the loop's own.
     laps: Vec<Laps>,
 }
@@ -225,7 +226,7 @@ impl Core {
     ) -> bool {
         phases::lap(Phase::Read);
         let count = batch.events.len() as u64;
-        let mut service = [0u64; vm::SERVICE_BUCKETS];
+        let mut service = [0u64; crate::observe::stats::SERVICE_BUCKETS];
         batch.laps.clear();
         {
             let mut reg = self.reg.borrow_mut();
@@ -237,12 +238,12 @@ impl Core {
                 } else {
                     None
                 };
-                batch.outcomes.push(reg.handle_event(vm, ev));
+                batch.outcomes.push(fault::handle_event(&mut reg, vm, ev));
                 let took = t0.elapsed();
                 phases::lap(Phase::Resolve);
                 batch.laps.push(phases::take());
                 self.fault_seconds.observe(took.as_secs_f64());
-                service[vm::service_bucket(took)] += 1;
+                service[crate::observe::stats::service_bucket(took)] += 1;
                 if let Some(b) = begun {
                     tap.send(reg.trace_end(b, took));
                 }
@@ -283,16 +284,16 @@ impl Core {
     pub(super) fn after_fault(
         &self,
         vm: VmId,
-        outcome: fault::Handled,
+        outcome: Handled,
         retry: &mpsc::UnboundedSender<(u64, bool)>,
     ) -> bool {
         match outcome {
-            fault::Handled::Ok => true,
-            fault::Handled::Failed(reason) => {
+            Handled::Ok => true,
+            Handled::Failed(reason) => {
                 self.log_failure(vm, &reason);
                 true
             }
-            fault::Handled::Wait {
+            Handled::Wait {
                 page,
                 ready,
                 write_protect,
@@ -306,7 +307,7 @@ impl Core {
                 });
                 true
             }
-            fault::Handled::VmmGone => {
+            Handled::VmmGone => {
                 self.mark_exited(vm, "vmm address space is gone (ESRCH)");
                 false
             }

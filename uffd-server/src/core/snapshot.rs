@@ -1156,7 +1156,8 @@ impl Core {
                 return Err(Error::CreateMemory(e));
             }
         };
-        let self_src = reg.arena.vm(id);
+        let memory = Rc::new(memory);
+        let self_src = reg.arena.vm_with_memory(id, Rc::clone(&memory));
         let src = reg.arena.insert(source);
         let pages = size / PAGE_SIZE;
         let mut table = PageTable::new(pages, UNINITIALIZED);

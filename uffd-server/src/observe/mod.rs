@@ -15,4 +15,5 @@ pub mod fds;
 pub mod map;
 pub mod metrics;
 pub mod phases;
+pub mod stats;
 pub mod trace;

@@ -36,10 +36,11 @@ use userfaultfd::Uffd;
 
 pub use vm::FcVm;
 
-use super::vm::{FaultStats, RunState};
+use super::vm::RunState;
 use super::{Core, Error, Result};
 use crate::conn::firecracker::ListenerStats;
 use crate::conn::FcHandshake;
+use crate::observe::stats::FaultStats;
 use crate::pages::{FileSource, PageSource, PageTable, SourceId, ZstdSource, UNINITIALIZED};
 use serve::{prefetch_working_set, serve_fc};
 

@@ -45,7 +45,7 @@ fn handle_batch(
                 addr,
                 ..
             } => faults.push(addr as u64),
-            Event::Pagefault { addr, .. } => v.wake(addr as u64 & !(PAGE_SIZE - 1), PAGE_SIZE),
+            Event::Pagefault { addr, .. } => v.wake(addr as u64),
             Event::Remove { start, end } => v.remove(start as u64, end as u64),
             _ => {}
         }
@@ -69,7 +69,7 @@ fn handle_batch(
             v.phases.service.record(spent);
         }
         core.fault_seconds.observe(took.as_secs_f64());
-        v.stats.service_us_log2[crate::core::vm::service_bucket(took)] += 1;
+        v.stats.service_us_log2[crate::observe::stats::service_bucket(took)] += 1;
         match resolved {
             Resolved::Ok => {}
             Resolved::Again => {
