@@ -15,7 +15,7 @@
 //!    set: a WP fault lifts it and a write's MISSING fault installs it, and
 //!    both pass through [`super::Registry::before_write`], which records
 //!    the page. Pages installed meanwhile go in protected
-//!    ([`Vm::tracks_writes`]).
+//!    (`SnapshotState::tracks_writes`).
 //! 2. In the pause, as soon as the vCPUs are stopped,
 //!    [`ArmedAhead::reprotect`]: write-protect the set's pages and start
 //!    the set again; at the fork's or snapshot's moment (no await after
@@ -47,18 +47,11 @@ fn us(t: Instant) -> u64 {
 }
 
 impl Vm {
-    /// Whether pages installed into this VM keep write protection: its
-    /// writes are tracked (a dirty log, a snapshot saving, protection
-    /// being armed ahead of a pause).
-    pub fn tracks_writes(&self) -> bool {
-        self.dirty.is_some() || self.saving.is_some() || self.arming.is_some()
-    }
-
     /// Write-protect `runs` (pages) through the VM's uffd. Returns the
     /// ioctls' time in µs.
     pub(super) fn protect(&self, runs: &[(u64, u64)]) -> Result<u64> {
         let vm = self.id;
-        let uffd = self.uffd.clone().ok_or(Error::NoUffd { vm })?;
+        let uffd = self.faults.uffd.clone().ok_or(Error::NoUffd { vm })?;
         let t = Instant::now();
         self.write_protect_pages(uffd.get_ref(), runs, true)
             .map_err(|(i, source)| {
@@ -71,15 +64,6 @@ impl Vm {
                 }
             })?;
         Ok(us(t))
-    }
-
-    /// The UFFDIO_COPY mode for pages installed into this VM now.
-    pub fn copy_mode(&self) -> u64 {
-        if self.tracks_writes() {
-            uffd_abi::COPY_MODE_WP
-        } else {
-            0
-        }
     }
 }
 
@@ -116,9 +100,9 @@ impl ArmedAhead<'_> {
         let vm = self.vm;
         let mut reg = self.core.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        let written = v.arming.take().ok_or(Error::NotArmed { vm })?;
+        let written = v.snapshot.arming.take().ok_or(Error::NotArmed { vm })?;
         if go_on {
-            v.arming = Some(PageSet::new(written.pages()));
+            v.snapshot.arming = Some(PageSet::new(written.pages()));
         }
         if written.is_empty() {
             return Ok((0, 0));
@@ -132,7 +116,7 @@ impl Drop for ArmedAhead<'_> {
         // After `finish` the set is gone already; before it, the fork or
         // snapshot failed and nothing needs the recording any more.
         if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
-            v.arming = None;
+            v.snapshot.arming = None;
         }
     }
 }
@@ -143,10 +127,10 @@ impl Core {
     pub(super) fn arm_ahead(&self, vm: VmId, runs: &[(u64, u64)]) -> Result<ArmedAhead<'_>> {
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        v.arming = Some(PageSet::new(v.memory.pages()));
+        v.snapshot.arming = Some(PageSet::new(v.memory.pages()));
         let took = v.protect(runs);
         if took.is_err() {
-            v.arming = None;
+            v.snapshot.arming = None;
         }
         Ok(ArmedAhead {
             core: self,

@@ -41,11 +41,11 @@ impl Core {
                 }
                 .name()
                 .to_owned(),
-                stats: v.stats,
+                stats: v.log.stats,
                 resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
                 pages_by_source: by_kind(&v.table),
                 frozen: v.deleted,
-                trace_listeners: v.tap.listeners(),
+                trace_listeners: v.log.tap.listeners(),
             })
             .collect();
         vms.extend(reg.fc_vms.values().map(|v| VmSample {
@@ -121,7 +121,7 @@ impl Registry {
             let src = v.table.get(page);
             let present = src == v.self_src;
             let installed = if present {
-                self.vms.get(&vm).and_then(|v| v.log.installed(page))
+                self.vms.get(&vm).and_then(|v| v.log.pages.installed(page))
             } else {
                 None
             };
@@ -346,9 +346,9 @@ impl Core {
         use crate::observe::map;
         let reg = self.reg.borrow();
         let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
-        let pages = v.log.pages();
+        let pages = v.log.pages.pages();
         let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
-        let per_page: Vec<u64> = v.log.fault_counts().collect();
+        let per_page: Vec<u64> = v.log.pages.fault_counts().collect();
         let counts: Vec<u64> = per_page
             .chunks(shared::geometry::usize_of(group))
             .map(|c| c.iter().sum())
@@ -356,7 +356,7 @@ impl Core {
         Ok(map::heat_png(
             &id.to_string(),
             pages,
-            v.log.since_unix_ms(),
+            v.log.pages.since_unix_ms(),
             &counts,
             group,
         ))
@@ -366,11 +366,11 @@ impl Core {
     pub(super) fn access(&self, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
         let reg = self.reg.borrow();
         let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
-        let extents = v.log.extents(q.within_ms);
+        let extents = v.log.pages.extents(q.within_ms);
         Ok(AccessMap {
             id: id.to_string(),
-            pages: v.log.pages(),
-            since_ms: v.log.since_unix_ms(),
+            pages: v.log.pages.pages(),
+            since_ms: v.log.pages.since_unix_ms(),
             touched: extents.iter().map(|e| e.pages).sum(),
             extents,
         })
@@ -403,12 +403,12 @@ impl Core {
                 let children: Vec<String> = reg
                     .vms
                     .values()
-                    .filter(|c| c.parent == Some(v.id))
+                    .filter(|c| c.fork.parent == Some(v.id))
                     .map(|c| c.id.to_string())
                     .collect();
                 TreeNode {
                     id: v.id.to_string(),
-                    parent: v.parent.map(|p| p.to_string()),
+                    parent: v.fork.parent.map(|p| p.to_string()),
                     state: if v.deleted {
                         RunState::Deleted
                     } else {
@@ -450,7 +450,7 @@ impl Core {
             }
             for (p, is_present) in present.iter().enumerate() {
                 let says = v.table.get(p as u64) == v.self_src;
-                let stale = *is_present && !says && v.stale.contains(p as u64);
+                let stale = *is_present && !says && v.rollback.stale.contains(p as u64);
                 if says != *is_present && !stale {
                     violations.push(Violation {
                         id: v.id.to_string(),

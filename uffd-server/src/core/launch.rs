@@ -355,7 +355,7 @@ impl Core {
         // for one that is gone is mapped by this VMM like any other memfd.
         let pid = self.launch_process(id, Binding::new(id), &self.log_path(id), None)?;
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
-            v.pid = Some(pid);
+            v.link.pid = Some(pid);
         }
         Ok(())
     }
@@ -452,7 +452,7 @@ impl Core {
     /// Ask `id`'s VMM to stop; kill it if it does not within a few seconds.
     pub(super) async fn stop_vmm(self: &Rc<Self>, id: VmId) {
         let (state, pid) = match self.reg.borrow().vms.get(&id) {
-            Some(v) => (v.state, v.pid),
+            Some(v) => (v.state, v.link.pid),
             None => return,
         };
         if matches!(state, RunState::Running | RunState::Paused) {
@@ -505,7 +505,9 @@ impl Core {
                 v.deleted = true;
                 forget_borrowed_pages(v);
                 if let (Some(vol), Some(engine)) = (v.volume.take(), self.volumes.as_ref()) {
-                    if v.owns_volume || (v.parent.is_some() && vol.ends_with(&format!("-{id}"))) {
+                    if v.owns_volume
+                        || (v.fork.parent.is_some() && vol.ends_with(&format!("-{id}")))
+                    {
                         // A fork child's (or a restored VM's) own reflinked
                         // disk goes with it.
                         let _ = engine.delete(&vol);

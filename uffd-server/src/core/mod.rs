@@ -7,18 +7,19 @@
 //! through [`ConnEvent`]s. No `RefCell` borrow is held across an `.await`.
 
 mod arm;
-mod error;
+pub mod error;
 pub mod fault;
 pub mod firecracker;
-mod fork;
+pub mod fork;
 mod inspect;
 mod launch;
+pub mod link;
 mod ops;
 pub mod pool;
 pub(crate) mod ratelimit;
-mod rollback;
+pub mod rollback;
 pub(crate) mod serve;
-mod snapshot;
+pub mod snapshot;
 mod trace;
 pub mod vm;
 
@@ -164,9 +165,9 @@ impl Registry {
     /// memfd goes when the last `Rc` of its memory does.
     pub fn forget(&mut self, id: VmId) {
         if let Some(v) = self.vms.remove(&id) {
-            self.retired.add(&v.stats);
+            self.retired.add(&v.log.stats);
             self.arena.release(v.self_src);
-            v.closed.notify_one();
+            v.faults.closed.notify_one();
         }
     }
 
@@ -253,7 +254,7 @@ pub struct Core {
     /// The threads and cache that decode compressed images' frames.
     pub frames: std::sync::Arc<crate::images::zst::FramePool>,
     /// VMMs started ahead of need (`--vmm-pool`).
-    pub pool: RefCell<pool::VmmPool>,
+    pub pool: RefCell<pool::state::VmmPool>,
     /// Log lines that report a finished request, written once its answer
     /// is out (see [`Core::log_after_answer`]).
     after_answer: RefCell<Vec<String>>,
@@ -385,7 +386,7 @@ impl Core {
             events,
             fault_seconds: crate::observe::metrics::fault_histogram(),
             frames,
-            pool: RefCell::new(pool::VmmPool::new(settings_pool)),
+            pool: RefCell::new(pool::state::VmmPool::new(settings_pool)),
             after_answer: RefCell::new(Vec::new()),
         })
     }
@@ -578,8 +579,8 @@ impl Core {
         if let Err(e) = sent {
             warn!("{vm}: cannot send welcome: {e}");
         }
-        v.pid = Some(pid);
-        v.writer = Some(writer);
+        v.link.pid = Some(pid);
+        v.link.writer = Some(writer);
     }
 
     fn on_vmm_msg(self: &Rc<Self>, vm: VmId, msg: VmmMsg, fds: Vec<std::os::fd::OwnedFd>) {
@@ -588,19 +589,23 @@ impl Core {
             VmmMsg::Running => {
                 let mut reg = self.reg.borrow_mut();
                 if let Some(v) = reg.vms.get_mut(&vm) {
-                    if v.uffd.is_none() {
+                    if v.faults.uffd.is_none() {
                         drop(reg);
                         return self.protocol_error(vm, "running before uffd-ready");
                     }
                     v.state = RunState::Running;
-                    if let Some(tx) = v.ready.take() {
+                    if let Some(tx) = v.link.ready.take() {
                         let _ = tx.send(Ok(()));
                     }
                 }
             }
             VmmMsg::Reply { seq, result } => {
                 let mut reg = self.reg.borrow_mut();
-                if let Some(tx) = reg.vms.get_mut(&vm).and_then(|v| v.pending.remove(&seq)) {
+                if let Some(tx) = reg
+                    .vms
+                    .get_mut(&vm)
+                    .and_then(|v| v.link.pending.remove(&seq))
+                {
                     let _ = tx.send(result.map_err(|source| Error::Vmm { vm, source }));
                 }
             }
@@ -608,7 +613,7 @@ impl Core {
             VmmMsg::Exited { code, reason } => {
                 info!("{vm}: vmm exiting with code {code}: {reason}");
                 if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
-                    v.exit_reason = Some(format!("vmm exited ({code}): {reason}"));
+                    v.link.exit_reason = Some(format!("vmm exited ({code}): {reason}"));
                 }
             }
             VmmMsg::Hello { .. } => self.protocol_error(vm, "hello sent twice"),
@@ -622,7 +627,7 @@ impl Core {
             .borrow()
             .vms
             .get(&vm)
-            .and_then(|v| v.writer.clone());
+            .and_then(|v| v.link.writer.clone());
         if let Some(w) = writer {
             let _ = w.send(
                 ServerMsg::Error {
@@ -673,21 +678,21 @@ impl Core {
             let Some(v) = reg.vms.get_mut(&vm) else {
                 return;
             };
-            if v.uffd.is_some() {
+            if v.faults.uffd.is_some() {
                 drop(reg);
                 return self.protocol_error(vm, "uffd-ready sent twice");
             }
-            v.vmm_base = bases[0];
-            v.uffd = Some(afd.clone());
-            for w in v.on_uffd.drain(..) {
+            v.faults.vmm_base = bases[0];
+            v.faults.uffd = Some(afd.clone());
+            for w in v.faults.on_uffd.drain(..) {
                 let _ = w.send(());
             }
             tokio::task::spawn_local(serve_faults(
                 self.clone(),
                 vm,
                 afd,
-                v.closed.clone(),
-                v.tap.clone(),
+                v.faults.closed.clone(),
+                v.log.tap.clone(),
             ));
         }
     }
@@ -717,18 +722,18 @@ impl Core {
             info!("{vm}: exited: {reason}");
             v.state = RunState::Exited;
         }
-        v.exit_reason.get_or_insert_with(|| reason.to_owned());
+        v.link.exit_reason.get_or_insert_with(|| reason.to_owned());
         if let (Some(name), Some(engine)) = (&v.volume, &self.volumes) {
             engine.detach(name);
         }
-        if let Some(w) = v.writer.take() {
+        if let Some(w) = v.link.writer.take() {
             w.shutdown();
         }
-        v.uffd = None;
+        v.faults.uffd = None;
         // Writes waiting for its uffd go on: nothing runs in it any more.
-        v.on_uffd.clear();
-        v.closed.notify_one();
-        v.tap.close();
+        v.faults.on_uffd.clear();
+        v.faults.closed.notify_one();
+        v.log.tap.close();
         // A VM that failed tells its waiting requests why, not just that
         // its VMM went away.
         let why = v.failure.clone();
@@ -747,7 +752,7 @@ impl Core {
         let (tx, rx) = oneshot::channel();
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        let writer = match (&v.writer, v.state) {
+        let writer = match (&v.link.writer, v.state) {
             (Some(w), RunState::Running | RunState::Paused) => w.clone(),
             (_, state) => {
                 return Err(Error::WrongState {
@@ -757,24 +762,24 @@ impl Core {
                 })
             }
         };
-        if v.pending.len() >= self.settings.vmm_queue {
+        if v.link.pending.len() >= self.settings.vmm_queue {
             return Err(Error::QueueFull {
                 vm,
-                queued: v.pending.len(),
+                queued: v.link.pending.len(),
             });
         }
-        v.next_seq += 1;
-        let seq = v.next_seq;
+        v.link.next_seq += 1;
+        let seq = v.link.next_seq;
         if let Err(e) = writer.send(ServerMsg::Request { seq, request }, Vec::new()) {
             return Err(match e {
                 QueueError::Full => Error::QueueFull {
                     vm,
-                    queued: v.pending.len(),
+                    queued: v.link.pending.len(),
                 },
                 QueueError::Closed => Error::VmmGone { vm },
             });
         }
-        v.pending.insert(seq, tx);
+        v.link.pending.insert(seq, tx);
         Ok(rx)
     }
 

@@ -68,31 +68,31 @@ impl Core {
                 v.state
             },
             kind: VmKind::Pagefork,
-            pid: v.pid,
+            pid: v.link.pid,
             memory_mib: v.memory_mib(),
             vcpus: v.vcpus,
             hugepages: v.memory.unit_pages() > 1,
             pages: reg.pages_by_kind(&v.table),
             resident_pages: v.memory.allocated_bytes() / PAGE_SIZE,
             memfd: Some(v.memory.name().to_owned()),
-            exit_reason: v.exit_reason.clone(),
+            exit_reason: v.link.exit_reason.clone(),
             failure: v.failure.clone(),
-            parent: v.parent.map(|p| p.to_string()),
+            parent: v.fork.parent.map(|p| p.to_string()),
             volume: v.volume.clone(),
             faults: FaultCounters {
-                missing: v.stats.missing,
-                write_protect: v.stats.write_protect,
-                pages_installed: v.stats.pages_installed,
-                removes: v.stats.removes,
-                deferred: v.stats.deferred,
-                frame_waits: v.stats.frame_waits,
-                fault_around_kib: super::fault_around_kib(v.fault_around_pages),
-                wp_copies: v.stats.wp_copies,
-                minor: v.stats.minor,
-                service_us_log2: v.stats.service_us_log2.to_vec(),
-                phases: v.phases.to_api(),
+                missing: v.log.stats.missing,
+                write_protect: v.log.stats.write_protect,
+                pages_installed: v.log.stats.pages_installed,
+                removes: v.log.stats.removes,
+                deferred: v.log.stats.deferred,
+                frame_waits: v.log.stats.frame_waits,
+                fault_around_kib: super::fault_around_kib(v.faults.fault_around_pages),
+                wp_copies: v.log.stats.wp_copies,
+                minor: v.log.stats.minor,
+                service_us_log2: v.log.stats.service_us_log2.to_vec(),
+                phases: v.log.phases.to_api(),
             },
-            snapshot_saving: v.saving.as_ref().map(|s| {
+            snapshot_saving: v.snapshot.saving.as_ref().map(|s| {
                 let s = s.borrow();
                 proto::api::SnapshotSaving {
                     name: s.name.clone(),
@@ -139,8 +139,8 @@ impl Core {
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
             v.busy = Some(running);
             if action != "fork" {
-                v.protected_paused = false;
-                v.paused_state = None;
+                v.fork.protected_paused = false;
+                v.fork.paused_state = None;
             }
         }
         Ok(BusyGuard {
@@ -176,8 +176,8 @@ impl Core {
             (Request::Resume, RunState::Running)
         };
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&id) {
-            v.protected_paused = false;
-            v.paused_state = None;
+            v.fork.protected_paused = false;
+            v.fork.paused_state = None;
         }
         let rx = self.send_request(id, request)?;
         let deadline = self.settings.vmm_deadline;

@@ -161,7 +161,7 @@ pub(super) async fn serve_faults(
                 .borrow()
                 .vms
                 .get(&vm)
-                .is_none_or(|v| v.uffd.is_none());
+                .is_none_or(|v| v.faults.uffd.is_none());
             if gone {
                 return;
             }
@@ -187,7 +187,7 @@ pub(super) async fn serve_faults(
             )
             .await;
             if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
-                v.phases.poll_idle_ns += idle;
+                v.log.phases.poll_idle_ns += idle;
             }
             match found {
                 Ok(true) => woken = false,
@@ -257,10 +257,10 @@ impl Core {
         phases::lap(Phase::Loop);
         batch.laps.push(phases::take());
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
-            for (a, b) in v.stats.service_us_log2.iter_mut().zip(service) {
+            for (a, b) in v.log.stats.service_us_log2.iter_mut().zip(service) {
                 *a += b;
             }
-            let p = &mut v.phases;
+            let p = &mut v.log.phases;
             for laps in &batch.laps {
                 p.record(laps);
             }

@@ -82,7 +82,7 @@ impl Core {
             }
             return Err(Error::NoSuchVm(id));
         };
-        v.tap.subscribe(id.to_string()).ok_or_else(|| {
+        v.log.tap.subscribe(id.to_string()).ok_or_else(|| {
             Error::BadRequest(format!(
                 "{id} has no VMM any more (state {}): it takes no faults to trace",
                 v.state

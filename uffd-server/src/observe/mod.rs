@@ -17,3 +17,4 @@ pub mod metrics;
 pub mod phases;
 pub mod stats;
 pub mod trace;
+pub mod vm;

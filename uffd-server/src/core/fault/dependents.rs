@@ -47,7 +47,7 @@ pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -
     for (id, dep) in reg.vms.iter_mut() {
         // A VM that lost a copy from `vm` has everything it read from `vm`
         // poisoned (see `fail_dependent`).
-        if *id == vm || dep.lost_from.contains(&src) || dep.table.get(page) != src {
+        if *id == vm || dep.faults.lost_from.contains(&src) || dep.table.get(page) != src {
             continue;
         }
         if let Err(e) = install_copy(dep, &mem, page) {
@@ -62,8 +62,8 @@ pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -
         }
         let me = dep.self_src;
         dep.table.set(page, me);
-        dep.stats.pages_installed += 1;
-        dep.log.installed_run(page, 1, page, By::WpCopy, src);
+        dep.log.stats.pages_installed += 1;
+        dep.log.pages.installed_run(page, 1, page, By::WpCopy, src);
         given += 1;
     }
     for (id, reason) in lost {
@@ -71,7 +71,7 @@ pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -
     }
     reg.installed += given;
     if let Some(v) = reg.vms.get_mut(&vm) {
-        v.stats.wp_copies += given;
+        v.log.stats.wp_copies += given;
     }
     given
 }
@@ -86,10 +86,10 @@ fn fail_dependent(reg: &mut Registry, id: VmId, src: SourceId, reason: String) {
     let Some(dep) = reg.vms.get_mut(&id) else {
         return;
     };
-    if dep.lost_from.contains(&src) {
+    if dep.faults.lost_from.contains(&src) {
         return;
     }
-    dep.lost_from.push(src);
+    dep.faults.lost_from.push(src);
     if dep.failure.is_none() {
         error!("{id}: failed: {reason}");
         dep.failure = Some(reason);
@@ -97,7 +97,7 @@ fn fail_dependent(reg: &mut Registry, id: VmId, src: SourceId, reason: String) {
     } else {
         warn!("{id}: {reason}");
     }
-    let Some(uffd) = dep.uffd.clone() else {
+    let Some(uffd) = dep.faults.uffd.clone() else {
         return;
     };
     let t = target(dep, &uffd);
@@ -128,7 +128,9 @@ fn preserve_block(reg: &mut Registry, vm: VmId, src: SourceId, page: u64) -> u64
         .vms
         .iter()
         .filter(|(id, d)| {
-            **id != vm && !d.lost_from.contains(&src) && (lo..hi).any(|p| d.table.get(p) == src)
+            **id != vm
+                && !d.faults.lost_from.contains(&src)
+                && (lo..hi).any(|p| d.table.get(p) == src)
         })
         .map(|(id, _)| *id)
         .collect();
@@ -159,14 +161,16 @@ fn preserve_block(reg: &mut Registry, vm: VmId, src: SourceId, page: u64) -> u64
         if let Some(dep) = reg.vms.get_mut(&id) {
             let me = dep.self_src;
             dep.table.set_range(lo, hi - lo, me);
-            dep.stats.pages_installed += hi - lo;
-            dep.log.installed_run(lo, hi - lo, page, By::WpCopy, src);
+            dep.log.stats.pages_installed += hi - lo;
+            dep.log
+                .pages
+                .installed_run(lo, hi - lo, page, By::WpCopy, src);
         }
         reg.installed += hi - lo;
         given += hi - lo;
     }
     if let Some(v) = reg.vms.get_mut(&vm) {
-        v.stats.wp_copies += given;
+        v.log.stats.wp_copies += given;
     }
     given
 }
@@ -175,7 +179,7 @@ fn preserve_block(reg: &mut Registry, vm: VmId, src: SourceId, page: u64) -> u64
 /// uffd while its VMM runs (see [`install_copy`]), else allocated and
 /// written through the server's mapping.
 fn install_block_copy(dep: &Vm, lo: u64, bytes: &[u8]) -> Result<(), PreserveError> {
-    if let Some(uffd) = dep.uffd.clone() {
+    if let Some(uffd) = dep.faults.uffd.clone() {
         // SAFETY: `bytes` is borrowed for the call.
         match unsafe { target(dep, &uffd).copy(bytes.as_ptr(), lo, bytes.len() as u64) } {
             Install::Done => return Ok(()),
@@ -196,7 +200,7 @@ fn install_block_copy(dep: &Vm, lo: u64, bytes: &[u8]) -> Result<(), PreserveErr
 /// Without a running VMM (not yet connected, exited, frozen) the memcpy is
 /// safe.
 fn install_copy(dep: &Vm, src: &GuestMemory, page: u64) -> Result<(), PreserveError> {
-    if let Some(uffd) = dep.uffd.clone() {
+    if let Some(uffd) = dep.faults.uffd.clone() {
         let from = src.page_ptr(page)?;
         // A dependent whose writes are tracked keeps the page protected
         // (the target's copy mode).
@@ -230,7 +234,7 @@ pub(super) fn wait_for_dependents(
     for (id, d) in reg.vms.iter_mut() {
         if *id != vm && d.uffd_pending() && (lo..hi).any(|p| d.table.get(p) == src) {
             let (tx, rx) = tokio::sync::oneshot::channel();
-            d.on_uffd.push(tx);
+            d.faults.on_uffd.push(tx);
             ready.push(rx);
         }
     }

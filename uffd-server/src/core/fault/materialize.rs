@@ -30,13 +30,14 @@ pub fn materialize(
     let req = Request {
         page,
         bounds: 0..v.memory.pages(),
-        fault_around: v.fault_around_pages,
+        fault_around: v.faults.fault_around_pages,
         track: true,
         piece: 0,
         zero_pages: false,
         blocks_ahead: false,
     };
-    let Some(plan) = install::plan(&v.table, v.self_src, &reg.arena, &v.readahead, &req)? else {
+    let Some(plan) = install::plan(&v.table, v.self_src, &reg.arena, &v.faults.readahead, &req)?
+    else {
         return Ok((page, 1)); // Already present: a concurrent fault.
     };
     let (lo, hi) = (plan.lo, plan.hi);
@@ -53,8 +54,8 @@ pub fn materialize(
     let v = reg.vms.get_mut(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
     mark_present(v, lo, hi - lo, how);
     if let Some(window) = plan.window {
-        v.readahead.next = hi;
-        v.readahead.window = window;
+        v.faults.readahead.next = hi;
+        v.faults.readahead.window = window;
     }
     reg.installed += hi - lo;
     Ok((lo, hi - lo))
@@ -96,13 +97,13 @@ pub(super) fn without_vmm(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
     match materialize(reg, vm, page, By::Missing) {
         Ok(_) => {
             if let Some(v) = reg.vms.get_mut(&vm) {
-                v.stats.missing += 1;
+                v.log.stats.missing += 1;
             }
             Handled::Ok
         }
         Err(ResolveError::NotDecoded { image, frames }) => {
             if let Some(v) = reg.vms.get_mut(&vm) {
-                v.stats.frame_waits += 1;
+                v.log.stats.frame_waits += 1;
             }
             let ready = crate::images::zst::FramePool::wait(&image, frames);
             handled(install::Served::Wait(ready), page, false)

@@ -21,3 +21,4 @@ pub mod dependents;
 pub mod install;
 pub mod materialize;
 pub mod resolve;
+pub mod state;

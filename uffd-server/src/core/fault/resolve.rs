@@ -64,7 +64,7 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
         return Handled::Ok;
     };
     let Some(page) = v.page_of(addr) else {
-        if let Some(n) = v.warnings.allow() {
+        if let Some(n) = v.faults.warnings.allow() {
             warn!(
                 "{vm}: fault at {addr:#x} outside guest RAM; ignoring{}",
                 suppressed_note(n)
@@ -72,7 +72,7 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
         }
         return Handled::Ok;
     };
-    v.log.fault(
+    v.log.pages.fault(
         page,
         match kind {
             FaultKind::WriteProtected => ApiKind::Wp,
@@ -110,16 +110,16 @@ impl Books for OurBooks<'_> {
         self.v.self_src
     }
     fn readahead(&self) -> &Readahead {
-        &self.v.readahead
+        &self.v.faults.readahead
     }
     fn readahead_mut(&mut self) -> &mut Readahead {
-        &mut self.v.readahead
+        &mut self.v.faults.readahead
     }
     fn stats(&mut self) -> &mut FaultStats {
-        &mut self.v.stats
+        &mut self.v.log.stats
     }
     fn warnings(&mut self) -> &mut RateLimit {
-        &mut self.v.warnings
+        &mut self.v.faults.warnings
     }
     fn mark(&mut self, lo: u64, n: u64, how: How) {
         mark_present(self.v, lo, n, how);
@@ -142,11 +142,13 @@ impl Books for OurBooks<'_> {
 pub(super) fn mark_present(v: &mut Vm, lo: u64, n: u64, how: How) {
     let me = v.self_src;
     v.table.set_range(lo, n, me);
-    v.stats.pages_installed += n;
-    v.log.installed_run(lo, n, how.fault, how.by, how.from);
+    v.log.stats.pages_installed += n;
+    v.log
+        .pages
+        .installed_run(lo, n, how.fault, how.by, how.from);
     if how.by == By::Prefetch {
         for p in lo..lo + n {
-            v.log.fault(p, ApiKind::Prefetch);
+            v.log.pages.fault(p, ApiKind::Prefetch);
         }
     }
 }
@@ -155,7 +157,7 @@ pub(super) fn mark_present(v: &mut Vm, lo: u64, n: u64, how: How) {
 pub(crate) fn target<'a>(v: &Vm, uffd: &'a AsyncFd<Uffd>) -> Target<'a> {
     Target {
         uffd: uffd.get_ref(),
-        base: v.vmm_base,
+        base: v.faults.vmm_base,
         unit: v.memory.unit_pages(),
         mode: v.copy_mode(),
     }
@@ -166,7 +168,7 @@ pub(crate) fn target<'a>(v: &Vm, uffd: &'a AsyncFd<Uffd>) -> Target<'a> {
 /// [`install::serve_missing`]). A VM whose VMM is gone (a fault retried
 /// after it exited) gets the page through the server's mapping.
 pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
-    let Some(uffd) = reg.vms.get(&vm).and_then(|v| v.uffd.clone()) else {
+    let Some(uffd) = reg.vms.get(&vm).and_then(|v| v.faults.uffd.clone()) else {
         return super::materialize::without_vmm(reg, vm, page);
     };
     let Registry {
@@ -182,12 +184,12 @@ pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handle
     let t = target(v, &uffd);
     let piece = match *readahead_piece_pages {
         0 => 0,
-        n => n.max(v.fault_around_pages),
+        n => n.max(v.faults.fault_around_pages),
     };
     let req = Request {
         page,
         bounds: 0..v.memory.pages(),
-        fault_around: v.fault_around_pages,
+        fault_around: v.faults.fault_around_pages,
         track: true,
         piece,
         zero_pages: false,
@@ -202,7 +204,7 @@ pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handle
         other => other,
     };
     if !matches!(served, Served::Wait(_)) {
-        books.v.stats.missing += 1;
+        books.v.log.stats.missing += 1;
     }
     handled(served, page, false)
 }
@@ -230,17 +232,17 @@ fn resolve_minor(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
     let Some(v) = reg.vms.get_mut(&vm) else {
         return Handled::Ok;
     };
-    v.stats.minor += 1;
-    if v.table.get(page) != v.self_src || v.stale.contains(page) {
+    v.log.stats.minor += 1;
+    if v.table.get(page) != v.self_src || v.rollback.stale.contains(page) {
         // Whatever the memfd holds there is not the VM's page: drop it
         // (stale or not), then install the table's.
-        v.stale.remove(page);
+        v.rollback.stale.remove(page);
         if let Err(e) = v.memory.punch_hole(page, 1) {
             return unservable(reg, vm, page, &ResolveError::Memory(e));
         }
         return resolve_missing(reg, vm, page);
     }
-    let Some(uffd) = v.uffd.clone() else {
+    let Some(uffd) = v.faults.uffd.clone() else {
         return Handled::Ok;
     };
     let addr = v.addr_of(page);
@@ -271,8 +273,8 @@ pub(super) fn unservable(reg: &mut Registry, vm: VmId, page: u64, e: &ResolveErr
     let Some(v) = vms.get_mut(&vm) else {
         return Handled::Ok;
     };
-    v.stats.missing += 1;
-    let uffd = v.uffd.clone();
+    v.log.stats.missing += 1;
+    let uffd = v.faults.uffd.clone();
     let t = uffd.as_ref().map(|u| target(v, u));
     let mut books = OurBooks { v, installed };
     handled(
@@ -303,8 +305,8 @@ pub(crate) fn resolve_write_protect(reg: &mut Registry, vm: VmId, page: u64) -> 
     let Some(v) = reg.vms.get_mut(&vm) else {
         return Handled::Ok;
     };
-    v.stats.write_protect += 1;
-    let Some(uffd) = v.uffd.clone() else {
+    v.log.stats.write_protect += 1;
+    let Some(uffd) = v.faults.uffd.clone() else {
         return Handled::Ok;
     };
     let t = target(v, &uffd);
@@ -325,7 +327,7 @@ fn handle_remove(reg: &mut Registry, vm: VmId, start: u64, end: u64) -> Handled 
     let Some(v) = reg.vms.get_mut(&vm) else {
         return Handled::Ok;
     };
-    if v.discarding {
+    if v.rollback.discarding {
         // The server's own discard (a rollback), already accounted for.
         return Handled::Ok;
     }
@@ -333,13 +335,13 @@ fn handle_remove(reg: &mut Registry, vm: VmId, start: u64, end: u64) -> Handled 
         return Handled::Ok;
     };
     let pages = last - first + 1;
-    v.stats.removes += 1;
+    v.log.stats.removes += 1;
     for p in first..first + pages {
-        v.log.fault(p, ApiKind::Remove);
+        v.log.pages.fault(p, ApiKind::Remove);
     }
-    v.log.dropped(first, pages);
+    v.log.pages.dropped(first, pages);
     let me = v.self_src;
-    let tracked = v.dirty.is_some();
+    let tracked = v.snapshot.dirty.is_some();
     let unit = shared::geometry::usize_of(v.memory.unit_pages());
     for p in (first..first + pages).step_by(unit) {
         reg.before_write(vm, p);
@@ -369,7 +371,7 @@ fn handle_remove(reg: &mut Registry, vm: VmId, start: u64, end: u64) -> Handled 
     }
     if tracked {
         // Keep tracking writes to the discarded range.
-        if let Some(uffd) = v.uffd.clone() {
+        if let Some(uffd) = v.faults.uffd.clone() {
             if let Err(e) = target(v, &uffd).write_protect(first, pages, true) {
                 return handled(
                     install::errno_outcome(vm, "write-protect removed pages", e),

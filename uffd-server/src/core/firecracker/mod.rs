@@ -335,7 +335,7 @@ impl Core {
                 warnings: Default::default(),
                 stats: FaultStats::default(),
                 fault_around_pages: fault_around,
-                readahead: super::vm::Readahead {
+                readahead: crate::pages::Readahead {
                     next: u64::MAX,
                     window: 0,
                     max_pages: readahead_pages,

@@ -32,6 +32,8 @@
 //! nothing: if one fails, every clone made is deleted, and the snapshot
 //! with them.
 
+pub mod state;
+
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -43,7 +45,7 @@ use proto::vmm::Request;
 use shared::{VmId, PAGE_SIZE};
 use tracing::{info, warn};
 
-use super::snapshot::DirtyLog;
+use super::snapshot::state::DirtyLog;
 use super::vm::RunState;
 use super::{Core, Error, Result};
 use crate::pages::{FileSource, ImageSource, PageSource, PageTable, UNINITIALIZED};
@@ -132,6 +134,7 @@ impl Core {
             let (self_src, pages, since_target) = {
                 let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
                 let since = v
+                    .snapshot
                     .dirty
                     .as_ref()
                     .filter(|d| d.since == name)
@@ -163,7 +166,7 @@ impl Core {
             }
             let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
             // 4 KiB memory whose VMM can: discard rather than punch.
-            let discard = (!v.no_discard && v.memory.unit_pages() == 1).then(|| {
+            let discard = (!v.rollback.no_discard && v.memory.unit_pages() == 1).then(|| {
                 reset
                     .iter()
                     .map(|(first, n)| (v.addr_of(*first) as u64, n * PAGE_SIZE))
@@ -232,16 +235,16 @@ impl Core {
             let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
             let pages = v.memory.pages();
             if discarded {
-                if v.stale.pages() != pages {
-                    v.stale = PageSet::new(pages);
+                if v.rollback.stale.pages() != pages {
+                    v.rollback.stale = PageSet::new(pages);
                 }
                 for (first, n) in &reset {
-                    v.stale.insert_range(*first, *n);
+                    v.rollback.stale.insert_range(*first, *n);
                 }
             }
             // The page log starts again with the VM's new memory.
             for (first, n) in &reset {
-                v.log.dropped(*first, *n);
+                v.log.pages.dropped(*first, *n);
             }
             v.log.reset_access();
             match since_target {
@@ -262,10 +265,10 @@ impl Core {
                     }
                     // Tracking stays exact: the reset pages lost their
                     // protection with their bytes; give it back.
-                    let rearmed = v.uffd.clone().is_some_and(|uffd| {
+                    let rearmed = v.faults.uffd.clone().is_some_and(|uffd| {
                         v.write_protect_pages(uffd.get_ref(), &reset, true).is_ok()
                     });
-                    v.dirty = rearmed.then(|| DirtyLog {
+                    v.snapshot.dirty = rearmed.then(|| DirtyLog {
                         since: name.clone(),
                         pages: PageSet::new(pages),
                     });
@@ -276,11 +279,11 @@ impl Core {
                         table.set_range(first, n, src);
                     }
                     v.table = table;
-                    v.base = Some((name.clone(), src));
-                    v.dirty = None;
+                    v.snapshot.base = Some((name.clone(), src));
+                    v.snapshot.dirty = None;
                 }
             }
-            v.readahead.next = u64::MAX;
+            v.faults.readahead.next = u64::MAX;
             reg.release_unused_sources();
             Ok(())
         })();
@@ -345,7 +348,7 @@ impl Core {
     /// again, and the rollback punches instead.
     async fn discard(self: &Rc<Self>, vm: VmId, ranges: Vec<(u64, u64)>) -> bool {
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
-            v.discarding = true;
+            v.rollback.discarding = true;
         }
         let r = self
             .request(vm, Request::Discard(ranges), self.settings.vmm_deadline)
@@ -354,7 +357,7 @@ impl Core {
         let Some(v) = reg.vms.get_mut(&vm) else {
             return false;
         };
-        v.discarding = false;
+        v.rollback.discarding = false;
         match r {
             Ok(_) => true,
             Err(e) => {
@@ -362,7 +365,7 @@ impl Core {
                     "{vm}: the VMM cannot discard pages ({}); rollbacks punch them",
                     e.message()
                 );
-                v.no_discard = true;
+                v.rollback.no_discard = true;
                 false
             }
         }
@@ -387,7 +390,7 @@ impl Core {
                     let Some(v) = reg.vms.get_mut(&vm) else {
                         return;
                     };
-                    match v.scrub_some(STEP) {
+                    match v.rollback.scrub_some(&v.memory, STEP) {
                         Ok(left) => left,
                         Err(e) => {
                             warn!("{vm}: cannot punch stale pages: {e}");

@@ -40,6 +40,8 @@
 //! every WP fault (and every MISSING fault on a write) marks its page in
 //! the VM's [`DirtyLog`], whoever armed the protection.
 
+pub mod state;
+
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -66,6 +68,7 @@ use crate::pages::{
 use crate::snapshot::image::{self, ImageWriter};
 use crate::snapshot::writer::{self, WriteReport, WriterHandle};
 use crate::snapshot::{catalog, checksum, PageSet, SnapshotError, StateFile};
+use state::{DirtyLog, Saving};
 
 /// Pages saved per step of the writer before it lets faults and other
 /// requests run.
@@ -85,60 +88,6 @@ const COPY_MIN_PAGES: u64 = 4096;
 const _: () = assert!(SAVE_RUN_PAGES * PAGE_SIZE == crate::snapshot::writer::BUFFER_BYTES as u64);
 const CHUNK_PAGES: u64 = checksum::CHUNK_BYTES / PAGE_SIZE;
 const _: () = assert!(SAVE_RUN_PAGES == CHUNK_PAGES);
-
-/// Pages written since a VM's last snapshot.
-#[derive(Debug)]
-pub struct DirtyLog {
-    /// The snapshot the log counts from.
-    pub since: String,
-    pub pages: PageSet,
-}
-
-/// A snapshot saving pages while its VM runs again.
-#[derive(Debug)]
-pub struct Saving {
-    /// The snapshot's name.
-    pub name: String,
-    /// Pages whose bytes at the pause are not in the image yet.
-    pub pending: PageSet,
-    /// Every page this snapshot writes (`pending` at the pause): chunks
-    /// of a reflinked image without one keep their parent's checksums.
-    pub touched: PageSet,
-    /// The thread writing the image; taken when the last page is queued.
-    pub writer: Option<WriterHandle>,
-    /// The first failure to read a page; the snapshot fails with it.
-    pub error: Option<String>,
-    pub pages_written: u64,
-    /// Pages saved by the fault handler ahead of the writer.
-    pub saved_before_write: u64,
-    /// Pages queued for the writer to copy out of the VM's memory itself
-    /// and maybe not copied yet: a write to one first saves its bytes
-    /// again, behind the copy ([`Registry::before_write`]).
-    pub in_flight: PageSet,
-    /// Those copy runs, `(number, first, end)`, oldest first.
-    pub copying: std::collections::VecDeque<(u64, u64, u64)>,
-    /// Bulk runs of the VM's own pages go to the writer to copy (see
-    /// [`COPY_MIN_PAGES`]).
-    pub copy_runs: bool,
-}
-
-impl Saving {
-    /// Forget the copy runs the writer has finished.
-    fn prune_copies(&mut self) {
-        let Some(copied) = self.writer.as_ref().map(WriterHandle::copied) else {
-            return;
-        };
-        while let Some(&(seq, lo, hi)) = self.copying.front() {
-            if seq > copied {
-                break;
-            }
-            for p in lo..hi {
-                self.in_flight.remove(p);
-            }
-            self.copying.pop_front();
-        }
-    }
-}
 
 fn us(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
@@ -175,13 +124,13 @@ impl Registry {
             return;
         };
         let (lo, hi) = v.memory.unit_range(page, page + 1);
-        if let Some(d) = v.dirty.as_mut() {
+        if let Some(d) = v.snapshot.dirty.as_mut() {
             d.pages.insert_range(lo, hi - lo);
         }
-        if let Some(a) = v.arming.as_mut() {
+        if let Some(a) = v.snapshot.arming.as_mut() {
             a.insert_range(lo, hi - lo);
         }
-        let Some(saving) = v.saving.clone() else {
+        let Some(saving) = v.snapshot.saving.clone() else {
             return;
         };
         let runs: Vec<(u64, u64)> = {
@@ -427,10 +376,10 @@ impl Core {
                 }
             }
             if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
-                v.saving = None;
+                v.snapshot.saving = None;
                 // The log restarted at the pause for a snapshot that never
                 // came to be: the next `dirty` needs a new base.
-                v.dirty = None;
+                v.snapshot.dirty = None;
             }
         }
         taken
@@ -680,7 +629,7 @@ impl Core {
         let mut reasons: Vec<String> = Vec::new();
         let mut choice: Option<(SnapshotMode, String)> = None;
         if asked == SnapshotMode::Dirty {
-            match &v.dirty {
+            match &v.snapshot.dirty {
                 Some(d) if fits(&d.since) => {
                     choice = Some((SnapshotMode::Dirty, d.since.clone()));
                 }
@@ -691,7 +640,7 @@ impl Core {
             }
         }
         if choice.is_none() && asked != SnapshotMode::Full {
-            match &v.base {
+            match &v.snapshot.base {
                 Some((b, _)) if fits(b) => choice = Some((SnapshotMode::Incremental, b.clone())),
                 Some((b, _)) => reasons.push(format!("{vm}'s base snapshot {b} is gone")),
                 None => reasons.push(format!("{vm} did not start from a snapshot")),
@@ -706,7 +655,7 @@ impl Core {
             match ImageWriter::reflink(&path, &cat.image_of(&p), size) {
                 Ok(img) => {
                     if m == SnapshotMode::Incremental {
-                        let (_, src) = v.base.clone().unwrap_or_default();
+                        let (_, src) = v.snapshot.base.clone().unwrap_or_default();
                         let base_source = reg.arena.get(src);
                         let data = match base_source.and_then(|s| s.zstd()) {
                             Some(z) => z.data_pages(),
@@ -824,6 +773,7 @@ impl Core {
                 set
             }
             SnapshotMode::Dirty => v
+                .snapshot
                 .dirty
                 .as_ref()
                 .map_or_else(|| PageSet::new(pages), |d| d.pages.clone()),
@@ -835,12 +785,12 @@ impl Core {
         ahead.finish()?;
         let mut reg = self.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        v.dirty = Some(DirtyLog {
+        v.snapshot.dirty = Some(DirtyLog {
             since: name.to_owned(),
             pages: PageSet::new(pages),
         });
         let copy_runs = writer.copies() && pending.len() >= COPY_MIN_PAGES;
-        v.saving = Some(Rc::new(RefCell::new(Saving {
+        v.snapshot.saving = Some(Rc::new(RefCell::new(Saving {
             name: name.to_owned(),
             touched: pending.clone(),
             pending,
@@ -862,7 +812,7 @@ impl Core {
     fn unprotected_runs(&self, vm: VmId) -> Result<Vec<(u64, u64)>> {
         let reg = self.reg.borrow();
         let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
-        Ok(match &v.dirty {
+        Ok(match &v.snapshot.dirty {
             Some(d) => d.pages.runs(),
             None => vec![(0, v.memory.pages())],
         })
@@ -898,7 +848,7 @@ impl Core {
     /// what the image keeps of its parent in the chunks it writes in part.
     fn prefetch_kept_pages(&self, vm: VmId) {
         let reg = self.reg.borrow();
-        let Some(saving) = reg.vms.get(&vm).and_then(|v| v.saving.as_ref()) else {
+        let Some(saving) = reg.vms.get(&vm).and_then(|v| v.snapshot.saving.as_ref()) else {
             return;
         };
         let s = saving.borrow();
@@ -920,7 +870,7 @@ impl Core {
             .borrow()
             .vms
             .get(&vm)
-            .and_then(|v| v.saving.clone())
+            .and_then(|v| v.snapshot.saving.clone())
             .ok_or(Error::NoSuchVm(vm))?;
         let gate = saving
             .borrow()
@@ -983,7 +933,7 @@ impl Core {
             done.await;
         }
         if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
-            v.saving = None;
+            v.snapshot.saving = None;
         }
         if let Some(e) = saving.borrow().error.clone() {
             return Err(Error::SaveSnapshot { vm, reason: e });
@@ -1179,7 +1129,7 @@ impl Core {
             ready: ready_tx,
         });
         vm.start_state = Some(Rc::new(vm_state));
-        vm.base = Some((name.to_owned(), src));
+        vm.snapshot.base = Some((name.to_owned(), src));
         vm.owns_volume = volume.is_some();
         vm.volume = volume;
         vm.pooled = pooled;

@@ -22,6 +22,8 @@
 //! last ran or changed (`Vm::protected_paused`), so forking a template again
 //! and again costs the table fork and the children's start only.
 
+pub mod state;
+
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -87,7 +89,7 @@ impl Core {
                 .borrow()
                 .vms
                 .get(&parent)
-                .and_then(|v| v.paused_state.clone())
+                .and_then(|v| v.fork.paused_state.clone())
         } else {
             None
         };
@@ -160,8 +162,8 @@ impl Core {
         };
         if template && protected.is_ok() {
             if let Some(v) = self.reg.borrow_mut().vms.get_mut(&parent) {
-                v.protected_paused = true;
-                v.paused_state = Some(state.clone());
+                v.fork.protected_paused = true;
+                v.fork.paused_state = Some(state.clone());
             }
         }
         let t_fork = Instant::now();
@@ -269,7 +271,7 @@ impl Core {
             .borrow()
             .vms
             .get(&vm)
-            .is_some_and(|v| v.protected_paused)
+            .is_some_and(|v| v.fork.protected_paused)
     }
 
     /// Queue a resume for `vm` and log its outcome, without waiting.
@@ -326,10 +328,13 @@ impl Core {
                 p.table.fork(),
                 (p.memory.size(), p.memory.page_size()),
                 p.vcpus,
-                p.fault_around_pages,
+                p.faults.fault_around_pages,
             )
         };
-        let readahead_pages = reg.vms.get(&parent).map_or(0, |p| p.readahead.max_pages);
+        let readahead_pages = reg
+            .vms
+            .get(&parent)
+            .map_or(0, |p| p.faults.readahead.max_pages);
         let mut out = Vec::new();
         for _ in 0..count {
             let id = reg.alloc_id(&self.settings.state_dir);
@@ -355,7 +360,7 @@ impl Core {
                 readahead_pages,
                 ready: tx,
             });
-            vm.parent = Some(parent);
+            vm.fork.parent = Some(parent);
             vm.start_state = Some(state.clone());
             vm.pooled = pooled;
             reg.vms.insert(id, vm);
@@ -404,7 +409,7 @@ impl Core {
             let vol = reg.vms.get_mut(id).and_then(|v| {
                 // Only a fork child's (or a restored VM's) own reflinked
                 // disk goes with it.
-                if v.parent.is_some() || v.owns_volume {
+                if v.fork.parent.is_some() || v.owns_volume {
                     v.volume.take()
                 } else {
                     None

@@ -1,0 +1,3 @@
+//! A VM's link to its VMM process.
+
+pub mod state;
