@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use nix::fcntl::{fallocate, FallocateFlags};
 use shared::PAGE_SIZE;
 
-use super::{Result, SnapshotError};
+use super::error::{Result, SnapshotError};
 
 /// Byte ranges `[start, end)` of `fd` (of `len` bytes) that hold data, found
 /// with SEEK_DATA / SEEK_HOLE; everything else reads as zero.

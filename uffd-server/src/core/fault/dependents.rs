@@ -10,9 +10,9 @@ use shared::{VmId, PAGE_SIZE};
 use tracing::{error, warn};
 use uffd_abi::{Errno, Install};
 
-use super::resolve::target;
+use super::books::target;
+use crate::core::registry::Registry;
 use crate::core::vm::{RunState, Vm};
-use crate::core::Registry;
 use crate::memory::{GuestMemory, MemoryError};
 use crate::observe::access::By;
 use crate::pages::{ResolveError, SourceId};

@@ -8,9 +8,9 @@ use std::rc::Rc;
 
 use shared::VmId;
 
+use super::books::{handled, mark_present, unservable, Handled};
 use super::install::{self, How, Request};
-use super::resolve::{handled, mark_present, unservable, Handled};
-use crate::core::Registry;
+use crate::core::registry::Registry;
 use crate::observe::access::By;
 use crate::pages::{read_pages, ResolveError};
 

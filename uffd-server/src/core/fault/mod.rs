@@ -17,8 +17,11 @@
 //!
 //! The loop that reads the events is `core/serve.rs`.
 
+pub mod books;
 pub mod dependents;
 pub mod install;
 pub mod materialize;
 pub mod resolve;
+pub mod serve;
 pub mod state;
+pub mod trace;

@@ -11,39 +11,16 @@
 
 use proto::api::FaultKind as ApiKind;
 use shared::VmId;
-use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
-use userfaultfd::{Event, FaultKind, ReadWrite, Uffd};
+use userfaultfd::{Event, FaultKind, ReadWrite};
 
-use super::install::{self, Books, How, Request, Served, Target};
-use crate::core::ratelimit::{suppressed_note, RateLimit};
-use crate::core::vm::{RunState, Vm};
-use crate::core::Registry;
-use crate::observe::access::By;
+use super::books::{handled, target, unservable, Handled, OurBooks};
+use super::install::{self, Request, Served};
+use crate::core::ratelimit::suppressed_note;
+use crate::core::registry::Registry;
+use crate::core::snapshot::track::before_write;
 use crate::observe::phases::{self, Phase};
-use crate::observe::stats::FaultStats;
-use crate::pages::{PageTable, Readahead, ResolveError, SourceId, UNINITIALIZED};
-
-/// Outcome of handling one event.
-#[derive(Debug)]
-pub enum Handled {
-    Ok,
-    /// The VMM's address space is gone (ESRCH): treat the VMM as exited.
-    VmmGone,
-    /// The VM failed just now: a fault could not be served, for this
-    /// reason. The page is poisoned (see [`install::unservable`]).
-    Failed(String),
-    /// The fault on `page` waits for frames of a compressed image being
-    /// decoded off the core thread, or for a dependent's uffd; retry it
-    /// when every receiver fired. The faulting thread stays asleep until
-    /// then.
-    Wait {
-        page: u64,
-        ready: Vec<tokio::sync::oneshot::Receiver<()>>,
-        /// The fault is a write-protect fault (else a missing one).
-        write_protect: bool,
-    },
-}
+use crate::pages::{ResolveError, UNINITIALIZED};
 
 /// Handle one uffd event of `vm`.
 pub fn handle_event(reg: &mut Registry, vm: VmId, event: Event) -> Handled {
@@ -82,84 +59,12 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
     if write || kind == FaultKind::WriteProtected {
         // A write is coming: the dirty log and a snapshot still saving
         // this page see it first.
-        reg.before_write(vm, page);
+        before_write(reg, vm, page);
     }
     match kind {
         FaultKind::Missing => resolve_missing(reg, vm, page),
         FaultKind::WriteProtected => resolve_write_protect(reg, vm, page),
         FaultKind::Minor => resolve_minor(reg, vm, page),
-    }
-}
-
-/// What an install into one of our VMs records: the table, the counters,
-/// the page log, and the server's count of installed pages (the trace
-/// reads what one event installed from it).
-pub(super) struct OurBooks<'a> {
-    pub v: &'a mut Vm,
-    pub installed: &'a mut u64,
-}
-
-impl Books for OurBooks<'_> {
-    fn id(&self) -> VmId {
-        self.v.id
-    }
-    fn table(&self) -> &PageTable {
-        &self.v.table
-    }
-    fn self_src(&self) -> SourceId {
-        self.v.self_src
-    }
-    fn readahead(&self) -> &Readahead {
-        &self.v.faults.readahead
-    }
-    fn readahead_mut(&mut self) -> &mut Readahead {
-        &mut self.v.faults.readahead
-    }
-    fn stats(&mut self) -> &mut FaultStats {
-        &mut self.v.log.stats
-    }
-    fn warnings(&mut self) -> &mut RateLimit {
-        &mut self.v.faults.warnings
-    }
-    fn mark(&mut self, lo: u64, n: u64, how: How) {
-        mark_present(self.v, lo, n, how);
-        *self.installed += n;
-    }
-    fn before_install(&mut self, lo: u64, hi: u64) -> Result<(), ResolveError> {
-        self.v.scrub(lo, hi).map_err(ResolveError::Memory)
-    }
-    fn fail(&mut self, reason: &str) -> bool {
-        if self.v.failure.is_some() {
-            return false;
-        }
-        self.v.failure = Some(reason.to_owned());
-        self.v.state = RunState::Failed;
-        true
-    }
-}
-
-/// Record pages `[lo, lo + n)` of `v` as present, installed as `how` says.
-pub(super) fn mark_present(v: &mut Vm, lo: u64, n: u64, how: How) {
-    let me = v.self_src;
-    v.table.set_range(lo, n, me);
-    v.log.stats.pages_installed += n;
-    v.log
-        .pages
-        .installed_run(lo, n, how.fault, how.by, how.from);
-    if how.by == By::Prefetch {
-        for p in lo..lo + n {
-            v.log.pages.fault(p, ApiKind::Prefetch);
-        }
-    }
-}
-
-/// The installer's view of `v`'s memory through its VMM's `uffd`.
-pub(crate) fn target<'a>(v: &Vm, uffd: &'a AsyncFd<Uffd>) -> Target<'a> {
-    Target {
-        uffd: uffd.get_ref(),
-        base: v.faults.vmm_base,
-        unit: v.memory.unit_pages(),
-        mode: v.copy_mode(),
     }
 }
 
@@ -209,20 +114,6 @@ pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handle
     handled(served, page, false)
 }
 
-/// Our loop's outcome of what the installer served.
-pub(super) fn handled(served: Served, page: u64, write_protect: bool) -> Handled {
-    match served {
-        Served::Done | Served::Again => Handled::Ok,
-        Served::Wait(ready) => Handled::Wait {
-            page,
-            ready,
-            write_protect,
-        },
-        Served::Gone => Handled::VmmGone,
-        Served::Failed(reason) => Handled::Failed(reason),
-    }
-}
-
 /// A page in the memfd that the VMM does not map: registered MINOR only
 /// after a rollback discarded pages. A stale page (the table points
 /// elsewhere) is punched and installed from the table like a missing one;
@@ -266,24 +157,6 @@ fn resolve_minor(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
     }
 }
 
-/// `page` of `vm` cannot be served: fail the VM and poison the page (see
-/// [`install::unservable`]); a VM whose VMM is gone has nothing to poison.
-pub(super) fn unservable(reg: &mut Registry, vm: VmId, page: u64, e: &ResolveError) -> Handled {
-    let Registry { vms, installed, .. } = reg;
-    let Some(v) = vms.get_mut(&vm) else {
-        return Handled::Ok;
-    };
-    v.log.stats.missing += 1;
-    let uffd = v.faults.uffd.clone();
-    let t = uffd.as_ref().map(|u| target(v, u));
-    let mut books = OurBooks { v, installed };
-    handled(
-        install::unservable(&mut books, t.as_ref(), page, e),
-        page,
-        false,
-    )
-}
-
 /// Copy-on-write step for a WP fault: give the pre-write page to every VM
 /// that still reads it from `vm`, then lift the protection. On hugetlb the
 /// unit is the whole block: its pre-write copy goes to the dependents and
@@ -291,7 +164,7 @@ pub(super) fn unservable(reg: &mut Registry, vm: VmId, page: u64, e: &ResolveErr
 ///
 /// A dependent whose VMM has connected but whose uffd has not arrived can
 /// take the copy neither way (its guest may run already, see
-/// [`Vm::uffd_pending`]): the write waits, protected, until the uffd is
+/// [`crate::core::vm::Vm::uffd_pending`]): the write waits, protected, until the uffd is
 /// there.
 pub(crate) fn resolve_write_protect(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
     if let Some(ready) = super::dependents::wait_for_dependents(reg, vm, page) {
@@ -344,7 +217,7 @@ fn handle_remove(reg: &mut Registry, vm: VmId, start: u64, end: u64) -> Handled 
     let tracked = v.snapshot.dirty.is_some();
     let unit = shared::geometry::usize_of(v.memory.unit_pages());
     for p in (first..first + pages).step_by(unit) {
-        reg.before_write(vm, p);
+        before_write(reg, vm, p);
     }
     let Some(v) = reg.vms.get_mut(&vm) else {
         return Handled::Ok;

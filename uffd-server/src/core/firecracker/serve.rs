@@ -11,8 +11,8 @@ use tracing::info;
 use userfaultfd::{Event, EventBuffer, FaultKind, Uffd};
 
 use super::vm::Resolved;
-use crate::core::serve::{poll_window, read_pending};
-use crate::core::Core;
+use crate::core::fault::serve::{poll_window, read_pending};
+use crate::core::state::Core;
 use crate::observe::phases::{self, Phase};
 
 /// Handle a batch of events for a Firecracker VM (read after a wake-up of

@@ -6,6 +6,7 @@
 //! anonymous. A pending event (EAGAIN) defers the fault until the events
 //! are read (`serve.rs`).
 
+use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 
@@ -221,3 +222,6 @@ fn region_target(uffd: &Uffd, r: Region) -> Target<'_> {
         mode: 0,
     }
 }
+
+/// Firecracker VMs by id.
+pub type FcVms = BTreeMap<VmId, FcVm>;

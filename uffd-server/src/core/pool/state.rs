@@ -10,6 +10,18 @@ use shared::VmId;
 use crate::conn::{Binding, VmmWriter};
 use crate::memory::GuestMemory;
 
+/// Pool ids start here; VM ids stay far below.
+pub const POOL_BASE: u32 = 0x8000_0000;
+
+/// Pooled VMMs that may exit unused in a row before the pool stops
+/// refilling.
+pub const MAX_FAILURES: u32 = 3;
+
+/// Whether `id` is a pool id rather than a VM's.
+pub fn is_pool_id(id: VmId) -> bool {
+    id.0 >= POOL_BASE
+}
+
 /// One pooled VMM.
 #[derive(Debug)]
 pub struct Pooled {

@@ -1,5 +1,4 @@
-//! Write protection armed ahead of a pause, shared by fork and snapshot
-//! (DESIGN §4, §5).
+//! Write protection armed ahead of a pause, shared by fork and snapshot.
 //!
 //! Both need a set of the VM's pages write-protected at the instant it
 //! pauses: a fork its materialized pages (a later write must hand the
@@ -10,10 +9,10 @@
 //! before the pause instead, while the guest still runs, and the pause
 //! re-protects only what the guest wrote in between:
 //!
-//! 1. [`Core::arm_ahead`]: start the VM's arming set, then write-protect
+//! 1. [`arm_ahead`]: start the VM's arming set, then write-protect
 //!    the runs. From here every page that loses its protection is in the
 //!    set: a WP fault lifts it and a write's MISSING fault installs it, and
-//!    both pass through [`super::Registry::before_write`], which records
+//!    both pass through [`super::track::before_write`], which records
 //!    the page. Pages installed meanwhile go in protected
 //!    (`SnapshotState::tracks_writes`).
 //! 2. In the pause, as soon as the vCPUs are stopped,
@@ -38,39 +37,38 @@ use std::time::Instant;
 
 use shared::VmId;
 
-use super::vm::Vm;
-use super::{Core, Error, Result};
-use crate::snapshot::PageSet;
+use crate::core::error::{Error, Result};
+use crate::core::state::Core;
+use crate::core::vm::Vm;
+use crate::snapshot::pageset::PageSet;
 
 fn us(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
-impl Vm {
-    /// Write-protect `runs` (pages) through the VM's uffd. Returns the
-    /// ioctls' time in µs.
-    pub(super) fn protect(&self, runs: &[(u64, u64)]) -> Result<u64> {
-        let vm = self.id;
-        let uffd = self.faults.uffd.clone().ok_or(Error::NoUffd { vm })?;
-        let t = Instant::now();
-        self.write_protect_pages(uffd.get_ref(), runs, true)
-            .map_err(|(i, source)| {
-                let (start, n) = runs[i];
-                Error::WriteProtect {
-                    vm,
-                    start,
-                    end: start + n,
-                    source,
-                }
-            })?;
-        Ok(us(t))
-    }
+/// Write-protect `runs` (pages) of `v` through its uffd. Returns the
+/// ioctls' time in µs.
+pub(crate) fn protect(v: &Vm, runs: &[(u64, u64)]) -> Result<u64> {
+    let vm = v.id;
+    let uffd = v.faults.uffd.clone().ok_or(Error::NoUffd { vm })?;
+    let t = Instant::now();
+    v.write_protect_pages(uffd.get_ref(), runs, true)
+        .map_err(|(i, source)| {
+            let (start, n) = runs[i];
+            Error::WriteProtect {
+                vm,
+                start,
+                end: start + n,
+                source,
+            }
+        })?;
+    Ok(us(t))
 }
 
 /// Protection armed ahead of `vm`'s pause; dropping it before
 /// [`ArmedAhead::finish`] stops the recording (step 3).
 #[must_use = "the pause must re-protect what the guest wrote meanwhile"]
-pub(super) struct ArmedAhead<'a> {
+pub(crate) struct ArmedAhead<'a> {
     core: &'a Core,
     vm: VmId,
     /// Pages protected ahead.
@@ -81,9 +79,9 @@ pub(super) struct ArmedAhead<'a> {
 
 impl ArmedAhead<'_> {
     /// Step 2, as soon as the VM's vCPUs are stopped: re-protect the
-    /// pages it wrote since [`Core::arm_ahead`], and go on recording.
+    /// pages it wrote since [`arm_ahead`], and go on recording.
     /// Returns how many pages and the ioctl's time in µs.
-    pub(super) fn reprotect(&self) -> Result<(u64, u64)> {
+    pub(crate) fn reprotect(&self) -> Result<(u64, u64)> {
         self.protect_written(true)
     }
 
@@ -92,7 +90,7 @@ impl ArmedAhead<'_> {
     /// protection since [`Self::reprotect`] (usually nothing: only a fault
     /// handled late, such as one that waited for a dependent, can) and stop
     /// recording. Returns how many pages and the ioctl's time in µs.
-    pub(super) fn finish(&self) -> Result<(u64, u64)> {
+    pub(crate) fn finish(&self) -> Result<(u64, u64)> {
         self.protect_written(false)
     }
 
@@ -107,7 +105,7 @@ impl ArmedAhead<'_> {
         if written.is_empty() {
             return Ok((0, 0));
         }
-        Ok((written.len(), v.protect(&written.runs())?))
+        Ok((written.len(), protect(v, &written.runs())?))
     }
 }
 
@@ -121,22 +119,24 @@ impl Drop for ArmedAhead<'_> {
     }
 }
 
-impl Core {
-    /// Step 1: write-protect `runs` of `vm` (pages) while it runs, and
-    /// record from now on the pages that lose the protection.
-    pub(super) fn arm_ahead(&self, vm: VmId, runs: &[(u64, u64)]) -> Result<ArmedAhead<'_>> {
-        let mut reg = self.reg.borrow_mut();
-        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        v.snapshot.arming = Some(PageSet::new(v.memory.pages()));
-        let took = v.protect(runs);
-        if took.is_err() {
-            v.snapshot.arming = None;
-        }
-        Ok(ArmedAhead {
-            core: self,
-            vm,
-            pages: runs.iter().map(|&(_, n)| n).sum(),
-            us: took?,
-        })
+/// Step 1: write-protect `runs` of `vm` (pages) while it runs, and record
+/// from now on the pages that lose the protection.
+pub(crate) fn arm_ahead<'a>(
+    core: &'a Core,
+    vm: VmId,
+    runs: &[(u64, u64)],
+) -> Result<ArmedAhead<'a>> {
+    let mut reg = core.reg.borrow_mut();
+    let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+    v.snapshot.arming = Some(PageSet::new(v.memory.pages()));
+    let took = protect(v, runs);
+    if took.is_err() {
+        v.snapshot.arming = None;
     }
+    Ok(ArmedAhead {
+        core,
+        vm,
+        pages: runs.iter().map(|&(_, n)| n).sum(),
+        us: took?,
+    })
 }
