@@ -15,7 +15,7 @@ use super::commit::{commit, Before, Taken};
 use super::pause::{pause, volume_snapshot_name};
 use super::plan::{plan, unprotected_runs, Plan};
 use crate::core::busy;
-use crate::core::error::Result;
+use crate::core::error::{Error, Result};
 use crate::core::state::Core;
 use crate::core::vm::RunState;
 use crate::snapshot::{checksum, writer, SnapshotError};
@@ -24,7 +24,8 @@ fn us(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
-/// Take snapshot `req.name` of `vm`, paused for the capture only. On failure
+/// Take snapshot `req.name` of `vm`. A paused VM is captured as it is and
+/// stays paused; a running one is paused for the capture only. On failure
 /// nothing is left behind: no snapshot listed, no `.tmp-` directory, no
 /// volume snapshot, and the VM runs (or stays paused) as before.
 pub(crate) async fn snapshot(
@@ -51,11 +52,21 @@ pub(crate) async fn snapshot(
     taken
 }
 
-/// A snapshot is of a running VM; returns whether it is paused (never,
-/// for now).
+/// A snapshot is of a running or a paused VM; returns whether it is
+/// paused. A paused VM is what one snapshots to keep a template, and
+/// what Firecracker requires: it is captured as it is and stays paused.
 fn check(core: &Core, vm: VmId) -> Result<bool> {
-    crate::core::busy::expect_state(core, vm, RunState::Running, "snapshot")?;
-    Ok(false)
+    let reg = core.reg.borrow();
+    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+    match v.api_state() {
+        RunState::Running => Ok(false),
+        RunState::Paused => Ok(true),
+        state => Err(Error::WrongState {
+            vm,
+            state,
+            action: "snapshot",
+        }),
+    }
 }
 
 /// The steps, once the name is reserved.
