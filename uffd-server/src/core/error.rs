@@ -237,6 +237,7 @@ impl Error {
                 SnapshotKind::BadRequest => 400,
                 SnapshotKind::NotFound => 404,
                 SnapshotKind::Conflict => 409,
+                SnapshotKind::NoSpace => 507,
                 SnapshotKind::Io => 500,
             },
             SaveSnapshot { .. } | NotArmed { .. } | RollbackFailed { .. } => 500,
@@ -311,6 +312,15 @@ mod tests {
             (
                 Error::Snapshot(crate::snapshot::SnapshotError::NotFound("s".into())),
                 404,
+            ),
+            (
+                Error::Snapshot(crate::snapshot::SnapshotError::io(
+                    "write",
+                    std::path::Path::new("memory.img"),
+                )(std::io::Error::from_raw_os_error(
+                    libc::ENOSPC,
+                ))),
+                507,
             ),
             (Error::ShuttingDown, 503),
             (

@@ -79,10 +79,13 @@ pub fn finish_files(
     lap(phases, "sync_and_checksum");
     if let Some(opts) = compress {
         let zpath = tmp.join(ZSTD_FILE);
-        zst::compress(image, &zpath, &opts, &mut |_, _| {}).map_err(|e| {
-            SnapshotError::io("compress into", &zpath)(std::io::Error::other(shared::error_chain(
-                &e,
-            )))
+        zst::compress(image, &zpath, &opts, &mut |_, _| {}).map_err(|e| match e {
+            zst::WriteError::Write { source, .. } => {
+                SnapshotError::io("compress into", &zpath)(source)
+            }
+            e => SnapshotError::io("compress into", &zpath)(std::io::Error::other(
+                shared::error_chain(&e),
+            )),
         })?;
         let zfile = image::open_read(&zpath)?;
         let zsum = checksum::sum_file(&zfile, checksum::WRITE_ALGORITHM)

@@ -212,11 +212,7 @@ impl ImageWriter {
             off,
             len,
         )
-        .map_err(|e| SnapshotError::Io {
-            what: "punch a hole in",
-            path: self.path.clone(),
-            source: e.into(),
-        })
+        .map_err(|e| SnapshotError::io("punch a hole in", &self.path)(e.into()))
     }
 }
 
