@@ -1,5 +1,5 @@
 //! Operations that pause, capture and resume a VM themselves (a fork, a
-//! snapshot, a rollback) run one at a time per VM: [`begin`] marks the VM
+//! snapshot, a rollback) run one at a time per VM: `begin` marks the VM
 //! busy until its guard drops, and pause, resume and another such
 //! operation are refused meanwhile (guest ops may run: a pause stops the
 //! vCPUs at an instruction boundary). And the state checks every action
@@ -73,7 +73,7 @@ pub(crate) fn expect_state(
     Ok(())
 }
 
-/// Marks a VM as busy (see [`begin`]) while alive.
+/// Marks a VM as busy (see `begin`) while alive.
 #[derive(Debug)]
 pub(crate) struct BusyGuard {
     core: Rc<Core>,

@@ -129,7 +129,7 @@ impl Registry {
 
     /// A new VM id. Ids never repeat on one state directory: the highest
     /// id handed out is recorded in `next-vm-id` in blocks of
-    /// [`ID_BLOCK`], so a restarted server starts past every id it may
+    /// `ID_BLOCK`, so a restarted server starts past every id it may
     /// have used (and past volumes named after them).
     pub fn alloc_id(&mut self, state_dir: &Path) -> VmId {
         self.next_id += 1;

@@ -24,7 +24,7 @@ pub struct Settings {
     /// How long a VMM may take to pause, resume or capture its state.
     pub vmm_deadline: Duration,
     /// How long after a rollback's resume its discarded pages start being
-    /// punched in the background (see `rollback/scrub.rs`).
+    /// punched in the background (see `rollback/discard.rs`).
     pub rollback_scrub_delay: Duration,
     /// Requests in flight per VM at most; beyond it that VM answers 503.
     pub vmm_queue: usize,

@@ -92,7 +92,7 @@ impl ZstdImage {
     }
 
     /// Decode `frame` on this thread (and cache it): only for paths that
-    /// cannot wait for the pool (see `core/snapshot.rs`).
+    /// cannot wait for the pool (see `core/snapshot/track.rs`).
     pub fn decode_now(&self, frame: u64) -> Result<Arc<[u8]>, String> {
         if let Some(b) = self.cached(frame)? {
             return Ok(b);

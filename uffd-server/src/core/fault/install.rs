@@ -167,7 +167,7 @@ pub struct Request {
     /// memory only: shmem and hugetlb have no zero page to map).
     pub zero_pages: bool,
     /// On hugetlb, a sequential reader's next blocks go in behind the
-    /// faulting one ([`block_ahead`]).
+    /// faulting one (`block_ahead`).
     pub blocks_ahead: bool,
 }
 

@@ -9,22 +9,22 @@
 //! before the pause instead, while the guest still runs, and the pause
 //! re-protects only what the guest wrote in between:
 //!
-//! 1. [`arm_ahead`]: start the VM's arming set, then write-protect
+//! 1. `arm_ahead`: start the VM's arming set, then write-protect
 //!    the runs. From here every page that loses its protection is in the
 //!    set: a WP fault lifts it and a write's MISSING fault installs it, and
-//!    both pass through [`super::track::before_write`], which records
+//!    both pass through `track::before_write`, which records
 //!    the page. Pages installed meanwhile go in protected
 //!    (`SnapshotState::tracks_writes`).
 //! 2. In the pause, as soon as the vCPUs are stopped,
-//!    [`ArmedAhead::reprotect`]: write-protect the set's pages and start
+//!    `ArmedAhead::reprotect`: write-protect the set's pages and start
 //!    the set again; at the fork's or snapshot's moment (no await after
-//!    it), [`ArmedAhead::finish`]: write-protect what the set gathered
+//!    it), `ArmedAhead::finish`: write-protect what the set gathered
 //!    meanwhile (a fault handled late) and drop the set. Now every page of
 //!    the runs, and every page installed since step 1, is protected,
 //!    exactly as if the runs had been protected in the pause; what the
 //!    guest wrote before the pause is in memory, where the fork or
 //!    snapshot reads it.
-//! 3. On a failure before the end of step 2, dropping the [`ArmedAhead`]
+//! 3. On a failure before the end of step 2, dropping the `ArmedAhead`
 //!    drops the set. The protection left behind is harmless: a write
 //!    faults once and the fault lifts it.
 //!
@@ -66,7 +66,7 @@ pub(crate) fn protect(v: &Vm, runs: &[(u64, u64)]) -> Result<u64> {
 }
 
 /// Protection armed ahead of `vm`'s pause; dropping it before
-/// [`ArmedAhead::finish`] stops the recording (step 3).
+/// `ArmedAhead::finish` stops the recording (step 3).
 #[must_use = "the pause must re-protect what the guest wrote meanwhile"]
 pub(crate) struct ArmedAhead<'a> {
     core: &'a Core,
@@ -79,7 +79,7 @@ pub(crate) struct ArmedAhead<'a> {
 
 impl ArmedAhead<'_> {
     /// Step 2, as soon as the VM's vCPUs are stopped: re-protect the
-    /// pages it wrote since [`arm_ahead`], and go on recording.
+    /// pages it wrote since `arm_ahead`, and go on recording.
     /// Returns how many pages and the ioctl's time in µs.
     pub(crate) fn reprotect(&self) -> Result<(u64, u64)> {
         self.protect_written(true)

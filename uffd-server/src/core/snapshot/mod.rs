@@ -11,7 +11,7 @@
 //! 1. Before the pause: reserve the name, create `memory.img` (a FICLONE of
 //!    the parent's image for `incremental` / `dirty`).
 //!    Write-protect the pages X wrote since its last snapshot (all of its
-//!    RAM for a first one) while X still runs (`arm.rs`). A paused X
+//!    RAM for a first one) while X still runs (`snapshot/arm.rs`). A paused X
 //!    stays paused throughout: steps 2 and 4 skip the pause and the
 //!    resume.
 //! 2. Pause X, with the capture of its vCPU/device state queued behind
@@ -26,10 +26,10 @@
 //!    Save the pages in order, a run at a time, yielding between
 //!    runs. A write by X to a page not yet saved raises a WP fault (or a
 //!    MISSING one) first, and the fault handler saves that page's pre-write
-//!    bytes before lifting the protection ([`track::before_write`]).
+//!    bytes before lifting the protection (`track::before_write`).
 //!    Both run on the core thread, so a page leaves the pending set
 //!    exactly once, with the bytes it had at the pause.
-//!    In a save of [`pause::COPY_MIN_PAGES`] or more, runs of X's own pages
+//!    In a save of `pause::COPY_MIN_PAGES` or more, runs of X's own pages
 //!    (4 KiB memory) are not read here: the writer thread copies them out
 //!    of X's memfd itself, later. Until it reports
 //!    a run copied, its pages are in flight: a write to one first saves

@@ -84,7 +84,7 @@ async fn take(
     let writer_us = us(t0).saturating_sub(plan_us);
     // The pages written since the last snapshot (all of memory for a first
     // one) are protected now, while the guest runs; the pause re-protects
-    // only what it writes meanwhile (see `arm.rs`).
+    // only what it writes meanwhile (see `snapshot/arm.rs`).
     let ahead = arm_ahead(core, vm, &unprotected_runs(core, vm)?)?;
     let stopped = pause(core, vm, &req.name, &plan, writer, &ahead, paused).await?;
     let before = Before {

@@ -25,7 +25,7 @@ pub struct SnapshotState {
     /// one of them first hands its pre-image to it.
     pub saving: Option<Rc<RefCell<Saving>>>,
     /// Pages that lost their write protection since a fork or snapshot
-    /// armed it ahead of its pause (see `arm.rs`); the pause re-protects
+    /// armed it ahead of its pause (see `snapshot/arm.rs`); the pause re-protects
     /// them.
     pub arming: Option<PageSet>,
 }

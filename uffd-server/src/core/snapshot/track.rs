@@ -16,7 +16,7 @@ use crate::core::registry::Registry;
 use crate::pages::{read_pages, PageSource, ResolveError, SourceId, UNINITIALIZED};
 
 /// Before `page` of `vm` changes (a write fault, a discard): record it
-/// in the dirty log and the arming set (`arm.rs`), and hand its
+/// in the dirty log and the arming set (`snapshot/arm.rs`), and hand its
 /// current bytes to a snapshot that has not saved it yet.
 ///
 /// On hugetlb the write changes the whole block as far as tracking can
