@@ -7,7 +7,7 @@
 //!
 //! Before a write lands (a write fault of any kind, a REMOVE), the VM's
 //! dirty log, the arming set of a fork or snapshot under way, and a
-//! snapshot still saving see it first (`Registry::before_write`).
+//! snapshot still saving see it first (`snapshot::track::before_write`).
 
 use proto::api::FaultKind as ApiKind;
 use shared::VmId;

@@ -4,7 +4,7 @@
 //! protection since a fork or snapshot armed it ahead of a pause.
 //!
 //! Every write the fault path sees goes through [`SnapshotState::record_write`]
-//! first (see `Registry::before_write`).
+//! first (see `track::before_write`).
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -77,7 +77,7 @@ pub struct Saving {
     pub saved_before_write: u64,
     /// Pages queued for the writer to copy out of the VM's memory itself
     /// and maybe not copied yet: a write to one first saves its bytes
-    /// again, behind the copy (`Registry::before_write`).
+    /// again, behind the copy (`snapshot::track::before_write`).
     pub in_flight: PageSet,
     /// Those copy runs, `(number, first, end)`, oldest first.
     pub copying: std::collections::VecDeque<(u64, u64, u64)>,
