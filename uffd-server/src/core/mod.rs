@@ -15,8 +15,8 @@
 //!   features: launch/ ops.rs inspect.rs fork/ snapshot/ rollback/ clone.rs
 //!             pool/ firecracker/ fault/ link/ busy.rs sources.rs
 //!   the shared state: state.rs (Core), registry.rs, vm.rs
-//!   each feature's per-VM state (*/state.rs), fault/install.rs, settings.rs,
-//!             error.rs, ratelimit.rs
+//!   each feature's per-VM state (*/state.rs) and errors (*/error.rs),
+//!             fault/install.rs, settings.rs, error.rs, ratelimit.rs
 //!   snapshot/ pages/ observe/ images/ memory.rs conn/ volume/ (outside core)
 //! ```
 //!

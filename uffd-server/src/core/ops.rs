@@ -9,6 +9,7 @@ use shared::{VmId, PAGE_SIZE};
 
 use crate::core::busy::{expect_state, refuse_while_busy};
 use crate::core::error::{Error, Result};
+use crate::core::link::error::LinkError;
 use crate::core::link::requests::{await_reply, request, send_request};
 use crate::core::settings::fault_around_kib;
 use crate::core::state::Core;
@@ -145,11 +146,12 @@ async fn pause_or_resume(core: &Rc<Core>, id: VmId, pause: bool) -> Result<()> {
     });
     match tokio::time::timeout(deadline, on_time).await {
         Ok(Ok(r)) => r,
-        Ok(Err(_)) => Err(Error::VmmGone { vm: id }),
-        Err(_) => Err(Error::VmmTimeout {
+        Ok(Err(_)) => Err(LinkError::VmmGone { vm: id }.into()),
+        Err(_) => Err(LinkError::VmmTimeout {
             vm: id,
             after: deadline,
-        }),
+        }
+        .into()),
     }
 }
 
@@ -189,11 +191,12 @@ pub(crate) async fn exec(core: &Rc<Core>, id: VmId, req: ExecRequest) -> Result<
             result: r.value,
             elapsed_us: r.elapsed_us,
         }),
-        other => Err(Error::UnexpectedReply {
+        other => Err(LinkError::UnexpectedReply {
             vm: id,
             request: "exec",
             reply: format!("{other:?}"),
-        }),
+        }
+        .into()),
     }
 }
 

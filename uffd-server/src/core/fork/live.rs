@@ -14,6 +14,7 @@ use crate::core::busy::{self, expect_state};
 use crate::core::error::{Error, Result};
 use crate::core::launch::create::{spawn_vmm, wait_ready};
 use crate::core::launch::delete::discard_vms;
+use crate::core::link::error::LinkError;
 use crate::core::link::requests::{await_reply, request, send_request};
 use crate::core::pool::take::launch_from_pool;
 use crate::core::snapshot::arm::{arm_ahead, protect, ArmedAhead};
@@ -179,11 +180,12 @@ async fn stop_parent(core: &Rc<Core>, parent: VmId, template: bool) -> Result<St
             }
             Err(match (p, c) {
                 (Err(e), _) | (_, Err(e)) => e,
-                (_, Ok(Err(r))) => Error::UnexpectedReply {
+                (_, Ok(Err(r))) => LinkError::UnexpectedReply {
                     vm: parent,
                     request: "capture",
                     reply: format!("{r:?}"),
-                },
+                }
+                .into(),
                 (Ok(_), Ok(Ok(_))) => unreachable!("handled above"),
             })
         }

@@ -5,8 +5,8 @@ use proto::vmm::VmmMsg;
 use shared::VmId;
 use tracing::info;
 
+use super::error::LinkError;
 use super::exit::protocol_error;
-use crate::core::error::Error;
 use crate::core::state::Core;
 use crate::core::vm::RunState;
 
@@ -35,7 +35,7 @@ pub(crate) fn on_message(core: &Core, vm: VmId, msg: VmmMsg) {
                 .get_mut(&vm)
                 .and_then(|v| v.link.pending.remove(&seq))
             {
-                let _ = tx.send(result.map_err(|source| Error::Vmm { vm, source }));
+                let _ = tx.send(result.map_err(|source| LinkError::Vmm { vm, source }.into()));
             }
         }
         VmmMsg::Console { text } => info!("{vm} console: {}", text.trim_end()),

@@ -10,6 +10,7 @@
 //!   socket closed / process exited ─▶ ConnEvent::Closed ─▶ exit::mark_exited
 //! ```
 
+pub mod error;
 pub mod exit;
 pub mod messages;
 pub mod process;

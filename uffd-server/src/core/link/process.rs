@@ -13,8 +13,9 @@ use proto::vmm::Request;
 use shared::VmId;
 use tracing::warn;
 
+use super::error::LinkError;
 use crate::conn::{Binding, ConnEvent, PendingLaunch};
-use crate::core::error::{Error, Result};
+use crate::core::error::Result;
 use crate::core::state::Core;
 use crate::core::vm::RunState;
 
@@ -60,7 +61,7 @@ pub(crate) fn launch_process(
     pooled: Option<(u64, Option<&std::fs::File>)>,
 ) -> Result<u32> {
     let token = new_token();
-    let log_err = |source| Error::CreateLog {
+    let log_err = |source| LinkError::CreateLog {
         vm: id,
         path: path.to_owned(),
         source,
@@ -82,7 +83,7 @@ pub(crate) fn launch_process(
     if let Some((mib, ram)) = pooled {
         cmd.arg("--ram-hint-mib").arg(mib.to_string());
         if let Some(file) = ram {
-            let dup = file.try_clone().map_err(|source| Error::SpawnVmm {
+            let dup = file.try_clone().map_err(|source| LinkError::SpawnVmm {
                 bin: core.settings.vmm_bin.clone(),
                 source,
             })?;
@@ -96,7 +97,7 @@ pub(crate) fn launch_process(
         .stderr(Stdio::from(log2))
         .kill_on_drop(true)
         .spawn()
-        .map_err(|source| Error::SpawnVmm {
+        .map_err(|source| LinkError::SpawnVmm {
             bin: core.settings.vmm_bin.clone(),
             source,
         })?;

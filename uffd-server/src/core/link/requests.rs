@@ -11,6 +11,7 @@ use proto::vmm::{Reply, Request, ServerMsg};
 use shared::VmId;
 use tokio::sync::oneshot;
 
+use super::error::LinkError;
 use super::state::PendingReply;
 use crate::conn::QueueError;
 use crate::core::error::{Error, Result};
@@ -45,21 +46,22 @@ pub(crate) fn send_request(core: &Core, vm: VmId, request: Request) -> Result<Pe
         }
     };
     if v.link.pending.len() >= core.settings.vmm_queue {
-        return Err(Error::QueueFull {
+        return Err(LinkError::QueueFull {
             vm,
             queued: v.link.pending.len(),
-        });
+        }
+        .into());
     }
     v.link.next_seq += 1;
     let seq = v.link.next_seq;
     if let Err(e) = writer.send(ServerMsg::Request { seq, request }, Vec::new()) {
-        return Err(match e {
-            QueueError::Full => Error::QueueFull {
+        return Err(Error::from(match e {
+            QueueError::Full => LinkError::QueueFull {
                 vm,
                 queued: v.link.pending.len(),
             },
-            QueueError::Closed => Error::VmmGone { vm },
-        });
+            QueueError::Closed => LinkError::VmmGone { vm },
+        }));
     }
     v.link.pending.insert(seq, tx);
     Ok(rx)
@@ -69,7 +71,7 @@ pub(crate) fn send_request(core: &Core, vm: VmId, request: Request) -> Result<Pe
 pub(crate) async fn await_reply(vm: VmId, rx: PendingReply, timeout: Duration) -> Result<Reply> {
     match tokio::time::timeout(timeout, rx).await {
         Ok(Ok(r)) => r,
-        Ok(Err(_)) => Err(Error::VmmGone { vm }),
-        Err(_) => Err(Error::VmmTimeout { vm, after: timeout }),
+        Ok(Err(_)) => Err(LinkError::VmmGone { vm }.into()),
+        Err(_) => Err(LinkError::VmmTimeout { vm, after: timeout }.into()),
     }
 }

@@ -8,6 +8,7 @@ use proto::vmm::Reply;
 use shared::VmId;
 use tokio::sync::oneshot;
 
+use super::error::LinkError;
 use crate::conn::VmmWriter;
 use crate::core::error::{Error, Result};
 
@@ -48,9 +49,11 @@ impl VmmLink {
     /// Fail every request of `vm` still waiting for the VMM: it exited for
     /// `reason`.
     pub fn fail_pending(&mut self, vm: VmId, reason: &str) {
-        let exited = || Error::VmmExited {
-            vm,
-            reason: reason.to_owned(),
+        let exited = || {
+            Error::from(LinkError::VmmExited {
+                vm,
+                reason: reason.to_owned(),
+            })
         };
         for (_, tx) in self.pending.drain() {
             let _ = tx.send(Err(exited()));

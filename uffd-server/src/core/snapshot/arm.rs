@@ -37,6 +37,7 @@ use std::time::Instant;
 
 use shared::VmId;
 
+use super::error::ArmError;
 use crate::core::error::{Error, Result};
 use crate::core::state::Core;
 use crate::core::vm::Vm;
@@ -50,12 +51,12 @@ fn us(t: Instant) -> u64 {
 /// ioctls' time in µs.
 pub(crate) fn protect(v: &Vm, runs: &[(u64, u64)]) -> Result<u64> {
     let vm = v.id;
-    let uffd = v.faults.uffd.clone().ok_or(Error::NoUffd { vm })?;
+    let uffd = v.faults.uffd.clone().ok_or(ArmError::NoUffd { vm })?;
     let t = Instant::now();
     v.write_protect_pages(uffd.get_ref(), runs, true)
         .map_err(|(i, source)| {
             let (start, n) = runs[i];
-            Error::WriteProtect {
+            ArmError::WriteProtect {
                 vm,
                 start,
                 end: start + n,
@@ -98,7 +99,7 @@ impl ArmedAhead<'_> {
         let vm = self.vm;
         let mut reg = self.core.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        let written = v.snapshot.arming.take().ok_or(Error::NotArmed { vm })?;
+        let written = v.snapshot.arming.take().ok_or(ArmError::NotArmed { vm })?;
         if go_on {
             v.snapshot.arming = Some(PageSet::new(written.pages()));
         }

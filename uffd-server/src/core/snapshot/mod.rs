@@ -48,6 +48,7 @@
 pub mod arm;
 pub mod catalog;
 pub mod commit;
+pub mod error;
 pub mod pause;
 pub mod plan;
 pub mod restore;

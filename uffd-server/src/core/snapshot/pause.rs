@@ -19,6 +19,7 @@ use super::arm::ArmedAhead;
 use super::plan::Plan;
 use super::state::{DirtyLog, Saving};
 use crate::core::error::{Error, Result};
+use crate::core::link::error::LinkError;
 use crate::core::link::requests::{await_reply, send_request};
 use crate::core::link::state::PendingReply;
 use crate::core::state::Core;
@@ -86,11 +87,12 @@ pub(crate) async fn pause(
     let state = match state? {
         Reply::State(s) => s,
         r => {
-            return Err(Error::UnexpectedReply {
+            return Err(LinkError::UnexpectedReply {
                 vm,
                 request: "capture",
                 reply: format!("{r:?}"),
-            })
+            }
+            .into())
         }
     };
     let phases_us = [
