@@ -423,8 +423,12 @@ fn install_run(
     };
     if let Some(window) = window {
         let ra = b.readahead_mut();
-        ra.next = end;
         ra.window = window;
+        // Only a fault that feeds readahead moves it on (a bulk prefetch
+        // of a working set does not).
+        if req.track {
+            ra.next = end;
+        }
     }
     Ok(at)
 }
