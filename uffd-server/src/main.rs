@@ -149,7 +149,8 @@ fn mem_available_mib() -> Option<u64> {
 }
 
 /// The server should be the last process the OOM killer picks: it holds
-/// every VM's memory. Its VMMs get the default back (see `launch.rs`).
+/// every VM's memory. Its VMMs get the default back (see
+/// `core/link/process.rs`).
 fn lower_oom_score() {
     if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-500") {
         warn!(

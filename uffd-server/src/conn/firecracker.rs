@@ -1,5 +1,5 @@
-//! Firecracker-compatible UFFD listeners: the server as the page-fault
-//! handler of Firecracker's "Uffd" memory backend.
+//! Firecracker-compatible UFFD listeners: the accept and handshake threads
+//! (the listeners and the VMs they make are `core/firecracker/`).
 //!
 //! Each listener is a Unix socket bound to one memory source. A Firecracker
 //! process restoring a snapshot connects, sends its regions as JSON with its

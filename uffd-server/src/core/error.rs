@@ -1,5 +1,7 @@
 //! The errors the core answers API requests with, named after what failed,
-//! and the one function that maps them to an HTTP status.
+//! and the one function that maps them to an HTTP status. A feature with
+//! failures of its own has its own enum (`link::error::LinkError`,
+//! `snapshot::error::ArmError`), wrapped here with its message unchanged.
 //!
 //! 4xx means the client can fix the request; 5xx is the server's (or its
 //! VMM's) own failure. The message says what to do; [`shared::error_chain`]
@@ -11,6 +13,8 @@ use std::time::Duration;
 use proto::api::RunState;
 use shared::VmId;
 
+use crate::core::link::error::LinkError;
+use crate::core::snapshot::error::ArmError;
 use crate::memory::MemoryError;
 use crate::snapshot::ErrorKind as SnapshotKind;
 use volume::{ErrorKind, VolumeError};
@@ -71,19 +75,6 @@ pub enum Error {
     CreateMemory(#[source] MemoryError),
     #[error("cannot prefetch page {page} of {vm}: {reason}")]
     Prefetch { vm: VmId, page: u64, reason: String },
-    #[error("cannot create the log of {vm} in {}", path.display())]
-    CreateLog {
-        vm: VmId,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("cannot start the vmm binary {}; pass --vmm-bin", bin.display())]
-    SpawnVmm {
-        bin: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("cannot start a thread to {what}")]
     SpawnThread {
         what: &'static str,
@@ -97,43 +88,8 @@ pub enum Error {
         log: PathBuf,
         log_tail: String,
     },
-    #[error("{vm}'s vmm failed: {source}")]
-    Vmm {
-        vm: VmId,
-        source: proto::vmm::RequestError,
-    },
-    #[error("cannot reach {vm}'s vmm")]
-    SendToVmm {
-        vm: VmId,
-        #[source]
-        source: proto::frame::FrameError,
-    },
-    #[error("{vm}'s vmm went away")]
-    VmmGone { vm: VmId },
-    #[error("{vm}'s vmm exited: {reason}")]
-    VmmExited { vm: VmId, reason: String },
-    #[error("{vm} has {queued} requests waiting for its vmm, which is not answering; retry later")]
-    QueueFull { vm: VmId, queued: usize },
-    #[error("{vm}'s vmm answered {request} with {reply}")]
-    UnexpectedReply {
-        vm: VmId,
-        request: &'static str,
-        reply: String,
-    },
-    #[error("{vm}'s vmm did not answer within {after:?}")]
-    VmmTimeout { vm: VmId, after: Duration },
     #[error("{vm}'s vmm did not start within {after:?}")]
     StartTimeout { vm: VmId, after: Duration },
-    #[error("{vm} has no userfaultfd")]
-    NoUffd { vm: VmId },
-    #[error("cannot write-protect {vm} pages {start}..{end}")]
-    WriteProtect {
-        vm: VmId,
-        start: u64,
-        end: u64,
-        #[source]
-        source: uffd_abi::Errno,
-    },
     #[error("cannot give {vm} its own copy of volume {volume}")]
     ForkVolume {
         vm: VmId,
@@ -156,8 +112,10 @@ pub enum Error {
     TooManyVms(usize),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
-    #[error("{vm}'s pages were not write-protected ahead of its pause")]
-    NotArmed { vm: VmId },
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Arm(#[from] ArmError),
     #[error("clone {index} of {count} of {vm} failed, so none was kept: {source}")]
     CloneFailed {
         vm: VmId,
@@ -218,37 +176,24 @@ impl Error {
                 ErrorKind::Unavailable => 503,
                 ErrorKind::Io => 500,
             },
-            CreateMemory(_)
-            | Prefetch { .. }
-            | CreateLog { .. }
-            | SpawnVmm { .. }
-            | SpawnThread { .. }
-            | NoUffd { .. }
-            | WriteProtect { .. } => 500,
+            CreateMemory(_) | Prefetch { .. } | SpawnThread { .. } | Arm(_) => 500,
             ForkVolume { source, .. } => match source.kind() {
                 ErrorKind::Conflict => 409,
                 _ => 500,
             },
-            // The VMM checked the op against the VM (sectors past the
-            // disk's end, say): the request is at fault, not the VMM.
-            Vmm {
-                source: proto::vmm::RequestError::InvalidOp(_),
-                ..
-            } => 400,
-            StartFailed { .. } | Vmm { .. } | SendToVmm { .. } | VmmGone { .. } => 502,
-            VmmExited { .. } => 502,
-            QueueFull { .. } => 503,
-            UnexpectedReply { .. } => 502,
+            Link(e) => e.status(),
+            StartFailed { .. } => 502,
             ShuttingDown => 503,
             OverBudget { .. } | TooManyVms(_) => 507,
-            VmmTimeout { .. } | StartTimeout { .. } => 504,
+            StartTimeout { .. } => 504,
             Snapshot(e) => match e.kind() {
                 SnapshotKind::BadRequest => 400,
                 SnapshotKind::NotFound => 404,
                 SnapshotKind::Conflict => 409,
+                SnapshotKind::NoSpace => 507,
                 SnapshotKind::Io => 500,
             },
-            SaveSnapshot { .. } | NotArmed { .. } | RollbackFailed { .. } => 500,
+            SaveSnapshot { .. } | RollbackFailed { .. } => 500,
             CloneFailed { source, .. } => source.status(),
         }
     }
@@ -307,27 +252,31 @@ mod tests {
                 409,
             ),
             (
-                Error::SpawnVmm {
+                LinkError::SpawnVmm {
                     bin: "vmm".into(),
                     source: io(),
-                },
+                }
+                .into(),
                 500,
             ),
-            (Error::VmmGone { vm }, 502),
+            (LinkError::VmmGone { vm }.into(), 502),
             (
-                Error::Vmm {
+                LinkError::Vmm {
                     vm,
                     source: proto::vmm::RequestError::InvalidOp("sectors past the end".into()),
-                },
+                }
+                .into(),
                 400,
             ),
             (
-                Error::Vmm {
+                LinkError::Vmm {
                     vm,
                     source: proto::vmm::RequestError::VcpuGone,
-                },
+                }
+                .into(),
                 502,
             ),
+            (ArmError::NotArmed { vm }.into(), 500),
             (
                 Error::Snapshot(crate::snapshot::SnapshotError::InUse {
                     name: "s".into(),
@@ -339,12 +288,22 @@ mod tests {
                 Error::Snapshot(crate::snapshot::SnapshotError::NotFound("s".into())),
                 404,
             ),
+            (
+                Error::Snapshot(crate::snapshot::SnapshotError::io(
+                    "write",
+                    std::path::Path::new("memory.img"),
+                )(std::io::Error::from_raw_os_error(
+                    libc::ENOSPC,
+                ))),
+                507,
+            ),
             (Error::ShuttingDown, 503),
             (
-                Error::VmmTimeout {
+                LinkError::VmmTimeout {
                     vm,
                     after: Duration::from_secs(1),
-                },
+                }
+                .into(),
                 504,
             ),
             (Error::Volume(VolumeError::VolumeNotFound("v".into())), 404),
@@ -389,11 +348,11 @@ mod tests {
                 507,
             ),
             (
-                Error::CreateLog {
+                Error::Link(LinkError::CreateLog {
                     vm,
                     path: "logs/vm-1.log".into(),
                     source: full(),
-                },
+                }),
                 507,
             ),
             (

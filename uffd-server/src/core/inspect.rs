@@ -10,172 +10,144 @@ use proto::api::{
 };
 use shared::VmId;
 
-use super::vm::RunState;
-use super::{Core, Error, Registry, Result};
-use crate::memory::GuestMemory;
+use crate::core::error::{Error, Result};
+use crate::core::registry::Registry;
+use crate::core::state::Core;
+use crate::core::vm::{RunState, Vm};
 use crate::pages::{PageSource, PageTable, SourceId};
 
-/// What the debugging views need of any VM.
-pub(super) struct TableView<'a> {
-    pub table: &'a PageTable,
-    pub self_src: SourceId,
-    pub memory: Option<&'a GuestMemory>,
-}
-
-impl Core {
-    /// What `/metrics` reports, read from the core's counters now.
-    pub fn metrics_sample(&self) -> crate::observe::metrics::Sample {
-        use crate::observe::metrics::{Sample, VmSample};
-        let reg = self.reg.borrow();
-        let by_kind = |t: &PageTable| reg.pages_by_kind(t).into_iter().collect();
-        let mut vms: Vec<VmSample> = reg
-            .vms
-            .values()
-            .map(|v| VmSample {
-                id: v.id.to_string(),
-                kind: "pagefork",
-                state: if v.deleted {
-                    RunState::Deleted
-                } else {
-                    v.state
-                }
-                .name()
-                .to_owned(),
-                stats: v.stats,
-                resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
-                pages_by_source: by_kind(&v.table),
-                frozen: v.deleted,
-                trace_listeners: v.tap.listeners(),
-            })
-            .collect();
-        vms.extend(reg.fc_vms.values().map(|v| VmSample {
+/// What `/metrics` reports, read from the core's counters now.
+pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
+    use crate::observe::metrics::{Sample, VmSample};
+    let reg = core.reg.borrow();
+    let by_kind = |t: &PageTable| reg.pages_by_kind(t).into_iter().collect();
+    let mut vms: Vec<VmSample> = reg
+        .vms
+        .values()
+        .map(|v| VmSample {
             id: v.id.to_string(),
-            kind: "firecracker",
-            state: v.state.name().to_owned(),
-            stats: v.stats,
-            resident_pages: v.table.count_of(v.self_src),
-            pages_by_source: by_kind(&v.table),
-            frozen: false,
-            trace_listeners: 0,
-        }));
-        Sample {
-            fault_seconds: self.fault_seconds.clone(),
-            vms,
-            retired: reg.retired,
-            sources_by_kind: reg
-                .arena
-                .count_by_kind()
-                .into_iter()
-                .map(|(k, n)| (k.to_owned(), n))
-                .collect(),
-            pool: self.pool.borrow().sample(),
-        }
-    }
-}
-
-impl Registry {
-    /// The table of a pagefork or Firecracker VM.
-    pub(super) fn table_view(&self, id: VmId) -> Option<TableView<'_>> {
-        if let Some(v) = self.vms.get(&id) {
-            return Some(TableView {
-                table: &v.table,
-                self_src: v.self_src,
-                memory: Some(&v.memory),
-            });
-        }
-        self.fc_vms.get(&id).map(|v| TableView {
-            table: &v.table,
-            self_src: v.self_src,
-            memory: None,
-        })
-    }
-}
-
-impl Registry {
-    /// Where `page` of `id` comes from, step by step: each VM on the way
-    /// (whether it holds the page, and how it got it), down to a snapshot
-    /// image or file (with the byte offset) or zero. A VM that holds the
-    /// page continues the chain with where it got it from; the walk stops
-    /// at a source that is not a VM, or at a VM already seen.
-    pub(super) fn explain(&self, id: VmId, page: u64) -> PageExplain {
-        let mut chain = Vec::new();
-        let mut seen = Vec::new();
-        let mut at = Some(id);
-        while let Some(vm) = at.take() {
-            if seen.contains(&vm) {
-                break;
-            }
-            seen.push(vm);
-            let Some(v) = self.table_view(vm) else {
-                chain.push(ExplainStep {
-                    at: vm.to_string(),
-                    kind: "vm".into(),
-                    present: None,
-                    installed: None,
-                    file: None,
-                    offset: None,
-                    frame: None,
-                });
-                break;
-            };
-            let src = v.table.get(page);
-            let present = src == v.self_src;
-            let installed = if present {
-                self.vms.get(&vm).and_then(|v| v.log.installed(page))
+            kind: "pagefork",
+            state: if v.deleted {
+                RunState::Deleted
             } else {
-                None
-            };
+                v.state
+            }
+            .name()
+            .to_owned(),
+            stats: v.log.stats,
+            resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
+            pages_by_source: by_kind(&v.table),
+            frozen: v.deleted,
+            trace_listeners: v.log.tap.listeners(),
+        })
+        .collect();
+    vms.extend(reg.fc_vms.values().map(|v| VmSample {
+        id: v.id.to_string(),
+        kind: "firecracker",
+        state: v.state.name().to_owned(),
+        stats: v.stats,
+        resident_pages: v.table.count_of(v.self_src),
+        pages_by_source: by_kind(&v.table),
+        frozen: false,
+        trace_listeners: 0,
+    }));
+    Sample {
+        fault_seconds: core.fault_seconds.clone(),
+        vms,
+        retired: reg.retired,
+        sources_by_kind: reg
+            .arena
+            .count_by_kind()
+            .into_iter()
+            .map(|(k, n)| (k.to_owned(), n))
+            .collect(),
+        pool: core.pool.borrow().sample(),
+    }
+}
+
+/// Where `page` of `id` comes from, step by step: each VM on the way
+/// (whether it holds the page, and how it got it), down to a snapshot
+/// image or file (with the byte offset) or zero. A VM that holds the
+/// page continues the chain with where it got it from; the walk stops
+/// at a source that is not a VM, or at a VM already seen.
+fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
+    let mut chain = Vec::new();
+    let mut seen = Vec::new();
+    let mut at = Some(id);
+    while let Some(vm) = at.take() {
+        if seen.contains(&vm) {
+            break;
+        }
+        seen.push(vm);
+        let Some(v) = reg.table_view(vm) else {
             chain.push(ExplainStep {
                 at: vm.to_string(),
                 kind: "vm".into(),
-                present: Some(present),
-                installed: installed.map(|i| Installed {
-                    time_ms: i.unix_ms,
-                    event: i.by.name().into(),
-                    from: self.describe(i.from),
-                }),
+                present: None,
+                installed: None,
                 file: None,
                 offset: None,
                 frame: None,
             });
-            // Where the bytes are (not present) or came from (present).
-            let next = match (present, installed) {
-                (false, _) => src,
-                (true, Some(i)) => i.from,
-                (true, None) => break,
-            };
-            match self.arena.get(next).map(|s| &**s) {
-                Some(PageSource::Vm(other)) => at = Some(*other),
-                Some(s) => chain.push(source_step(s, page)),
-                None => chain.push(self.retired_step(next, page)),
-            }
-        }
-        PageExplain { chain }
-    }
-
-    /// A source's name, also once released.
-    fn describe(&self, src: SourceId) -> String {
-        match (self.arena.get(src), self.arena.retired(src)) {
-            (Some(s), _) => s.describe(),
-            (None, Some(r)) => r.name.clone(),
-            (None, None) => format!("source-{src}"),
-        }
-    }
-
-    /// The last step of a chain whose source has been released since (an
-    /// image no table reads any more, a VM that is gone).
-    fn retired_step(&self, src: SourceId, page: u64) -> ExplainStep {
-        let r = self.arena.retired(src);
-        let path = r.and_then(|r| r.path.as_ref());
-        ExplainStep {
-            at: self.describe(src),
-            kind: r.map_or("released", |r| r.kind).into(),
-            present: None,
-            installed: None,
-            file: path.map(|p| p.display().to_string()),
-            offset: path.map(|_| page * shared::PAGE_SIZE),
+            break;
+        };
+        let src = v.table.get(page);
+        let present = src == v.self_src;
+        let installed = if present {
+            reg.vms.get(&vm).and_then(|v| v.log.pages.installed(page))
+        } else {
+            None
+        };
+        chain.push(ExplainStep {
+            at: vm.to_string(),
+            kind: "vm".into(),
+            present: Some(present),
+            installed: installed.map(|i| Installed {
+                time_ms: i.unix_ms,
+                event: i.by.name().into(),
+                from: describe(reg, i.from),
+            }),
+            file: None,
+            offset: None,
             frame: None,
+        });
+        // Where the bytes are (not present) or came from (present).
+        let next = match (present, installed) {
+            (false, _) => src,
+            (true, Some(i)) => i.from,
+            (true, None) => break,
+        };
+        match reg.arena.get(next).map(|s| &**s) {
+            Some(PageSource::Vm(other)) => at = Some(*other),
+            Some(s) => chain.push(source_step(s, page)),
+            None => chain.push(retired_step(reg, next, page)),
         }
+    }
+    PageExplain { chain }
+}
+
+/// A source's name, also once released.
+fn describe(reg: &Registry, src: SourceId) -> String {
+    match (reg.arena.get(src), reg.arena.retired(src)) {
+        (Some(s), _) => s.describe(),
+        (None, Some(r)) => r.name.clone(),
+        (None, None) => format!("source-{src}"),
+    }
+}
+
+/// The last step of a chain whose source has been released since (an
+/// image no table reads any more, a VM that is gone).
+fn retired_step(reg: &Registry, src: SourceId, page: u64) -> ExplainStep {
+    let r = reg.arena.retired(src);
+    let path = r.and_then(|r| r.path.as_ref());
+    ExplainStep {
+        at: describe(reg, src),
+        kind: r.map_or("released", |r| r.kind).into(),
+        present: None,
+        installed: None,
+        file: path.map(|p| p.display().to_string()),
+        offset: path.map(|_| page * shared::PAGE_SIZE),
+        frame: None,
     }
 }
 
@@ -211,272 +183,266 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
     }
 }
 
-impl Core {
-    /// `GET /v1/vms/{id}/sources`.
-    pub(crate) fn sources(&self, id: VmId) -> Result<Sources> {
-        let reg = self.reg.borrow();
-        let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
-        let describe = |src| {
-            reg.arena
-                .get(src)
-                .map(|s| s.describe())
-                .unwrap_or_else(|| format!("source-{src}"))
-        };
-        let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
-        let mut by_source: BTreeMap<String, u64> = BTreeMap::new();
-        for (src, n) in v.table.counts() {
-            let kind = reg.arena.get(*src).map(|s| s.kind()).unwrap_or("unknown");
-            *by_kind.entry(kind.into()).or_default() += n;
-            *by_source.entry(describe(*src)).or_default() += n;
-        }
-        let extents = v
-            .table
-            .extents()
-            .into_iter()
-            .map(|e| SourceExtent {
-                start_page: e.start,
-                pages: e.pages,
-                source: describe(e.source),
-            })
-            .collect();
-        Ok(Sources {
-            id: id.to_string(),
-            pages: v.table.pages(),
-            by_kind,
-            by_source,
-            extents,
-        })
+/// `GET /v1/vms/{id}/sources`.
+pub(crate) fn sources(core: &Core, id: VmId) -> Result<Sources> {
+    let reg = core.reg.borrow();
+    let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
+    let describe = |src| {
+        reg.arena
+            .get(src)
+            .map(|s| s.describe())
+            .unwrap_or_else(|| format!("source-{src}"))
+    };
+    let mut by_kind: BTreeMap<String, u64> = BTreeMap::new();
+    let mut by_source: BTreeMap<String, u64> = BTreeMap::new();
+    for (src, n) in v.table.counts() {
+        let kind = reg.arena.get(*src).map(|s| s.kind()).unwrap_or("unknown");
+        *by_kind.entry(kind.into()).or_default() += n;
+        *by_source.entry(describe(*src)).or_default() += n;
     }
+    let extents = v
+        .table
+        .extents()
+        .into_iter()
+        .map(|e| SourceExtent {
+            start_page: e.start,
+            pages: e.pages,
+            source: describe(e.source),
+        })
+        .collect();
+    Ok(Sources {
+        id: id.to_string(),
+        pages: v.table.pages(),
+        by_kind,
+        by_source,
+        extents,
+    })
+}
 
-    /// `GET /v1/vms/{id}/pages/{page}[?explain=true]`.
-    pub(crate) fn page(&self, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
-        let reg = self.reg.borrow();
-        let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
-        if page >= v.table.pages() {
-            return Err(Error::PageOutOfRange {
-                vm: id,
-                page,
-                pages: v.table.pages(),
-            });
-        }
-        let src = v.table.get(page);
-        let source = reg.arena.get(src);
-        Ok(PageInfo {
-            id: id.to_string(),
+/// `GET /v1/vms/{id}/pages/{page}[?explain=true]`.
+pub(crate) fn page(core: &Core, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
+    let reg = core.reg.borrow();
+    let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
+    if page >= v.table.pages() {
+        return Err(Error::PageOutOfRange {
+            vm: id,
             page,
-            source: source.map(|s| s.describe()),
-            kind: source.map(|s| s.kind().to_owned()),
-            // Pagefork VMs: the kernel's view of the memfd. Firecracker VMs:
-            // installed into its address space (the table's record).
-            // Hugetlb memory: the kernel cannot say (see `memory.rs`).
-            present: v
-                .memory
-                .and_then(|m| m.is_present(page))
-                .unwrap_or(src == v.self_src),
-            table_says_present: src == v.self_src,
-            explain: explain.then(|| reg.explain(id, page)),
-        })
-    }
-
-    /// `GET /v1/vms/{id}/map`: the table as cells (see `observe/map.rs`).
-    pub(crate) fn page_map(&self, id: VmId, q: &MapQuery) -> Result<PageMap> {
-        use crate::observe::map;
-        let reg = self.reg.borrow();
-        let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
-        let pages = v.table.pages();
-        // The legend: own memory first, then by source id (creation order).
-        let mut ids: Vec<SourceId> = v.table.counts().keys().copied().collect();
-        ids.sort_by_key(|s| (*s != v.self_src, *s));
-        let legend: Vec<MapLegend> = ids
-            .iter()
-            .map(|src| {
-                let (source, kind) = reg.arena.get(*src).map_or_else(
-                    || (format!("source-{src}"), "unknown"),
-                    |s| (s.describe(), s.kind()),
-                );
-                let rgb = map::colour(kind, &source);
-                MapLegend {
-                    rgb,
-                    faded_rgb: map::faded(rgb),
-                    source,
-                    kind: kind.to_owned(),
-                    own: *src == v.self_src,
-                    pages: v.table.count_of(*src),
-                }
-            })
-            .collect();
-        let mut present = vec![false; shared::geometry::usize_of(pages)];
-        let ranges = v
-            .memory
-            .and_then(|m| m.present_ranges())
-            .unwrap_or_else(|| v.table.ranges_of(v.self_src));
-        for (start, n) in ranges {
-            for p in start..(start + n).min(pages) {
-                present[shared::geometry::usize_of(p)] = true;
-            }
-        }
-        let index = |src: SourceId| {
-            ids.iter()
-                .position(|s| *s == src)
-                .and_then(|i| u16::try_from(i).ok())
-                .unwrap_or(u16::MAX)
-        };
-        let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
-        let per_page = (0..pages).map(|p| {
-            (
-                index(v.table.get(p)),
-                present[shared::geometry::usize_of(p)],
-            )
+            pages: v.table.pages(),
         });
-        let (cells, present) = map::group(per_page, legend.len(), group);
-        Ok(PageMap {
-            id: id.to_string(),
-            pages,
-            memory_bytes: pages * shared::PAGE_SIZE,
-            group,
-            time_ms: crate::observe::trace::unix_us() / 1000,
-            legend,
-            cells,
-            present,
+    }
+    let src = v.table.get(page);
+    let source = reg.arena.get(src);
+    Ok(PageInfo {
+        id: id.to_string(),
+        page,
+        source: source.map(|s| s.describe()),
+        kind: source.map(|s| s.kind().to_owned()),
+        // Pagefork VMs: the kernel's view of the memfd. Firecracker VMs:
+        // installed into its address space (the table's record).
+        // Hugetlb memory: the kernel cannot say (see `memory.rs`).
+        present: v
+            .memory
+            .and_then(|m| m.is_present(page))
+            .unwrap_or(src == v.self_src),
+        table_says_present: src == v.self_src,
+        explain: explain.then(|| explain_page(&reg, id, page)),
+    })
+}
+
+/// `GET /v1/vms/{id}/map`: the table as cells (see `observe/map.rs`).
+pub(crate) fn page_map(core: &Core, id: VmId, q: &MapQuery) -> Result<PageMap> {
+    use crate::observe::map;
+    let reg = core.reg.borrow();
+    let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
+    let pages = v.table.pages();
+    // The legend: own memory first, then by source id (creation order).
+    let mut ids: Vec<SourceId> = v.table.counts().keys().copied().collect();
+    ids.sort_by_key(|s| (*s != v.self_src, *s));
+    let legend: Vec<MapLegend> = ids
+        .iter()
+        .map(|src| {
+            let (source, kind) = reg.arena.get(*src).map_or_else(
+                || (format!("source-{src}"), "unknown"),
+                |s| (s.describe(), s.kind()),
+            );
+            let rgb = map::colour(kind, &source);
+            MapLegend {
+                rgb,
+                faded_rgb: map::faded(rgb),
+                source,
+                kind: kind.to_owned(),
+                own: *src == v.self_src,
+                pages: v.table.count_of(*src),
+            }
         })
+        .collect();
+    let mut present = vec![false; shared::geometry::usize_of(pages)];
+    let ranges = v
+        .memory
+        .and_then(|m| m.present_ranges())
+        .unwrap_or_else(|| v.table.ranges_of(v.self_src));
+    for (start, n) in ranges {
+        for p in start..(start + n).min(pages) {
+            present[shared::geometry::usize_of(p)] = true;
+        }
     }
+    let index = |src: SourceId| {
+        ids.iter()
+            .position(|s| *s == src)
+            .and_then(|i| u16::try_from(i).ok())
+            .unwrap_or(u16::MAX)
+    };
+    let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
+    let per_page = (0..pages).map(|p| {
+        (
+            index(v.table.get(p)),
+            present[shared::geometry::usize_of(p)],
+        )
+    });
+    let (cells, present) = map::group(per_page, legend.len(), group);
+    Ok(PageMap {
+        id: id.to_string(),
+        pages,
+        memory_bytes: pages * shared::PAGE_SIZE,
+        group,
+        time_ms: crate::observe::trace::unix_us() / 1000,
+        legend,
+        cells,
+        present,
+    })
+}
 
-    /// `GET /v1/vms/{id}/access.png`: the PNG of faults per cell.
-    pub(crate) fn access_png(&self, id: VmId, q: &MapQuery) -> Result<Vec<u8>> {
-        use crate::observe::map;
-        let reg = self.reg.borrow();
-        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
-        let pages = v.log.pages();
-        let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
-        let per_page: Vec<u64> = v.log.fault_counts().collect();
-        let counts: Vec<u64> = per_page
-            .chunks(shared::geometry::usize_of(group))
-            .map(|c| c.iter().sum())
-            .collect();
-        Ok(map::heat_png(
-            &id.to_string(),
-            pages,
-            v.log.since_unix_ms(),
-            &counts,
-            group,
-        ))
-    }
+/// `GET /v1/vms/{id}/access.png`: the PNG of faults per cell.
+pub(crate) fn access_png(core: &Core, id: VmId, q: &MapQuery) -> Result<Vec<u8>> {
+    use crate::observe::map;
+    let reg = core.reg.borrow();
+    let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+    let pages = v.log.pages.pages();
+    let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
+    let per_page: Vec<u64> = v.log.pages.fault_counts().collect();
+    let counts: Vec<u64> = per_page
+        .chunks(shared::geometry::usize_of(group))
+        .map(|c| c.iter().sum())
+        .collect();
+    Ok(map::heat_png(
+        &id.to_string(),
+        pages,
+        v.log.pages.since_unix_ms(),
+        &counts,
+        group,
+    ))
+}
 
-    /// `GET /v1/vms/{id}/access`.
-    pub(crate) fn access(&self, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
-        let reg = self.reg.borrow();
-        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
-        let extents = v.log.extents(q.within_ms);
-        Ok(AccessMap {
-            id: id.to_string(),
-            pages: v.log.pages(),
-            since_ms: v.log.since_unix_ms(),
-            touched: extents.iter().map(|e| e.pages).sum(),
-            extents,
-        })
-    }
+/// `GET /v1/vms/{id}/access`.
+pub(crate) fn access(core: &Core, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
+    let reg = core.reg.borrow();
+    let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+    let extents = v.log.pages.extents(q.within_ms);
+    Ok(AccessMap {
+        id: id.to_string(),
+        pages: v.log.pages.pages(),
+        since_ms: v.log.pages.since_unix_ms(),
+        touched: extents.iter().map(|e| e.pages).sum(),
+        extents,
+    })
+}
 
-    /// `GET /v1/tree`: every VM (deleted-but-frozen ones too) with its
-    /// parent, children and how many pages it reads from each other VM.
-    pub(crate) fn tree(&self) -> Tree {
-        let reg = self.reg.borrow();
-        let vms = reg
-            .vms
-            .values()
-            .map(|v| {
-                let mut reads: BTreeMap<String, u64> = BTreeMap::new();
-                for (src, n) in v.table.counts() {
-                    if *src == v.self_src {
-                        continue;
-                    }
-                    match reg.arena.get(*src).map(|s| &**s) {
-                        Some(crate::pages::PageSource::Vm(other)) => {
-                            reads.insert(other.to_string(), *n);
-                        }
-                        // Snapshot images, by name, next to the VMs.
-                        Some(crate::pages::PageSource::Image(i)) => {
-                            *reads.entry(format!("snapshot:{}", i.snapshot)).or_insert(0) += *n;
-                        }
-                        _ => {}
-                    }
+/// `GET /v1/tree`: every VM (deleted-but-frozen ones too) with its
+/// parent, children and how many pages it reads from each other VM.
+pub(crate) fn tree(core: &Core) -> Tree {
+    let reg = core.reg.borrow();
+    let vms = reg
+        .vms
+        .values()
+        .map(|v| {
+            let mut reads: BTreeMap<String, u64> = BTreeMap::new();
+            for (src, n) in v.table.counts() {
+                if *src == v.self_src {
+                    continue;
                 }
-                let children: Vec<String> = reg
-                    .vms
-                    .values()
-                    .filter(|c| c.parent == Some(v.id))
-                    .map(|c| c.id.to_string())
-                    .collect();
-                TreeNode {
-                    id: v.id.to_string(),
-                    parent: v.parent.map(|p| p.to_string()),
-                    state: if v.deleted {
-                        RunState::Deleted
-                    } else {
-                        v.state
-                    },
-                    children,
-                    own_pages: v.table.count_of(v.self_src),
-                    reads_from: reads,
-                }
-            })
-            .collect();
-        Tree { vms }
-    }
-
-    /// `GET /v1/debug/invariant`: for every VM and page, the table says
-    /// `Vm(self)` exactly where the memfd holds the page, or the page is
-    /// stale (a rollback's, in the memfd until it is punched: see
-    /// `Vm::stale`).
-    pub(crate) fn check_invariant(&self) -> Invariant {
-        let reg = self.reg.borrow();
-        let mut violations = Vec::new();
-        let mut checked = 0u64;
-        for v in reg.vms.values() {
-            let Some(ranges) = v.memory.present_ranges() else {
-                // Hugetlb: the kernel cannot say which blocks are present;
-                // what must hold is that each block is wholly present or
-                // wholly absent in the table (see `memory.rs`).
-                block_violations(v, &mut violations);
-                checked += v.table.pages();
-                continue;
-            };
-            let mut present = vec![false; usize::try_from(v.table.pages()).unwrap_or(0)];
-            for (start, n) in ranges {
-                for p in start..start + n {
-                    if let Some(slot) = present.get_mut(shared::geometry::usize_of(p)) {
-                        *slot = true;
+                match reg.arena.get(*src).map(|s| &**s) {
+                    Some(crate::pages::PageSource::Vm(other)) => {
+                        reads.insert(other.to_string(), *n);
                     }
+                    // Snapshot images, by name, next to the VMs.
+                    Some(crate::pages::PageSource::Image(i)) => {
+                        *reads.entry(format!("snapshot:{}", i.snapshot)).or_insert(0) += *n;
+                    }
+                    _ => {}
                 }
             }
-            for (p, is_present) in present.iter().enumerate() {
-                let says = v.table.get(p as u64) == v.self_src;
-                let stale = *is_present && !says && v.stale.contains(p as u64);
-                if says != *is_present && !stale {
-                    violations.push(Violation {
-                        id: v.id.to_string(),
-                        page: p as u64,
-                        table_says_present: says,
-                        present: *is_present,
-                    });
-                    if violations.len() >= 32 {
-                        break;
-                    }
-                }
+            let children: Vec<String> = reg
+                .vms
+                .values()
+                .filter(|c| c.fork.parent == Some(v.id))
+                .map(|c| c.id.to_string())
+                .collect();
+            TreeNode {
+                id: v.id.to_string(),
+                parent: v.fork.parent.map(|p| p.to_string()),
+                state: v.api_state(),
+                children,
+                own_pages: v.table.count_of(v.self_src),
+                reads_from: reads,
             }
+        })
+        .collect();
+    Tree { vms }
+}
+
+/// `GET /v1/debug/invariant`: for every VM and page, the table says
+/// `Vm(core)` exactly where the memfd holds the page, or the page is
+/// stale (a rollback's, in the memfd until it is punched: see
+/// `Vm::stale`).
+pub(crate) fn check_invariant(core: &Core) -> Invariant {
+    let reg = core.reg.borrow();
+    let mut violations = Vec::new();
+    let mut checked = 0u64;
+    for v in reg.vms.values() {
+        let Some(ranges) = v.memory.present_ranges() else {
+            // Hugetlb: the kernel cannot say which blocks are present;
+            // what must hold is that each block is wholly present or
+            // wholly absent in the table (see `memory.rs`).
+            block_violations(v, &mut violations);
             checked += v.table.pages();
+            continue;
+        };
+        let mut present = vec![false; usize::try_from(v.table.pages()).unwrap_or(0)];
+        for (start, n) in ranges {
+            for p in start..start + n {
+                if let Some(slot) = present.get_mut(shared::geometry::usize_of(p)) {
+                    *slot = true;
+                }
+            }
         }
-        Invariant {
-            ok: violations.is_empty(),
-            pages_checked: checked,
-            violations,
+        for (p, is_present) in present.iter().enumerate() {
+            let says = v.table.get(p as u64) == v.self_src;
+            let stale = *is_present && !says && v.rollback.stale.contains(p as u64);
+            if says != *is_present && !stale {
+                violations.push(Violation {
+                    id: v.id.to_string(),
+                    page: p as u64,
+                    table_says_present: says,
+                    present: *is_present,
+                });
+                if violations.len() >= 32 {
+                    break;
+                }
+            }
         }
+        checked += v.table.pages();
+    }
+    Invariant {
+        ok: violations.is_empty(),
+        pages_checked: checked,
+        violations,
     }
 }
 
 /// Blocks of a hugetlb VM that the table marks partly present: the page
 /// marked present reported as `present: false` where its block's first page
 /// is absent, and the other way round.
-fn block_violations(v: &super::vm::Vm, out: &mut Vec<Violation>) {
+fn block_violations(v: &Vm, out: &mut Vec<Violation>) {
     let unit = v.memory.unit_pages();
     let pages = v.table.pages();
     let mut b = 0;

@@ -116,7 +116,7 @@ impl ZstdImage {
     }
 
     /// Decode `frame` on this thread (and cache it): only for paths that
-    /// cannot wait for the pool (see `core/snapshot.rs`).
+    /// cannot wait for the pool (see `core/snapshot/track.rs`).
     pub fn decode_now(&self, frame: u64) -> FrameResult<Arc<[u8]>> {
         if let Some(b) = self.cached(frame)? {
             return Ok(b);

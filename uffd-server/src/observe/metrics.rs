@@ -1,7 +1,7 @@
 //! Prometheus metrics: `GET /metrics` on the API socket, and on TCP with
 //! `--metrics-addr` for a scraper.
 //!
-//! The core keeps its counters per VM ([`crate::core::vm::FaultStats`]);
+//! The core keeps its counters per VM ([`crate::observe::stats::FaultStats`]);
 //! a scrape asks it for a [`Sample`] of them and this module renders it
 //! with the `prometheus-client` crate. Counters of VMs that are gone are
 //! kept in the server totals (`retired`), so `pagefork_*_total` series
@@ -14,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::core::vm::FaultStats;
+use crate::observe::stats::FaultStats;
 
 /// Content type of the text exposition format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

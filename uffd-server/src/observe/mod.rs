@@ -15,4 +15,6 @@ pub mod fds;
 pub mod map;
 pub mod metrics;
 pub mod phases;
+pub mod stats;
 pub mod trace;
+pub mod vm;

@@ -1,7 +1,8 @@
 //! Where the time of a uffd event goes: per-phase timing of the fault path.
 //!
-//! The serving loops (`core/mod.rs` `serve_faults`, `core/firecracker/
-//! serve.rs` `serve_fc`) time one wake-up of a VM's uffd in phases:
+//! The serving loops (`core/fault/serve.rs` `serve_faults`,
+//! `core/firecracker/serve.rs` `serve_fc`) time one wake-up of a VM's uffd
+//! in phases:
 //!
 //! ```text
 //!   uffd readable ─▶ read ─▶ resolve ─▶ install ─▶ wake ─▶ loop ─▶ (poll | epoll)
@@ -11,8 +12,8 @@
 //! ```
 //!
 //! A thread-local lap clock ([`start`], [`lap`], [`take`]) lets the code
-//! deep in the install path (`uffd_abi` calls in `core/fault.rs` and
-//! `core/firecracker/vm.rs`) close a phase without threading a timer
+//! deep in the install path (the `uffd_abi` calls of the installer,
+//! `core/fault/install.rs`) close a phase without threading a timer
 //! through every call: each lap charges the time since the previous one to
 //! the phase it names. Nothing is timed while no clock is started (API
 //! requests that install pages, prefetch). The laps are added to the VM's

@@ -1,11 +1,11 @@
 //! The page resolver both kinds of VM share: which run of pages to install
 //! for a fault, and the bytes of pages from their source.
 //!
-//! Our own VMs get the bytes written through the server's mapping of their
-//! memfd (then UFFDIO_WAKE); Firecracker's anonymous memory gets them with
-//! UFFDIO_COPY from a staging buffer. How the bytes are installed differs;
-//! what to install and what the bytes are is decided here, once, so a new
-//! kind of source is added in [`read_pages`] and serves both.
+//! Both kinds of VM install the bytes the same way (the fault installer,
+//! `core/fault/install.rs`: read into its staging buffer, then UFFDIO_COPY
+//! through the VM's uffd); what to install and what the bytes are is
+//! decided here, once, so a new kind of source is added in [`read_pages`]
+//! and serves both.
 
 use std::ops::Range;
 use std::os::fd::AsRawFd;
@@ -16,7 +16,8 @@ use shared::{VmId, PAGE_SIZE};
 use vm_memory::VolatileSlice;
 
 use super::readahead::Readahead;
-use super::{PageSource, PageTable, SourceId};
+use super::source::{FileSource, ImageSource, PageSource, SourceId, ZstdSource};
+use super::table::PageTable;
 use crate::memory::{GuestMemory, MemoryError};
 
 /// Errors of resolving a fault.
@@ -178,7 +179,7 @@ pub fn read_pages(
             src.copy_to_volatile_slice(*dst);
             Ok(())
         }
-        PageSource::File(f) | PageSource::Image(super::source::ImageSource { file: f, .. }) => {
+        PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => {
             let offset = first * PAGE_SIZE;
             check_unchanged(f)?;
             let mut done = 0usize;
@@ -224,7 +225,7 @@ pub fn read_pages(
             }
             Ok(())
         }
-        PageSource::Zstd(super::ZstdSource { image: z }) => {
+        PageSource::Zstd(ZstdSource { image: z }) => {
             let pages = len as u64 / PAGE_SIZE;
             let frames = z.frames_of(first..first + pages);
             let h = z.header();
@@ -254,7 +255,7 @@ pub fn read_pages(
 
 /// Fail if the client's image `f` changed since it was opened (a private
 /// clone cannot change).
-pub fn check_unchanged(f: &super::FileSource) -> Result<()> {
+pub fn check_unchanged(f: &FileSource) -> Result<()> {
     if let crate::images::Pin::Stamp(stamp) = &f.pin {
         stamp
             .check(&f.file)

@@ -2,7 +2,9 @@
 //!
 //! A table entry is a [`SourceId`] (4 bytes) naming an `Rc<PageSource>` in
 //! the arena. Id 0 is always [`PageSource::Uninitialized`]. A VM gets one id
-//! for `Vm(its id)` when it is created; each image file opened gets one id.
+//! for `Vm(its id)` when it is created, and the arena keeps that VM's
+//! memory beside it (where a `Vm(id)` source's bytes are, for the tables
+//! of the VMs that read from it); each image file opened gets one id.
 //! Ids are never reused while the server runs, so a stale id in a table can
 //! never be mistaken for another source.
 
@@ -14,6 +16,8 @@ use std::rc::Rc;
 use shared::VmId;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::FileOffset;
+
+use crate::memory::GuestMemory;
 
 /// Index of a source in the arena; what a table entry stores.
 pub type SourceId = u32;
@@ -188,6 +192,9 @@ const RETIRED_KEPT: usize = 4096;
 pub struct SourceArena {
     slots: Vec<Option<Rc<PageSource>>>,
     vm_ids: HashMap<VmId, SourceId>,
+    /// The memory of each VM with a `Vm(id)` source that has memory of its
+    /// own (Firecracker VMs have none the server can read).
+    memories: HashMap<VmId, Rc<GuestMemory>>,
     retired: std::collections::BTreeMap<SourceId, Retired>,
 }
 
@@ -203,6 +210,7 @@ impl SourceArena {
         SourceArena {
             slots: vec![Some(Rc::new(PageSource::Uninitialized))],
             vm_ids: HashMap::new(),
+            memories: HashMap::new(),
             retired: std::collections::BTreeMap::new(),
         }
     }
@@ -223,6 +231,18 @@ impl SourceArena {
             Some(id) => *id,
             None => self.insert(PageSource::Vm(vm)),
         }
+    }
+
+    /// The id of `Vm(vm)` for a VM whose pages are in `memory`: a table
+    /// that reads `Vm(vm)` reads them there ([`Self::memory_of`]).
+    pub fn vm_with_memory(&mut self, vm: VmId, memory: Rc<GuestMemory>) -> SourceId {
+        self.memories.insert(vm, memory);
+        self.vm(vm)
+    }
+
+    /// The memory of VM `vm`, while its source is held.
+    pub fn memory_of(&self, vm: VmId) -> Option<Rc<GuestMemory>> {
+        self.memories.get(&vm).cloned()
     }
 
     /// The id of `Vm(vm)` if registered.
@@ -266,6 +286,7 @@ impl SourceArena {
                 match &*src {
                     PageSource::Vm(vm) => {
                         self.vm_ids.remove(vm);
+                        self.memories.remove(vm);
                     }
                     PageSource::Zstd(z) => z.image.release_cache(),
                     _ => {}

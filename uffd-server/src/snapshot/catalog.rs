@@ -16,7 +16,10 @@ use std::path::{Path, PathBuf};
 use tracing::{info, warn};
 
 use super::checksum::sum_file;
-use super::{Result, SnapshotError, StateFile, MEMORY_FILE, STATE_FILE};
+use proto::snapshot::StateFile;
+
+use super::error::{Result, SnapshotError};
+use super::layout::{MEMORY_FILE, STATE_FILE};
 
 /// Prefix of directories that are not (yet, or any more) snapshots.
 const TMP_PREFIX: &str = ".tmp-";

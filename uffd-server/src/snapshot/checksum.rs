@@ -18,8 +18,8 @@ use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
 use super::image::data_ranges;
-use super::FileSum;
 pub use proto::snapshot::Algorithm;
+use proto::snapshot::FileSum;
 
 /// Bytes per checksummed chunk.
 pub const CHUNK_BYTES: u64 = 1 << 20;

@@ -17,6 +17,17 @@ pub enum SnapshotError {
     NotFound(String),
     #[error("snapshot {name} is in use by {}; delete those VMs first", vms.join(", "))]
     InUse { name: String, vms: Vec<String> },
+    #[error(
+        "cannot {what} {}: its filesystem is full; delete snapshots you no longer need \
+         (DELETE /v1/snapshots/{{name}}) or free space there, and try again",
+        path.display()
+    )]
+    NoSpace {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot {what} {}", path.display())]
     Io {
         what: &'static str,
@@ -39,6 +50,9 @@ pub enum ErrorKind {
     BadRequest,
     NotFound,
     Conflict,
+    /// The filesystem is full (or the quota used up): the client's to
+    /// fix, by deleting what it no longer needs.
+    NoSpace,
     Io,
 }
 
@@ -49,15 +63,20 @@ impl SnapshotError {
             SnapshotError::BadName { .. } => ErrorKind::BadRequest,
             SnapshotError::Exists(_) | SnapshotError::InUse { .. } => ErrorKind::Conflict,
             SnapshotError::NotFound(_) => ErrorKind::NotFound,
+            SnapshotError::NoSpace { .. } => ErrorKind::NoSpace,
             SnapshotError::Io { .. }
             | SnapshotError::BadState { .. }
             | SnapshotError::Corrupt { .. } => ErrorKind::Io,
         }
     }
 
-    /// A closure building an [`SnapshotError::Io`] for `what` on `path`.
+    /// A closure building an [`SnapshotError::Io`] for `what` on `path`
+    /// ([`SnapshotError::NoSpace`] when the filesystem is full).
     pub fn io(what: &'static str, path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.to_owned();
-        move |source| SnapshotError::Io { what, path, source }
+        move |source| match source.raw_os_error() {
+            Some(libc::ENOSPC | libc::EDQUOT) => SnapshotError::NoSpace { what, path, source },
+            _ => SnapshotError::Io { what, path, source },
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use nix::fcntl::{fallocate, FallocateFlags};
 use shared::PAGE_SIZE;
 
-use super::{Result, SnapshotError};
+use super::error::{Result, SnapshotError};
 
 /// Byte ranges `[start, end)` of `fd` (of `len` bytes) that hold data, found
 /// with SEEK_DATA / SEEK_HOLE; everything else reads as zero.
@@ -212,11 +212,7 @@ impl ImageWriter {
             off,
             len,
         )
-        .map_err(|e| SnapshotError::Io {
-            what: "punch a hole in",
-            path: self.path.clone(),
-            source: e.into(),
-        })
+        .map_err(|e| SnapshotError::io("punch a hole in", &self.path)(e.into()))
     }
 }
 

@@ -1,6 +1,7 @@
-//! VM snapshots on disk: the format, the image writer, the catalog of
-//! complete snapshots and their checksums. The core (`core/snapshot.rs`)
-//! decides what to write and when; this module owns the files.
+//! VM snapshots on disk: the format, the image writer, the commit, the
+//! catalog of complete snapshots and their checksums. The core
+//! (`core/snapshot/`) decides what to write and when; this module owns the
+//! files.
 //!
 //! # On-disk format
 //!
@@ -43,17 +44,15 @@
 
 pub mod catalog;
 pub mod checksum;
-mod error;
+pub mod commit;
+pub mod error;
 pub mod image;
+pub mod layout;
 pub mod pageset;
 pub mod writer;
 
 pub use catalog::Catalog;
 pub use error::{ErrorKind, Result, SnapshotError};
+pub use layout::{MEMORY_FILE, STATE_FILE, ZSTD_FILE};
 pub use pageset::PageSet;
-pub use proto::snapshot::{FileSum, StateFile, FORMAT_VERSION, MEMORY_FILE};
-
-/// The compressed image in a snapshot directory (with `compress`).
-pub const ZSTD_FILE: &str = "memory.zst";
-/// The description file in a snapshot directory.
-pub const STATE_FILE: &str = "state.json";
+pub use proto::snapshot::{FileSum, StateFile, FORMAT_VERSION};

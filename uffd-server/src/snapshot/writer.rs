@@ -48,8 +48,8 @@ use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
 
 use super::checksum::{Algorithm, Piece, StreamSums};
+use super::error::SnapshotError;
 use super::image::ImageWriter;
-use super::SnapshotError;
 
 /// Bulk runs queued for the writer at most.
 pub const IN_FLIGHT: usize = 16;

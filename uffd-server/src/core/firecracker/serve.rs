@@ -11,8 +11,8 @@ use tracing::info;
 use userfaultfd::{Event, EventBuffer, FaultKind, Uffd};
 
 use super::vm::Resolved;
-use crate::core::serve::{poll_window, read_pending};
-use crate::core::Core;
+use crate::core::fault::serve::{poll_window, read_pending};
+use crate::core::state::Core;
 use crate::observe::phases::{self, Phase};
 
 /// Handle a batch of events for a Firecracker VM (read after a wake-up of
@@ -45,7 +45,7 @@ fn handle_batch(
                 addr,
                 ..
             } => faults.push(addr as u64),
-            Event::Pagefault { addr, .. } => v.wake(addr as u64 & !(PAGE_SIZE - 1), PAGE_SIZE),
+            Event::Pagefault { addr, .. } => v.wake(addr as u64),
             Event::Remove { start, end } => v.remove(start as u64, end as u64),
             _ => {}
         }
@@ -69,7 +69,7 @@ fn handle_batch(
             v.phases.service.record(spent);
         }
         core.fault_seconds.observe(took.as_secs_f64());
-        v.stats.service_us_log2[crate::core::vm::service_bucket(took)] += 1;
+        v.stats.service_us_log2[crate::observe::stats::service_bucket(took)] += 1;
         match resolved {
             Resolved::Ok => {}
             Resolved::Again => {
@@ -98,7 +98,7 @@ fn park(addr: u64, ready: Vec<oneshot::Receiver<()>>, retry: &mpsc::UnboundedSen
 
 /// Serve a Firecracker VM's uffd until it closes or the VM is gone; after
 /// served events the uffd is polled for the configured window (see
-/// `core/serve.rs`).
+/// `core/fault/serve.rs`).
 pub(super) async fn serve_fc(
     core: Rc<Core>,
     id: VmId,

@@ -1,33 +1,31 @@
-//! One Firecracker VM being served: its regions, table and uffd, and how a
-//! fault is resolved (zero pages, EAGAIN). Which pages to install and
-//! their bytes come from the resolver in [`crate::pages::resolve`], shared
-//! with our own VMs; here they are installed with UFFDIO_COPY from a
-//! staging buffer, or UFFDIO_ZEROPAGE.
+//! One Firecracker VM being served: its regions, table and uffd, and what
+//! an install into its memory records. Faults go through the installer our
+//! own VMs use ([`crate::core::fault::install`]): UFFDIO_COPY from the
+//! staging buffer (or the image's page cache for a hugetlb block), and
+//! UFFDIO_ZEROPAGE for never-written pages, since Firecracker's memory is
+//! anonymous. A pending event (EAGAIN) defers the fault until the events
+//! are read (`serve.rs`).
 
-use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 
 use proto::firecracker::Region;
 use shared::{VmId, PAGE_SIZE};
 use tokio::io::unix::AsyncFd;
-use tracing::{error, warn};
-use uffd_abi::Install;
+use tracing::warn;
 use userfaultfd::Uffd;
-use vm_memory::VolatileSlice;
 
+use crate::core::fault::install::{self, Books, How, Request, Served, Target};
 use crate::core::ratelimit::{suppressed_note, RateLimit};
-use crate::core::vm::{FaultStats, Readahead, RunState};
-use crate::observe::phases::{self, Phase, PhaseHists};
-use crate::pages::{
-    fault_on, plan_run, read_pages, Fault, PageTable, ResolveError, SourceArena, SourceId,
-    UNINITIALIZED,
-};
+use crate::core::vm::RunState;
+use crate::observe::phases::PhaseHists;
+use crate::observe::stats::FaultStats;
+use crate::pages::{PageTable, Readahead, ResolveError, SourceArena, SourceId, UNINITIALIZED};
 
-/// Largest run installed by one UFFDIO_COPY: the staging buffer's size.
-/// One 2 MiB huge page, the largest page size served, which must be
-/// installed by a single call.
-const STAGING_PAGES: u64 = 512;
+/// Largest piece of a run one UFFDIO_COPY installs into Firecracker's
+/// memory (2 MiB): a readahead window goes in in pieces of at most this.
+const PIECE_MAX_PAGES: u64 = 512;
 
 /// A Firecracker VM being served.
 #[derive(Debug)]
@@ -74,11 +72,57 @@ pub(super) enum Resolved {
     Gone,
 }
 
-/// How an attempt to resolve a fault ended.
-enum Outcome {
-    Resolved(Resolved),
-    /// The pages cannot be served, for this reason.
-    Unservable(String),
+/// What an install into a Firecracker VM records: its table, counters and
+/// working set.
+struct FcBooks<'a> {
+    v: &'a mut FcVm,
+    /// Record installed pages in the working set.
+    record: bool,
+}
+
+impl Books for FcBooks<'_> {
+    fn id(&self) -> VmId {
+        self.v.id
+    }
+    fn table(&self) -> &PageTable {
+        &self.v.table
+    }
+    fn self_src(&self) -> SourceId {
+        self.v.self_src
+    }
+    fn readahead(&self) -> &Readahead {
+        &self.v.readahead
+    }
+    fn readahead_mut(&mut self) -> &mut Readahead {
+        &mut self.v.readahead
+    }
+    fn stats(&mut self) -> &mut FaultStats {
+        &mut self.v.stats
+    }
+    fn warnings(&mut self) -> &mut RateLimit {
+        &mut self.v.warnings
+    }
+    fn mark(&mut self, lo: u64, n: u64, _how: How) {
+        let me = self.v.self_src;
+        self.v.table.set_range(lo, n, me);
+        self.v.stats.pages_installed += n;
+        if self.record {
+            // The working set is every page this VM was given, in order,
+            // including those installed around the fault.
+            self.v.fault_order.extend(lo..lo + n);
+        }
+    }
+    fn before_install(&mut self, _lo: u64, _hi: u64) -> Result<(), ResolveError> {
+        Ok(())
+    }
+    fn fail(&mut self, reason: &str) -> bool {
+        if self.v.failure.is_some() {
+            return false;
+        }
+        self.v.failure = Some(reason.to_owned());
+        self.v.state = RunState::Failed;
+        true
+    }
 }
 
 impl FcVm {
@@ -89,162 +133,33 @@ impl FcVm {
             .find(|r| addr >= r.base && addr < r.base + r.size)
     }
 
-    /// Install source pages `[lo, hi)` of region `r`; returns how many pages
-    /// from `lo` were installed before an existing page, or the outcome.
-    fn install_run(
-        &mut self,
-        arena: &SourceArena,
-        r: Region,
-        lo: u64,
-        hi: u64,
-    ) -> Result<u64, Outcome> {
-        let src_id = self.table.get(lo);
-        if src_id == UNINITIALIZED && r.page_size == PAGE_SIZE {
-            let dst = r.base + (lo * PAGE_SIZE - r.offset);
-            phases::lap(Phase::Resolve);
-            let res = uffd_abi::zeropage(self.uffd.get_ref(), dst, (hi - lo) * PAGE_SIZE);
-            phases::lap(Phase::Install);
-            return self.installed(lo, hi, 0, res);
-        }
-        let Some(source) = arena.get(src_id).cloned() else {
-            let e = ResolveError::UnknownSource(src_id);
-            return Err(Outcome::Unservable(e.to_string()));
+    /// Wake the threads faulting on the page at `addr` (a fault that is
+    /// not a MISSING one: nothing to install).
+    pub(super) fn wake(&self, addr: u64) {
+        let (t, page) = match self.region_of(addr) {
+            Some(r) => (
+                region_target(self.uffd.get_ref(), r),
+                (r.offset + (addr - r.base)) / PAGE_SIZE,
+            ),
+            None => (
+                Target {
+                    uffd: self.uffd.get_ref(),
+                    base: 0,
+                    unit: 1,
+                    mode: 0,
+                },
+                addr / PAGE_SIZE,
+            ),
         };
-        // A readahead window goes in piece by piece, the faulting page's
-        // (the first: a sequential run starts at it) waking its thread, the
-        // rest behind it; each piece's copy wakes whoever faulted in it
-        // meanwhile (see `core/fault.rs` `stream_rest`).
-        let piece = match self.readahead_piece_pages {
-            0 => STAGING_PAGES,
-            n if r.page_size == PAGE_SIZE => n.max(self.fault_around_pages).min(STAGING_PAGES),
-            _ => STAGING_PAGES,
-        };
-        let mut at = lo;
-        while at < hi {
-            let end = hi.min(at + piece);
-            let len = (end - at) * PAGE_SIZE;
-            let res = STAGING.with(|buf| -> Result<Install, ResolveError> {
-                let mut buf = buf.borrow_mut();
-                let bytes = shared::geometry::usize_of(len);
-                if buf.len() < bytes {
-                    buf.resize(bytes, 0);
-                }
-                let dst = VolatileSlice::from(&mut buf[..bytes]);
-                read_pages(&source, at, &dst, &|_| None)?;
-                let to = r.base + (at * PAGE_SIZE - r.offset);
-                phases::lap(Phase::Resolve);
-                // SAFETY: `buf` holds `len` initialized bytes and stays
-                // borrowed for the call.
-                let res = unsafe { uffd_abi::copy(self.uffd.get_ref(), buf.as_ptr(), to, len, 0) };
-                phases::lap(Phase::Install);
-                Ok(res)
-            });
-            let res = match res {
-                Ok(res) => res,
-                Err(ResolveError::NotDecoded { image, frames }) => {
-                    self.mark(lo, at - lo);
-                    self.stats.frame_waits += 1;
-                    let ready = crate::images::zst::FramePool::wait(&image, frames);
-                    return Err(Outcome::Resolved(Resolved::Wait(ready)));
-                }
-                Err(e) => {
-                    self.mark(lo, at - lo);
-                    return Err(Outcome::Unservable(format!(
-                        "pages {at}..{end} cannot be served: {}",
-                        shared::error_chain(&e)
-                    )));
-                }
-            };
-            match res {
-                Install::Done => at = end,
-                other => return self.installed(lo, end, at - lo, other),
-            }
-        }
-        self.mark(lo, hi - lo);
-        Ok(hi - lo)
+        let _ = t.wake(page, 1);
     }
 
-    /// Account for an install of `[lo, hi)` whose first `before` pages were
-    /// installed by earlier calls and whose last call ended in `res`.
-    fn installed(&mut self, lo: u64, hi: u64, before: u64, res: Install) -> Result<u64, Outcome> {
-        let done = |copied: u64| before + copied / PAGE_SIZE;
-        let n = match res {
-            Install::Done => hi - lo,
-            Install::Exists { copied } => done(copied),
-            Install::Again { copied } => {
-                self.mark(lo, done(copied));
-                return Err(Outcome::Resolved(Resolved::Again));
-            }
-            Install::Gone => return Err(Outcome::Resolved(Resolved::Gone)),
-            Install::Failed(errno) => {
-                self.mark(lo, before);
-                return Err(Outcome::Unservable(format!(
-                    "UFFDIO_COPY of pages {lo}..{hi} failed: {errno}"
-                )));
-            }
-        };
-        self.mark(lo, n);
-        Ok(n)
-    }
-
-    fn mark(&mut self, lo: u64, n: u64) {
-        let me = self.self_src;
-        self.table.set_range(lo, n, me);
-        self.stats.pages_installed += n;
-    }
-
-    pub(super) fn wake(&self, addr: u64, len: u64) {
-        phases::lap(Phase::Resolve);
-        let _ = uffd_abi::wake(self.uffd.get_ref(), addr, len);
-        phases::lap(Phase::Wake);
-    }
-
-    /// Resolve a MISSING fault at `addr`; a fault that cannot be served
-    /// fails the VM and poisons the faulting page (see [`Self::unservable`]).
+    /// Resolve a MISSING fault at `addr` (see [`install::serve_missing`]):
+    /// fault-around and readahead on the image's pages of 4 KiB regions,
+    /// zero pages for the rest; a fault that cannot be served fails the VM
+    /// and poisons the page. `record`: the fault feeds readahead and the
+    /// working set (a bulk prefetch does not).
     pub(super) fn resolve(&mut self, arena: &SourceArena, addr: u64, record: bool) -> Resolved {
-        match self.try_resolve(arena, addr, record) {
-            Outcome::Resolved(r) => r,
-            Outcome::Unservable(reason) => self.unservable(addr, reason),
-        }
-    }
-
-    /// As for our own VMs (`Registry::unservable`): waking would make the
-    /// vCPU fault again for ever, so the VM fails with the reason in the
-    /// API and the page is poisoned; Firecracker's access gets SIGBUS.
-    /// Faults after the first are counted under a rate-limited warning.
-    fn unservable(&mut self, addr: u64, reason: String) -> Resolved {
-        if self.failure.is_none() {
-            error!("{}: failed: {reason}; the page is poisoned", self.id);
-            self.failure = Some(reason);
-            self.state = RunState::Failed;
-        } else if let Some(n) = self.warnings.allow() {
-            warn!("{}: {reason}{}", self.id, suppressed_note(n));
-        }
-        let size = self.region_of(addr).map_or(PAGE_SIZE, |r| r.page_size);
-        let start = addr & !(size - 1);
-        match uffd_abi::poison(self.uffd.get_ref(), start, size) {
-            Install::Done => Resolved::Ok,
-            Install::Gone => Resolved::Gone,
-            Install::Again { .. } => Resolved::Again,
-            Install::Exists { .. } => {
-                self.wake(start, size);
-                Resolved::Ok
-            }
-            Install::Failed(errno) => {
-                if let Some(n) = self.warnings.allow() {
-                    warn!(
-                        "{}: cannot poison {start:#x}: {errno}{}",
-                        self.id,
-                        suppressed_note(n)
-                    );
-                }
-                self.wake(start, size);
-                Resolved::Ok
-            }
-        }
-    }
-
-    fn try_resolve(&mut self, arena: &SourceArena, addr: u64, record: bool) -> Outcome {
         let Some(r) = self.region_of(addr) else {
             if let Some(n) = self.warnings.allow() {
                 warn!(
@@ -253,62 +168,35 @@ impl FcVm {
                     suppressed_note(n)
                 );
             }
-            return Outcome::Resolved(Resolved::Ok);
+            return Resolved::Ok;
         };
-        let unit = r.page_size / PAGE_SIZE;
-        let page = (r.offset + (addr - r.base)) / PAGE_SIZE;
-        let first = page - page % unit;
-        if self.table.get(first) == self.self_src {
-            self.wake(addr & !(r.page_size - 1), r.page_size);
-            return Outcome::Resolved(Resolved::Ok);
-        }
-        let (lo, hi) = if unit > 1 || self.table.get(page) != self.file_src {
-            (first, first + unit)
-        } else {
-            // Fault-around within the region, readahead for a sequential
-            // reader (see `pages::plan_run`).
-            let r_lo = r.offset / PAGE_SIZE;
-            let fault = Fault {
-                page,
-                bounds: r_lo..r_lo + r.size / PAGE_SIZE,
-                block: self.fault_around_pages,
-                track: record,
-            };
-            let fault = match arena.get(self.file_src) {
-                Some(source) => fault_on(source, fault, &self.readahead),
-                None => fault,
-            };
-            let run = plan_run(&self.table, self.file_src, &fault, &self.readahead);
-            self.readahead.window = run.window;
-            (run.lo, run.hi)
+        let uffd = Rc::clone(&self.uffd);
+        let t = region_target(uffd.get_ref(), r);
+        let piece = match self.readahead_piece_pages {
+            0 => PIECE_MAX_PAGES,
+            n if r.page_size == PAGE_SIZE => n.max(self.fault_around_pages).min(PIECE_MAX_PAGES),
+            _ => PIECE_MAX_PAGES,
         };
-        match self.install_run(arena, r, lo, hi) {
-            Ok(n) if lo + n > page => {
-                if record {
-                    self.readahead.next = lo + n;
-                    // The working set is every page this VM was given, in
-                    // order, including those installed around the fault.
-                    self.fault_order.extend(lo..lo + n);
-                }
-                Outcome::Resolved(Resolved::Ok)
-            }
-            Ok(_) => {
-                // Something below `page` already existed: install just it.
-                match self.install_run(arena, r, first, first + unit) {
-                    Ok(n) => {
-                        if record {
-                            self.fault_order.extend(first..first + n);
-                        }
-                        self.wake(addr & !(r.page_size - 1), r.page_size);
-                        Outcome::Resolved(Resolved::Ok)
-                    }
-                    Err(e) => e,
-                }
-            }
-            Err(e) => e,
+        let r_lo = r.offset / PAGE_SIZE;
+        let req = Request {
+            page: (r.offset + (addr - r.base)) / PAGE_SIZE,
+            bounds: r_lo..r_lo + r.size / PAGE_SIZE,
+            fault_around: self.fault_around_pages,
+            track: record,
+            piece,
+            zero_pages: r.page_size == PAGE_SIZE,
+            blocks_ahead: false,
+        };
+        let mut books = FcBooks { v: self, record };
+        match install::serve_missing(&mut books, arena, &t, &req) {
+            Served::Done | Served::Failed(_) => Resolved::Ok,
+            Served::Again => Resolved::Again,
+            Served::Wait(ready) => Resolved::Wait(ready),
+            Served::Gone => Resolved::Gone,
         }
     }
 
+    /// REMOVE (balloon, `MADV_DONTNEED`): the range reads as zero again.
     pub(super) fn remove(&mut self, start: u64, end: u64) {
         self.stats.removes += 1;
         for r in self.regions.clone() {
@@ -324,7 +212,16 @@ impl FcVm {
     }
 }
 
-thread_local! {
-    /// Where pages are read before UFFDIO_COPY; grows to [`STAGING_PAGES`].
-    static STAGING: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+/// The installer's view of region `r` through `uffd`: its pages are
+/// indexed by their offset in the memory file, as the table is.
+fn region_target(uffd: &Uffd, r: Region) -> Target<'_> {
+    Target {
+        uffd,
+        base: r.base.wrapping_sub(r.offset),
+        unit: (r.page_size / PAGE_SIZE).max(1),
+        mode: 0,
+    }
 }
+
+/// Firecracker VMs by id.
+pub type FcVms = BTreeMap<VmId, FcVm>;

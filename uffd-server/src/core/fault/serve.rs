@@ -9,7 +9,7 @@
 //! A thread that faults once usually faults again a few microseconds after
 //! it is woken (a guest touching its memory, a restore), so after serving
 //! events the loop keeps reading the uffd without waiting for a bounded
-//! window ([`Settings::fault_poll`](super::Settings)) before it returns to
+//! window (`Settings::fault_poll`) before it returns to
 //! the event loop:
 //!
 //! ```text
@@ -23,6 +23,7 @@
 //! was found, so an idle VM costs the core at most one window after its
 //! last fault; and a window of zero turns polling off.
 
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +33,11 @@ use tokio::sync::mpsc;
 use tracing::warn;
 use userfaultfd::{Event, EventBuffer, Uffd};
 
-use super::{fault, vm, Core};
+use super::books::Handled;
+use super::resolve as fault;
+use crate::core::link::exit::{log_failure, mark_exited, protocol_error};
+use crate::core::snapshot::track::before_write;
+use crate::core::state::Core;
 use crate::observe::phases::{self, Laps, Phase};
 
 /// Why a serving loop stops reading a uffd.
@@ -99,7 +104,7 @@ pub(crate) async fn poll_window(
 /// Read and resolve `vm`'s uffd events until the uffd closes or the VM
 /// is gone (`closed`): a dead VMM's uffd never becomes readable again, so
 /// waiting on it alone would keep the fd open for ever.
-pub(super) async fn serve_faults(
+async fn serve_faults(
     core: Rc<Core>,
     vm: VmId,
     uffd: Rc<AsyncFd<Uffd>>,
@@ -110,7 +115,7 @@ pub(super) async fn serve_faults(
     let mut batch = Batch::default();
     let window = core.settings.fault_poll;
     // Faults parked on frames being decoded, or on a dependent's uffd
-    // (see `Registry::resolve_write_protect`), come back here when ready.
+    // (see `fault::resolve::resolve_write_protect`), come back here when ready.
     let (retry_tx, mut retry_rx) = mpsc::unbounded_channel::<(u64, bool)>();
     loop {
         let ready = tokio::select! {
@@ -122,13 +127,13 @@ pub(super) async fn serve_faults(
                     // pause's re-protect may have come between: the write
                     // is still to happen, so it is recorded again (the
                     // sets are idempotent) before the protection lifts.
-                    reg.before_write(vm, page);
-                    reg.resolve_write_protect(vm, page)
+                    before_write(&mut reg, vm, page);
+                    fault::resolve_write_protect(&mut reg, vm, page)
                 } else {
-                    reg.resolve_missing(vm, page)
+                    fault::resolve_missing(&mut reg, vm, page)
                 };
                 drop(reg);
-                if !core.after_fault(vm, outcome, &retry_tx) {
+                if !after_fault(&core, vm, outcome, &retry_tx) {
                     return;
                 }
                 continue;
@@ -160,7 +165,7 @@ pub(super) async fn serve_faults(
                 .borrow()
                 .vms
                 .get(&vm)
-                .is_none_or(|v| v.uffd.is_none());
+                .is_none_or(|v| v.faults.uffd.is_none());
             if gone {
                 return;
             }
@@ -169,7 +174,7 @@ pub(super) async fn serve_faults(
         drop(guard);
         let mut woken = true;
         loop {
-            if !core.serve_batch(vm, &mut batch, &tap, &retry_tx, woken) {
+            if !serve_batch(&core, vm, &mut batch, &tap, &retry_tx, woken) {
                 return;
             }
             if window.is_zero() {
@@ -186,7 +191,7 @@ pub(super) async fn serve_faults(
             )
             .await;
             if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
-                v.phases.poll_idle_ns += idle;
+                v.log.phases.poll_idle_ns += idle;
             }
             match found {
                 Ok(true) => woken = false,
@@ -206,110 +211,162 @@ pub(super) async fn serve_faults(
 #[derive(Debug, Default)]
 struct Batch {
     events: Vec<Event>,
-    outcomes: Vec<fault::Handled>,
+    outcomes: Vec<Handled>,
     /// The phases of each event of the batch, then the loop's own.
     laps: Vec<Laps>,
 }
 
-impl Core {
-    /// Resolve the events in `batch` (read after a wake-up of the event
-    /// loop if `woken`, else by polling) and act on their outcomes.
-    /// Returns whether to keep serving the uffd.
-    fn serve_batch(
-        &self,
-        vm: VmId,
-        batch: &mut Batch,
-        tap: &crate::observe::trace::Tap,
-        retry: &mpsc::UnboundedSender<(u64, bool)>,
-        woken: bool,
-    ) -> bool {
-        phases::lap(Phase::Read);
-        let count = batch.events.len() as u64;
-        let mut service = [0u64; vm::SERVICE_BUCKETS];
-        batch.laps.clear();
-        {
-            let mut reg = self.reg.borrow_mut();
-            for ev in batch.events.drain(..) {
-                let t0 = Instant::now();
-                // The trace's one cost while nobody listens: `active()`.
-                let begun = if tap.active() {
-                    reg.trace_begin(vm, &ev, tap)
-                } else {
-                    None
-                };
-                batch.outcomes.push(reg.handle_event(vm, ev));
-                let took = t0.elapsed();
-                phases::lap(Phase::Resolve);
-                batch.laps.push(phases::take());
-                self.fault_seconds.observe(took.as_secs_f64());
-                service[vm::service_bucket(took)] += 1;
-                if let Some(b) = begun {
-                    tap.send(reg.trace_end(b, took));
-                }
-            }
-            reg.collect_garbage();
-        }
-        let mut keep = true;
-        for outcome in batch.outcomes.drain(..) {
-            keep = keep && self.after_fault(vm, outcome, retry);
-        }
-        phases::lap(Phase::Loop);
-        batch.laps.push(phases::take());
-        if let Some(v) = self.reg.borrow_mut().vms.get_mut(&vm) {
-            for (a, b) in v.stats.service_us_log2.iter_mut().zip(service) {
-                *a += b;
-            }
-            let p = &mut v.phases;
-            for laps in &batch.laps {
-                p.record(laps);
-            }
-            // The service time of each event: its own phases, the read
-            // that brought it counted once.
-            for laps in &batch.laps[..batch.laps.len() - 1] {
-                p.service.record(laps.iter().sum());
-            }
-            if woken {
-                p.woken_events += count;
-            } else {
-                p.polled_events += count;
-            }
-        }
-        keep
+/// `vm`'s VMM sent its uffd (`UffdReady`): serve it from now on.
+pub(crate) fn on_uffd_ready(core: &Rc<Core>, vm: VmId, bases: Vec<u64>, mut fds: Vec<OwnedFd>) {
+    if fds.len() != 1 || bases.len() != 1 {
+        return protocol_error(
+            core,
+            vm,
+            &format!(
+                "uffd-ready needs exactly one fd and one base, got {} fds and {} bases",
+                fds.len(),
+                bases.len()
+            ),
+        );
     }
+    let fd = fds.remove(0);
+    if let Err(e) = nix::fcntl::fcntl(
+        fd.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    ) {
+        return protocol_error(core, vm, &format!("cannot make the uffd non-blocking: {e}"));
+    }
+    // SAFETY: `fd` came from SCM_RIGHTS and is owned here; ownership
+    // moves into the Uffd, which closes it on drop.
+    let uffd = unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) };
+    // SAFETY: the Uffd owns its fd, which stays open and unchanged
+    // until the Uffd (moved into the AsyncFd) is dropped.
+    let afd = match unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) }
+    {
+        Ok(a) => Rc::new(a),
+        Err(e) => return protocol_error(core, vm, &format!("cannot poll the uffd: {e}")),
+    };
+    {
+        let mut reg = core.reg.borrow_mut();
+        let Some(v) = reg.vms.get_mut(&vm) else {
+            return;
+        };
+        if v.faults.uffd.is_some() {
+            drop(reg);
+            return protocol_error(core, vm, "uffd-ready sent twice");
+        }
+        v.faults.vmm_base = bases[0];
+        v.faults.uffd = Some(afd.clone());
+        for w in v.faults.on_uffd.drain(..) {
+            let _ = w.send(());
+        }
+        tokio::task::spawn_local(serve_faults(
+            core.clone(),
+            vm,
+            afd,
+            v.faults.closed.clone(),
+            v.log.tap.clone(),
+        ));
+    }
+}
 
-    /// Act on how a fault of `vm` was handled: log a failure, park a fault
-    /// that waits for decoded frames (it comes back through `retry`), or
-    /// mark the VMM gone. Returns whether to keep serving the uffd.
-    pub(super) fn after_fault(
-        &self,
-        vm: VmId,
-        outcome: fault::Handled,
-        retry: &mpsc::UnboundedSender<(u64, bool)>,
-    ) -> bool {
-        match outcome {
-            fault::Handled::Ok => true,
-            fault::Handled::Failed(reason) => {
-                self.log_failure(vm, &reason);
-                true
+/// Resolve the events in `batch` (read after a wake-up of the event
+/// loop if `woken`, else by polling) and act on their outcomes.
+/// Returns whether to keep serving the uffd.
+fn serve_batch(
+    core: &Core,
+    vm: VmId,
+    batch: &mut Batch,
+    tap: &crate::observe::trace::Tap,
+    retry: &mpsc::UnboundedSender<(u64, bool)>,
+    woken: bool,
+) -> bool {
+    phases::lap(Phase::Read);
+    let count = batch.events.len() as u64;
+    let mut service = [0u64; crate::observe::stats::SERVICE_BUCKETS];
+    batch.laps.clear();
+    {
+        let mut reg = core.reg.borrow_mut();
+        for ev in batch.events.drain(..) {
+            let t0 = Instant::now();
+            // The trace's one cost while nobody listens: `active()`.
+            let begun = if tap.active() {
+                super::trace::begin(&reg, vm, &ev, tap)
+            } else {
+                None
+            };
+            batch.outcomes.push(fault::handle_event(&mut reg, vm, ev));
+            let took = t0.elapsed();
+            phases::lap(Phase::Resolve);
+            batch.laps.push(phases::take());
+            core.fault_seconds.observe(took.as_secs_f64());
+            service[crate::observe::stats::service_bucket(took)] += 1;
+            if let Some(b) = begun {
+                tap.send(super::trace::end(&reg, b, took));
             }
-            fault::Handled::Wait {
-                page,
-                ready,
-                write_protect,
-            } => {
-                let retry = retry.clone();
-                tokio::task::spawn_local(async move {
-                    for r in ready {
-                        let _ = r.await;
-                    }
-                    let _ = retry.send((page, write_protect));
-                });
-                true
-            }
-            fault::Handled::VmmGone => {
-                self.mark_exited(vm, "vmm address space is gone (ESRCH)");
-                false
-            }
+        }
+        reg.collect_garbage();
+    }
+    let mut keep = true;
+    for outcome in batch.outcomes.drain(..) {
+        keep = keep && after_fault(core, vm, outcome, retry);
+    }
+    phases::lap(Phase::Loop);
+    batch.laps.push(phases::take());
+    if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+        for (a, b) in v.log.stats.service_us_log2.iter_mut().zip(service) {
+            *a += b;
+        }
+        let p = &mut v.log.phases;
+        for laps in &batch.laps {
+            p.record(laps);
+        }
+        // The service time of each event: its own phases, the read
+        // that brought it counted once.
+        for laps in &batch.laps[..batch.laps.len() - 1] {
+            p.service.record(laps.iter().sum());
+        }
+        if woken {
+            p.woken_events += count;
+        } else {
+            p.polled_events += count;
+        }
+    }
+    keep
+}
+
+/// Act on how a fault of `vm` was handled: log a failure, park a fault
+/// that waits for decoded frames (it comes back through `retry`), or
+/// mark the VMM gone. Returns whether to keep serving the uffd.
+fn after_fault(
+    core: &Core,
+    vm: VmId,
+    outcome: Handled,
+    retry: &mpsc::UnboundedSender<(u64, bool)>,
+) -> bool {
+    match outcome {
+        Handled::Ok => true,
+        Handled::Failed(reason) => {
+            log_failure(core, vm, &reason);
+            true
+        }
+        Handled::Wait {
+            page,
+            ready,
+            write_protect,
+        } => {
+            let retry = retry.clone();
+            tokio::task::spawn_local(async move {
+                for r in ready {
+                    let _ = r.await;
+                }
+                let _ = retry.send((page, write_protect));
+            });
+            true
+        }
+        Handled::VmmGone => {
+            mark_exited(core, vm, "vmm address space is gone (ESRCH)");
+            false
         }
     }
 }

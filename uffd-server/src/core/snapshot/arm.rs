@@ -1,5 +1,4 @@
-//! Write protection armed ahead of a pause, shared by fork and snapshot
-//! (DESIGN §4, §5).
+//! Write protection armed ahead of a pause, shared by fork and snapshot.
 //!
 //! Both need a set of the VM's pages write-protected at the instant it
 //! pauses: a fork its materialized pages (a later write must hand the
@@ -10,22 +9,22 @@
 //! before the pause instead, while the guest still runs, and the pause
 //! re-protects only what the guest wrote in between:
 //!
-//! 1. [`Core::arm_ahead`]: start the VM's arming set, then write-protect
+//! 1. `arm_ahead`: start the VM's arming set, then write-protect
 //!    the runs. From here every page that loses its protection is in the
 //!    set: a WP fault lifts it and a write's MISSING fault installs it, and
-//!    both pass through [`super::Registry::before_write`], which records
+//!    both pass through `track::before_write`, which records
 //!    the page. Pages installed meanwhile go in protected
-//!    ([`Vm::tracks_writes`]).
+//!    (`SnapshotState::tracks_writes`).
 //! 2. In the pause, as soon as the vCPUs are stopped,
-//!    [`ArmedAhead::reprotect`]: write-protect the set's pages and start
+//!    `ArmedAhead::reprotect`: write-protect the set's pages and start
 //!    the set again; at the fork's or snapshot's moment (no await after
-//!    it), [`ArmedAhead::finish`]: write-protect what the set gathered
+//!    it), `ArmedAhead::finish`: write-protect what the set gathered
 //!    meanwhile (a fault handled late) and drop the set. Now every page of
 //!    the runs, and every page installed since step 1, is protected,
 //!    exactly as if the runs had been protected in the pause; what the
 //!    guest wrote before the pause is in memory, where the fork or
 //!    snapshot reads it.
-//! 3. On a failure before the end of step 2, dropping the [`ArmedAhead`]
+//! 3. On a failure before the end of step 2, dropping the `ArmedAhead`
 //!    drops the set. The protection left behind is harmless: a write
 //!    faults once and the fault lifts it.
 //!
@@ -38,55 +37,39 @@ use std::time::Instant;
 
 use shared::VmId;
 
-use super::vm::Vm;
-use super::{Core, Error, Result};
-use crate::snapshot::PageSet;
+use super::error::ArmError;
+use crate::core::error::{Error, Result};
+use crate::core::state::Core;
+use crate::core::vm::Vm;
+use crate::snapshot::pageset::PageSet;
 
 fn us(t: Instant) -> u64 {
     u64::try_from(t.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
-impl Vm {
-    /// Whether pages installed into this VM keep write protection: its
-    /// writes are tracked (a dirty log, a snapshot saving, protection
-    /// being armed ahead of a pause).
-    pub fn tracks_writes(&self) -> bool {
-        self.dirty.is_some() || self.saving.is_some() || self.arming.is_some()
-    }
-
-    /// Write-protect `runs` (pages) through the VM's uffd. Returns the
-    /// ioctls' time in µs.
-    pub(super) fn protect(&self, runs: &[(u64, u64)]) -> Result<u64> {
-        let vm = self.id;
-        let uffd = self.uffd.clone().ok_or(Error::NoUffd { vm })?;
-        let t = Instant::now();
-        self.write_protect_pages(uffd.get_ref(), runs, true)
-            .map_err(|(i, source)| {
-                let (start, n) = runs[i];
-                Error::WriteProtect {
-                    vm,
-                    start,
-                    end: start + n,
-                    source,
-                }
-            })?;
-        Ok(us(t))
-    }
-
-    /// The UFFDIO_COPY mode for pages installed into this VM now.
-    pub fn copy_mode(&self) -> u64 {
-        if self.tracks_writes() {
-            uffd_abi::COPY_MODE_WP
-        } else {
-            0
-        }
-    }
+/// Write-protect `runs` (pages) of `v` through its uffd. Returns the
+/// ioctls' time in µs.
+pub(crate) fn protect(v: &Vm, runs: &[(u64, u64)]) -> Result<u64> {
+    let vm = v.id;
+    let uffd = v.faults.uffd.clone().ok_or(ArmError::NoUffd { vm })?;
+    let t = Instant::now();
+    v.write_protect_pages(uffd.get_ref(), runs, true)
+        .map_err(|(i, source)| {
+            let (start, n) = runs[i];
+            ArmError::WriteProtect {
+                vm,
+                start,
+                end: start + n,
+                source,
+            }
+        })?;
+    Ok(us(t))
 }
 
 /// Protection armed ahead of `vm`'s pause; dropping it before
-/// [`ArmedAhead::finish`] stops the recording (step 3).
+/// `ArmedAhead::finish` stops the recording (step 3).
 #[must_use = "the pause must re-protect what the guest wrote meanwhile"]
-pub(super) struct ArmedAhead<'a> {
+pub(crate) struct ArmedAhead<'a> {
     core: &'a Core,
     vm: VmId,
     /// Pages protected ahead.
@@ -97,9 +80,9 @@ pub(super) struct ArmedAhead<'a> {
 
 impl ArmedAhead<'_> {
     /// Step 2, as soon as the VM's vCPUs are stopped: re-protect the
-    /// pages it wrote since [`Core::arm_ahead`], and go on recording.
+    /// pages it wrote since `arm_ahead`, and go on recording.
     /// Returns how many pages and the ioctl's time in µs.
-    pub(super) fn reprotect(&self) -> Result<(u64, u64)> {
+    pub(crate) fn reprotect(&self) -> Result<(u64, u64)> {
         self.protect_written(true)
     }
 
@@ -108,7 +91,7 @@ impl ArmedAhead<'_> {
     /// protection since [`Self::reprotect`] (usually nothing: only a fault
     /// handled late, such as one that waited for a dependent, can) and stop
     /// recording. Returns how many pages and the ioctl's time in µs.
-    pub(super) fn finish(&self) -> Result<(u64, u64)> {
+    pub(crate) fn finish(&self) -> Result<(u64, u64)> {
         self.protect_written(false)
     }
 
@@ -116,14 +99,14 @@ impl ArmedAhead<'_> {
         let vm = self.vm;
         let mut reg = self.core.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        let written = v.arming.take().ok_or(Error::NotArmed { vm })?;
+        let written = v.snapshot.arming.take().ok_or(ArmError::NotArmed { vm })?;
         if go_on {
-            v.arming = Some(PageSet::new(written.pages()));
+            v.snapshot.arming = Some(PageSet::new(written.pages()));
         }
         if written.is_empty() {
             return Ok((0, 0));
         }
-        Ok((written.len(), v.protect(&written.runs())?))
+        Ok((written.len(), protect(v, &written.runs())?))
     }
 }
 
@@ -132,27 +115,29 @@ impl Drop for ArmedAhead<'_> {
         // After `finish` the set is gone already; before it, the fork or
         // snapshot failed and nothing needs the recording any more.
         if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
-            v.arming = None;
+            v.snapshot.arming = None;
         }
     }
 }
 
-impl Core {
-    /// Step 1: write-protect `runs` of `vm` (pages) while it runs, and
-    /// record from now on the pages that lose the protection.
-    pub(super) fn arm_ahead(&self, vm: VmId, runs: &[(u64, u64)]) -> Result<ArmedAhead<'_>> {
-        let mut reg = self.reg.borrow_mut();
-        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
-        v.arming = Some(PageSet::new(v.memory.pages()));
-        let took = v.protect(runs);
-        if took.is_err() {
-            v.arming = None;
-        }
-        Ok(ArmedAhead {
-            core: self,
-            vm,
-            pages: runs.iter().map(|&(_, n)| n).sum(),
-            us: took?,
-        })
+/// Step 1: write-protect `runs` of `vm` (pages) while it runs, and record
+/// from now on the pages that lose the protection.
+pub(crate) fn arm_ahead<'a>(
+    core: &'a Core,
+    vm: VmId,
+    runs: &[(u64, u64)],
+) -> Result<ArmedAhead<'a>> {
+    let mut reg = core.reg.borrow_mut();
+    let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+    v.snapshot.arming = Some(PageSet::new(v.memory.pages()));
+    let took = protect(v, runs);
+    if took.is_err() {
+        v.snapshot.arming = None;
     }
+    Ok(ArmedAhead {
+        core,
+        vm,
+        pages: runs.iter().map(|&(_, n)| n).sum(),
+        us: took?,
+    })
 }

@@ -1,0 +1,91 @@
+//! The Welcome a VM's VMM gets once it said hello: the VM's guest RAM
+//! (its memfd), its disk, and the launch config (vCPUs, the state to
+//! start from).
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use proto::vmm::{LaunchConfig, ServerMsg};
+use shared::{GuestRegion, VmId};
+use tracing::warn;
+
+use crate::conn::{QueueError, VmmWriter};
+use crate::core::error::{Error, Result};
+use crate::core::state::Core;
+use crate::core::vm::Vm;
+use volume::VolumeEngine;
+
+/// `vm`'s VMM said hello (or a pooled VMM was bound to it): send it its
+/// Welcome, with the memfd and the disk, and keep its writer.
+pub(crate) fn welcome(core: &Core, vm: VmId, writer: Arc<VmmWriter>, pid: u32) {
+    let mut reg = core.reg.borrow_mut();
+    let Some(v) = reg.vms.get_mut(&vm) else {
+        writer.shutdown();
+        return;
+    };
+    let config = launch_config(v, core.volumes.as_deref());
+    if let (Ok((_, Some(_))), Some(name), Some(engine)) = (&config, &v.volume, &core.volumes) {
+        // While this VMM holds the disk, the volume may not be deleted
+        // or rolled back underneath it.
+        engine.attach(name, &vm.to_string());
+    }
+    let sent = match config {
+        Ok((cfg, disk)) => match v.memory.memfd().try_clone() {
+            Ok(memfd) => {
+                let mut fds = vec![OwnedFd::from(memfd)];
+                fds.extend(disk.map(OwnedFd::from));
+                writer.send(
+                    ServerMsg::Welcome {
+                        vm_id: vm,
+                        config: cfg,
+                    },
+                    fds,
+                )
+            }
+            Err(e) => {
+                warn!("{vm}: cannot share its memfd: {e}");
+                Err(QueueError::Closed)
+            }
+        },
+        Err(e) => {
+            let message = e.message();
+            let _ = writer.send(
+                ServerMsg::Error {
+                    message: message.clone(),
+                },
+                Vec::new(),
+            );
+            writer.shutdown();
+            v.fail_pending(&message);
+            return;
+        }
+    };
+    if let Err(e) = sent {
+        warn!("{vm}: cannot send welcome: {e}");
+    }
+    v.link.pid = Some(pid);
+    v.link.writer = Some(writer);
+}
+
+/// The launch config for `v` and its disk file, if any.
+fn launch_config(v: &Vm, volumes: Option<&VolumeEngine>) -> Result<(LaunchConfig, Option<File>)> {
+    let (disk_bytes, disk) = match (&v.volume, volumes) {
+        (Some(name), Some(engine)) => {
+            let (f, size) = engine.open_for_vm(name)?;
+            (Some(size), Some(f))
+        }
+        (Some(_), None) => return Err(Error::NoVolumes),
+        (None, _) => (None, None),
+    };
+    let config = LaunchConfig {
+        regions: vec![GuestRegion {
+            guest_phys: 0,
+            size: v.memory.size(),
+        }],
+        vcpus: v.vcpus,
+        disk_bytes,
+        start_state: v.start_state.as_deref().cloned(),
+    };
+    Ok((config, disk))
+}
