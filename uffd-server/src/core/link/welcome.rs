@@ -86,6 +86,7 @@ fn launch_config(v: &Vm, volumes: Option<&VolumeEngine>) -> Result<(LaunchConfig
         vcpus: v.vcpus,
         disk_bytes,
         start_state: v.start_state.as_deref().cloned(),
+        memory: proto::vmm::MemoryKind::Own,
     };
     Ok((config, disk))
 }
