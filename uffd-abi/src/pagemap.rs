@@ -74,6 +74,24 @@ impl Pagemap {
         File::open(format!("/proc/{pid}/pagemap")).map(Self)
     }
 
+    /// Whether every page of `[start, start + len)` (addresses in that
+    /// process) is mapped now: a plain read of the pagemap's entries (bit
+    /// 63), which never faults a page in. Reading a page that is not
+    /// mapped out of another process (`process_vm_readv`) would fault it
+    /// in through that process's userfaultfd and wait for it to be served.
+    pub fn all_present(&self, start: u64, len: u64) -> std::io::Result<bool> {
+        use std::os::unix::fs::FileExt;
+        const PRESENT: u64 = 1 << 63;
+        let (first, pages) = (start / 4096, len.div_ceil(4096));
+        let mut buf = vec![0u8; usize::try_from(pages * 8).map_err(std::io::Error::other)?];
+        self.0.read_exact_at(&mut buf, first * 8)?;
+        Ok(buf.chunks_exact(8).all(|e| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(e);
+            u64::from_ne_bytes(w) & PRESENT != 0
+        }))
+    }
+
     /// The runs of `[start, end)` (addresses in that process) mapped to
     /// its own anonymous pages, as `(address, bytes)` in address order:
     /// present, not a file page, not the zero page.

@@ -127,6 +127,14 @@ pub enum Error {
     RollbackFailed { vm: VmId, reason: String },
     #[error("cannot save the snapshot of {vm}: {reason}")]
     SaveSnapshot { vm: VmId, reason: String },
+    #[error(transparent)]
+    Base(#[from] crate::bases::BaseError),
+    #[error("cannot tell which pages of {vm} are its own")]
+    BaseSync {
+        vm: VmId,
+        #[source]
+        source: crate::pages::ResolveError,
+    },
 }
 
 /// Result alias for core operations.
@@ -193,7 +201,7 @@ impl Error {
                 SnapshotKind::NoSpace => 507,
                 SnapshotKind::Io => 500,
             },
-            SaveSnapshot { .. } | RollbackFailed { .. } => 500,
+            SaveSnapshot { .. } | RollbackFailed { .. } | Base(_) | BaseSync { .. } => 500,
             CloneFailed { source, .. } => source.status(),
         }
     }

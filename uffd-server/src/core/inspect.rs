@@ -157,7 +157,9 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
     let (at, kind) = match s {
         PageSource::Uninitialized => ("zero".to_owned(), "zero"),
         PageSource::Image(_) => (s.describe(), "image"),
-        PageSource::File(_) | PageSource::Vm(_) | PageSource::Zstd(_) => (s.describe(), s.kind()),
+        PageSource::File(_) | PageSource::Vm(_) | PageSource::Frozen(_) | PageSource::Zstd(_) => {
+            (s.describe(), s.kind())
+        }
     };
     if let Some(z) = s.zstd() {
         let frame = z.header().frame_of(page);

@@ -167,6 +167,12 @@ pub(crate) async fn pause(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
 pub(crate) async fn resume(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
     refuse_while_busy(&core, id, "resume")?;
     expect_state(&core, id, RunState::Paused, "resume")?;
+    {
+        // A template whose memfd its children map moves onto it first: it
+        // must not write it again.
+        let _busy = crate::core::busy::begin(&core, id, "resume", "a resume")?;
+        crate::core::base::move_onto_base(&core, id).await?;
+    }
     pause_or_resume(&core, id, false).await?;
     info(&core, id)
 }

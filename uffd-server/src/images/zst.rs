@@ -74,6 +74,8 @@ pub struct ZstdImage {
     pub snapshot: Option<String>,
     /// How the file is kept from changing under its readers.
     pub pin: Pin,
+    /// The image's identity when opened (see `FileSource::identity`).
+    pub identity: Option<super::Identity>,
     image: zst::Image,
     pool: Arc<FramePool>,
 }
@@ -216,6 +218,7 @@ impl FramePool {
         path: PathBuf,
         pin: Pin,
         snapshot: Option<String>,
+        identity: Option<super::Identity>,
     ) -> Result<Arc<ZstdImage>, zst::Error> {
         let image = zst::Image::from_file(file)?;
         Ok(Arc::new(ZstdImage {
@@ -223,6 +226,7 @@ impl FramePool {
             path,
             snapshot,
             pin,
+            identity,
             image,
             pool: Arc::clone(self),
         }))

@@ -244,6 +244,9 @@ fn prepare_vm(core: &Core, req: &CreateVm) -> Result<(VmId, oneshot::Receiver<Re
     vm.volume = req.volume.clone();
     vm.pooled = pooled;
     reg.vms.insert(id, vm);
+    if core.settings.shared_bases && initial != UNINITIALIZED {
+        crate::core::base::attach_image(&mut reg, id, initial);
+    }
     Ok((id, ready_rx))
 }
 
