@@ -96,6 +96,29 @@ impl Pagemap {
     /// its own anonymous pages, as `(address, bytes)` in address order:
     /// present, not a file page, not the zero page.
     pub fn private_runs(&self, start: u64, end: u64) -> Result<Vec<(u64, u64)>, Errno> {
+        self.scan(
+            start,
+            end,
+            PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
+            PAGE_IS_FILE | PAGE_IS_PFNZERO,
+        )
+    }
+
+    /// The runs of `[start, end)` mapped to pages of a file (a shared
+    /// base's page cache), as [`Self::private_runs`].
+    pub fn file_runs(&self, start: u64, end: u64) -> Result<Vec<(u64, u64)>, Errno> {
+        self.scan(start, end, PAGE_IS_PRESENT | PAGE_IS_FILE, 0)
+    }
+
+    /// The runs of pages of `[start, end)` whose categories, with
+    /// `inverted` flipped, include all of `mask`.
+    fn scan(
+        &self,
+        start: u64,
+        end: u64,
+        mask: u64,
+        inverted: u64,
+    ) -> Result<Vec<(u64, u64)>, Errno> {
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mut regions = vec![PageRegion::default(); REGIONS_PER_CALL];
         let mut at = start;
@@ -106,8 +129,8 @@ impl Pagemap {
                 end,
                 vec: regions.as_mut_ptr() as u64,
                 vec_len: REGIONS_PER_CALL as u64,
-                category_mask: PAGE_IS_PRESENT | PAGE_IS_FILE | PAGE_IS_PFNZERO,
-                category_inverted: PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                category_mask: mask,
+                category_inverted: inverted,
                 return_mask: PAGE_IS_PRESENT,
                 ..PmScanArg::default()
             };

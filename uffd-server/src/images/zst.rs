@@ -147,6 +147,18 @@ impl ZstdImage {
     pub fn release_cache(&self) {
         self.pool.forget(self);
     }
+
+    /// Drop the decoded `frames` from the cache: their pages are in a
+    /// shared base now, which every VM of this image maps, and a second
+    /// copy of them would only take memory (a frame is decoded again if
+    /// something else asks for it).
+    pub fn drop_decoded(&self, frames: Range<u64>) {
+        for f in frames {
+            if let Some((_, v)) = self.pool.cache.remove(&(self.key, f)) {
+                self.pool.bytes.fetch_sub(v.len() as u64, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 /// A decode job.

@@ -112,6 +112,21 @@ impl ProcessPages {
         Ok(())
     }
 
+    /// How many of the first `pages` guest pages the process holds as its
+    /// own, and how many it maps from a file (its shared base).
+    pub fn counts(&self, pages: u64) -> Result<(u64, u64), ProcessReadError> {
+        let pid = self.pid;
+        let end = self.base + pages * PAGE_SIZE;
+        let err = |e: nix::errno::Errno| ProcessReadError::Pagemap {
+            pid,
+            source: std::io::Error::from(e),
+        };
+        let sum = |runs: Vec<(u64, u64)>| runs.iter().map(|r| r.1 / PAGE_SIZE).sum::<u64>();
+        let own = sum(self.pagemap.private_runs(self.base, end).map_err(err)?);
+        let shared = sum(self.pagemap.file_runs(self.base, end).map_err(err)?);
+        Ok((own, shared))
+    }
+
     /// The runs of the first `pages` guest pages the process holds as its
     /// own (`(first, n)` in pages): written by the guest or copied in, not
     /// mapped from a base (see [`Pagemap::private_runs`]).

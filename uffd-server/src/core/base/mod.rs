@@ -200,3 +200,63 @@ pub(crate) fn on_uffd_ready(reg: &mut Registry, vm: VmId) {
         Err(e) => tracing::warn!("{vm}: cannot read its VMM's pagemap: {e}"),
     }
 }
+
+/// Where `vm`'s guest RAM is in host memory, read from the kernel: its
+/// own memfd's pages, or its VMM's private pages and the pages it maps
+/// from its base (`PAGEMAP_SCAN`).
+pub(crate) fn memory(reg: &Registry, vm: VmId) -> proto::api::VmMemory {
+    let Some(v) = reg.vms.get(&vm) else {
+        return proto::api::VmMemory::default();
+    };
+    let Some(on) = &v.base.on else {
+        return proto::api::VmMemory {
+            own_bytes: v.memory.allocated_bytes(),
+            shared_bytes: 0,
+            base: None,
+        };
+    };
+    let (own, shared) = match reg.arena.memory_of(vm) {
+        Some(VmPages::Process(p)) => p.counts(v.memory.pages()).unwrap_or_default(),
+        _ => (0, 0),
+    };
+    proto::api::VmMemory {
+        own_bytes: own * shared::PAGE_SIZE,
+        shared_bytes: shared * shared::PAGE_SIZE,
+        base: Some(on.base.name()),
+    }
+}
+
+/// `GET /v1/bases`: every shared base, what it holds and who maps it.
+pub(crate) fn list(reg: &Registry) -> proto::api::BaseList {
+    let bases = reg
+        .bases
+        .live()
+        .into_iter()
+        .map(|b| {
+            let users = reg
+                .vms
+                .values()
+                .filter(|v| {
+                    v.base
+                        .on
+                        .as_ref()
+                        .is_some_and(|on| Rc::ptr_eq(&on.base, &b))
+                })
+                .map(|v| v.id.to_string())
+                .collect();
+            proto::api::BaseInfo {
+                id: b.name(),
+                kind: match b.origin {
+                    crate::bases::Origin::Template(_) => "template",
+                    crate::bases::Origin::Image { .. } => "image",
+                }
+                .into(),
+                of: b.what.clone(),
+                bytes: b.bytes(),
+                size_bytes: b.memory.size(),
+                users,
+            }
+        })
+        .collect();
+    proto::api::BaseList { bases }
+}

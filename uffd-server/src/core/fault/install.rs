@@ -528,6 +528,7 @@ fn map_run(
         from: plan.src,
     };
     on.base.fill(&plan.source, lo, first_end)?;
+    drop_decoded(on.base, &plan.source, lo, first_end);
     phases::lap(Phase::Resolve);
     let res = t.map_from_base(page, first_end - page);
     phases::lap(Phase::Install);
@@ -559,6 +560,7 @@ fn map_run(
             if on.base.fill(&plan.source, at, e).is_err() {
                 break;
             }
+            drop_decoded(on.base, &plan.source, at, e);
             match t.map_from_base(at, e - at) {
                 Install::Done => {
                     b.mapped_shared(at, e - at, how);
@@ -719,6 +721,23 @@ fn install_block(
     }
 }
 
+/// The frames of a compressed `source` whose pages `[lo, hi)` just went
+/// into `base`, dropped from the frame cache once the base holds them
+/// whole: the base is the one decoded copy the host keeps.
+fn drop_decoded(base: &Base, source: &PageSource, lo: u64, hi: u64) {
+    let Some(z) = source.zstd() else {
+        return;
+    };
+    let h = z.header();
+    let frames = z.frames_of(lo..hi);
+    for f in frames {
+        let r = h.frame_range(f);
+        if base.holds(r.start, r.end.min(base.memory.pages())) {
+            z.drop_decoded(f..f + 1);
+        }
+    }
+}
+
 /// Map the hugetlb block `[lo, hi)`, all of it pages of the client's
 /// shared base, from the base (filled first if it lacks it).
 fn map_block(
@@ -735,6 +754,7 @@ fn map_block(
         .cloned()
         .ok_or(ResolveError::UnknownSource(on.src))?;
     on.base.fill(&source, lo, hi)?;
+    drop_decoded(on.base, &source, lo, hi);
     phases::lap(Phase::Resolve);
     let res = t.map_from_base(lo, hi - lo);
     phases::lap(Phase::Install);
