@@ -7,12 +7,14 @@
 //! failures.
 //!
 //! - [`vms`]: VMs, guest ops, fork.
+//! - [`bases`]: shared bases, the memory VMs of one image or template map.
 //! - [`volumes`]: disk volumes and their snapshots.
 //! - [`firecracker`]: listeners serving Firecracker's Uffd memory backend.
 //! - [`debug`]: memory-source debugging (sources, pages, tree, invariant).
 //! - [`snapshots`]: VM snapshots, restore, rollback in place, clone(n).
 //! - [`observe`]: the live fault trace, a page's chain, access maps.
 
+pub mod bases;
 pub mod debug;
 pub mod firecracker;
 pub mod observe;
@@ -22,6 +24,7 @@ pub mod volumes;
 
 use serde::{Deserialize, Serialize};
 
+pub use bases::*;
 pub use debug::*;
 pub use firecracker::*;
 pub use observe::*;

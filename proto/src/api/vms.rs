@@ -168,6 +168,26 @@ pub struct VmInfo {
     /// A snapshot of this VM saving its pages now (the guest runs).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub snapshot_saving: Option<SnapshotSaving>,
+    /// The host memory its guest RAM takes: its own pages, and the pages
+    /// it maps from a shared base (held once per host by the base).
+    #[serde(default)]
+    pub memory: VmMemory,
+}
+
+/// Where a VM's guest RAM is in host memory, read from the kernel.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct VmMemory {
+    /// Bytes of guest RAM this VM alone holds: the pages of its own
+    /// memfd, or, for a VM on a shared base, the private pages of its VMM
+    /// (what its guest wrote, and pages copied in for it).
+    pub own_bytes: u64,
+    /// Bytes of guest RAM it maps from its shared base: the base holds
+    /// them once for every VM that maps it (`GET /v1/bases`).
+    pub shared_bytes: u64,
+    /// The shared base its guest RAM maps (`base-N`), if any.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub base: Option<String>,
 }
 
 /// Progress of a snapshot saving pages after its pause.
@@ -199,9 +219,13 @@ pub struct FaultCounters {
     /// Pre-write copies this VM's writes gave to the VMs reading from it.
     #[serde(default)]
     pub wp_copies: u64,
-    /// MINOR faults: accesses to pages a rollback left unmapped.
+    /// MINOR faults: accesses to pages a rollback left unmapped, and, for
+    /// a VM on a shared base, first accesses to pages the base holds.
     #[serde(default)]
     pub minor: u64,
+    /// Pages mapped from the VM's shared base rather than copied.
+    #[serde(default)]
+    pub pages_shared: u64,
     /// uffd events by the time the server spent on them: entry i counts
     /// those served in [2^i, 2^(i+1)) µs (entry 0 also under 1 µs, the
     /// last everything longer).

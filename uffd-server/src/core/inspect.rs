@@ -35,7 +35,8 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
             .name()
             .to_owned(),
             stats: v.log.stats,
-            resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
+            resident_pages: crate::core::base::memory(&reg, v.id).own_bytes / shared::PAGE_SIZE,
+            shared_bytes: crate::core::base::memory(&reg, v.id).shared_bytes,
             pages_by_source: by_kind(&v.table),
             frozen: v.deleted,
             trace_listeners: v.log.tap.listeners(),
@@ -47,6 +48,7 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
         state: v.state.name().to_owned(),
         stats: v.stats,
         resident_pages: v.table.count_of(v.self_src),
+        shared_bytes: 0,
         pages_by_source: by_kind(&v.table),
         frozen: false,
         trace_listeners: 0,
@@ -62,6 +64,16 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
             .map(|(k, n)| (k.to_owned(), n))
             .collect(),
         pool: core.pool.borrow().sample(),
+        bases: crate::core::base::list(&reg)
+            .bases
+            .into_iter()
+            .map(|b| crate::observe::metrics::BaseSample {
+                id: b.id,
+                of: b.of,
+                bytes: b.bytes,
+                users: b.users.len() as u64,
+            })
+            .collect(),
     }
 }
 
