@@ -196,4 +196,24 @@ pub struct RemoteStatus {
     pub cache: ChunkCacheStatus,
     /// Pushes running now.
     pub pushes_running: u64,
+    /// Pulls running now, with their progress.
+    #[serde(default)]
+    pub pulls: Vec<PullProgress>,
+}
+
+/// A pull under way (`POST /v1/remote/snapshots/{name}/pull` answers when
+/// it is done; this is how far it is meanwhile).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PullProgress {
+    /// The local snapshot being made.
+    pub name: String,
+    /// The snapshot in the store.
+    pub remote: String,
+    /// Distinct chunks holding data fetched so far, and in all.
+    pub chunks_done: u64,
+    pub chunks_total: u64,
+    /// Their uncompressed bytes, so far and in all.
+    pub bytes_done: u64,
+    pub bytes_total: u64,
 }

@@ -17,11 +17,11 @@
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use pagefork_remote::{Manifest, PullTarget};
-use proto::api::{PullSnapshot, SnapshotPulled};
+use proto::api::{PullProgress, PullSnapshot, SnapshotPulled};
 use tracing::{info, warn};
 use volume::VolumeEngine;
 
@@ -51,7 +51,17 @@ pub(crate) async fn pull(core: &Rc<Core>, name: &str, req: PullSnapshot) -> Resu
         let cat = core.snapshots.borrow();
         (cat.root().to_owned(), cat.dir_of(&local))
     };
-    let result = pull_files(core, &service, &m, &local, &root, &dir).await;
+    let progress = Arc::new(Mutex::new(PullProgress {
+        name: local.clone(),
+        remote: name.to_owned(),
+        ..PullProgress::default()
+    }));
+    core.remote
+        .pulls
+        .borrow_mut()
+        .insert(local.clone(), Arc::clone(&progress));
+    let result = pull_files(core, &service, &m, &local, &root, &dir, progress).await;
+    core.remote.pulls.borrow_mut().remove(&local);
     let vol_dir = volume_tmp_dir(&root, &local);
     let _ = std::fs::remove_dir_all(&vol_dir);
     match result {
@@ -95,6 +105,7 @@ async fn pull_files(
     local: &str,
     root: &Path,
     dir: &Path,
+    progress: Arc<Mutex<PullProgress>>,
 ) -> Result<(pagefork_remote::PullReport, proto::snapshot::StateFile)> {
     let volume = match &m.volume {
         Some(_) => {
@@ -112,7 +123,16 @@ async fn pull_files(
     let remote = service.remote.clone();
     let name = m.name.clone();
     let report = service
-        .spawn(async move { remote.pull(&name, &target, &|_| {}).await })
+        .spawn(async move {
+            let report = |p: &pagefork_remote::Progress| {
+                let mut s = progress.lock().unwrap_or_else(PoisonError::into_inner);
+                s.chunks_done = p.chunks_done;
+                s.chunks_total = p.chunks_total;
+                s.bytes_done = p.bytes_done;
+                s.bytes_total = p.bytes_total;
+            };
+            remote.pull(&name, &target, &report).await
+        })
         .await
         .map_err(|e| RemoteError::Worker(e.to_string()))?
         .map_err(RemoteError::from)?;

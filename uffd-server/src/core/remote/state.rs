@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use proto::api::PushStatus;
+use proto::api::{PullProgress, PushStatus};
 
 use super::error::RemoteError;
 use crate::remote::RemoteService;
@@ -21,6 +21,8 @@ pub struct RemoteState {
     pub service: Option<Arc<RemoteService>>,
     /// The last push of each local snapshot since the server started.
     pub pushes: RefCell<HashMap<String, PushCell>>,
+    /// Pulls under way, by the local snapshot they make.
+    pub pulls: RefCell<HashMap<String, Arc<Mutex<PullProgress>>>>,
 }
 
 impl RemoteState {

@@ -156,5 +156,16 @@ pub(crate) fn status(core: &Core) -> Result<RemoteStatus> {
             damaged: c.damaged,
         },
         pushes_running,
+        pulls: core
+            .remote
+            .pulls
+            .borrow()
+            .values()
+            .map(|p| {
+                p.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clone()
+            })
+            .collect(),
     })
 }
