@@ -385,7 +385,7 @@ pub fn goals(plan: &Plan) -> Vec<Goal> {
     g.push(goal(
         40,
         format!(
-            "the same until the guest has touched its {} working set, / plain parallel GETs of its chunks",
+            "the same until the guest has touched its {} working set, / the floor (the longer of plain parallel GETs of its chunks and a local restore's touch)",
             size(plan.remote_ws_mib)
         ),
         "—",

@@ -208,7 +208,7 @@ impl Plan {
                 "answer_lazy",
                 "ws",
                 "ws_lazy",
-                "ws_vs_local",
+                "ws_gets",
                 "fetched_answer",
                 "fetched_ws",
                 "push",

@@ -332,6 +332,18 @@ fn main() -> ExitCode {
     )
     .goal("≤ 2×")
     .emit();
+    // The floor of a restore until the working set is touched: the longer
+    // of fetching its chunks (plain parallel GETs) and the guest touching
+    // it with its memory here (the local restore), rep by rep.
+    let floor_ws: Vec<f64> = floor
+        .iter()
+        .zip(&local_ws)
+        .map(|(g, l)| g.max(*l))
+        .collect();
+    let floor_name = format!(
+        "the floor: the longer of GETs of its {} chunks ({PARALLEL} at once) and the guest touching it after a local restore",
+        ws_keys.len()
+    );
     Row::new(
         BENCH,
         "remote.ws",
@@ -339,11 +351,8 @@ fn main() -> ExitCode {
         "restore on B until the guest has touched its working set, prefetched",
         "ms",
         &pre.ws,
-        &format!(
-            "GET of the working set's {} chunks, {PARALLEL} at once",
-            ws_keys.len()
-        ),
-        &floor,
+        &floor_name,
+        &floor_ws,
     )
     .goal("≤ 1.5×")
     .note(ws_note)
@@ -355,22 +364,29 @@ fn main() -> ExitCode {
         "the same, without the prefetch (chunks fetched fault by fault, readahead)",
         "ms",
         &lazy.ws,
-        "the same parallel GETs",
-        &floor,
+        "the same floor",
+        &floor_ws,
     )
     .goal("report")
     .emit();
     Row::new(
         BENCH,
-        "remote.ws_vs_local",
+        "remote.ws_gets",
         TABLE,
         "restore on B until the working set is touched, prefetched",
         "ms",
         &pre.ws,
-        "the same on A from the local snapshot",
-        &local_ws,
+        &format!(
+            "GETs of the working set's {} chunks alone, {PARALLEL} at once",
+            ws_keys.len()
+        ),
+        &floor,
     )
     .goal("report")
+    .note(format!(
+        "the guest touching the working set after a local restore took {:.0} ms (median): the slow nested guest, not the fetches, sets the pace here",
+        pagefork_benches::Stats::of(&local_ws).map_or(f64::NAN, |s| s.median)
+    ))
     .emit();
     Row::new(
         BENCH,
