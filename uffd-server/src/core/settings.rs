@@ -59,6 +59,12 @@ pub struct Settings {
     /// faulting page's first, so its thread runs while the rest goes in
     /// (0 = the whole window before the wake).
     pub readahead_piece_pages: u64,
+    /// Restores install their snapshot's recorded working set ahead of
+    /// the guest (see `core/workset/`).
+    pub prefetch_working_set: bool,
+    /// A snapshot's first restore records its working set for this long
+    /// at most (it ends sooner when the VM is deleted).
+    pub working_set_window: Duration,
 }
 
 impl Settings {

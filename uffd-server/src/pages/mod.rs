@@ -11,6 +11,7 @@ pub mod table;
 pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
 pub use resolve::{fault_on, plan_run, read_pages, Fault, ResolveError, Run};
 pub use source::{
-    FileSource, ImageSource, PageSource, SourceArena, SourceId, ZstdSource, UNINITIALIZED,
+    FileSource, ImageSource, PageSource, RemoteSource, SourceArena, SourceId, ZstdSource,
+    UNINITIALIZED,
 };
 pub use table::{Extent, PageTable, CHUNK_PAGES};

@@ -95,6 +95,14 @@ pub struct ZstdSource {
     pub image: std::sync::Arc<crate::images::zst::ZstdImage>,
 }
 
+/// A snapshot in the object store: pages are fetched a chunk at a time
+/// by the chunk pool's threads (see [`crate::remote::chunks`]); its holes
+/// are `Uninitialized` in the tables that read it.
+#[derive(Debug)]
+pub struct RemoteSource {
+    pub image: std::sync::Arc<crate::remote::image::RemoteImage>,
+}
+
 /// Where a page's bytes come from.
 #[derive(Debug)]
 pub enum PageSource {
@@ -109,6 +117,8 @@ pub enum PageSource {
     Image(ImageSource),
     /// A compressed image (a file, or a snapshot's `memory.zst`).
     Zstd(ZstdSource),
+    /// A snapshot in the object store, fetched chunk by chunk.
+    Remote(RemoteSource),
 }
 
 impl PageSource {
@@ -120,6 +130,7 @@ impl PageSource {
             PageSource::File(_) => "file",
             PageSource::Image(_) => "image",
             PageSource::Zstd(_) => "zstd",
+            PageSource::Remote(_) => "remote",
         }
     }
 
@@ -128,7 +139,10 @@ impl PageSource {
     pub fn fault_around(&self) -> bool {
         matches!(
             self,
-            PageSource::File(_) | PageSource::Image(_) | PageSource::Zstd(_)
+            PageSource::File(_)
+                | PageSource::Image(_)
+                | PageSource::Zstd(_)
+                | PageSource::Remote(_)
         )
     }
 
@@ -136,7 +150,10 @@ impl PageSource {
     pub fn file(&self) -> Option<&FileSource> {
         match self {
             PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => Some(f),
-            PageSource::Uninitialized | PageSource::Vm(_) | PageSource::Zstd(_) => None,
+            PageSource::Uninitialized
+            | PageSource::Vm(_)
+            | PageSource::Zstd(_)
+            | PageSource::Remote(_) => None,
         }
     }
 
@@ -148,7 +165,15 @@ impl PageSource {
         }
     }
 
-    /// The snapshot whose image this is, if it is one.
+    /// The snapshot in the object store behind this source, if it is one.
+    pub fn remote(&self) -> Option<&std::sync::Arc<crate::remote::image::RemoteImage>> {
+        match self {
+            PageSource::Remote(r) => Some(&r.image),
+            _ => None,
+        }
+    }
+
+    /// The local snapshot whose image this is, if it is one.
     pub fn snapshot(&self) -> Option<&str> {
         match self {
             PageSource::Image(i) => Some(&i.snapshot),
@@ -168,6 +193,7 @@ impl PageSource {
                 Some(name) => format!("snapshot:{name} (zstd)"),
                 None => format!("zstd:{}", z.image.path.display()),
             },
+            PageSource::Remote(r) => format!("remote:{}", r.image.snapshot),
         }
     }
 }
@@ -264,12 +290,18 @@ impl SourceArena {
         counts
     }
 
-    /// Ids of the image sources (`File`, `Image`, `Zstd`) still held.
+    /// Ids of the image sources (`File`, `Image`, `Zstd`, `Remote`) still
+    /// held.
     pub fn image_ids(&self) -> impl Iterator<Item = SourceId> + '_ {
         self.slots.iter().enumerate().filter_map(|(i, s)| {
             matches!(
                 s.as_deref(),
-                Some(PageSource::File(_) | PageSource::Image(_) | PageSource::Zstd(_))
+                Some(
+                    PageSource::File(_)
+                        | PageSource::Image(_)
+                        | PageSource::Zstd(_)
+                        | PageSource::Remote(_)
+                )
             )
             .then(|| SourceId::try_from(i).ok())
             .flatten()
