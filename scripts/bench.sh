@@ -14,7 +14,9 @@
 #
 # The volume, VM-snapshot, qcow2 and disk-throughput benches need an XFS (reflink=1) directory: $PAGEFORK_XFS_DIR if
 # set, else one is set up with scripts/xfs-loop.sh (needs root) and torn down
-# afterwards.
+# afterwards. The remote-snapshot bench needs an S3 store on this host: the
+# one of AWS_ENDPOINT_URL/PAGEFORK_REMOTE if set, else a one-node Ceph
+# booted with scripts/ceph.sh for the run and stopped afterwards.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -58,7 +60,11 @@ export PAGEFORK_BIN_DIR="$BIN"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/pagefork-bench.XXXXXX")"
 XFS_DIR="${PAGEFORK_XFS_DIR:-}"
 XFS_OURS=""
+CEPH_OURS=""
 cleanup() {
+	if [ -n "$CEPH_OURS" ]; then
+		"$ROOT/scripts/ceph.sh" stop "$CEPH_OURS" >/dev/null 2>&1 || echo "bench.sh: could not stop Ceph in $CEPH_OURS" >&2
+	fi
 	if [ -n "$XFS_OURS" ]; then
 		"$ROOT/scripts/xfs-loop.sh" down "$XFS_OURS" >/dev/null || echo "bench.sh: could not tear down $XFS_OURS" >&2
 		rmdir "$XFS_OURS" 2>/dev/null || true
@@ -114,6 +120,19 @@ fi
 run fc_restore "${QUICK_ARG[@]}"
 run zstd_image "${QUICK_ARG[@]}"
 run minor_fault "${QUICK_ARG[@]}"
+
+# The object store of the remote-snapshot bench, RGW on this host.
+if [ -z "${AWS_ENDPOINT_URL:-}" ] || [ -z "${PAGEFORK_REMOTE:-}" ]; then
+	CEPH_OURS="$WORK/ceph"
+	if CEPH_ENV="$("$ROOT/scripts/ceph.sh" start "$CEPH_OURS" 2>"$WORK/ceph.log")"; then
+		eval "$CEPH_ENV"
+	else
+		echo "scripts/ceph.sh start failed: $(tail -3 "$WORK/ceph.log" | tr '\n' ' ')" >"$WORK/remote_restore.status"
+	fi
+fi
+if [ ! -f "$WORK/remote_restore.status" ]; then
+	run remote_restore "${QUICK_ARG[@]}"
+fi
 
 COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 if ! git diff --quiet HEAD 2>/dev/null; then

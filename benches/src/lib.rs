@@ -10,7 +10,7 @@
 //!   rows each bench must emit (the report fails on a missing one).
 //! - [`report`]: the markdown report and its completeness check.
 //! - [`numbers`]: how figures read in the report (digits, `1/N` ratios).
-//! - [`goals`]: the goals of issues 9 and 13 at a glance, judged from the
+//! - [`goals`]: the goals of issues 9, 13 and 40 at a glance, judged from the
 //!   rows of one run.
 //! - [`sys`]: host counters (Shmem, a process's RSS) and machine facts.
 //! - [`mapping`]: owned mmaps (shared memfd, anonymous, private file).

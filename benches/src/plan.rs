@@ -32,6 +32,10 @@ pub struct Plan {
     pub clone_count: u32,
     /// Memory each mode of the fault-cost bench touches, MiB.
     pub minor_mib: u64,
+    /// Guest RAM of the snapshot restored from the object store, MiB, and
+    /// the working set its guest touches, MiB.
+    pub remote_mib: u64,
+    pub remote_ws_mib: u64,
 }
 
 impl Plan {
@@ -48,6 +52,8 @@ impl Plan {
                 restore_mib: vec![256, 1024],
                 clone_count: 10,
                 minor_mib: 8,
+                remote_mib: 64,
+                remote_ws_mib: 16,
             }
         } else {
             Plan {
@@ -60,6 +66,8 @@ impl Plan {
                 restore_mib: vec![256, 1024, 4096],
                 clone_count: 100,
                 minor_mib: 64,
+                remote_mib: 1024,
+                remote_ws_mib: 256,
             }
         }
     }
@@ -195,13 +203,25 @@ impl Plan {
             ]
             .map(|m| format!("minor.{m}"))
             .to_vec(),
+            "remote_restore" => [
+                "answer",
+                "answer_lazy",
+                "ws",
+                "ws_lazy",
+                "ws_gets",
+                "fetched_answer",
+                "fetched_ws",
+                "push",
+            ]
+            .map(|m| format!("remote.{m}"))
+            .to_vec(),
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 10] = [
+pub const BENCHES: [&str; 11] = [
     "lazy_restore",
     "fork",
     "vmm_pool",
@@ -212,6 +232,7 @@ pub const BENCHES: [&str; 10] = [
     "fc_restore",
     "zstd_image",
     "minor_fault",
+    "remote_restore",
 ];
 
 #[cfg(test)]

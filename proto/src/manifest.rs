@@ -404,6 +404,7 @@ mod tests {
                 },
                 volume_snapshot: Some("web-3.disk".into()),
                 files: BTreeMap::from([(MEMORY_FILE.to_owned(), mem)]),
+                origin: None,
             },
             memory: (0..chunks).map(|i| (i % 3) as u32 * 1000).collect(),
             volume: Some(StoredVolume {

@@ -80,6 +80,64 @@ pub struct StateFile {
     pub volume_snapshot: Option<String>,
     /// Every other file of the snapshot directory, by name.
     pub files: BTreeMap<String, FileSum>,
+    /// The host and software that took it, which a restore elsewhere
+    /// must match (absent in snapshots of older servers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<Origin>,
+}
+
+/// What a restore of a snapshot needs of the host it runs on: the vCPU
+/// and device state are in the encoding of the pagefork version that
+/// captured them, and the guest may use any CPU feature the host that
+/// ran it had.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Origin {
+    /// The version of the server and VMM that took it.
+    pub pagefork_version: String,
+    /// The server-VMM protocol version of that VMM.
+    pub vmm_protocol: u16,
+    /// The CPU feature flags of that host, as `/proc/cpuinfo` names them.
+    pub cpu_flags: Vec<String>,
+}
+
+/// The most CPU flags an [`Origin`] may list, and the longest flag.
+pub const MAX_CPU_FLAGS: usize = 1024;
+const MAX_FLAG_LEN: usize = 64;
+
+impl Origin {
+    /// Why a snapshot from `self` cannot be restored on `host`, if it
+    /// cannot: another pagefork or protocol version, or CPU features
+    /// `host` lacks.
+    pub fn mismatch(&self, host: &Origin) -> Option<String> {
+        if self.pagefork_version != host.pagefork_version {
+            return Some(format!(
+                "it was taken by pagefork {}, this host runs {}",
+                self.pagefork_version, host.pagefork_version
+            ));
+        }
+        if self.vmm_protocol != host.vmm_protocol {
+            return Some(format!(
+                "its VMM spoke protocol version {}, this host's speaks {}",
+                self.vmm_protocol, host.vmm_protocol
+            ));
+        }
+        let have: std::collections::BTreeSet<&str> =
+            host.cpu_flags.iter().map(String::as_str).collect();
+        let missing: Vec<&str> = self
+            .cpu_flags
+            .iter()
+            .map(String::as_str)
+            .filter(|f| !have.contains(f))
+            .collect();
+        if !missing.is_empty() {
+            return Some(format!(
+                "its host's CPU had features this host's lacks: {}",
+                missing.join(" ")
+            ));
+        }
+        None
+    }
 }
 
 impl StateFile {
@@ -104,6 +162,19 @@ impl StateFile {
         }
         if !self.files.contains_key(MEMORY_FILE) {
             return Err(Invalid::NoChecksum);
+        }
+        if let Some(o) = &self.origin {
+            let bad_flag = |f: &String| {
+                f.is_empty()
+                    || f.len() > MAX_FLAG_LEN
+                    || !f.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            };
+            if o.cpu_flags.len() > MAX_CPU_FLAGS
+                || o.cpu_flags.iter().any(bad_flag)
+                || o.pagefork_version.len() > MAX_FLAG_LEN
+            {
+                return Err(Invalid::Origin);
+            }
         }
         Ok(())
     }
@@ -138,6 +209,10 @@ pub enum Invalid {
     NoVcpus,
     #[error("no checksum of {}", MEMORY_FILE)]
     NoChecksum,
+    #[error(
+        "its origin lists more than {MAX_CPU_FLAGS} CPU flags, or one that is not a flag name"
+    )]
+    Origin,
 }
 
 #[cfg(test)]
@@ -160,6 +235,7 @@ mod tests {
                 devices: vec![1, 2],
             },
             volume_snapshot: None,
+            origin: None,
             files: BTreeMap::from([(
                 super::MEMORY_FILE.to_owned(),
                 FileSum {
@@ -185,6 +261,27 @@ mod tests {
         let mut bad = s;
         bad.memory_bytes = 100;
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn origins_match_on_version_and_a_superset_of_cpu_flags() {
+        let o = |v: &str, flags: &[&str]| Origin {
+            pagefork_version: v.into(),
+            vmm_protocol: 1,
+            cpu_flags: flags.iter().map(|f| (*f).to_owned()).collect(),
+        };
+        let host = o("0.1.0", &["sse2", "avx2", "xsave"]);
+        assert_eq!(o("0.1.0", &["sse2", "xsave"]).mismatch(&host), None);
+        let why = o("0.1.0", &["sse2", "avx512f"]).mismatch(&host).unwrap();
+        assert!(why.contains("avx512f") && !why.contains("sse2"), "{why}");
+        let why = o("0.2.0", &[]).mismatch(&host).unwrap();
+        assert!(why.contains("0.2.0"), "{why}");
+        let mut s = sample();
+        s.origin = Some(o("0.1.0", &["bad flag"]));
+        assert_eq!(s.validate(), Err(Invalid::Origin));
+        s.origin = Some(host);
+        let text = serde_json::to_vec(&s).unwrap();
+        assert_eq!(parse_state(&text).unwrap(), s);
     }
 
     #[test]

@@ -97,6 +97,15 @@ impl State {
     }
 }
 
+/// A chunk [`ChunkCache::load`] returned.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The chunk's bytes, checked against its digest.
+    pub bytes: Bytes,
+    /// Fetched from the store by this call (else read from the cache).
+    pub fetched: bool,
+}
+
 /// Chunks of remote snapshots on local disk, at most `capacity` bytes.
 #[derive(Debug)]
 pub struct ChunkCache {
@@ -166,6 +175,11 @@ impl ChunkCache {
         self.dir.join(digest)
     }
 
+    /// The most bytes it keeps.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
     /// The counters so far.
     pub fn stats(&self) -> CacheStats {
         self.lock().stats
@@ -175,6 +189,12 @@ impl ChunkCache {
     /// Blocks: call it from a worker thread, not from a thread of the
     /// runtime (that is refused).
     pub fn get(&self, c: &ChunkRef) -> Result<Bytes> {
+        self.load(c).map(|l| l.bytes)
+    }
+
+    /// As [`ChunkCache::get`], saying whether this call fetched the chunk
+    /// from the store (and so moved its stored bytes over the network).
+    pub fn load(&self, c: &ChunkRef) -> Result<Loaded> {
         if tokio::runtime::Handle::try_current().is_ok() {
             return Err(Error::Worker(
                 "ChunkCache::get blocks: call it from a worker thread, not a runtime's".into(),
@@ -190,7 +210,12 @@ impl ChunkCache {
                 st.stats.hits += 1;
                 drop(st);
                 match self.read(c) {
-                    Ok(b) => return Ok(b),
+                    Ok(bytes) => {
+                        return Ok(Loaded {
+                            bytes,
+                            fetched: false,
+                        })
+                    }
                     // Evicted by another thread since (or removed by
                     // hand): forget it and look again.
                     Err(None) => {
@@ -241,7 +266,10 @@ impl ChunkCache {
         }
         drop(st);
         self.fetched.notify_all();
-        got
+        got.map(|bytes| Loaded {
+            bytes,
+            fetched: true,
+        })
     }
 
     /// The cached file of `c`, checked: `Err(None)` if it is gone,

@@ -100,7 +100,7 @@ mod pull;
 mod push;
 mod store;
 
-pub use cache::{CacheStats, ChunkCache};
+pub use cache::{CacheStats, ChunkCache, Loaded};
 pub use chunk::{digest, zero_digest, ChunkRef, Damage, CHUNK_BYTES};
 pub use config::{Credentials, RemoteConfig, RemoteUrl, Secret, Tuning, DEFAULT_REGION};
 pub use error::{Error, Result};

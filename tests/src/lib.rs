@@ -17,6 +17,8 @@
 //! - [`ScratchXfs`] ([`xfs`]) is a small XFS of a test's own;
 //!   [`FcClient`] ([`fc`]) runs the Firecracker stand-in; [`uffdctl()`]
 //!   ([`cli`]) runs the CLI against a server.
+//! - [`require_store`] ([`store`]) is the object store (a real Ceph RGW)
+//!   of the remote-snapshot tests, and [`Netns`] a second host's network.
 //!
 //! The binaries are not built here: the test command runs
 //! `cargo build --workspace` first. They are found next to the test
@@ -28,6 +30,7 @@ pub mod fc;
 pub mod host;
 pub mod memory;
 pub mod server;
+pub mod store;
 pub mod xfs;
 
 pub use api::*;
@@ -36,4 +39,5 @@ pub use fc::*;
 pub use host::*;
 pub use memory::*;
 pub use server::*;
+pub use store::*;
 pub use xfs::*;

@@ -20,6 +20,8 @@ pub struct TestServer {
     dir: Option<tempfile::TempDir>,
     state_dir: PathBuf,
     api: Api,
+    /// How it was started (a restart starts it the same way).
+    options: ServerOptions,
 }
 
 /// Every call of the API reads `s.create_vm(..)`, `s.fork(..)`: the
@@ -208,10 +210,15 @@ pub struct ServerOptions {
     /// `RLIMIT_NOFILE` (soft, hard) the server starts with, set by
     /// `prlimit(1)`, which then execs the server (same pid).
     pub nofile: Option<(u64, u64)>,
+    /// Environment variables the server gets besides the test's.
+    pub env: Vec<(String, String)>,
+    /// Run the server in this network namespace (`ip netns exec`, which
+    /// execs it: same pid), a second "host" (`scripts/netns.sh`).
+    pub netns: Option<String>,
 }
 
 /// Spawn `uffd-server` on `state_dir`, its stderr appended to `log`.
-fn spawn_server(state_dir: &Path, log: &Path, args: &[&str], nofile: Option<(u64, u64)>) -> Child {
+fn spawn_server(state_dir: &Path, log: &Path, args: &[&str], opts: &ServerOptions) -> Child {
     let server = bin("uffd-server");
     let vmm = bin("vmm");
     let log = std::fs::OpenOptions::new()
@@ -219,16 +226,22 @@ fn spawn_server(state_dir: &Path, log: &Path, args: &[&str], nofile: Option<(u64
         .append(true)
         .open(log)
         .unwrap_or_else(|e| panic!("cannot open {}: {e}", log.display()));
-    let mut cmd = match nofile {
-        Some((soft, hard)) => {
+    let mut cmd = match (opts.nofile, &opts.netns) {
+        (Some((soft, hard)), _) => {
             let mut c = Command::new("prlimit");
             c.arg(format!("--nofile={soft}:{hard}"))
                 .arg("--")
                 .arg(&server);
             c
         }
-        None => Command::new(&server),
+        (None, Some(ns)) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(&server);
+            c
+        }
+        (None, None) => Command::new(&server),
     };
+    cmd.envs(opts.env.iter().map(|(k, v)| (k, v)));
     cmd.arg("--state-dir").arg(state_dir);
     if !args.contains(&"--vmm-bin") {
         cmd.arg("--vmm-bin").arg(&vmm);
@@ -257,18 +270,14 @@ impl TestServer {
         .expect("cannot create a temp dir");
         let state_dir = dir.path().join("state");
         std::fs::create_dir_all(&state_dir).expect("cannot create the state dir");
-        let child = spawn_server(
-            &state_dir,
-            &dir.path().join("server.log"),
-            args,
-            opts.nofile,
-        );
+        let child = spawn_server(&state_dir, &dir.path().join("server.log"), args, opts);
         let api = Api::new(state_dir.join("api.sock"));
         let mut s = TestServer {
             child: Some(child),
             dir: Some(dir),
             state_dir,
             api,
+            options: opts.clone(),
         };
         s.wait_healthy(Duration::from_secs(15));
         s.settle_env_pool(args);
@@ -296,11 +305,15 @@ impl TestServer {
             let status = self.stop(Duration::from_secs(20));
             assert!(status.success(), "uffd-server stopped with {status}");
         }
+        let opts = ServerOptions {
+            nofile: None,
+            ..self.options.clone()
+        };
         self.child = Some(spawn_server(
             &self.state_dir,
             &self.server_log(),
             args,
-            None,
+            &opts,
         ));
         // A restart after a crash verifies what it finds first.
         self.wait_healthy(Duration::from_secs(60));
@@ -331,7 +344,7 @@ pub fn server_start_failure(
     within: Duration,
 ) -> (std::process::ExitStatus, String) {
     let log = tempfile::NamedTempFile::new().expect("cannot create a log file");
-    let mut child = spawn_server(state_dir, log.path(), args, None);
+    let mut child = spawn_server(state_dir, log.path(), args, &ServerOptions::default());
     let deadline = Instant::now() + within;
     loop {
         if let Some(status) = child.try_wait().expect("try_wait on uffd-server") {

@@ -6,8 +6,10 @@
 //! own (the server's router makes it): every one must have had requests,
 //! by schemathesis's JUnit report. The server runs on the XFS mount so the volume
 //! routes are live, with a VM, a volume and a snapshot to aim at, behind a
-//! TCP bridge of its Unix API socket (schemathesis speaks TCP). Afterwards
-//! the server is healthy and its page-source invariant holds.
+//! TCP bridge of its Unix API socket (schemathesis speaks TCP), and with
+//! the suite's object store (`PAGEFORK_REMOTE`, AWS_*) when there is one,
+//! so the remote routes answer from a real store. Afterwards the server is
+//! healthy and its page-source invariant holds.
 //!
 //! `scripts/setup.sh` installs schemathesis into a venv and `scripts/test.sh`
 //! names it in `PAGEFORK_SCHEMATHESIS`; without it the test skips, or fails
@@ -168,7 +170,17 @@ fn the_live_api_matches_its_openapi_document() {
     }
     // The harness makes its temporary directory under TMPDIR.
     std::env::set_var("TMPDIR", &xfs);
-    let s = TestServer::start_with_args(&["--max-vms", "12"]);
+    // With the suite's object store (scripts/test.sh boots one), the
+    // remote routes answer from it, not only their 400 without one.
+    let remote = std::env::var("PAGEFORK_REMOTE")
+        .ok()
+        .filter(|_| std::env::var_os("AWS_ENDPOINT_URL").is_some())
+        .map(|r| format!("{}/schema-{}", r.trim_end_matches('/'), std::process::id()));
+    let mut args = vec!["--max-vms", "12"];
+    if let Some(r) = &remote {
+        args.extend(["--remote", r.as_str()]);
+    }
+    let s = TestServer::start_with_args(&args);
     let vm = s.create_vm(&new_vm(8));
     s.create_volume("v1", 4);
     s.snapshot_volume("v1", "s1");

@@ -10,6 +10,7 @@ pub mod images;
 pub mod memory;
 pub mod observe;
 pub mod pages;
+pub mod remote;
 pub mod snapshot;
 
 /// A hint to append to an I/O error that means the process ran out of file

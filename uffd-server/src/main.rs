@@ -139,6 +139,107 @@ struct Args {
     /// Firecracker memory files); any path by default.
     #[arg(long)]
     image_dir: Option<PathBuf>,
+    /// Restores install the working set their snapshot's first restore
+    /// recorded ahead of the guest, in the order it touched it (false:
+    /// they fault it in).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    prefetch_working_set: bool,
+    /// A snapshot's first restore records the pages its guest touches
+    /// for this long at most, in ms (or until the VM is deleted).
+    #[arg(long, default_value_t = 30000)]
+    working_set_window_ms: u64,
+
+    #[command(flatten)]
+    remote: RemoteArgs,
+}
+
+/// The object store of snapshots.
+#[derive(Debug, clap::Args)]
+struct RemoteArgs {
+    /// Keep snapshots in this S3-compatible store: s3://BUCKET[/PREFIX].
+    /// Endpoint, credentials and region come from AWS_ENDPOINT_URL,
+    /// AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN) and
+    /// AWS_REGION, or the flags below.
+    #[arg(long, value_name = "s3://BUCKET[/PREFIX]")]
+    remote: Option<String>,
+    /// The store's endpoint (instead of AWS_ENDPOINT_URL), e.g.
+    /// http://127.0.0.1:7480 for a Ceph RGW.
+    #[arg(long, value_name = "URL")]
+    remote_endpoint: Option<String>,
+    /// The store's region (instead of AWS_REGION).
+    #[arg(long)]
+    remote_region: Option<String>,
+    /// Read the credentials from this file of KEY=VALUE lines
+    /// (AWS_ACCESS_KEY_ID=..., AWS_SECRET_ACCESS_KEY=...) instead of the
+    /// environment; credentials never go on a command line.
+    #[arg(long, value_name = "FILE")]
+    remote_credentials_file: Option<PathBuf>,
+    /// Chunks of remote snapshots cached on the state directory, in MiB.
+    #[arg(long, default_value_t = 4096)]
+    remote_cache_mib: u64,
+    /// Chunks kept in memory for faults on remote snapshots, in MiB.
+    #[arg(long, default_value_t = 512)]
+    remote_memory_mib: u64,
+    /// Threads fetching chunks for faults and working sets (each has one
+    /// request in flight).
+    #[arg(long, default_value_t = 16)]
+    remote_fetchers: usize,
+    /// A chunk not fetched within this, in ms (retries included), fails
+    /// the VMs that need it.
+    #[arg(long, default_value_t = 30000)]
+    remote_fetch_deadline_ms: u64,
+    /// Requests in flight at once in a push or a pull.
+    #[arg(long, default_value_t = 16)]
+    remote_concurrency: usize,
+    /// For tests: how long a push's or gc's lock in the store is trusted
+    /// without a refresh, in seconds.
+    #[arg(long, default_value_t = 300, hide = true)]
+    remote_lock_ttl_s: u64,
+}
+
+impl RemoteArgs {
+    /// The store's settings, if `--remote` was given.
+    fn settings(&self) -> Result<Option<uffd_server::remote::RemoteSettings>, StartError> {
+        let Some(url) = &self.remote else {
+            return Ok(None);
+        };
+        let file: std::collections::HashMap<String, String> = match &self.remote_credentials_file {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| StartError::RemoteCredentials(path.clone(), e))?
+                .lines()
+                .filter_map(|l| l.trim().trim_start_matches("export ").split_once('='))
+                .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                .collect(),
+            None => Default::default(),
+        };
+        let from_file = self.remote_credentials_file.is_some();
+        let lookup = |k: &str| {
+            let env = || std::env::var(k).ok().filter(|v| !v.is_empty());
+            match k {
+                "AWS_ENDPOINT_URL" | "AWS_ENDPOINT_URL_S3" if self.remote_endpoint.is_some() => {
+                    self.remote_endpoint.clone()
+                }
+                "AWS_REGION" if self.remote_region.is_some() => self.remote_region.clone(),
+                "AWS_ACCESS_KEY_ID" | "AWS_SECRET_ACCESS_KEY" | "AWS_SESSION_TOKEN"
+                    if from_file =>
+                {
+                    file.get(k).cloned()
+                }
+                _ => env(),
+            }
+        };
+        let mut config =
+            pagefork_remote::RemoteConfig::from_lookup(url, lookup).map_err(StartError::Remote)?;
+        config.tuning.fetch_deadline = Duration::from_millis(self.remote_fetch_deadline_ms.max(1));
+        config.tuning.concurrency = self.remote_concurrency.max(1);
+        config.tuning.lock_ttl = Duration::from_secs(self.remote_lock_ttl_s.max(1));
+        Ok(Some(uffd_server::remote::RemoteSettings {
+            config,
+            cache_bytes: self.remote_cache_mib.saturating_mul(1 << 20),
+            memory_bytes: self.remote_memory_mib.max(1).saturating_mul(1 << 20),
+            fetchers: self.remote_fetchers.max(1),
+        }))
+    }
 }
 
 /// MemAvailable from /proc/meminfo, in MiB.
@@ -193,6 +294,12 @@ enum StartError {
     Snapshots(#[source] uffd_server::snapshot::SnapshotError),
     #[error("firecracker listener {}", .0.display())]
     Firecracker(PathBuf, #[source] Box<uffd_server::core::Error>),
+    #[error("--remote")]
+    Remote(#[source] pagefork_remote::Error),
+    #[error("cannot read the credentials file {}", .0.display())]
+    RemoteCredentials(PathBuf, #[source] std::io::Error),
+    #[error("--remote")]
+    RemoteService(#[source] uffd_server::remote::ServiceError),
 }
 
 fn default_state_dir() -> PathBuf {
@@ -298,6 +405,7 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), StartError> {
+    let remote_settings = args.remote.settings()?;
     let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
     prepare_private_dir(&state_dir)?;
     prepare_private_dir(&state_dir.join("logs"))?;
@@ -380,6 +488,8 @@ fn run(args: Args) -> Result<(), StartError> {
         fault_poll: Duration::from_micros(args.fault_poll_us),
         readahead_piece_pages: args.readahead_piece_kib / 4,
         shared_bases: args.shared_bases && shared_bases_work(),
+        prefetch_working_set: args.prefetch_working_set,
+        working_set_window: Duration::from_millis(args.working_set_window_ms),
         image_dir: match &args.image_dir {
             Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
                 StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))
@@ -427,11 +537,39 @@ fn run(args: Args) -> Result<(), StartError> {
             .map_err(StartError::Thread)?;
     }
 
+    // The store's requests run on a runtime of their own, never on the
+    // core's thread; it is shut down after the core's loop ends.
+    let remote_rt = match &remote_settings {
+        Some(_) => Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("remote-io")
+                .enable_all()
+                .build()
+                .map_err(StartError::Runtime)?,
+        ),
+        None => None,
+    };
+    let remote = match (&remote_settings, &remote_rt) {
+        (Some(s), Some(rt)) => {
+            let service =
+                uffd_server::remote::RemoteService::open(s, &state_dir, rt.handle().clone())
+                    .map_err(StartError::RemoteService)?;
+            info!(
+                "snapshots in the object store {} at {}",
+                service.url(),
+                service.remote.endpoint()
+            );
+            Some(Arc::new(service))
+        }
+        _ => None,
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(StartError::Runtime)?;
     let local = tokio::task::LocalSet::new();
+    let core_remote = remote.clone();
     local.block_on(&rt, async move {
         let core = Core::new(
             settings,
@@ -440,6 +578,7 @@ fn run(args: Args) -> Result<(), StartError> {
             snapshots,
             core_events,
             frames,
+            core_remote,
         );
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
@@ -487,7 +626,14 @@ fn run(args: Args) -> Result<(), StartError> {
         let _ = std::fs::remove_file(&vmm_path);
         info!("stopped");
         Ok::<(), StartError>(())
-    })
+    })?;
+    if let Some(service) = &remote {
+        service.chunks.stop();
+    }
+    if let Some(rt) = remote_rt {
+        rt.shutdown_background();
+    }
+    Ok(())
 }
 
 async fn wait_for_signal() {

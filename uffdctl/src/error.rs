@@ -26,6 +26,9 @@ pub enum CliError {
     /// A qcow2 file could not be read or changed.
     #[error(transparent)]
     Qcow2(#[from] qcow2::Error),
+    /// Work the server does in the background failed (a push).
+    #[error("{0}")]
+    Background(String),
     /// The demo's server did not come up.
     #[error("the server did not come up at {0}")]
     NoServer(String),

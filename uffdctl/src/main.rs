@@ -34,7 +34,7 @@ enum Cmd {
     /// Serve Firecracker's Uffd memory backend: listeners.
     #[command(subcommand)]
     Firecracker(firecracker::FirecrackerCmd),
-    /// VM snapshots: create, list, show, delete, restore.
+    /// VM snapshots: create, list, show, delete, restore; push, pull, gc.
     #[command(subcommand)]
     Snapshot(snapshot::SnapshotCmd),
     /// Compressed memory images (memory.zst): compress, inspect, verify.

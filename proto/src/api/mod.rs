@@ -13,11 +13,13 @@
 //! - [`debug`]: memory-source debugging (sources, pages, tree, invariant).
 //! - [`snapshots`]: VM snapshots, restore, rollback in place, clone(n).
 //! - [`observe`]: the live fault trace, a page's chain, access maps.
+//! - [`remote`]: snapshots in an S3-compatible object store.
 
 pub mod bases;
 pub mod debug;
 pub mod firecracker;
 pub mod observe;
+pub mod remote;
 pub mod snapshots;
 pub mod vms;
 pub mod volumes;
@@ -28,6 +30,7 @@ pub use bases::*;
 pub use debug::*;
 pub use firecracker::*;
 pub use observe::*;
+pub use remote::*;
 pub use snapshots::*;
 pub use vms::*;
 pub use volumes::*;

@@ -154,6 +154,14 @@ pub struct SnapshotInfo {
     /// Bytes of `memory.zst`, if the snapshot has one (restores serve it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compressed_bytes: Option<u64>,
+    /// Pages of the working set recorded on its first restore, in the
+    /// order the guest first touched them (0: none recorded yet).
+    /// Restores prefetch them, and a push carries them.
+    #[serde(default)]
+    pub working_set_pages: u64,
+    /// Its last push to the object store since the server started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push: Option<crate::api::remote::PushStatus>,
 }
 
 /// `GET /v1/snapshots`.

@@ -17,7 +17,10 @@ pub struct CreateVm {
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub memory_mib: u64,
     /// Start from this VM snapshot: its memory, vCPU and device state
-    /// (and a reflink of its volume snapshot, if it has one).
+    /// (and a reflink of its volume snapshot, if it has one). `remote:NAME`
+    /// names a snapshot in the server's object store (`--remote`): the VM
+    /// starts before its memory is here, each chunk fetched when first
+    /// needed (its recorded working set ahead of the guest).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_snapshot: Option<String>,
     /// Number of vCPUs (default 1).
@@ -215,6 +218,9 @@ pub struct FaultCounters {
     /// Faults that waited for a compressed image's frame to be decoded.
     #[serde(default)]
     pub frame_waits: u64,
+    /// Faults that waited for a chunk of a snapshot in the object store.
+    #[serde(default)]
+    pub chunk_waits: u64,
     pub fault_around_kib: u64,
     /// Pre-write copies this VM's writes gave to the VMs reading from it.
     #[serde(default)]

@@ -278,6 +278,7 @@ pub fn make_snapshot(
         },
         volume_snapshot: volume_snapshot.map(str::to_owned),
         files: BTreeMap::from([(MEMORY_FILE.to_owned(), sum_of(&img))]),
+        origin: None,
     };
     fs::write(
         dir.join("state.json"),

@@ -21,11 +21,13 @@
 //! [`requests`] builds request bodies; the routes' methods are grouped by
 //! resource in the private modules `vms` (VMs, guest ops, fork), `debug`
 //! (sources, pages, tree, invariant, access records, maps, the trace,
-//! health, metrics), `firecracker` (listeners), `snapshots` and `volumes`.
+//! health, metrics), `firecracker` (listeners), `snapshots`, `remote`
+//! (the object store) and `volumes`.
 
 mod debug;
 mod firecracker;
 mod give_up;
+mod remote;
 pub mod requests;
 mod snapshots;
 mod vms;

@@ -4,7 +4,8 @@
 //! - [`Json<T>`] as an argument parses the request body into `T`
 //!   (`#[utoipa::path]` documents `T` as the request body; an
 //!   `Option<Json<T>>` makes it optional). As the answer it is `200` with `T`;
-//!   [`Created<T>`] is `201`, [`JsonList<T>`] `200` with `[T]`.
+//!   [`Created<T>`] is `201`, [`Accepted<T>`] `202`, [`JsonList<T>`] `200`
+//!   with `[T]`.
 //! - [`Path<T>`] and [`Query<T>`] take parameters; the `T` documents them
 //!   (`IntoParams`).
 //! - Whatever these refuse is an [`ErrorBody`] with a 4xx status, as every
@@ -88,6 +89,11 @@ pub struct Json<T>(pub T);
 /// An answer `201 Created` with a JSON body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Created<T>(pub T);
+
+/// An answer `202 Accepted` with a JSON body: the work goes on after the
+/// answer (its progress is in another route's answer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted<T>(pub T);
 
 /// An answer `200` with a JSON array.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,6 +186,24 @@ impl<T: ToSchema> IntoResponses for Created<T> {
 }
 
 impl<T: ToSchema> Answer for Created<T> {
+    fn schemas(out: &mut Schemas) {
+        push_schema::<T>(out);
+    }
+}
+
+impl<T: Serialize> IntoResponse for Accepted<T> {
+    fn into_response(self) -> Response {
+        (StatusCode::ACCEPTED, axum::Json(self.0)).into_response()
+    }
+}
+
+impl<T: ToSchema> IntoResponses for Accepted<T> {
+    fn responses() -> std::collections::BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+        json_response("202", "Accepted", schema_ref::<T>())
+    }
+}
+
+impl<T: ToSchema> Answer for Accepted<T> {
     fn schemas(out: &mut Schemas) {
         push_schema::<T>(out);
     }

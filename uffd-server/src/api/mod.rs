@@ -26,7 +26,8 @@
 //! decides (`error.rs`).
 //!
 //! - `vms.rs`, `debug.rs`, `observe.rs`, `firecracker.rs`, `snapshots.rs`,
-//!   `volumes.rs`: the handlers, one file per part of `proto::api`;
+//!   `remote.rs`, `volumes.rs`: the handlers, one file per part of
+//!   `proto::api`;
 //! - `params.rs`: the path parameters they share;
 //! - `serve.rs`: the socket, with limits on connections and headers.
 
@@ -37,6 +38,7 @@ pub mod firecracker;
 pub mod observe;
 pub mod openapi;
 pub mod params;
+pub mod remote;
 pub mod serve;
 pub mod snapshots;
 pub mod vms;
@@ -64,6 +66,7 @@ pub(crate) fn core_routes() -> OpenApiRouter<CoreHandle> {
         .merge(observe::routes())
         .merge(firecracker::routes())
         .merge(snapshots::routes())
+        .merge(remote::routes())
 }
 
 /// The whole API, and its document at `/v1/openapi.json`. Without a

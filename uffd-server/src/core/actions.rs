@@ -8,14 +8,16 @@ use std::rc::Rc;
 use proto::api::{
     AccessMap, AccessQuery, CloneVm, ClonedVms, CreateListener, CreateSnapshot, CreateVm,
     ExecRequest, ExecResponse, ForkResponse, Invariant, ListenerDeleted, ListenerInfo,
-    ListenerList, MapQuery, PageInfo, PageMap, RollbackVm, SnapshotCreated, SnapshotDeleted,
-    SnapshotInfo, SnapshotList, Sources, Tree, VmDeleted, VmInfo, VmList, VmRolledBack,
+    ListenerList, MapQuery, PageInfo, PageMap, PullSnapshot, RemoteGc, RemoteSnapshotDeleted,
+    RemoteSnapshotInfo, RemoteSnapshotList, RemoteStatus, RollbackVm, SnapshotCreated,
+    SnapshotDeleted, SnapshotInfo, SnapshotList, SnapshotPulled, Sources, Tree, VmDeleted, VmInfo,
+    VmList, VmRolledBack,
 };
 use shared::VmId;
 
 use super::error::Result;
 use super::state::Core;
-use super::{clone, firecracker, fork, inspect, launch, ops, pool, rollback, snapshot};
+use super::{clone, firecracker, fork, inspect, launch, ops, pool, remote, rollback, snapshot};
 use crate::observe::metrics::Sample;
 use crate::observe::trace::Subscription;
 
@@ -142,6 +144,53 @@ impl Core {
     /// `POST /v1/vms/{id}/clone`.
     pub async fn clone_vm(self: &Rc<Self>, vm: VmId, req: CloneVm) -> Result<ClonedVms> {
         clone::clone_vm(self, vm, req).await
+    }
+
+    /// `POST /v1/snapshots/{name}/push`: start pushing it to the store.
+    pub fn push_snapshot(self: &Rc<Self>, name: &str) -> Result<SnapshotInfo> {
+        remote::push::push(self, name)
+    }
+
+    /// `GET /v1/remote`.
+    pub fn remote_status(&self) -> Result<RemoteStatus> {
+        remote::store::status(self)
+    }
+
+    /// `GET /v1/remote/snapshots`.
+    pub async fn remote_snapshots(self: Rc<Self>) -> Result<RemoteSnapshotList> {
+        remote::store::list(&self).await
+    }
+
+    /// `GET /v1/remote/snapshots/{name}`.
+    pub async fn remote_snapshot(self: Rc<Self>, name: &str) -> Result<RemoteSnapshotInfo> {
+        remote::store::info(&self, name).await
+    }
+
+    /// `DELETE /v1/remote/snapshots/{name}`.
+    pub async fn delete_remote_snapshot(
+        self: Rc<Self>,
+        name: &str,
+    ) -> Result<RemoteSnapshotDeleted> {
+        remote::store::delete(&self, name).await
+    }
+
+    /// `POST /v1/remote/gc`.
+    pub async fn remote_gc(self: Rc<Self>) -> Result<RemoteGc> {
+        remote::store::gc(&self).await
+    }
+
+    /// `POST /v1/remote/snapshots/{name}/pull`.
+    pub async fn pull_snapshot(
+        self: Rc<Self>,
+        name: &str,
+        req: PullSnapshot,
+    ) -> Result<SnapshotPulled> {
+        remote::pull::pull(&self, name, req).await
+    }
+
+    /// `POST /v1/remote/snapshots/{name}/clone`.
+    pub async fn clone_remote(self: Rc<Self>, name: &str, req: CloneVm) -> Result<ClonedVms> {
+        remote::clone::clone_remote(&self, name, req).await
     }
 
     /// `POST /v1/firecracker/listeners` (and `--fc-listen` at start-up).

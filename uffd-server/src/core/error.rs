@@ -14,6 +14,7 @@ use proto::api::RunState;
 use shared::VmId;
 
 use crate::core::link::error::LinkError;
+use crate::core::remote::error::RemoteError;
 use crate::core::snapshot::error::ArmError;
 use crate::memory::MemoryError;
 use crate::snapshot::ErrorKind as SnapshotKind;
@@ -135,6 +136,19 @@ pub enum Error {
         #[source]
         source: crate::pages::ResolveError,
     },
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+    #[error("snapshot {name} cannot be restored on this host: {reason}")]
+    Incompatible { name: String, reason: String },
+    #[error(
+        "clone {index} of {count} of remote snapshot {name} failed, so none was kept: {source}"
+    )]
+    RemoteCloneFailed {
+        name: String,
+        index: u32,
+        count: u32,
+        source: Box<Error>,
+    },
 }
 
 /// Result alias for core operations.
@@ -171,7 +185,7 @@ impl Error {
             | Listen { .. }
             | NoVolumes => 400,
             NoSuchVm(_) | BadVmId(_) | NoSuchListener(_) | NoSuchRoute => 404,
-            WrongState { .. } | Busy { .. } | SocketExists { .. } => 409,
+            WrongState { .. } | Busy { .. } | SocketExists { .. } | Incompatible { .. } => 409,
             AttachVolume { source, .. } => match source.kind() {
                 ErrorKind::Io => 500,
                 ErrorKind::Unavailable => 503,
@@ -190,6 +204,7 @@ impl Error {
                 _ => 500,
             },
             Link(e) => e.status(),
+            Remote(e) => e.status(),
             StartFailed { .. } => 502,
             ShuttingDown => 503,
             OverBudget { .. } | TooManyVms(_) => 507,
@@ -202,7 +217,7 @@ impl Error {
                 SnapshotKind::Io => 500,
             },
             SaveSnapshot { .. } | RollbackFailed { .. } | Base(_) | BaseSync { .. } => 500,
-            CloneFailed { source, .. } => source.status(),
+            CloneFailed { source, .. } | RemoteCloneFailed { source, .. } => source.status(),
         }
     }
 

@@ -169,10 +169,28 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
     let (at, kind) = match s {
         PageSource::Uninitialized => ("zero".to_owned(), "zero"),
         PageSource::Image(_) => (s.describe(), "image"),
-        PageSource::File(_) | PageSource::Vm(_) | PageSource::Frozen(_) | PageSource::Zstd(_) => {
-            (s.describe(), s.kind())
-        }
+        PageSource::File(_)
+        | PageSource::Vm(_)
+        | PageSource::Frozen(_)
+        | PageSource::Zstd(_)
+        | PageSource::Remote(_) => (s.describe(), s.kind()),
     };
+    if let Some(r) = s.remote() {
+        // The chunk object holding the page, and the page's offset in
+        // the chunk's bytes.
+        let chunk = r.chunk_of(page);
+        return ExplainStep {
+            at,
+            kind: kind.into(),
+            present: None,
+            installed: None,
+            file: r
+                .chunk_ref(chunk)
+                .map(|c| format!("{}/chunks/{}", r.url, c.digest)),
+            offset: Some((page - r.chunk_pages(chunk).start) * shared::PAGE_SIZE),
+            frame: Some(chunk),
+        };
+    }
     if let Some(z) = s.zstd() {
         let frame = z.header().frame_of(page);
         return ExplainStep {

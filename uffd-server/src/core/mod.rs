@@ -13,8 +13,9 @@
 //!
 //! ```text
 //!   mod.rs (event loop), actions.rs
-//!   features: launch/ ops.rs inspect.rs fork/ snapshot/ rollback/ clone.rs
-//!             pool/ firecracker/ fault/ base/ link/ busy.rs sources.rs
+//!   features: remote/ (uses launch/, snapshot/)
+//!             launch/ ops.rs inspect.rs fork/ snapshot/ rollback/ clone.rs
+//!             workset/ pool/ firecracker/ fault/ base/ link/ busy.rs sources.rs
 //!   the shared state: state.rs (Core), registry.rs, vm.rs
 //!   each feature's per-VM state (*/state.rs) and errors (*/error.rs),
 //!             fault/install.rs, settings.rs, error.rs, ratelimit.rs
@@ -41,12 +42,14 @@ pub mod ops;
 pub mod pool;
 pub mod ratelimit;
 pub mod registry;
+pub mod remote;
 pub mod rollback;
 pub mod settings;
 pub mod snapshot;
 pub mod sources;
 pub mod state;
 pub mod vm;
+pub mod workset;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -63,6 +63,12 @@ pub struct Settings {
     /// paused VM map their clean pages from a shared base instead of
     /// copying them (`crate::bases`); off where the kernel cannot.
     pub shared_bases: bool,
+    /// Restores install their snapshot's recorded working set ahead of
+    /// the guest (see `core/workset/`).
+    pub prefetch_working_set: bool,
+    /// A snapshot's first restore records its working set for this long
+    /// at most (it ends sooner when the VM is deleted).
+    pub working_set_window: Duration,
 }
 
 impl Settings {

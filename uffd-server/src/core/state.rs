@@ -1,6 +1,7 @@
 //! [`Core`]: the state the core thread owns and every feature works on
 //! (the registry of VMs, the settings, the snapshot catalog, the volume
-//! engine, the warm VMM pool), and its few methods of its own.
+//! engine, the warm VMM pool, the object store, working sets), and its few
+//! methods of its own.
 //!
 //! Everything here runs on one tokio current-thread runtime inside a
 //! `LocalSet`, so state is plain `Rc`/`RefCell`. No `RefCell` borrow is
@@ -16,7 +17,9 @@ use tracing::info;
 use crate::conn::{ConnEvent, PendingLaunches};
 use crate::core::pool::state::VmmPool;
 use crate::core::registry::Registry;
+use crate::core::remote::state::RemoteState;
 use crate::core::settings::Settings;
+use crate::core::workset::state::WorkingSets;
 use crate::images::zst::FramePool;
 use crate::snapshot::Catalog;
 use volume::VolumeEngine;
@@ -38,6 +41,10 @@ pub struct Core {
     pub frames: Arc<FramePool>,
     /// VMMs started ahead of need (`--vmm-pool`).
     pub pool: RefCell<VmmPool>,
+    /// The object store (`--remote`) and its pushes.
+    pub remote: RemoteState,
+    /// Working sets being recorded, and those read from snapshots.
+    pub worksets: RefCell<WorkingSets>,
     /// Log lines that report a finished request, written once its answer
     /// is out (see [`Core::log_after_answer`]).
     after_answer: RefCell<Vec<String>>,
@@ -52,6 +59,7 @@ impl Core {
         snapshots: Catalog,
         events: mpsc::UnboundedSender<ConnEvent>,
         frames: Arc<FramePool>,
+        remote: Option<Arc<crate::remote::RemoteService>>,
     ) -> Rc<Self> {
         let reg = Registry::new(&settings.state_dir, settings.readahead_piece_pages);
         let pool = VmmPool::new(settings.vmm_pool);
@@ -65,6 +73,11 @@ impl Core {
             fault_seconds: crate::observe::metrics::fault_histogram(),
             frames,
             pool: RefCell::new(pool),
+            remote: RemoteState {
+                service: remote,
+                ..RemoteState::default()
+            },
+            worksets: RefCell::new(WorkingSets::default()),
             after_answer: RefCell::new(Vec::new()),
         })
     }

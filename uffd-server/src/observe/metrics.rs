@@ -113,7 +113,7 @@ pub fn render(sample: &Sample) -> String {
     let mut reg = Registry::with_prefix("pagefork");
 
     // Per-VM and server-wide counters of the fault engine.
-    let kinds: [StatCounter; 8] = [
+    let kinds: [StatCounter; 9] = [
         ("faults_missing", "MISSING faults resolved", |s| s.missing),
         (
             "faults_write_protect",
@@ -138,6 +138,11 @@ pub fn render(sample: &Sample) -> String {
             "frame_waits",
             "faults that waited for a compressed frame to be decoded",
             |s| s.frame_waits,
+        ),
+        (
+            "chunk_waits",
+            "faults that waited for a chunk of a snapshot in the object store",
+            |s| s.chunk_waits,
         ),
         (
             "wp_copies",

@@ -23,6 +23,8 @@ pub struct FaultStats {
     pub deferred: u64,
     /// Faults that waited for frames of a compressed image to be decoded.
     pub frame_waits: u64,
+    /// Faults that waited for chunks of a snapshot in the object store.
+    pub chunk_waits: u64,
     /// Pre-write copies this VM's writes gave to the VMs reading from it.
     pub wp_copies: u64,
     /// Events by service time: bucket i counts those served in
@@ -50,6 +52,7 @@ impl FaultStats {
         self.removes += other.removes;
         self.deferred += other.deferred;
         self.frame_waits += other.frame_waits;
+        self.chunk_waits += other.chunk_waits;
         self.wp_copies += other.wp_copies;
         self.minor += other.minor;
         for (a, b) in self.service_us_log2.iter_mut().zip(other.service_us_log2) {

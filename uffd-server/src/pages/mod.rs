@@ -12,7 +12,7 @@ pub mod table;
 pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
 pub use resolve::{fault_on, plan_run, read_pages, Fault, ResolveError, Run};
 pub use source::{
-    FileSource, FrozenSource, ImageSource, PageSource, SourceArena, SourceId, VmPages, ZstdSource,
-    UNINITIALIZED,
+    FileSource, FrozenSource, ImageSource, PageSource, RemoteSource, SourceArena, SourceId,
+    VmPages, ZstdSource, UNINITIALIZED,
 };
 pub use table::{Extent, PageTable, CHUNK_PAGES};

@@ -16,7 +16,9 @@ use vm_memory::VolatileSlice;
 
 use super::process::ProcessReadError;
 use super::readahead::Readahead;
-use super::source::{FileSource, ImageSource, PageSource, SourceId, VmPages, ZstdSource};
+use super::source::{
+    FileSource, ImageSource, PageSource, RemoteSource, SourceId, VmPages, ZstdSource,
+};
 use super::table::PageTable;
 use crate::memory::MemoryError;
 
@@ -71,6 +73,20 @@ pub enum ResolveError {
     Frame {
         path: PathBuf,
         source: crate::images::zst::FrameError,
+    },
+    /// Not an error of the page: chunks of a snapshot in the object store
+    /// are being fetched off this thread. The fault waits for them and is
+    /// retried (see [`crate::remote::chunks`]).
+    #[error("chunks {chunks:?} of remote snapshot {} are not here yet", image.snapshot)]
+    NotFetched {
+        image: std::sync::Arc<crate::remote::image::RemoteImage>,
+        chunks: Range<u64>,
+    },
+    #[error("cannot fetch chunk {chunk} of remote snapshot {snapshot}")]
+    Chunk {
+        snapshot: String,
+        chunk: u64,
+        source: crate::remote::chunks::ChunkError,
     },
 }
 
@@ -131,6 +147,9 @@ pub fn plan_run(table: &PageTable, src: SourceId, fault: &Fault, ra: &Readahead)
 /// fault-around comes with it), and a sequential reader gets the next
 /// frames decoded ahead.
 pub fn fault_on(source: &PageSource, fault: Fault, ra: &Readahead) -> Fault {
+    if let Some(r) = source.remote() {
+        return remote_fault(r, fault, ra);
+    }
     let Some(z) = source.zstd() else {
         return fault;
     };
@@ -145,6 +164,31 @@ pub fn fault_on(source: &PageSource, fault: Fault, ra: &Readahead) -> Fault {
     Fault {
         bounds: r.start.max(fault.bounds.start)..r.end.min(fault.bounds.end),
         block: r.end - r.start,
+        ..fault
+    }
+}
+
+/// The fault to plan on a snapshot in the object store: as for a
+/// compressed image, the run stays inside the faulting page's chunk (one
+/// fetch brings all of it), and a sequential reader gets the next chunks
+/// fetched ahead.
+fn remote_fault(
+    r: &std::sync::Arc<crate::remote::image::RemoteImage>,
+    fault: Fault,
+    ra: &Readahead,
+) -> Fault {
+    let chunk = r.chunk_of(fault.page);
+    let pages = r.chunk_pages(chunk);
+    if fault.track && ra.max_pages > 0 && ra.next == fault.page {
+        let ahead = (ra.max_pages / crate::remote::image::CHUNK_PAGES).clamp(1, 8);
+        r.prefetch(
+            chunk + 1..chunk + 1 + ahead,
+            crate::remote::chunks::Priority::Urgent,
+        );
+    }
+    Fault {
+        bounds: pages.start.max(fault.bounds.start)..pages.end.min(fault.bounds.end),
+        block: pages.end - pages.start,
         ..fault
     }
 }
@@ -260,6 +304,34 @@ pub fn read_pages(
             copy_frames(&bytes, first, pages, dst);
             Ok(())
         }
+        PageSource::Remote(RemoteSource { image: r }) => {
+            let pages = len as u64 / PAGE_SIZE;
+            let chunks = r.chunks_of(first..first + pages);
+            let mut bytes = Vec::new();
+            for c in chunks.clone() {
+                if r.is_hole(c) {
+                    continue;
+                }
+                match r.cached(c) {
+                    Ok(Some(b)) => bytes.push((r.chunk_pages(c), b)),
+                    Ok(None) => {
+                        return Err(ResolveError::NotFetched {
+                            image: std::sync::Arc::clone(r),
+                            chunks,
+                        })
+                    }
+                    Err(source) => {
+                        return Err(ResolveError::Chunk {
+                            snapshot: r.snapshot.clone(),
+                            chunk: c,
+                            source,
+                        })
+                    }
+                }
+            }
+            copy_frames(&bytes, first, pages, dst);
+            Ok(())
+        }
     }
 }
 
@@ -281,8 +353,9 @@ pub fn check_unchanged(f: &FileSource) -> Result<()> {
 static ZERO_PAGE: [u8; shared::geometry::usize_of(PAGE_SIZE)] =
     [0; shared::geometry::usize_of(PAGE_SIZE)];
 
-/// Copy pages `first..first + pages` out of decoded frames (each with the
-/// pages it holds) into `dst`; pages past the image read as zero.
+/// Copy pages `first..first + pages` out of decoded frames or fetched
+/// chunks (each with the pages it holds) into `dst`; pages in none of them
+/// (past the image, a hole) read as zero.
 fn copy_frames(
     frames: &[(Range<u64>, std::sync::Arc<[u8]>)],
     first: u64,

@@ -125,6 +125,14 @@ pub enum VmPages {
     Process(Rc<ProcessPages>),
 }
 
+/// A snapshot in the object store: pages are fetched a chunk at a time
+/// by the chunk pool's threads (see [`crate::remote::chunks`]); its holes
+/// are `Uninitialized` in the tables that read it.
+#[derive(Debug)]
+pub struct RemoteSource {
+    pub image: std::sync::Arc<crate::remote::image::RemoteImage>,
+}
+
 /// Where a page's bytes come from.
 #[derive(Debug)]
 pub enum PageSource {
@@ -142,6 +150,8 @@ pub enum PageSource {
     Image(ImageSource),
     /// A compressed image (a file, or a snapshot's `memory.zst`).
     Zstd(ZstdSource),
+    /// A snapshot in the object store, fetched chunk by chunk.
+    Remote(RemoteSource),
 }
 
 impl PageSource {
@@ -154,6 +164,7 @@ impl PageSource {
             PageSource::File(_) => "file",
             PageSource::Image(_) => "image",
             PageSource::Zstd(_) => "zstd",
+            PageSource::Remote(_) => "remote",
         }
     }
 
@@ -162,7 +173,10 @@ impl PageSource {
     pub fn fault_around(&self) -> bool {
         matches!(
             self,
-            PageSource::File(_) | PageSource::Image(_) | PageSource::Zstd(_)
+            PageSource::File(_)
+                | PageSource::Image(_)
+                | PageSource::Zstd(_)
+                | PageSource::Remote(_)
         )
     }
 
@@ -173,7 +187,8 @@ impl PageSource {
             PageSource::Uninitialized
             | PageSource::Vm(_)
             | PageSource::Frozen(_)
-            | PageSource::Zstd(_) => None,
+            | PageSource::Zstd(_)
+            | PageSource::Remote(_) => None,
         }
     }
 
@@ -195,7 +210,15 @@ impl PageSource {
         }
     }
 
-    /// The snapshot whose image this is, if it is one.
+    /// The snapshot in the object store behind this source, if it is one.
+    pub fn remote(&self) -> Option<&std::sync::Arc<crate::remote::image::RemoteImage>> {
+        match self {
+            PageSource::Remote(r) => Some(&r.image),
+            _ => None,
+        }
+    }
+
+    /// The local snapshot whose image this is, if it is one.
     pub fn snapshot(&self) -> Option<&str> {
         match self {
             PageSource::Image(i) => Some(&i.snapshot),
@@ -216,6 +239,7 @@ impl PageSource {
                 Some(name) => format!("snapshot:{name} (zstd)"),
                 None => format!("zstd:{}", z.image.path.display()),
             },
+            PageSource::Remote(r) => format!("remote:{}", r.image.snapshot),
         }
     }
 }
@@ -340,7 +364,8 @@ impl SourceArena {
         counts
     }
 
-    /// Ids of the image sources (`File`, `Image`, `Zstd`) still held.
+    /// Ids of the image sources (`File`, `Image`, `Zstd`, `Remote`) still
+    /// held.
     pub fn image_ids(&self) -> impl Iterator<Item = SourceId> + '_ {
         self.slots.iter().enumerate().filter_map(|(i, s)| {
             matches!(
@@ -350,6 +375,7 @@ impl SourceArena {
                         | PageSource::Image(_)
                         | PageSource::Zstd(_)
                         | PageSource::Frozen(_)
+                        | PageSource::Remote(_)
                 )
             )
             .then(|| SourceId::try_from(i).ok())

@@ -367,6 +367,7 @@ mod tests {
             },
             volume_snapshot: None,
             files: BTreeMap::from([(MEMORY_FILE.to_owned(), sum)]),
+            origin: None,
         }
     }
 

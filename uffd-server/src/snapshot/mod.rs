@@ -20,6 +20,10 @@
 //!                            those, named by `algorithm` (XXH3-128 from
 //!                            format 3; format 2's BLAKE3 and format 1's
 //!                            SHA-256 are still read; [`checksum`])
+//!     working-set.json       optional: the pages its first restore touched,
+//!                            in that order ([`workset`]); written after the
+//!                            commit, not checksummed, prefetched by later
+//!                            restores and carried by a push
 //!   .tmp-<name>/             a snapshot being written (never listed)
 //!   .quarantine/<name>.<t>/  a snapshot that did not verify (never served)
 //! ```
@@ -40,7 +44,10 @@
 //! crash before it leaves only a `.tmp-` directory, which the next start
 //! removes; after it, the snapshot is complete. At start-up every snapshot
 //! is verified against the checksums in its `state.json`; one that does not
-//! verify is moved to `.quarantine/` and never served.
+//! verify is moved to `.quarantine/` and never served. `state.json` also
+//! records the snapshot's [`origin`] (pagefork version, VMM protocol, CPU
+//! flags), which a restore checks against the host it runs on: a snapshot
+//! may come from another host through the object store.
 
 pub mod catalog;
 pub mod checksum;
@@ -48,7 +55,9 @@ pub mod commit;
 pub mod error;
 pub mod image;
 pub mod layout;
+pub mod origin;
 pub mod pageset;
+pub mod workset;
 pub mod writer;
 
 pub use catalog::Catalog;

@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod map;
 pub mod observe;
 pub mod qcow2;
+pub mod remote;
 pub mod snapshot;
 pub mod table;
 pub mod top;

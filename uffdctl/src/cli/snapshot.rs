@@ -1,5 +1,5 @@
 //! `uffdctl snapshot ...`: VM snapshots (memory, vCPU/device state and the
-//! attached volume).
+//! attached volume), here and in the server's object store (`remote.rs`).
 
 use clap::Subcommand;
 use proto::api;
@@ -28,14 +28,47 @@ pub enum SnapshotCmd {
         #[arg(long)]
         compress: bool,
     },
-    /// List the complete snapshots.
-    List,
-    /// Show one snapshot.
-    Show { name: String },
-    /// Delete a snapshot no VM reads from.
-    Delete { name: String },
-    /// Start a VM from a snapshot.
+    /// List the complete snapshots (with --remote, those in the store).
+    #[command(alias = "ls")]
+    List {
+        #[arg(long)]
+        remote: bool,
+    },
+    /// Show one snapshot (with --remote, one in the store).
+    Show {
+        name: String,
+        #[arg(long)]
+        remote: bool,
+    },
+    /// Delete a snapshot no VM reads from (with --remote, from the store).
+    #[command(alias = "rm")]
+    Delete {
+        name: String,
+        #[arg(long)]
+        remote: bool,
+    },
+    /// Start a VM from a snapshot (remote:NAME: one in the store, lazily).
     Restore { name: String },
+    /// Push a snapshot to the object store (with its volume snapshot and
+    /// working set), showing its progress.
+    Push { name: String },
+    /// Pull a snapshot from the object store into this server's catalog.
+    Pull {
+        name: String,
+        /// The local name (default: the same).
+        #[arg(long = "as")]
+        local: Option<String>,
+    },
+    /// Start VMs from a snapshot in the object store, all or none.
+    Clone {
+        name: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 8)]
+        concurrency: u32,
+    },
+    /// Delete the chunks in the object store no snapshot names.
+    Gc,
 }
 
 fn mode(s: &str) -> Result<api::SnapshotMode> {
@@ -136,6 +169,15 @@ fn create_with_progress(client: &Client, vm: &str, req: &Value) -> Result<Value>
     })
 }
 
+/// Print `v` as JSON if that is what was asked (the command printed its
+/// summary otherwise).
+fn done(v: Value, as_json: bool) -> Result<()> {
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    }
+    Ok(())
+}
+
 /// Run a snapshot command.
 pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
     let out = match cmd {
@@ -172,7 +214,26 @@ pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
             }
             v
         }
-        SnapshotCmd::List => {
+        SnapshotCmd::List { remote: true } => {
+            return done(super::remote::list(client, as_json)?, as_json)
+        }
+        SnapshotCmd::Show { name, remote: true } => {
+            return done(super::remote::show(client, &name, as_json)?, as_json)
+        }
+        SnapshotCmd::Delete { name, remote: true } => super::remote::delete(client, &name)?,
+        SnapshotCmd::Push { name } => {
+            return done(super::remote::push(client, &name, as_json)?, as_json)
+        }
+        SnapshotCmd::Pull { name, local } => {
+            return done(super::remote::pull(client, &name, local, as_json)?, as_json)
+        }
+        SnapshotCmd::Clone {
+            name,
+            count,
+            concurrency,
+        } => super::remote::clone(client, &name, count, concurrency)?,
+        SnapshotCmd::Gc => return done(super::remote::gc(client, as_json)?, as_json),
+        SnapshotCmd::List { remote: false } => {
             let v = call(client, "GET", "/v1/snapshots", None)?;
             if !as_json {
                 let rows: Vec<Vec<String>> = v["snapshots"]
@@ -187,7 +248,10 @@ pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
             }
             v
         }
-        SnapshotCmd::Show { name } => {
+        SnapshotCmd::Show {
+            name,
+            remote: false,
+        } => {
             let v = call(client, "GET", &format!("/v1/snapshots/{name}"), None)?;
             if !as_json {
                 print!("{}", render(&HEADERS, &[row(&v)]));
@@ -195,9 +259,10 @@ pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
             }
             v
         }
-        SnapshotCmd::Delete { name } => {
-            call(client, "DELETE", &format!("/v1/snapshots/{name}"), None)?
-        }
+        SnapshotCmd::Delete {
+            name,
+            remote: false,
+        } => call(client, "DELETE", &format!("/v1/snapshots/{name}"), None)?,
         SnapshotCmd::Restore { name } => {
             let req = api::CreateVm {
                 memory_mib: 0,

@@ -205,8 +205,9 @@ pub enum Served {
     /// A non-cooperative event (REMOVE) is pending on the uffd: the copy
     /// stopped before the faulting page, whose thread still sleeps.
     Again,
-    /// Frames of a compressed image are being decoded off the core
-    /// thread: retry when every receiver fired (the thread sleeps).
+    /// Frames of a compressed image are being decoded, or chunks of a
+    /// snapshot in the object store fetched, off the core thread: retry
+    /// when every receiver fired (the thread sleeps).
     Wait(Vec<oneshot::Receiver<()>>),
     /// The client's process is gone (ESRCH).
     Gone,
@@ -261,6 +262,10 @@ pub fn serve_missing(
         Err(ResolveError::NotDecoded { image, frames }) => {
             b.stats().frame_waits += 1;
             Served::Wait(crate::images::zst::FramePool::wait(&image, frames))
+        }
+        Err(ResolveError::NotFetched { image, chunks }) => {
+            b.stats().chunk_waits += 1;
+            Served::Wait(image.wait(chunks))
         }
         Err(e) => unservable(b, Some(t), req.page, &e),
     }

@@ -144,6 +144,12 @@ pub(super) fn without_vmm(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
             let ready = crate::images::zst::FramePool::wait(&image, frames);
             handled(install::Served::Wait(ready), page, false)
         }
+        Err(ResolveError::NotFetched { image, chunks }) => {
+            if let Some(v) = reg.vms.get_mut(&vm) {
+                v.log.stats.chunk_waits += 1;
+            }
+            handled(install::Served::Wait(image.wait(chunks)), page, false)
+        }
         Err(e) => unservable(reg, vm, page, &e),
     }
 }

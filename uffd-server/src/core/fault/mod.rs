@@ -15,6 +15,8 @@
 //!                               └─ REMOVE ─▶ table back to zero pages
 //! ```
 //!
+//! - [`ahead`]: pages installed before the guest faults on them (a
+//!   working set prefetched while it runs);
 //! - [`install`]: the installer both kinds of client share (ours and
 //!   Firecracker's): plan, staging buffer, UFFDIO_COPY in pieces, poison,
 //!   wake;
@@ -30,6 +32,7 @@
 //! - [`trace`]: one event as a line of the live fault trace;
 //! - [`state`]: what a VM keeps for all this (`Vm::faults`).
 
+pub mod ahead;
 pub mod books;
 pub mod dependents;
 pub mod install;

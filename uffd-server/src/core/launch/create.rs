@@ -1,5 +1,6 @@
 //! Creating a VM (`POST /v1/vms`): validate the request, make its memory
-//! and table (or, `from_snapshot`, restore it: `snapshot::restore`),
+//! and table (or, `from_snapshot`, restore it: `snapshot::restore`, or
+//! `remote::restore` for a snapshot in the object store),
 //! install every page first if asked (`prefetch`), start its VMM (from the
 //! warm pool when one is ready) and wait until the guest agent runs.
 
@@ -37,7 +38,10 @@ fn host_memory_mib() -> u64 {
 /// `POST /v1/vms`.
 pub(crate) async fn create_vm(core: Rc<Core>, req: CreateVm) -> Result<VmInfo> {
     let (id, ready_rx) = match &req.from_snapshot {
-        Some(name) => prepare_restore(&core, &req, name)?,
+        Some(name) => match name.strip_prefix(proto::api::REMOTE_PREFIX) {
+            Some(remote) => crate::core::remote::restore::prepare(&core, &req, remote).await?,
+            None => prepare_restore(&core, &req, name)?,
+        },
         None => prepare_vm(&core, &req)?,
     };
     if req.prefetch {
@@ -51,9 +55,11 @@ pub(crate) async fn create_vm(core: Rc<Core>, req: CreateVm) -> Result<VmInfo> {
         Err(e) => Err(e),
     };
     if let Err(e) = started {
+        core.worksets.borrow_mut().pending.remove(&id);
         discard_vms(&core, &[id]);
         return Err(e);
     }
+    crate::core::workset::after_start(&core, id);
     core.log_after_answer(match &req.from_snapshot {
         Some(name) => format!("{id}: running, restored from snapshot {name}"),
         None => format!("{id}: running"),

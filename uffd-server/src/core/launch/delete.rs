@@ -23,6 +23,8 @@ pub(crate) async fn delete_vm(core: Rc<Core>, id: VmId) -> Result<VmDeleted> {
     if !core.reg.borrow().vms.contains_key(&id) {
         return Err(Error::NoSuchVm(id));
     }
+    // A recording of its snapshot's working set ends with it.
+    crate::core::workset::record::finish(&core, id);
     stop_vmm(&core, id).await;
     let frozen = {
         let mut reg = core.reg.borrow_mut();

@@ -67,6 +67,11 @@ pub(crate) fn snapshot_info(core: &Core, name: &str) -> Result<SnapshotInfo> {
         created: s.created,
         readers: readers_of(&core.reg.borrow(), name),
         compressed_bytes: s.files.get(crate::snapshot::ZSTD_FILE).map(|f| f.bytes),
+        working_set_pages: crate::snapshot::workset::read(&cat.dir_of(name), total)
+            .ok()
+            .flatten()
+            .map_or(0, |w| crate::snapshot::workset::page_count(&w)),
+        push: core.remote.push_status(name),
     })
 }
 

@@ -202,6 +202,7 @@ fn describe(
         vm_state,
         volume_snapshot,
         files: Default::default(),
+        origin: Some(crate::snapshot::origin::this_host()),
     }
 }
 

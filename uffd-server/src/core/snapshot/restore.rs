@@ -40,6 +40,18 @@ pub(crate) fn prepare_restore(
             cat.image_of(name),
         )
     };
+    if let Some(reason) = core
+        .snapshots
+        .borrow()
+        .get(name)
+        .ok()
+        .and_then(crate::snapshot::origin::mismatch)
+    {
+        return Err(Error::Incompatible {
+            name: name.to_owned(),
+            reason,
+        });
+    }
     if req.memory_mib != 0 && req.memory_mib << 20 != size {
         return Err(Error::BadRequest(format!(
             "snapshot {name} has {} MiB of memory; leave memory_mib out",

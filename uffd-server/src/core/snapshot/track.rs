@@ -208,6 +208,9 @@ pub(crate) fn frames_to_decode(
         if let Some(z) = reg.arena.get(src).and_then(|s| s.zstd()) {
             waits.extend(crate::images::zst::FramePool::wait(z, z.frames_of(p..q)));
         }
+        if let Some(r) = reg.arena.get(src).and_then(|s| s.remote()) {
+            waits.extend(r.wait(r.chunks_of(p..q)));
+        }
         p = q;
     }
     waits
