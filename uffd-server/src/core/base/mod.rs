@@ -182,6 +182,28 @@ pub(crate) fn sync_private(reg: &mut Registry, vm: VmId) -> Result<u64> {
     Ok(new)
 }
 
+/// Which of `vm`'s pages its VMM holds privately now, one flag per page,
+/// read from the kernel (`PAGEMAP_SCAN`); `None` for a VM on its own
+/// memfd or whose VMM cannot be read.
+pub(crate) fn private_pages(reg: &Registry, vm: VmId) -> Option<Vec<bool>> {
+    let v = reg.vms.get(&vm)?;
+    if !v.base.is_based() {
+        return None;
+    }
+    let Some(VmPages::Process(p)) = reg.arena.memory_of(vm) else {
+        return None;
+    };
+    let pages = v.memory.pages();
+    let runs = p.private_runs(pages).ok()?;
+    let mut held = vec![false; usize::try_from(pages).ok()?];
+    for (first, n) in runs {
+        for page in first..(first + n).min(pages) {
+            held[shared::geometry::usize_of(page)] = true;
+        }
+    }
+    Some(held)
+}
+
 /// `vm`'s uffd arrived: if it is on a base, its own pages are private
 /// pages of its VMM, read from there by the VMs that read them from it.
 pub(crate) fn on_uffd_ready(reg: &mut Registry, vm: VmId) {
