@@ -97,3 +97,87 @@ fn snapshots_of_a_template_child_restore_exact() {
     assert_eq!(s.verify(&kids[1], 0, 3000, 31), 0);
     s.assert_invariant("after snapshots of a template and its child");
 }
+
+#[test]
+fn rollback_and_clone_of_a_restored_vm_are_exact() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    gold(&s, "gold-rb");
+    let r = s.restore("gold-rb");
+    assert!(
+        s.vm(&r).memory.base.is_some(),
+        "a restore maps its image's base: {:?}",
+        s.vm(&r).memory
+    );
+    s.fill(&r, 200, 300, 41);
+    let want = all_ram(&s, &r);
+    snap(&s, &r, "rb-1", SnapshotMode::Full, false);
+    // Writes over base pages, over its own pages and over never-touched
+    // pages, then back: only the snapshot's bytes are left.
+    s.fill(&r, 0, 600, 42);
+    s.fill(&r, 13000, 50, 43);
+    assert_ne!(all_ram(&s, &r), want);
+    s.rollback(&r, "rb-1");
+    assert_eq!(all_ram(&s, &r), want, "rollback to the last snapshot");
+    // Again, the dirty log now empty, then to the base image it came from.
+    s.fill(&r, 300, 10, 44);
+    s.rollback(&r, "rb-1");
+    assert_eq!(all_ram(&s, &r), want, "second rollback");
+    s.rollback(&r, "gold-rb");
+    let gold_back = s.restore("gold-rb");
+    assert_eq!(
+        all_ram(&s, &r),
+        all_ram(&s, &gold_back),
+        "rollback to the image it came from"
+    );
+    // Clones of it are exact, and independent.
+    s.fill(&r, 7000, 100, 45);
+    let want = all_ram(&s, &r);
+    let clones = s.clone_vm(&r, 3, 3).clones;
+    for c in &clones {
+        assert_eq!(all_ram(&s, c), want, "clone {c}");
+    }
+    s.fill(&clones[0], 7000, 100, 46);
+    assert_eq!(
+        all_ram(&s, &clones[1]),
+        want,
+        "a sibling's write stays its own"
+    );
+    assert_eq!(all_ram(&s, &r), want, "a clone's write stays its own");
+    s.assert_invariant("after rollbacks and clones of a restored VM");
+}
+
+#[test]
+fn a_running_vm_on_a_base_forks_and_its_writes_after_stay_its_own() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    gold(&s, "gold-fk");
+    let r = s.restore("gold-fk");
+    // Pages it wrote over the base, and pages read only: both reach the
+    // children as they were at the fork.
+    s.fill(&r, 100, 400, 51);
+    s.touch(&r, 9000, 300, false);
+    let want = all_ram(&s, &r);
+    let kids = s.fork(&r, 2).children;
+    // The parent overwrites what the children read from it.
+    s.fill(&r, 0, 1000, 52);
+    for k in &kids {
+        assert_eq!(
+            all_ram(&s, k),
+            want,
+            "child {k} sees the parent at the fork"
+        );
+    }
+    // A grandchild, through its parent (a child on the base).
+    s.fill(&kids[0], 500, 100, 53);
+    let want_k = all_ram(&s, &kids[0]);
+    let grand = s.fork(&kids[0], 1).children;
+    s.fill(&kids[0], 500, 100, 54);
+    assert_eq!(all_ram(&s, &grand[0]), want_k, "grandchild");
+    // The parent deleted: its children keep what they read from it.
+    s.delete_vm(&r);
+    assert_eq!(
+        all_ram(&s, &kids[1]),
+        want,
+        "child after its parent's delete"
+    );
+    s.assert_invariant("after forks of a VM on a base");
+}

@@ -189,8 +189,9 @@ pub struct Request {
     /// A run longer than this goes in piece by piece, the faulting page's
     /// first (0 = in one piece).
     pub piece: u64,
-    /// Never-written pages go in with UFFDIO_ZEROPAGE (4 KiB anonymous
-    /// memory only: shmem and hugetlb have no zero page to map).
+    /// Never-written pages go in with UFFDIO_ZEROPAGE (4 KiB private
+    /// memory only: shared shmem and hugetlb have no zero page to map),
+    /// unless the client's writes are tracked.
     pub zero_pages: bool,
     /// On hugetlb, a sequential reader's next blocks go in behind the
     /// faulting one (`block_ahead`).
@@ -424,14 +425,14 @@ fn install_run(
         by: By::Missing,
         from: src,
     };
-    let res = copy_or_zero(arena, t, &plan.source, src, lo, first_end, req)?;
+    let (res, zero_page) = copy_or_zero(arena, t, &plan.source, src, lo, first_end, req)?;
     let installed = match res {
         Install::Done => first_end - lo,
         Install::Exists { copied } | Install::Again { copied } => copied / PAGE_SIZE,
         Install::Gone => 0,
         Install::Failed(errno) => return Err(ResolveError::Install { first: lo, errno }),
     };
-    if t.shared.is_some() && req.zero_pages && src == UNINITIALIZED {
+    if t.shared.is_some() && zero_page {
         // The zero page is no page of the VM's own: it stays zero in the
         // table until the guest writes it (which the kernel tells, see
         // `core::base::sync_private`).
@@ -491,7 +492,7 @@ fn install_one(
         .get(src)
         .cloned()
         .ok_or(ResolveError::UnknownSource(src))?;
-    match copy_or_zero(arena, t, &source, src, page, page + 1, req)? {
+    match copy_or_zero(arena, t, &source, src, page, page + 1, req)?.0 {
         Install::Done => {
             b.mark(page, 1, how);
             Ok(Page::Woken)
@@ -635,14 +636,21 @@ fn copy_or_zero(
     lo: u64,
     hi: u64,
     req: &Request,
-) -> Result<Install, ResolveError> {
-    if req.zero_pages && src == UNINITIALIZED {
+) -> Result<(Install, bool), ResolveError> {
+    // UFFDIO_ZEROPAGE has no write-protect mode: while the client's
+    // writes are tracked, a zero page would take a write unseen. Nor can
+    // it go over an empty entry that keeps a protection (a discarded
+    // page's): EEXIST. Zeroes are copied then.
+    let tracked = t.mode & uffd_abi::COPY_MODE_WP != 0;
+    if req.zero_pages && !tracked && src == UNINITIALIZED {
         phases::lap(Phase::Resolve);
         let res = uffd_abi::zeropage(t.uffd, t.addr(lo), (hi - lo) * PAGE_SIZE);
         phases::lap(Phase::Install);
-        return Ok(res);
+        if !matches!(res, Install::Exists { copied: 0 }) {
+            return Ok((res, true));
+        }
     }
-    copy_pages(arena, t, source, lo, hi)
+    Ok((copy_pages(arena, t, source, lo, hi)?, false))
 }
 
 /// Read pages `[lo, hi)` of `source` into the staging buffer and
