@@ -5,8 +5,8 @@
 //! mount (PAGEFORK_XFS_DIR). Memory is compared whole with the VMM's
 //! `digest` of all RAM.
 
-use pagefork_tests::{from_snapshot, new_vm, pages_of, server_on_xfs, TestServer};
-use proto::api::{CreateSnapshot, SnapshotMode};
+use pagefork_tests::{new_vm, pages_of, server_on_xfs, uffdctl_json, uffdctl_ok, TestServer};
+use proto::api::{BaseList, CreateSnapshot, SnapshotMode};
 
 const MIB: u64 = 64;
 
@@ -180,4 +180,68 @@ fn a_running_vm_on_a_base_forks_and_its_writes_after_stay_its_own() {
         "child after its parent's delete"
     );
     s.assert_invariant("after forks of a VM on a base");
+}
+
+#[test]
+fn a_base_and_its_users_are_shown_by_the_api_and_uffdctl() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    gold(&s, "gold-show");
+    let a = s.restore("gold-show");
+    let b = s.restore("gold-show");
+    s.touch(&a, 0, 4000, false);
+    s.touch(&b, 0, 4000, false);
+    s.fill(&b, 0, 256, 61);
+    let (ma, mb) = (s.vm(&a).memory, s.vm(&b).memory);
+    let base = ma.base.clone().expect("a restore maps a base");
+    assert_eq!(
+        mb.base.as_ref(),
+        Some(&base),
+        "one base per image: {ma:?} {mb:?}"
+    );
+    // What each read is shared; what b wrote is its own.
+    assert!(ma.shared_bytes >= 4000 * 4096 - 256 * 4096, "{ma:?}");
+    assert!(mb.own_bytes >= 256 * 4096, "{mb:?}");
+    assert!(mb.own_bytes < ma.shared_bytes, "{mb:?} {ma:?}");
+    let listed: BaseList = uffdctl_json(&s, &["vm", "bases"]);
+    let entry = listed
+        .bases
+        .iter()
+        .find(|x| x.id == base)
+        .unwrap_or_else(|| panic!("{base} not listed: {listed:?}"));
+    assert_eq!(entry.kind, "image", "{entry:?}");
+    assert!(
+        entry.users.contains(&a) && entry.users.contains(&b),
+        "{entry:?}"
+    );
+    assert!(entry.bytes >= 4000 * 4096, "{entry:?}");
+    // A page a read mapped from the base, and one b wrote over it.
+    let shared = s.explain(&a, 10);
+    let step = &shared.explain.as_ref().expect("explain").chain[0];
+    assert_eq!(step.present, Some(false), "{shared:?}");
+    assert_eq!(
+        step.shared_from.as_deref(),
+        Some(base.as_str()),
+        "{shared:?}"
+    );
+    let own = s.explain(&b, 10);
+    let step = &own.explain.as_ref().expect("explain").chain[0];
+    assert_eq!(
+        (step.present, step.shared_from.as_deref()),
+        (Some(true), None),
+        "{own:?}"
+    );
+    let text = uffdctl_ok(&s, &["page", &a, "10", "--explain"]);
+    assert!(text.contains(&format!("shared from {base}")), "{text}");
+    let table = uffdctl_ok(&s, &["vm", "bases"]);
+    assert!(table.contains(&base) && table.contains("USERS"), "{table}");
+    let vms = uffdctl_ok(&s, &["vm", "list"]);
+    assert!(vms.contains("SHARED_MIB") && vms.contains(&base), "{vms}");
+    // Deleting the users releases the base.
+    s.delete_vm(&a);
+    s.delete_vm(&b);
+    let after: BaseList = uffdctl_json(&s, &["vm", "bases"]);
+    assert!(
+        !after.bases.iter().any(|x| x.id == base),
+        "{base} outlived its users: {after:?}"
+    );
 }

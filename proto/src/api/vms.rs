@@ -41,7 +41,8 @@ pub struct CreateVm {
     /// (0 = off); the server's default if absent.
     #[serde(default)]
     pub readahead_kib: Option<u64>,
-    /// Install every page before the guest starts (no faults at all).
+    /// Install every page before the guest starts (no faults at all),
+    /// into the VM's own memory: such a VM shares no base.
     #[serde(default)]
     pub prefetch: bool,
     /// Back guest RAM with 2 MiB hugetlb pages (`memory_mib` a multiple
@@ -147,7 +148,9 @@ pub struct VmInfo {
     pub hugepages: bool,
     /// Pages per source kind (`uninitialized`, `vm`, `file`, ...).
     pub pages: BTreeMap<String, u64>,
-    /// Pages present in this VM's own memfd.
+    /// Pages of guest RAM present in this VM: its own memfd's, or, on a
+    /// shared base, the pages its VMM holds privately plus those it maps
+    /// from the base (`memory` splits them).
     pub resident_pages: u64,
     /// The name of that memfd, as the server's `/proc/<pid>/fd` and
     /// `maps` show it (`/memfd:NAME (deleted)`): `pagefork-vm-N`, or

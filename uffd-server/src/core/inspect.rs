@@ -24,22 +24,25 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
     let mut vms: Vec<VmSample> = reg
         .vms
         .values()
-        .map(|v| VmSample {
-            id: v.id.to_string(),
-            kind: "pagefork",
-            state: if v.deleted {
-                RunState::Deleted
-            } else {
-                v.state
+        .map(|v| {
+            let memory = crate::core::base::memory(&reg, v.id);
+            VmSample {
+                id: v.id.to_string(),
+                kind: "pagefork",
+                state: if v.deleted {
+                    RunState::Deleted
+                } else {
+                    v.state
+                }
+                .name()
+                .to_owned(),
+                stats: v.log.stats,
+                resident_pages: (memory.own_bytes + memory.shared_bytes) / shared::PAGE_SIZE,
+                shared_bytes: memory.shared_bytes,
+                pages_by_source: by_kind(&v.table),
+                frozen: v.deleted,
+                trace_listeners: v.log.tap.listeners(),
             }
-            .name()
-            .to_owned(),
-            stats: v.log.stats,
-            resident_pages: crate::core::base::memory(&reg, v.id).own_bytes / shared::PAGE_SIZE,
-            shared_bytes: crate::core::base::memory(&reg, v.id).shared_bytes,
-            pages_by_source: by_kind(&v.table),
-            frozen: v.deleted,
-            trace_listeners: v.log.tap.listeners(),
         })
         .collect();
     vms.extend(reg.fc_vms.values().map(|v| VmSample {
@@ -100,6 +103,7 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
                 file: None,
                 offset: None,
                 frame: None,
+                shared_from: None,
             });
             break;
         };
@@ -110,6 +114,12 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
         } else {
             None
         };
+        let shared_from = reg
+            .vms
+            .get(&vm)
+            .and_then(|v| v.base.on.as_ref())
+            .filter(|on| !present && on.src == src)
+            .map(|on| on.base.name());
         chain.push(ExplainStep {
             at: vm.to_string(),
             kind: "vm".into(),
@@ -122,6 +132,7 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
             file: None,
             offset: None,
             frame: None,
+            shared_from,
         });
         // Where the bytes are (not present) or came from (present).
         let next = match (present, installed) {
@@ -160,6 +171,7 @@ fn retired_step(reg: &Registry, src: SourceId, page: u64) -> ExplainStep {
         file: path.map(|p| p.display().to_string()),
         offset: path.map(|_| page * shared::PAGE_SIZE),
         frame: None,
+        shared_from: None,
     }
 }
 
@@ -189,6 +201,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
                 .map(|c| format!("{}/chunks/{}", r.url, c.digest)),
             offset: Some((page - r.chunk_pages(chunk).start) * shared::PAGE_SIZE),
             frame: Some(chunk),
+            shared_from: None,
         };
     }
     if let Some(z) = s.zstd() {
@@ -201,6 +214,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
             file: Some(z.path.display().to_string()),
             offset: z.frame_offset(frame),
             frame: Some(frame),
+            shared_from: None,
         };
     }
     let file = s.file();
@@ -212,11 +226,13 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
         file: file.map(|f| f.path.display().to_string()),
         offset: file.map(|_| page * shared::PAGE_SIZE),
         frame: None,
+        shared_from: None,
     }
 }
 
 /// `GET /v1/vms/{id}/sources`.
 pub(crate) fn sources(core: &Core, id: VmId) -> Result<Sources> {
+    crate::core::base::sync_private(&mut core.reg.borrow_mut(), id)?;
     let reg = core.reg.borrow();
     let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
     let describe = |src| {
@@ -253,6 +269,9 @@ pub(crate) fn sources(core: &Core, id: VmId) -> Result<Sources> {
 
 /// `GET /v1/vms/{id}/pages/{page}[?explain=true]`.
 pub(crate) fn page(core: &Core, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
+    // The pages a VM on a shared base wrote over it, which raised no
+    // fault, are its own in what this shows.
+    crate::core::base::sync_private(&mut core.reg.borrow_mut(), id)?;
     let reg = core.reg.borrow();
     let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
     if page >= v.table.pages() {

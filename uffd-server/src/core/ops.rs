@@ -68,7 +68,8 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
         vcpus: v.vcpus,
         hugepages: v.memory.unit_pages() > 1,
         pages: reg.pages_by_kind(&v.table),
-        resident_pages: memory.own_bytes / PAGE_SIZE,
+        // Present in the VM: its own pages and those it maps from its base.
+        resident_pages: (memory.own_bytes + memory.shared_bytes) / PAGE_SIZE,
         // The memfd its VMM maps: its own, or its base's.
         memfd: Some(
             v.base

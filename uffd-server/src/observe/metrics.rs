@@ -222,7 +222,7 @@ pub fn render(sample: &Sample) -> String {
     reg.register("vms", "VMs by kind and state", vms);
     reg.register(
         "vm_resident_pages",
-        "pages each VM holds alone (its memfd's, or its VMM's private pages on a shared base)",
+        "pages of guest RAM present in each VM: its own, plus those it maps from a shared base (vm_shared_bytes)",
         resident,
     );
     reg.register(

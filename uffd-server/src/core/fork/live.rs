@@ -215,8 +215,9 @@ fn protect_at_fork(
         // onto it, as its children's base, before it runs.
         Ok(0)
     } else {
-        let p = crate::core::base::sync_private(&mut core.reg.borrow_mut(), parent)
-            .and_then(|_| write_protect_materialized(core, parent));
+        // (The registry's borrow ends with the sync, before the protect.)
+        let synced = crate::core::base::sync_private(&mut core.reg.borrow_mut(), parent);
+        let p = synced.and_then(|_| write_protect_materialized(core, parent));
         stopped.write_protect_us = us(t_wp);
         p
     };
