@@ -245,3 +245,47 @@ fn a_base_and_its_users_are_shown_by_the_api_and_uffdctl() {
         "{base} outlived its users: {after:?}"
     );
 }
+
+#[test]
+fn a_server_killed_with_vms_on_a_base_leaves_nothing_and_restarts_clean() {
+    let Some(mut s) = server_on_xfs(&[]) else {
+        return;
+    };
+    gold(&s, "gold-kill");
+    let a = s.restore("gold-kill");
+    let b = s.restore("gold-kill");
+    s.touch(&a, 0, 4000, false);
+    s.touch(&b, 0, 4000, false);
+    let t = s.create_vm(&new_vm(MIB));
+    s.fill(&t, 0, 1000, 71);
+    s.pause(&t);
+    let kids = s.fork(&t, 2).children;
+    assert_eq!(s.bases().bases.len(), 2, "{:?}", s.bases());
+    let pids: Vec<u32> = [&a, &b, &t, &kids[0], &kids[1]]
+        .iter()
+        .filter_map(|id| s.vm(id).pid)
+        .collect();
+    s.kill_hard();
+    // Every VMM goes with the server (their RAM and the bases with them).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pids
+        .iter()
+        .any(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for p in &pids {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{p}")).exists(),
+            "VMM {p} outlived the server"
+        );
+    }
+    s.restart(&[]);
+    assert!(s.vm_ids().is_empty(), "{:?}", s.vm_ids());
+    assert!(s.bases().bases.is_empty(), "{:?}", s.bases());
+    // The snapshot is still there and restores onto a new base, exact.
+    let r = s.restore("gold-kill");
+    assert_eq!(s.verify(&r, 0, 4000, 11), 0);
+    assert_eq!(s.bases().bases.len(), 1, "{:?}", s.bases());
+}
