@@ -230,6 +230,15 @@ pub(crate) fn memory(reg: &Registry, vm: VmId) -> proto::api::VmMemory {
     let Some(v) = reg.vms.get(&vm) else {
         return proto::api::VmMemory::default();
     };
+    if let Some(frozen) = &v.base.frozen_for {
+        // A paused template whose memfd is its children's base: what it
+        // holds is the base's (counted there once).
+        return proto::api::VmMemory {
+            own_bytes: 0,
+            shared_bytes: v.memory.allocated_bytes(),
+            base: Some(frozen.name()),
+        };
+    }
     let Some(on) = &v.base.on else {
         return proto::api::VmMemory {
             own_bytes: v.memory.allocated_bytes(),
