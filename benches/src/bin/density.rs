@@ -394,12 +394,11 @@ fn fork_rows(plan: &Plan, sz: &Sizes, sides: &[Side; 2], pids: &[u32]) {
                 if side.on { &mut on } else { &mut off }.push(b);
             }
         }
-        let key_n = plan.density_children.get(ci).copied().unwrap_or(want);
         let (lon, loff) = (counts_label(&on, want), counts_label(&off, want));
         let read_on = median(&pick(&on, |b| b.read_kib));
         Row::new(
             BENCH,
-            &format!("density.read.{key_n}"),
+            &format!("density.read.{want}"),
             T_FORK,
             &format!(
                 "{lon} of a paused {tpl} that wrote {w}, each reading all {w}: host memory the reads add per child, bases on"
@@ -425,7 +424,7 @@ fn fork_rows(plan: &Plan, sz: &Sizes, sides: &[Side; 2], pids: &[u32]) {
         .emit();
         Row::new(
             BENCH,
-            &format!("density.start.{key_n}"),
+            &format!("density.start.{want}"),
             T_FORK,
             &format!("{lon}: fixed cost per child's VMM (host memory added by the fork, before any read), bases on"),
             "KiB",
