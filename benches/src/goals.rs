@@ -362,6 +362,69 @@ pub fn goals(plan: &Plan) -> Vec<Goal> {
         AtMost(1.5),
         "≤ 1.5×",
     ));
+    // Shared bases (issue 13): host memory per VM and start latency, bases
+    // on / off (--shared-bases=false).
+    let ws_kib = plan.density_ws_mib * 1024;
+    for n in &plan.density_children {
+        g.push(goal(
+            13,
+            format!(
+                "{n} children of a paused {} template, each reading its {} (W): host memory the reads add per child (KiB)",
+                size(plan.density_mib),
+                size(plan.density_ws_mib)
+            ),
+            "W (every child copied what it read)",
+            format!("density.read.{n}"),
+            Median,
+            AtMost(ws_kib as f64 * 0.05),
+            "≤ 5 % of W, near 0",
+        ));
+    }
+    g.push(goal(
+        13,
+        "children writing half of W: host memory added per child (KiB)",
+        "W",
+        "density.write_half",
+        Median,
+        AtMost(ws_kib as f64 / 2.0 * 1.05),
+        "≤ 1.05 × own writes (W/2)",
+    ));
+    g.push(goal(
+        13,
+        "host memory per child, start and reads, at the largest count (KiB)",
+        "—",
+        "density.child",
+        Median,
+        Report,
+        "report (zeroboot: 265 KB per fork)",
+    ));
+    g.push(goal(
+        13,
+        "restores of one snapshot reading 16 MiB each, until all read: bases on / off",
+        "—",
+        "density.restore_time",
+        Ratio,
+        AtMost(1.05),
+        "≤ 1.05×",
+    ));
+    g.push(goal(
+        13,
+        "template fork → child answers (p50): bases on / off",
+        "—",
+        "density.fork_p50",
+        Ratio,
+        AtMost(1.05),
+        "≤ 1.05×",
+    ));
+    g.push(goal(
+        13,
+        "create from a snapshot → answers (p50): bases on / off",
+        "—",
+        "density.restore_p50",
+        Ratio,
+        AtMost(1.05),
+        "≤ 1.05×",
+    ));
     // Issue 40: snapshots in an object store, restored on another host.
     let remote = size(plan.remote_mib);
     g.push(goal(
