@@ -32,7 +32,7 @@ fn cycle(s: &TestServer, image: &RandomImage, i: u64) {
     };
     let a = s.create_vm(&body);
     s.fill(&a, 0, 16, i);
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         s.pause(&a);
     }
     let b = s.fork_one(&a);
