@@ -79,6 +79,7 @@ echo "== fork, snapshot, Firecracker, core and stall tests again, with a warm VM
 set +e
 PAGEFORK_VMM_POOL=2 cargo test -p pagefork-tests --no-fail-fast \
 	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e --test stalls_e2e \
+	--test based_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e
@@ -86,7 +87,7 @@ set -e
 echo "== fork and snapshot tests again, on hugepage guest RAM (2 MiB hugetlb)" >&2
 set +e
 PAGEFORK_HUGEPAGES=true cargo test -p pagefork-tests --no-fail-fast \
-	--test fork_e2e --test snapshot_e2e \
+	--test fork_e2e --test snapshot_e2e --test based_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e

@@ -1,6 +1,7 @@
 //! The goals at a glance: every figure issues 9 (VM snapshots), 13
-//! (performance) and 40 (snapshots in an object store) set a goal for, this run's value next to the figure the
-//! issue started from, and whether the goal is met.
+//! (performance), 39 (shared bases) and 40 (snapshots in an object store)
+//! set a goal for, this run's value next to the figure the issue started
+//! from, and whether the goal is met.
 //!
 //! The "before" column quotes the starting point each issue states (the
 //! figures of the report in main when it was filed); "this run" is read
@@ -78,7 +79,7 @@ fn size(mib: u64) -> String {
     }
 }
 
-/// The goals of issues 9, 13 and 40 under `plan`.
+/// The goals of issues 9, 13, 39 and 40 under `plan`.
 pub fn goals(plan: &Plan) -> Vec<Goal> {
     use Check::*;
     use Measure::*;
@@ -362,6 +363,69 @@ pub fn goals(plan: &Plan) -> Vec<Goal> {
         AtMost(1.5),
         "≤ 1.5×",
     ));
+    // Shared bases (issue 39): host memory per VM and start latency, bases
+    // on / off (--shared-bases=false).
+    let ws_kib = plan.density_ws_mib * 1024;
+    for n in &plan.density_children {
+        g.push(goal(
+            39,
+            format!(
+                "{n} children of a paused {} template, each reading its {} (W): host memory the reads add per child (KiB)",
+                size(plan.density_mib),
+                size(plan.density_ws_mib)
+            ),
+            "W (every child copied what it read)",
+            format!("density.read.{n}"),
+            Median,
+            AtMost(ws_kib as f64 * 0.05),
+            "≤ 5 % of W, near 0",
+        ));
+    }
+    g.push(goal(
+        39,
+        "children writing half of W: host memory added per child (KiB)",
+        "W",
+        "density.write_half",
+        Median,
+        AtMost(ws_kib as f64 / 2.0 * 1.05),
+        "≤ 1.05 × own writes (W/2)",
+    ));
+    g.push(goal(
+        39,
+        "host memory per child, start and reads, at the largest count (KiB)",
+        "—",
+        "density.child",
+        Median,
+        Report,
+        "report (zeroboot: 265 KB per fork)",
+    ));
+    g.push(goal(
+        39,
+        "restores of one snapshot reading 16 MiB each, until all read: bases on / off",
+        "—",
+        "density.restore_time",
+        Ratio,
+        AtMost(1.05),
+        "≤ 1.05×",
+    ));
+    g.push(goal(
+        39,
+        "template fork → child answers (p50): bases on / off",
+        "—",
+        "density.fork_p50",
+        Ratio,
+        AtMost(1.05),
+        "≤ 1.05×",
+    ));
+    g.push(goal(
+        39,
+        "create from a snapshot → answers (p50): bases on / off",
+        "—",
+        "density.restore_p50",
+        Ratio,
+        AtMost(1.05),
+        "≤ 1.05×",
+    ));
     // Issue 40: snapshots in an object store, restored on another host.
     let remote = size(plan.remote_mib);
     g.push(goal(
@@ -446,10 +510,10 @@ fn shown(goal: &Goal, row: &Row, v: f64) -> String {
 /// The "goals at a glance" section for the rows of one run.
 pub fn render(plan: &Plan, rows: &[&Row]) -> String {
     let mut md = String::new();
-    let _ = writeln!(md, "## Goals at a glance (issues 9, 13 and 40)\n");
+    let _ = writeln!(md, "## Goals at a glance (issues 9, 13, 39 and 40)\n");
     let _ = writeln!(
         md,
-        "Every figure issues 9, 13 and 40 set a goal for. \"Before\" quotes the starting point the \
+        "Every figure issues 9, 13, 39 and 40 set a goal for. \"Before\" quotes the starting point the \
          issue states; \"this run\" is read from the rows below; the verdict is mechanical. Where \
          a goal is missed, docs/performance.md gives the measured floor that stands in the way.\n"
     );

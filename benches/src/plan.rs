@@ -36,6 +36,12 @@ pub struct Plan {
     /// the working set its guest touches, MiB.
     pub remote_mib: u64,
     pub remote_ws_mib: u64,
+    /// Children counts forked from one template by the density bench.
+    pub density_children: Vec<u32>,
+    /// Guest RAM of the density bench's template, MiB, and what it writes
+    /// and each child reads (W), MiB.
+    pub density_mib: u64,
+    pub density_ws_mib: u64,
 }
 
 impl Plan {
@@ -54,6 +60,9 @@ impl Plan {
                 minor_mib: 8,
                 remote_mib: 64,
                 remote_ws_mib: 16,
+                density_children: vec![1, 20, 100],
+                density_mib: 32,
+                density_ws_mib: 8,
             }
         } else {
             Plan {
@@ -68,6 +77,9 @@ impl Plan {
                 minor_mib: 64,
                 remote_mib: 1024,
                 remote_ws_mib: 256,
+                density_children: vec![1, 100, 1000],
+                density_mib: 64,
+                density_ws_mib: 16,
             }
         }
     }
@@ -215,13 +227,32 @@ impl Plan {
             ]
             .map(|m| format!("remote.{m}"))
             .to_vec(),
+            "density" => {
+                let mut k: Vec<String> = self
+                    .density_children
+                    .iter()
+                    .flat_map(|n| ["read", "start"].map(|m| format!("density.{m}.{n}")))
+                    .collect();
+                k.extend(
+                    [
+                        "child",
+                        "write_half",
+                        "restore_time",
+                        "restore_mem",
+                        "fork_p50",
+                        "restore_p50",
+                    ]
+                    .map(|m| format!("density.{m}")),
+                );
+                k
+            }
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 11] = [
+pub const BENCHES: [&str; 12] = [
     "lazy_restore",
     "fork",
     "vmm_pool",
@@ -233,6 +264,7 @@ pub const BENCHES: [&str; 11] = [
     "zstd_image",
     "minor_fault",
     "remote_restore",
+    "density",
 ];
 
 #[cfg(test)]

@@ -20,8 +20,8 @@ use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, Ms
 
 /// Frame magic, "PGFK".
 pub const MAGIC: [u8; 4] = *b"PGFK";
-/// Protocol version spoken by this build.
-pub const VERSION: u16 = 1;
+/// Protocol version spoken by this build (2: memory kinds and Rebase).
+pub const VERSION: u16 = 2;
 /// Header size in bytes.
 pub const HEADER_LEN: usize = 16;
 /// Largest payload accepted.

@@ -5,11 +5,14 @@
 //!   |-- Hello{version, token, pid} ------------------->|  token issued at launch,
 //!   |                                                  |  pid checked with SO_PEERCRED
 //!   |<-- Welcome{vm_id, config}  + fds [memfd.., disk]-|
-//!   |   mmap memfds, create uffd, register MISSING|WP  |
+//!   |   mmap memfds (shared, or private over a base),  |
+//!   |   register MISSING|WP (|MINOR over a base)       |
 //!   |-- UffdReady{bases}         + fds [uffd] -------->|  server starts serving faults
 //!   |   start vCPUs; agent waits for its first command |
 //!   |-- Running ---------------------------------------->|
-//!   |<-- Request{seq, Pause|Resume|CaptureState|Restore|Exec|Stop}
+//!   |<-- Request{seq, Pause|Resume|CaptureState|Restore|Exec|Stop|Discard}
+//!   |<-- Request{seq, Rebase} + fds [base memfd..] -----|  paused: guest RAM mapped
+//!   |                                                  |  private over a new base
 //!   |-- Reply{seq, result} ---------------------------->|
 //!   |-- Console{text} / Exited{code} ------------------>|  unsolicited
 //! ```
@@ -70,6 +73,23 @@ pub struct LaunchConfig {
     pub disk_bytes: Option<u64>,
     /// Start from this state (a fork child) instead of booting the agent.
     pub start_state: Option<VmState>,
+    /// What the memfds are: this VM's own guest RAM, or shared bases.
+    pub memory: MemoryKind,
+}
+
+/// What the memfds of a Welcome (or a Rebase) are to the VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum MemoryKind {
+    /// The VM's own guest RAM: mapped shared, so every page the server
+    /// installs and every page the guest writes is in the memfd.
+    #[default]
+    Own,
+    /// Shared bases, frozen while any VM maps them: mapped private and
+    /// registered MINOR as well. A page present in the base is mapped
+    /// from it (UFFDIO_CONTINUE) and shared with every VM on that base;
+    /// the guest's writes, and pages the server installs with UFFDIO_COPY,
+    /// are private pages of this process.
+    Base,
 }
 
 /// Requests from the server to the VMM.
@@ -96,6 +116,15 @@ pub enum Request {
     /// but not mapped faults MINOR, so the server sees every access to
     /// them. `Unsupported` where the kernel or the memory cannot.
     Discard(Vec<(u64, u64)>),
+    /// Map guest RAM of the paused VM private over the memfds that come
+    /// with this request (one per region, each at least the region's
+    /// size), replacing its current mapping: every page it mapped and
+    /// every private page it held are dropped from this process, and from
+    /// now on it is a VM on a base (see [`MemoryKind::Base`]). The server
+    /// sends it when the memfd the VM wrote becomes a base for others (a
+    /// template's first resume after a fork) or when a rollback changes
+    /// the VM's base.
+    Rebase,
 }
 
 impl Request {
@@ -109,6 +138,7 @@ impl Request {
             Request::Stop => "stop",
             Request::Restore(_) => "restore the state of",
             Request::Discard(_) => "discard pages of",
+            Request::Rebase => "map a new base for",
         }
     }
 }
@@ -251,6 +281,23 @@ mod tests {
             let m = ServerMsg::Request { seq, request: Request::Exec(op) };
             let bytes = encode(&m).unwrap();
             prop_assert_eq!(decode::<ServerMsg>(&bytes).unwrap(), m);
+        }
+
+        #[test]
+        fn welcomes_round_trip_with_either_memory_kind(vm in any::<u32>(), base: bool, vcpus: u8) {
+            let config = LaunchConfig {
+                regions: vec![GuestRegion { guest_phys: 0, size: 1 << 20 }],
+                vcpus,
+                disk_bytes: None,
+                start_state: None,
+                memory: if base { MemoryKind::Base } else { MemoryKind::Own },
+            };
+            let m = ServerMsg::Welcome { vm_id: VmId(vm), config };
+            let bytes = encode(&m).unwrap();
+            prop_assert_eq!(decode::<ServerMsg>(&bytes).unwrap(), m);
+            let r = ServerMsg::Request { seq: u64::from(vm), request: Request::Rebase };
+            let bytes = encode(&r).unwrap();
+            prop_assert_eq!(decode::<ServerMsg>(&bytes).unwrap(), r);
         }
 
         #[test]

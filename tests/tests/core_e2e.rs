@@ -25,7 +25,9 @@ fn image_backed_vm_checksum_and_digest_match_the_image_file() {
     let mib = 256;
     let pages = pages_of(mib);
     let image = RandomImage::new(mib, 0x5eed_0001);
-    let s = TestServer::start();
+    // Pages copied into the VM's own memfd (what a VM not on a shared
+    // base does; `based_e2e` and `density_e2e` cover the base).
+    let s = TestServer::start_with_args(&["--shared-bases=false"]);
 
     // Act: create the VM from it.
     let id = s.create_vm(&CreateVm {
@@ -202,7 +204,9 @@ fn touch_read_and_write_leave_image_contents_unchanged() {
     let mib = 32;
     let pages = pages_of(mib);
     let image = RandomImage::new(mib, 0x5eed_0003);
-    let s = TestServer::start();
+    // Pages copied into the VM's own memfd (what a VM not on a shared
+    // base does; `based_e2e` and `density_e2e` cover the base).
+    let s = TestServer::start_with_args(&["--shared-bases=false"]);
     let id = s.create_vm(&CreateVm {
         memory_source: Some(image.source()),
         fault_around_kib: Some(0),
@@ -268,7 +272,12 @@ fn fault_around_installs_whole_aligned_blocks_per_fault() {
     let end_off = s.vm(&off);
     let end_on = s.vm(&on);
 
-    let installed = |a: &VmInfo, b: &VmInfo| b.faults.pages_installed - a.faults.pages_installed;
+    // Pages made present: copied, or mapped from the image's shared base.
+    let installed = |a: &VmInfo, b: &VmInfo| {
+        b.faults.pages_installed + b.faults.pages_shared
+            - a.faults.pages_installed
+            - a.faults.pages_shared
+    };
     let missing = |a: &VmInfo, b: &VmInfo| b.faults.missing - a.faults.missing;
     // Without fault-around: one fault and one page per touched page.
     assert_eq!(installed(&before_off, &mid_off), 256, "{mid_off:?}");
@@ -721,7 +730,11 @@ fn sequential_faults_grow_the_readahead_window_up_to_its_limit() {
     // (Each window goes in 64 KiB pieces, the faulting one first; a
     // fault in a piece not yet installed is woken by that piece's copy.)
     assert_eq!(v.faults.missing, 13, "{v:?}");
-    assert_eq!(v.faults.pages_installed, 4592, "{v:?}");
+    assert_eq!(
+        v.faults.pages_installed + v.faults.pages_shared,
+        4592,
+        "{v:?}"
+    );
     assert_eq!(v.faults.phases.service.count, 13, "{v:?}");
     assert_eq!(
         s.digest(&vm, 0, 4592),
@@ -731,5 +744,9 @@ fn sequential_faults_grow_the_readahead_window_up_to_its_limit() {
     s.touch(&vm, 6000 + 3, 1, false);
     let w = s.vm(&vm);
     assert_eq!(w.faults.missing, 14, "{w:?}");
-    assert_eq!(w.faults.pages_installed, 4592 + 16, "{w:?}");
+    assert_eq!(
+        w.faults.pages_installed + w.faults.pages_shared,
+        4592 + 16,
+        "{w:?}"
+    );
 }

@@ -16,9 +16,11 @@ use pagefork_tests::{
 };
 use proto::api::CreateVm;
 
-/// One life cycle: create (from `image` or zeroes), fault some pages in,
-/// fork, check the child, delete both (parent first every other time, so
-/// it stays frozen for its child a while).
+/// One life cycle: create (from `image`, whose VMs share its base, or
+/// zeroes), fault some pages in, fork (every third time a paused
+/// template, whose memory becomes its child's base), check the child,
+/// delete both (parent first every other time, so it stays frozen for its
+/// child a while).
 fn cycle(s: &TestServer, image: &RandomImage, i: u64) {
     let body = if i.is_multiple_of(2) {
         CreateVm {
@@ -30,6 +32,9 @@ fn cycle(s: &TestServer, image: &RandomImage, i: u64) {
     };
     let a = s.create_vm(&body);
     s.fill(&a, 0, 16, i);
+    if i.is_multiple_of(3) {
+        s.pause(&a);
+    }
     let b = s.fork_one(&a);
     assert_eq!(s.verify(&b, 0, 16, i), 0, "child {b} of {a} (cycle {i})");
     s.touch(&b, 16, 16, false);
@@ -102,6 +107,11 @@ fn two_hundred_vm_lifecycles_under_256_fds_leave_nothing_behind() {
         }
     }
     assert!(s.vm_ids().is_empty(), "VMs left: {:?}", s.vm_ids());
+    let bases = s.bases().bases;
+    assert!(
+        bases.is_empty(),
+        "shared bases outlived their VMs: {bases:?}"
+    );
     // Memory may take a moment to be unmapped after the last delete.
     let after = settle(pid, &before, 32 << 10, Duration::from_secs(10));
     let files_after = files_under(s.state_dir());

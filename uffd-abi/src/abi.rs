@@ -16,10 +16,13 @@ const NR_WAKE: u8 = 0x02;
 const NR_COPY: u8 = 0x03;
 const NR_ZEROPAGE: u8 = 0x04;
 const NR_WRITEPROTECT: u8 = 0x06;
+const NR_CONTINUE: u8 = 0x07;
 const NR_POISON: u8 = 0x08;
 
 /// `UFFD_FEATURE_EVENT_REMOVE`: report `madvise(MADV_DONTNEED)` and friends.
 pub const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
+/// `UFFD_FEATURE_MINOR_HUGETLBFS` (5.13): register hugetlbfs MINOR.
+pub const UFFD_FEATURE_MINOR_HUGETLBFS: u64 = 1 << 9;
 /// `UFFD_FEATURE_MINOR_SHMEM` (5.14): register shmem MINOR, so a page
 /// present in the memfd but not mapped faults (`UFFDIO_CONTINUE` maps it).
 pub const UFFD_FEATURE_MINOR_SHMEM: u64 = 1 << 10;
@@ -34,6 +37,10 @@ pub const UFFD_FEATURE_POISON: u64 = 1 << 14;
 
 /// `UFFDIO_COPY_MODE_WP`: install the page write-protected.
 pub const COPY_MODE_WP: u64 = 1 << 1;
+/// `UFFDIO_CONTINUE_MODE_WP` (6.5): map the page write-protected. A page
+/// protected before it was ever mapped loses its protection to a plain
+/// CONTINUE, so every CONTINUE into tracked memory uses it.
+pub const CONTINUE_MODE_WP: u64 = 1 << 1;
 /// `UFFDIO_WRITEPROTECT_MODE_WP`: protect (without it: unprotect and wake).
 pub const WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 
@@ -44,6 +51,7 @@ const _: () = assert!(FeatureFlags::PAGEFAULT_FLAG_WP.bits() == 1);
 const _: () = assert!(
     FeatureFlags::all().bits()
         & (UFFD_FEATURE_MINOR_SHMEM
+            | UFFD_FEATURE_MINOR_HUGETLBFS
             | UFFD_FEATURE_WP_HUGETLBFS_SHMEM
             | UFFD_FEATURE_WP_UNPOPULATED
             | UFFD_FEATURE_POISON)
@@ -86,6 +94,15 @@ pub struct UffdioWriteprotect {
     pub mode: u64,
 }
 
+/// `struct uffdio_continue`; `mapped` is the kernel's signed result.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UffdioContinue {
+    pub range: UffdioRange,
+    pub mode: u64,
+    pub mapped: i64,
+}
+
 /// `struct uffdio_poison`; `updated` is the kernel's signed result.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -99,6 +116,7 @@ const _: () = assert!(size_of::<UffdioRange>() == 16);
 const _: () = assert!(size_of::<UffdioCopy>() == 40);
 const _: () = assert!(size_of::<UffdioZeropage>() == 32);
 const _: () = assert!(size_of::<UffdioWriteprotect>() == 24);
+const _: () = assert!(size_of::<UffdioContinue>() == 32);
 const _: () = assert!(size_of::<UffdioPoison>() == 32);
 
 /// `UFFDIO_WAKE`: `_IOR` although the kernel reads the range (a historic
@@ -114,6 +132,9 @@ pub const UFFDIO_ZEROPAGE: ioctl_num_type =
 /// `UFFDIO_WRITEPROTECT`.
 pub const UFFDIO_WRITEPROTECT: ioctl_num_type =
     nix::request_code_readwrite!(UFFDIO, NR_WRITEPROTECT, size_of::<UffdioWriteprotect>());
+/// `UFFDIO_CONTINUE` (Linux 5.13).
+pub const UFFDIO_CONTINUE: ioctl_num_type =
+    nix::request_code_readwrite!(UFFDIO, NR_CONTINUE, size_of::<UffdioContinue>());
 /// `UFFDIO_POISON` (Linux 6.6).
 pub const UFFDIO_POISON: ioctl_num_type =
     nix::request_code_readwrite!(UFFDIO, NR_POISON, size_of::<UffdioPoison>());
@@ -129,6 +150,7 @@ mod tests {
         assert_eq!(UFFDIO_COPY, 0xc028_aa03);
         assert_eq!(UFFDIO_ZEROPAGE, 0xc020_aa04);
         assert_eq!(UFFDIO_WRITEPROTECT, 0xc018_aa06);
+        assert_eq!(UFFDIO_CONTINUE, 0xc020_aa07);
         assert_eq!(UFFDIO_POISON, 0xc020_aa08);
     }
 }

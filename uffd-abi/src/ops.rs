@@ -11,11 +11,12 @@ use std::os::fd::{AsFd, AsRawFd};
 use nix::errno::Errno;
 
 use crate::abi::{
-    UffdioCopy, UffdioPoison, UffdioRange, UffdioWriteprotect, UffdioZeropage, UFFDIO_COPY,
-    UFFDIO_POISON, UFFDIO_WAKE, UFFDIO_WRITEPROTECT, UFFDIO_ZEROPAGE, WRITEPROTECT_MODE_WP,
+    UffdioContinue, UffdioCopy, UffdioPoison, UffdioRange, UffdioWriteprotect, UffdioZeropage,
+    UFFDIO_CONTINUE, UFFDIO_COPY, UFFDIO_POISON, UFFDIO_WAKE, UFFDIO_WRITEPROTECT, UFFDIO_ZEROPAGE,
+    WRITEPROTECT_MODE_WP,
 };
 
-/// What an install ioctl (COPY, ZEROPAGE, POISON) did.
+/// What an install ioctl (COPY, ZEROPAGE, CONTINUE, POISON) did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Install {
     /// All `len` bytes installed (and the faulting threads woken unless
@@ -80,6 +81,26 @@ pub fn zeropage(uffd: impl AsFd, dst: u64, len: u64) -> Install {
     // size; the kernel only maps zero pages into the registered range.
     let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_ZEROPAGE, &mut arg) };
     outcome(ret, arg.zeropage, len)
+}
+
+/// UFFDIO_CONTINUE over `len` bytes at `dst`: map the pages the backing
+/// file (a shared base) holds at that offset, waking the faulting threads.
+/// In a `MAP_PRIVATE` mapping they are mapped read-only and shared with
+/// every other mapping of the file until the process writes one (then the
+/// kernel copies it). `mode` may hold [`crate::CONTINUE_MODE_WP`]. A page
+/// the file lacks ends the call with `Failed(EFAULT)` after the pages
+/// before it; one already mapped, with `Exists`.
+pub fn continue_range(uffd: impl AsFd, dst: u64, len: u64, mode: u64) -> Install {
+    let mut arg = UffdioContinue {
+        range: UffdioRange { start: dst, len },
+        mode,
+        mapped: 0,
+    };
+    // SAFETY: `arg` is a live uffdio_continue matching UFFDIO_CONTINUE's
+    // size; the kernel only maps the file's own pages into the registered
+    // range.
+    let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_CONTINUE, &mut arg) };
+    outcome(ret, arg.mapped, len)
 }
 
 /// UFFDIO_POISON over `len` bytes at `dst` (Linux 6.6): the pages read as

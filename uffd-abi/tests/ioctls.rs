@@ -184,3 +184,61 @@ fn poison_fails_the_page_for_its_reader() {
     }
     drop(uffd);
 }
+
+#[test]
+fn continue_maps_the_base_pages_and_a_write_stays_private() {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::unix::fs::FileExt;
+    // The base: a memfd holding pages 0 and 1; page 2 it lacks.
+    // SAFETY: memfd_create with a valid name and flags.
+    let fd = unsafe { libc::memfd_create(c"base".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0);
+    // SAFETY: `fd` was just created; the File owns it alone.
+    let base = unsafe { std::fs::File::from_raw_fd(fd) };
+    base.set_len(4 * PAGE_U64).expect("size the base");
+    base.write_all_at(&[0x11u8; PAGE], 0).expect("page 0");
+    base.write_all_at(&[0x22u8; PAGE], PAGE_U64)
+        .expect("page 1");
+    // SAFETY: a fresh private mapping of the base; nothing is replaced.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4 * PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE,
+            base.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED);
+    let mem = Anon {
+        ptr: NonNull::new(ptr).expect("mapped"),
+        len: 4 * PAGE,
+    };
+    let minor = FeatureFlags::from_bits_retain(uffd_abi::UFFD_FEATURE_MINOR_SHMEM);
+    let Some(uffd) = registered(&mem, RegisterMode::MISSING | RegisterMode::MINOR, minor) else {
+        return;
+    };
+    assert_eq!(
+        uffd_abi::continue_range(&uffd, mem.addr(0), 2 * PAGE_U64, 0),
+        Install::Done
+    );
+    assert_eq!((mem.byte(0), mem.byte(1)), (0x11, 0x22));
+    assert_eq!(
+        uffd_abi::continue_range(&uffd, mem.addr(0), PAGE_U64, 0),
+        Install::Exists { copied: 0 },
+        "a mapped page is not mapped again"
+    );
+    assert_eq!(
+        uffd_abi::continue_range(&uffd, mem.addr(2), PAGE_U64, 0),
+        Install::Failed(Errno::EFAULT),
+        "a page the base lacks cannot be continued"
+    );
+    // A write copies the page for this mapping alone.
+    // SAFETY: page 0 is mapped (read-only; the kernel copies on write).
+    unsafe { mem.ptr.as_ptr().cast::<u8>().write_volatile(0x99) };
+    assert_eq!(mem.byte(0), 0x99);
+    let mut first = [0u8; 1];
+    base.read_exact_at(&mut first, 0).expect("read the base");
+    assert_eq!(first[0], 0x11, "the base keeps its bytes");
+}

@@ -3,6 +3,7 @@
 //! control API.
 
 pub mod api;
+pub mod bases;
 pub mod conn;
 pub mod core;
 pub mod images;

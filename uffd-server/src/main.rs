@@ -125,6 +125,12 @@ struct Args {
     /// /proc/sys/vm/nr_hugepages.
     #[arg(long, env = "PAGEFORK_HUGEPAGES")]
     hugepages: bool,
+    /// Map the clean pages of VMs made from one image, restored from one
+    /// snapshot or forked from one paused VM from a shared base (one copy
+    /// per host) instead of copying them into each VM. On by default
+    /// where the kernel can (userfaultfd MINOR faults, PAGEMAP_SCAN).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, env = "PAGEFORK_SHARED_BASES")]
+    shared_bases: bool,
     /// Also serve `GET /metrics` (Prometheus) over TCP at this address,
     /// e.g. 127.0.0.1:9464; it is always on the API socket.
     #[arg(long)]
@@ -481,6 +487,7 @@ fn run(args: Args) -> Result<(), StartError> {
         hugepages: args.hugepages,
         fault_poll: Duration::from_micros(args.fault_poll_us),
         readahead_piece_pages: args.readahead_piece_kib / 4,
+        shared_bases: args.shared_bases && shared_bases_work(),
         prefetch_working_set: args.prefetch_working_set,
         working_set_window: Duration::from_millis(args.working_set_window_ms),
         image_dir: match &args.image_dir {
@@ -490,6 +497,10 @@ fn run(args: Args) -> Result<(), StartError> {
             None => None,
         },
     };
+    info!(
+        "shared bases {}",
+        if settings.shared_bases { "on" } else { "off" }
+    );
     let args_metrics_addr = args.metrics_addr;
     let limits = uffd_server::api::serve::Limits {
         max_connections: args.api_max_connections.max(1),
@@ -636,5 +647,19 @@ async fn wait_for_signal() {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+    }
+}
+
+/// Whether this kernel can serve VMs on shared bases; says why not.
+fn shared_bases_work() -> bool {
+    match uffd_server::bases::probe() {
+        Ok(()) => true,
+        Err(e) => {
+            warn!(
+                "shared bases off: {}; every VM copies the pages it reads",
+                shared::error_chain(&e)
+            );
+            false
+        }
     }
 }

@@ -6,7 +6,7 @@
 //! of guest RAM by the VMM (digest, the block device's buffers) go through
 //! the same mapping KVM uses, so they fault through the userfaultfd.
 
-use proto::vmm::RequestError;
+use proto::vmm::{MemoryKind, RequestError};
 use std::fs::File;
 use std::os::fd::OwnedFd;
 
@@ -153,7 +153,7 @@ impl Reserved {
         // The region handle is not kept: the mapping lives as long as the
         // process (guest memory is never unmapped), and the Welcome builds
         // guest memory over it again.
-        map_fixed(file_offset, size, r.host).map_err(std::io::Error::other)?;
+        map_fixed(file_offset, size, r.host, MemoryKind::Own).map_err(std::io::Error::other)?;
         r.file = Some(file_id(&meta));
         Ok(r)
     }
@@ -211,11 +211,25 @@ fn mapped_at(
     }
 }
 
-/// Map `file` shared over `size` bytes of reserved address space at `host`.
+/// The mmap flags of guest RAM of `kind`: a base is mapped private, so the
+/// guest's writes stay in this process, and without a reservation of
+/// memory for them (hugetlb would otherwise set aside the whole size for
+/// every VM on a base).
+fn ram_flags(kind: MemoryKind) -> nix::sys::mman::MapFlags {
+    use nix::sys::mman::MapFlags;
+    match kind {
+        MemoryKind::Own => MapFlags::MAP_SHARED,
+        MemoryKind::Base => MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE,
+    }
+}
+
+/// Map `file` as guest RAM of `kind` over `size` bytes of address space
+/// at `host` (a reservation, or guest RAM being rebased).
 fn map_fixed(
     file: FileOffset,
     size: usize,
     host: u64,
+    kind: MemoryKind,
 ) -> std::result::Result<MmapRegion, vm_memory::mmap::MmapRegionError> {
     use nix::sys::mman::{mmap, MapFlags, ProtFlags};
     use vm_memory::mmap::MmapRegionError;
@@ -225,9 +239,10 @@ fn map_fixed(
         return Err(MmapRegionError::MappingPastEof);
     }
     let prot = ProtFlags::PROT_READ | ProtFlags::PROT_WRITE;
-    let flags = MapFlags::MAP_SHARED | MapFlags::MAP_FIXED;
+    let flags = ram_flags(kind) | MapFlags::MAP_FIXED;
     // SAFETY: MAP_FIXED replaces only the reservation made for this RAM,
-    // which nothing else maps or uses.
+    // or guest RAM itself while its vCPUs are paused (a rebase), which
+    // nothing else maps or uses.
     let at = unsafe {
         mmap(
             std::num::NonZeroUsize::new(usize::try_from(host).unwrap_or(0)),
@@ -253,12 +268,14 @@ fn map_fixed(
 }
 
 impl GuestRam {
-    /// Map the server's memfds, one per region, MAP_SHARED.
+    /// Map the server's memfds, one per region: shared when they are the
+    /// VM's own RAM, private over them when they are bases (`kind`).
     /// A region that fits `reserved` is mapped over it (MAP_FIXED).
     pub fn from_memfds(
         regions: &[GuestRegion],
         fds: Vec<OwnedFd>,
         reserved: Option<Reserved>,
+        kind: MemoryKind,
     ) -> Result<Self> {
         if fds.len() != regions.len() {
             return Err(MemoryError::FdCount {
@@ -275,15 +292,22 @@ impl GuestRam {
                 res.file.is_some() && res.file == file.file().metadata().ok().map(|m| file_id(&m))
             };
             let map = match reserved.filter(|res| res.fits(r)) {
-                Some(res) if same_file(&res) => {
+                // The memfd made ahead is mapped shared: only the VM's own
+                // RAM can use that mapping as it is.
+                Some(res) if kind == MemoryKind::Own && same_file(&res) => {
                     mapping = RamMapping::Ahead;
                     mapped_at(file, size, res.host)
                 }
                 Some(res) => {
                     mapping = RamMapping::OverReservation;
-                    map_fixed(file, size, res.host)
+                    map_fixed(file, size, res.host, kind)
                 }
-                None => MmapRegion::from_file(file, size),
+                None => MmapRegion::build(
+                    Some(file),
+                    size,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    ram_flags(kind).bits(),
+                ),
             }
             .map_err(|source| MemoryError::MapRegion {
                 guest_phys: r.guest_phys,
@@ -294,6 +318,34 @@ impl GuestRam {
         let mut ram = Self::build(regions, maps)?;
         ram.mapping = mapping;
         Ok(ram)
+    }
+
+    /// Map guest RAM private over `fds` (one base per region) in place of
+    /// what it maps now (`Request::Rebase`): every page mapped before, the
+    /// guest's private ones included, is gone from this process. The
+    /// vCPUs must be paused; the KVM slots keep their host addresses and
+    /// follow the new mapping. The caller registers the new mapping with
+    /// the userfaultfd before anything touches it.
+    pub fn rebase(&self, fds: Vec<OwnedFd>) -> Result<()> {
+        let ranges = self.ram_host_ranges();
+        if fds.len() != ranges.len() {
+            return Err(MemoryError::FdCount {
+                want: ranges.len(),
+                got: fds.len(),
+            });
+        }
+        for ((r, (host, len)), fd) in self.regions.iter().zip(ranges).zip(fds) {
+            let file = FileOffset::new(File::from(fd), 0);
+            // The region handle is not kept: the mapping replaces the one
+            // the guest memory object was built over, at the same address.
+            map_fixed(file, len, host as u64, MemoryKind::Base).map_err(|source| {
+                MemoryError::MapRegion {
+                    guest_phys: r.guest_phys,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
     }
 
     /// Anonymous guest RAM (standalone mode).

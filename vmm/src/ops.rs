@@ -35,8 +35,8 @@ pub struct Dispatcher {
     /// machine competed with vCPU 0's first run for the host's CPUs and
     /// kept its own pages in every VMM.
     digests: std::sync::Mutex<Option<mpsc::Sender<HostJob>>>,
-    /// Serves `Request::Discard` (server mode only).
-    discarder: Option<crate::uffd::Discarder>,
+    /// Serves `Request::Discard` and `Request::Rebase` (server mode only).
+    ram_control: Option<crate::uffd::RamControl>,
 }
 
 fn elapsed_us(start: Instant) -> u64 {
@@ -140,7 +140,7 @@ impl Dispatcher {
         Dispatcher {
             machine,
             digests: std::sync::Mutex::new(None),
-            discarder: None,
+            ram_control: None,
         }
     }
 
@@ -194,15 +194,32 @@ impl Dispatcher {
         }
     }
 
-    /// Serve `Request::Discard` with `discarder`.
-    pub fn with_discarder(mut self, discarder: crate::uffd::Discarder) -> Self {
-        self.discarder = Some(discarder);
+    /// Serve `Request::Discard` and `Request::Rebase` with `control`.
+    pub fn with_ram_control(mut self, control: crate::uffd::RamControl) -> Self {
+        self.ram_control = Some(control);
         self
+    }
+
+    /// Map guest RAM of the paused VM over the bases `fds` and register it
+    /// (`Request::Rebase`).
+    fn rebase(&self, fds: Vec<std::os::fd::OwnedFd>) -> Result<Reply, RequestError> {
+        let Some(control) = &self.ram_control else {
+            return Err(RequestError::Unsupported("rebase".into()));
+        };
+        if !self.machine.is_paused() {
+            return Err(RequestError::NotPaused);
+        }
+        self.machine
+            .memory()
+            .rebase(fds)
+            .map_err(|e| RequestError::Memory(shared::error_chain(&e)))?;
+        control.register_base()?;
+        Ok(Reply::Done)
     }
 
     /// Handle one request. Pause returns once the vCPUs are parked; Exec
     /// answers later, from the vCPU or digest thread.
-    pub fn handle(&self, request: Request, reply: ReplyFn) -> Flow {
+    pub fn handle(&self, request: Request, fds: Vec<std::os::fd::OwnedFd>, reply: ReplyFn) -> Flow {
         match request {
             Request::Pause => reply(self.machine.pause().map(|()| Reply::Done)),
             Request::Resume => {
@@ -211,10 +228,11 @@ impl Dispatcher {
             }
             Request::CaptureState => reply(self.machine.capture().map(Reply::State)),
             Request::Restore(state) => reply(self.machine.restore(&state).map(|()| Reply::Done)),
-            Request::Discard(ranges) => reply(match &self.discarder {
+            Request::Discard(ranges) => reply(match &self.ram_control {
                 Some(d) => d.discard(&ranges).map(|()| Reply::Done),
                 None => Err(RequestError::Unsupported("discard".into())),
             }),
+            Request::Rebase => reply(self.rebase(fds)),
             Request::Exec(op) => self.exec(op, reply),
             Request::Stop => {
                 reply(Ok(Reply::Done));

@@ -24,7 +24,7 @@ use crate::kvm::{FirstVcpu, Machine, MachineConfig, Prewarmed, VcpuEvent};
 use crate::memory::{GuestRam, RamMapping};
 use crate::ops::{Dispatcher, Flow};
 use crate::uffd;
-use crate::uffd::Discarder;
+use crate::uffd::RamControl;
 
 /// Tell the server why we exit (best effort), then exit.
 fn exit_with(conn: &Connection, code: i32, reason: String) -> ! {
@@ -139,20 +139,20 @@ fn take_inherited_fd(fd: i32) -> Result<File> {
 
 /// The control thread, started before the Welcome: it serves the server's
 /// requests once it has the machine.
-struct Control(std::sync::mpsc::SyncSender<(Arc<Connection>, Machine, Option<Discarder>)>);
+struct Control(std::sync::mpsc::SyncSender<(Arc<Connection>, Machine, Option<RamControl>)>);
 
 impl Control {
     fn spawn() -> Result<Self> {
         let (give, take) =
-            std::sync::mpsc::sync_channel::<(Arc<Connection>, Machine, Option<Discarder>)>(1);
+            std::sync::mpsc::sync_channel::<(Arc<Connection>, Machine, Option<RamControl>)>(1);
         std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
                 // Without a machine (the set-up failed), the process is on
                 // its way out already.
-                if let Ok((conn, machine, discarder)) = take.recv() {
+                if let Ok((conn, machine, ram_control)) = take.recv() {
                     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        control(&conn, machine, discarder)
+                        control(&conn, machine, ram_control)
                     }));
                     match served {
                         Ok(Ok(())) => exit_now(0),
@@ -167,10 +167,14 @@ impl Control {
 }
 
 /// Serve requests for `machine` over `conn` until stopped.
-fn control(conn: &Arc<Connection>, machine: Machine, discarder: Option<Discarder>) -> Result<()> {
+fn control(
+    conn: &Arc<Connection>,
+    machine: Machine,
+    ram_control: Option<RamControl>,
+) -> Result<()> {
     let mut dispatcher = Dispatcher::new(machine);
-    if let Some(d) = discarder {
-        dispatcher = dispatcher.with_discarder(d);
+    if let Some(c) = ram_control {
+        dispatcher = dispatcher.with_ram_control(c);
     }
     release_free_heap();
     serve(conn, &dispatcher)
@@ -202,20 +206,27 @@ fn setup(
         }),
         None => None,
     };
-    let mem = Arc::new(GuestRam::from_memfds(&config.regions, fds, pre.ram())?);
+    let kind = config.memory;
+    let mem = Arc::new(GuestRam::from_memfds(
+        &config.regions,
+        fds,
+        pre.ram(),
+        kind,
+    )?);
     for (addr, len) in mem.ram_host_ranges() {
         // The mapping made ahead and registered before the hello is the
         // one guest RAM uses; any other mapping is new and unregistered.
         let ahead = mem.mapping == RamMapping::Ahead && guest_uffd.registered_ahead(addr, len);
         if !ahead {
-            guest_uffd.register(addr, len)?;
+            guest_uffd.register(addr, len, kind)?;
         }
     }
-    // Without it, a rollback punches its pages out of the memfd instead.
-    let discarder = match guest_uffd.discarder(mem.ram_host_ranges()) {
-        Ok(d) => Some(d),
+    // Without it, a rollback punches its pages out of the memfd instead,
+    // and the VM cannot be rebased.
+    let ram_control = match guest_uffd.control(mem.ram_host_ranges(), kind) {
+        Ok(c) => Some(c),
         Err(e) => {
-            tracing::warn!(error = %e, "no discard for rollbacks");
+            tracing::warn!(error = %e, "no discard or rebase for this VM");
             None
         }
     };
@@ -260,15 +271,15 @@ fn setup(
     let first = first.ok_or_else(|| Error::Guest("vCPU 0 has a thread of its own".into()))?;
     control
         .0
-        .send((conn.clone(), machine, discarder))
+        .send((conn.clone(), machine, ram_control))
         .map_err(|_| Error::SpawnControl(std::io::Error::other("the control thread is gone")))?;
     Ok(first)
 }
 
 fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
     loop {
-        let msg = match conn.recv() {
-            Ok((msg, _fds)) => msg,
+        let (msg, fds) = match conn.recv() {
+            Ok(m) => m,
             Err(ConnectionError::Recv(FrameError::Closed)) => {
                 tracing::info!("the server hung up; exiting");
                 exit_now(0);
@@ -281,6 +292,7 @@ fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
                 let c = conn.clone();
                 let flow = dispatcher.handle(
                     request,
+                    fds,
                     Box::new(move |result| {
                         if let Err(e) = c.send(&VmmMsg::Reply { seq, result }, &[]) {
                             tracing::error!(seq, error = %shared::error_chain(&e), "cannot send a reply");

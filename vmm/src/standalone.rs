@@ -103,6 +103,7 @@ fn print_reply(
         Request::Stop => "stop",
         Request::Restore(_) => "restore",
         Request::Discard(_) => "discard",
+        Request::Rebase => "rebase",
     };
     println!(
         "{}",
@@ -177,7 +178,7 @@ pub fn run(args: &StandaloneArgs) -> Result<()> {
         match step {
             Step::Request(req) => {
                 outstanding.push((i, req.clone()));
-                let flow = dispatcher.handle(req, session.reply_fn(i));
+                let flow = dispatcher.handle(req, Vec::new(), session.reply_fn(i));
                 collect(&replies_rx, &mut outstanding, Some(i), &mut last_state);
                 if flow == Flow::Stop {
                     break;
@@ -185,7 +186,7 @@ pub fn run(args: &StandaloneArgs) -> Result<()> {
             }
             Step::Extra(Extra::Async(req)) => {
                 outstanding.push((i, req.clone()));
-                if dispatcher.handle(req, session.reply_fn(i)) == Flow::Stop {
+                if dispatcher.handle(req, Vec::new(), session.reply_fn(i)) == Flow::Stop {
                     break;
                 }
             }

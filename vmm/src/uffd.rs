@@ -4,18 +4,24 @@
 //! sends the fd to the server, which resolves every fault (including those
 //! KVM takes through get_user_pages, hence `user_mode_only(false)`).
 //!
-//! A rollback in place asks for a [`Discarder`]: guest RAM is registered
-//! MINOR as well (from then on), and the reset pages are unmapped with
-//! `MADV_DONTNEED` while they stay in the memfd, so the pause does not
-//! wait for the kernel to free them; every access to one faults to the
-//! server, which drops the stale page and installs the snapshot's.
+//! Guest RAM mapped private over a shared base ([`MemoryKind::Base`]) is
+//! registered MINOR as well: a page the base holds faults MINOR, and the
+//! server maps it from the base (UFFDIO_CONTINUE).
+//!
+//! The control thread changes guest RAM's mapping for the server through a
+//! [`RamControl`]. A rollback in place discards pages: guest RAM is
+//! registered MINOR as well (from then on), and the reset pages are
+//! unmapped with `MADV_DONTNEED` while they stay in the memfd, so the pause
+//! does not wait for the kernel to free them; every access to one faults
+//! to the server, which drops the stale page and installs the snapshot's.
+//! A rebase maps guest RAM private over a new base and registers it again.
 
 use std::ffi::c_void;
 
-use proto::vmm::RequestError;
+use proto::vmm::{MemoryKind, RequestError};
 use uffd_abi::{
-    UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
-    UFFD_FEATURE_WP_UNPOPULATED,
+    UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_HUGETLBFS, UFFD_FEATURE_MINOR_SHMEM,
+    UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED,
 };
 use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
@@ -37,7 +43,12 @@ pub enum UffdError {
 pub type Result<T> = std::result::Result<T, UffdError>;
 
 /// Feature sets to try, best first.
-const FEATURE_LADDER: [u64; 4] = [
+const FEATURE_LADDER: [u64; 5] = [
+    UFFD_FEATURE_EVENT_REMOVE
+        | UFFD_FEATURE_WP_HUGETLBFS_SHMEM
+        | UFFD_FEATURE_WP_UNPOPULATED
+        | UFFD_FEATURE_MINOR_SHMEM
+        | UFFD_FEATURE_MINOR_HUGETLBFS,
     UFFD_FEATURE_EVENT_REMOVE
         | UFFD_FEATURE_WP_HUGETLBFS_SHMEM
         | UFFD_FEATURE_WP_UNPOPULATED
@@ -94,17 +105,24 @@ pub fn create() -> Result<GuestUffd> {
 }
 
 impl GuestUffd {
-    /// Register `[addr, addr + len)` MISSING, plus WP when the kernel can
-    /// write-protect shmem.
-    pub fn register(&self, addr: *mut u8, len: usize) -> Result<()> {
-        register(&self.uffd, self.features, addr, len, false)
+    /// Register guest RAM of `kind` at `[addr, addr + len)`: MISSING,
+    /// plus WP when the kernel can write-protect shmem, plus MINOR over a
+    /// base.
+    pub fn register(&self, addr: *mut u8, len: usize, kind: MemoryKind) -> Result<()> {
+        register(
+            &self.uffd,
+            self.features,
+            addr,
+            len,
+            kind == MemoryKind::Base,
+        )
     }
 
     /// Register guest RAM mapped before the Welcome (a pooled VMM's),
     /// and remember it: [`Self::registered_ahead`] then tells the start
     /// that this mapping needs no registration.
     pub fn register_ahead(&mut self, addr: *mut u8, len: usize) -> Result<()> {
-        self.register(addr, len)?;
+        self.register(addr, len, MemoryKind::Own)?;
         self.ahead = Some((addr as usize, len));
         Ok(())
     }
@@ -116,19 +134,23 @@ impl GuestUffd {
         self.ahead == Some((addr as usize, len))
     }
 
-    /// What [`Discarder::discard`] needs: a handle on this uffd (a copy of
-    /// the fd) and guest RAM's host ranges.
-    pub fn discarder(&self, ram: Vec<(*mut u8, usize)>) -> std::io::Result<Discarder> {
+    /// What [`RamControl`] needs: a handle on this uffd (a copy of the
+    /// fd) and guest RAM's host ranges, mapped as `kind`.
+    pub fn control(
+        &self,
+        ram: Vec<(*mut u8, usize)>,
+        kind: MemoryKind,
+    ) -> std::io::Result<RamControl> {
         use std::os::fd::{AsFd, FromRawFd, IntoRawFd};
         let fd = self.uffd.as_fd().try_clone_to_owned()?;
         // SAFETY: `fd` is a fresh copy of this userfaultfd, owned by the
         // new `Uffd` alone from here.
         let uffd = unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) };
-        Ok(Discarder {
+        Ok(RamControl {
             uffd,
             features: self.features,
             ram: ram.into_iter().map(|(a, l)| (a as usize, l)).collect(),
-            minor: std::sync::atomic::AtomicBool::new(false),
+            minor: std::sync::atomic::AtomicBool::new(kind == MemoryKind::Base),
         })
     }
 }
@@ -152,9 +174,10 @@ fn register(uffd: &Uffd, features: u64, addr: *mut u8, len: usize, minor: bool) 
         })
 }
 
-/// Unmaps ranges of guest RAM for the server (`Request::Discard`).
+/// Changes guest RAM's mapping for the server: `Request::Discard` and
+/// `Request::Rebase`.
 #[derive(Debug)]
-pub struct Discarder {
+pub struct RamControl {
     uffd: Uffd,
     features: u64,
     /// Guest RAM: (host address, bytes) of each region.
@@ -163,7 +186,7 @@ pub struct Discarder {
     minor: std::sync::atomic::AtomicBool,
 }
 
-impl Discarder {
+impl RamControl {
     /// Unmap `ranges` ((host address, bytes), page-aligned, inside guest
     /// RAM) with `MADV_DONTNEED`, after registering guest RAM MINOR (once):
     /// their pages stay in the memfd, and the next access to each faults
@@ -198,10 +221,11 @@ impl Discarder {
         }
         for &(start, len) in ranges {
             // SAFETY: the range lies inside guest RAM (checked above), a
-            // shared mapping of the memfd: MADV_DONTNEED only drops this
-            // process's page table entries (and KVM's, by its notifier);
-            // the bytes stay in the memfd and nothing here holds a
-            // reference into them while the vCPUs are paused.
+            // mapping of the memfd: MADV_DONTNEED only drops this process's
+            // page table entries (and KVM's, by its notifier) and, over a
+            // base, the private pages the guest wrote; the memfd keeps its
+            // bytes and nothing here holds a reference into them while the
+            // vCPUs are paused.
             let r = unsafe {
                 libc::madvise(
                     shared::geometry::usize_of(start) as *mut c_void,
@@ -216,6 +240,25 @@ impl Discarder {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Register guest RAM, just mapped over a new base
+    /// (`Request::Rebase`), MISSING | WP | MINOR: the new mapping is not
+    /// registered, and nothing may touch it before it is.
+    pub fn register_base(&self) -> std::result::Result<(), RequestError> {
+        use std::sync::atomic::Ordering;
+        if self.features & (UFFD_FEATURE_MINOR_SHMEM | UFFD_FEATURE_MINOR_HUGETLBFS) == 0 {
+            return Err(RequestError::Unsupported(
+                "rebase: the kernel cannot register memory MINOR".into(),
+            ));
+        }
+        for &(a, l) in &self.ram {
+            register(&self.uffd, self.features, a as *mut u8, l, true).map_err(|e| {
+                RequestError::Memory(format!("rebase: {}", shared::error_chain(&e)))
+            })?;
+        }
+        self.minor.store(true, Ordering::SeqCst);
         Ok(())
     }
 }

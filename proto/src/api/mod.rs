@@ -7,6 +7,7 @@
 //! failures.
 //!
 //! - [`vms`]: VMs, guest ops, fork.
+//! - [`bases`]: shared bases, the memory VMs of one image or template map.
 //! - [`volumes`]: disk volumes and their snapshots.
 //! - [`firecracker`]: listeners serving Firecracker's Uffd memory backend.
 //! - [`debug`]: memory-source debugging (sources, pages, tree, invariant).
@@ -14,6 +15,7 @@
 //! - [`observe`]: the live fault trace, a page's chain, access maps.
 //! - [`remote`]: snapshots in an S3-compatible object store.
 
+pub mod bases;
 pub mod debug;
 pub mod firecracker;
 pub mod observe;
@@ -24,6 +26,7 @@ pub mod volumes;
 
 use serde::{Deserialize, Serialize};
 
+pub use bases::*;
 pub use debug::*;
 pub use firecracker::*;
 pub use observe::*;

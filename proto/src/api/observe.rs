@@ -143,6 +143,11 @@ pub struct ExplainStep {
     /// For a compressed image: the frame holding the page.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frame: Option<u64>,
+    /// For a VM on a shared base that reads the page from it: the base
+    /// (`base-N`, see `GET /v1/bases`). The page is shared with every VM on
+    /// that base until this one writes it (then it is `present`: private).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_from: Option<String>,
 }
 
 /// How a page got into a VM's memory.

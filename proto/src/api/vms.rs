@@ -41,7 +41,8 @@ pub struct CreateVm {
     /// (0 = off); the server's default if absent.
     #[serde(default)]
     pub readahead_kib: Option<u64>,
-    /// Install every page before the guest starts (no faults at all).
+    /// Install every page before the guest starts (no faults at all),
+    /// into the VM's own memory: such a VM shares no base.
     #[serde(default)]
     pub prefetch: bool,
     /// Back guest RAM with 2 MiB hugetlb pages (`memory_mib` a multiple
@@ -147,7 +148,9 @@ pub struct VmInfo {
     pub hugepages: bool,
     /// Pages per source kind (`uninitialized`, `vm`, `file`, ...).
     pub pages: BTreeMap<String, u64>,
-    /// Pages present in this VM's own memfd.
+    /// Pages of guest RAM present in this VM: its own memfd's, or, on a
+    /// shared base, the pages its VMM holds privately plus those it maps
+    /// from the base (`memory` splits them).
     pub resident_pages: u64,
     /// The name of that memfd, as the server's `/proc/<pid>/fd` and
     /// `maps` show it (`/memfd:NAME (deleted)`): `pagefork-vm-N`, or
@@ -171,6 +174,26 @@ pub struct VmInfo {
     /// A snapshot of this VM saving its pages now (the guest runs).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub snapshot_saving: Option<SnapshotSaving>,
+    /// The host memory its guest RAM takes: its own pages, and the pages
+    /// it maps from a shared base (held once per host by the base).
+    #[serde(default)]
+    pub memory: VmMemory,
+}
+
+/// Where a VM's guest RAM is in host memory, read from the kernel.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct VmMemory {
+    /// Bytes of guest RAM this VM alone holds: the pages of its own
+    /// memfd, or, for a VM on a shared base, the private pages of its VMM
+    /// (what its guest wrote, and pages copied in for it).
+    pub own_bytes: u64,
+    /// Bytes of guest RAM it maps from its shared base: the base holds
+    /// them once for every VM that maps it (`GET /v1/bases`).
+    pub shared_bytes: u64,
+    /// The shared base its guest RAM maps (`base-N`), if any.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub base: Option<String>,
 }
 
 /// Progress of a snapshot saving pages after its pause.
@@ -205,9 +228,13 @@ pub struct FaultCounters {
     /// Pre-write copies this VM's writes gave to the VMs reading from it.
     #[serde(default)]
     pub wp_copies: u64,
-    /// MINOR faults: accesses to pages a rollback left unmapped.
+    /// MINOR faults: accesses to pages a rollback left unmapped, and, for
+    /// a VM on a shared base, first accesses to pages the base holds.
     #[serde(default)]
     pub minor: u64,
+    /// Pages mapped from the VM's shared base rather than copied.
+    #[serde(default)]
+    pub pages_shared: u64,
     /// uffd events by the time the server spent on them: entry i counts
     /// those served in [2^i, 2^(i+1)) µs (entry 0 also under 1 µs, the
     /// last everything longer).

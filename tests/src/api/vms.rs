@@ -54,6 +54,12 @@ impl Api {
         list.vms
     }
 
+    /// `GET /v1/bases`: the shared bases and their users.
+    pub fn bases(&self) -> proto::api::BaseList {
+        self.call("GET", "/v1/bases", None, 200)
+            .unwrap_or_else(|r| panic!("GET /v1/bases failed: {r}"))
+    }
+
     /// Ids listed by `GET /v1/vms`.
     pub fn vm_ids(&self) -> Vec<String> {
         self.vms().into_iter().map(|vm| vm.id).collect()

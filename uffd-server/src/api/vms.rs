@@ -15,8 +15,8 @@
 
 use axum::extract::State;
 use proto::api::{
-    CreateVm, ExecRequest, ExecResponse, ForkRequest, ForkResponse, Health, VmDeleted, VmInfo,
-    VmList,
+    BaseList, CreateVm, ExecRequest, ExecResponse, ForkRequest, ForkResponse, Health, VmDeleted,
+    VmInfo, VmList,
 };
 use utoipa_axum::router::OpenApiRouter;
 
@@ -35,6 +35,15 @@ pub fn routes() -> OpenApiRouter<CoreHandle> {
         .routes(routes!(resume))
         .routes(routes!(exec))
         .routes(routes!(fork))
+        .routes(routes!(list_bases))
+}
+
+/// Every shared base: what it holds, its memory, the VMs that map it.
+#[utoipa::path(get, path = "/v1/bases")]
+async fn list_bases(State(core): State<CoreHandle>) -> Result<Json<BaseList>, Error> {
+    core.run(|c| async move { Ok(c.list_bases()) })
+        .await
+        .map(Json)
 }
 
 /// The server answers.

@@ -32,6 +32,11 @@ impl Core {
         ops::list_vms(self)
     }
 
+    /// `GET /v1/bases`.
+    pub fn list_bases(&self) -> proto::api::BaseList {
+        crate::core::base::list(&self.reg.borrow())
+    }
+
     /// `GET /v1/vms/{id}`.
     pub fn info(&self, id: VmId) -> Result<VmInfo> {
         ops::info(self, id)

@@ -129,6 +129,14 @@ pub enum Error {
     #[error("cannot save the snapshot of {vm}: {reason}")]
     SaveSnapshot { vm: VmId, reason: String },
     #[error(transparent)]
+    Base(#[from] crate::bases::BaseError),
+    #[error("cannot tell which pages of {vm} are its own")]
+    BaseSync {
+        vm: VmId,
+        #[source]
+        source: crate::pages::ResolveError,
+    },
+    #[error(transparent)]
     Remote(#[from] RemoteError),
     #[error("snapshot {name} cannot be restored on this host: {reason}")]
     Incompatible { name: String, reason: String },
@@ -208,7 +216,7 @@ impl Error {
                 SnapshotKind::NoSpace => 507,
                 SnapshotKind::Io => 500,
             },
-            SaveSnapshot { .. } | RollbackFailed { .. } => 500,
+            SaveSnapshot { .. } | RollbackFailed { .. } | Base(_) | BaseSync { .. } => 500,
             CloneFailed { source, .. } | RemoteCloneFailed { source, .. } => source.status(),
         }
     }

@@ -24,21 +24,25 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
     let mut vms: Vec<VmSample> = reg
         .vms
         .values()
-        .map(|v| VmSample {
-            id: v.id.to_string(),
-            kind: "pagefork",
-            state: if v.deleted {
-                RunState::Deleted
-            } else {
-                v.state
+        .map(|v| {
+            let memory = crate::core::base::memory(&reg, v.id);
+            VmSample {
+                id: v.id.to_string(),
+                kind: "pagefork",
+                state: if v.deleted {
+                    RunState::Deleted
+                } else {
+                    v.state
+                }
+                .name()
+                .to_owned(),
+                stats: v.log.stats,
+                resident_pages: (memory.own_bytes + memory.shared_bytes) / shared::PAGE_SIZE,
+                shared_bytes: memory.shared_bytes,
+                pages_by_source: by_kind(&v.table),
+                frozen: v.deleted,
+                trace_listeners: v.log.tap.listeners(),
             }
-            .name()
-            .to_owned(),
-            stats: v.log.stats,
-            resident_pages: v.memory.allocated_bytes() / shared::PAGE_SIZE,
-            pages_by_source: by_kind(&v.table),
-            frozen: v.deleted,
-            trace_listeners: v.log.tap.listeners(),
         })
         .collect();
     vms.extend(reg.fc_vms.values().map(|v| VmSample {
@@ -47,6 +51,7 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
         state: v.state.name().to_owned(),
         stats: v.stats,
         resident_pages: v.table.count_of(v.self_src),
+        shared_bytes: 0,
         pages_by_source: by_kind(&v.table),
         frozen: false,
         trace_listeners: 0,
@@ -62,6 +67,16 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
             .map(|(k, n)| (k.to_owned(), n))
             .collect(),
         pool: core.pool.borrow().sample(),
+        bases: crate::core::base::list(&reg)
+            .bases
+            .into_iter()
+            .map(|b| crate::observe::metrics::BaseSample {
+                id: b.id,
+                of: b.of,
+                bytes: b.bytes,
+                users: b.users.len() as u64,
+            })
+            .collect(),
     }
 }
 
@@ -88,6 +103,7 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
                 file: None,
                 offset: None,
                 frame: None,
+                shared_from: None,
             });
             break;
         };
@@ -98,6 +114,12 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
         } else {
             None
         };
+        let shared_from = reg
+            .vms
+            .get(&vm)
+            .and_then(|v| v.base.on.as_ref())
+            .filter(|on| !present && on.src == src)
+            .map(|on| on.base.name());
         chain.push(ExplainStep {
             at: vm.to_string(),
             kind: "vm".into(),
@@ -110,6 +132,7 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
             file: None,
             offset: None,
             frame: None,
+            shared_from,
         });
         // Where the bytes are (not present) or came from (present).
         let next = match (present, installed) {
@@ -148,6 +171,7 @@ fn retired_step(reg: &Registry, src: SourceId, page: u64) -> ExplainStep {
         file: path.map(|p| p.display().to_string()),
         offset: path.map(|_| page * shared::PAGE_SIZE),
         frame: None,
+        shared_from: None,
     }
 }
 
@@ -157,9 +181,11 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
     let (at, kind) = match s {
         PageSource::Uninitialized => ("zero".to_owned(), "zero"),
         PageSource::Image(_) => (s.describe(), "image"),
-        PageSource::File(_) | PageSource::Vm(_) | PageSource::Zstd(_) | PageSource::Remote(_) => {
-            (s.describe(), s.kind())
-        }
+        PageSource::File(_)
+        | PageSource::Vm(_)
+        | PageSource::Frozen(_)
+        | PageSource::Zstd(_)
+        | PageSource::Remote(_) => (s.describe(), s.kind()),
     };
     if let Some(r) = s.remote() {
         // The chunk object holding the page, and the page's offset in
@@ -175,6 +201,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
                 .map(|c| format!("{}/chunks/{}", r.url, c.digest)),
             offset: Some((page - r.chunk_pages(chunk).start) * shared::PAGE_SIZE),
             frame: Some(chunk),
+            shared_from: None,
         };
     }
     if let Some(z) = s.zstd() {
@@ -187,6 +214,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
             file: Some(z.path.display().to_string()),
             offset: z.frame_offset(frame),
             frame: Some(frame),
+            shared_from: None,
         };
     }
     let file = s.file();
@@ -198,11 +226,13 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
         file: file.map(|f| f.path.display().to_string()),
         offset: file.map(|_| page * shared::PAGE_SIZE),
         frame: None,
+        shared_from: None,
     }
 }
 
 /// `GET /v1/vms/{id}/sources`.
 pub(crate) fn sources(core: &Core, id: VmId) -> Result<Sources> {
+    crate::core::base::sync_private(&mut core.reg.borrow_mut(), id)?;
     let reg = core.reg.borrow();
     let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
     let describe = |src| {
@@ -239,6 +269,9 @@ pub(crate) fn sources(core: &Core, id: VmId) -> Result<Sources> {
 
 /// `GET /v1/vms/{id}/pages/{page}[?explain=true]`.
 pub(crate) fn page(core: &Core, id: VmId, page: u64, explain: bool) -> Result<PageInfo> {
+    // The pages a VM on a shared base wrote over it, which raised no
+    // fault, are its own in what this shows.
+    crate::core::base::sync_private(&mut core.reg.borrow_mut(), id)?;
     let reg = core.reg.borrow();
     let v = reg.table_view(id).ok_or(Error::NoSuchVm(id))?;
     if page >= v.table.pages() {
@@ -258,9 +291,10 @@ pub(crate) fn page(core: &Core, id: VmId, page: u64, explain: bool) -> Result<Pa
         // Pagefork VMs: the kernel's view of the memfd. Firecracker VMs:
         // installed into its address space (the table's record).
         // Hugetlb memory: the kernel cannot say (see `memory.rs`).
-        present: v
-            .memory
-            .and_then(|m| m.is_present(page))
+        // A VM on a shared base: held privately by its VMM.
+        present: crate::core::base::private_pages(&reg, id)
+            .and_then(|held| held.get(shared::geometry::usize_of(page)).copied())
+            .or_else(|| v.memory.and_then(|m| m.is_present(page)))
             .unwrap_or(src == v.self_src),
         table_says_present: src == v.self_src,
         explain: explain.then(|| explain_page(&reg, id, page)),
@@ -417,6 +451,11 @@ pub(crate) fn check_invariant(core: &Core) -> Invariant {
     let mut violations = Vec::new();
     let mut checked = 0u64;
     for v in reg.vms.values() {
+        if v.base.is_based() {
+            based_violations(&reg, v, &mut violations);
+            checked += v.table.pages();
+            continue;
+        }
         let Some(ranges) = v.memory.present_ranges() else {
             // Hugetlb: the kernel cannot say which blocks are present;
             // what must hold is that each block is wholly present or
@@ -454,6 +493,29 @@ pub(crate) fn check_invariant(core: &Core) -> Invariant {
         ok: violations.is_empty(),
         pages_checked: checked,
         violations,
+    }
+}
+
+/// Pages of a VM on a shared base that its table says are its own but its
+/// VMM does not hold privately. The other way round is no violation: a
+/// guest's write over a page mapped from the base raises no fault, and
+/// the table learns of it when it must (`core::base::sync_private`).
+fn based_violations(reg: &Registry, v: &Vm, out: &mut Vec<Violation>) {
+    let Some(held) = crate::core::base::private_pages(reg, v.id) else {
+        return;
+    };
+    for (p, held) in held.iter().enumerate() {
+        if out.len() >= 32 {
+            break;
+        }
+        if v.table.get(p as u64) == v.self_src && !held {
+            out.push(Violation {
+                id: v.id.to_string(),
+                page: p as u64,
+                table_says_present: true,
+                present: false,
+            });
+        }
     }
 }
 

@@ -15,7 +15,7 @@
 //!   mod.rs (event loop), actions.rs
 //!   features: remote/ (uses launch/, snapshot/)
 //!             launch/ ops.rs inspect.rs fork/ snapshot/ rollback/ clone.rs
-//!             workset/ pool/ firecracker/ fault/ link/ busy.rs sources.rs
+//!             workset/ pool/ firecracker/ fault/ base/ link/ busy.rs sources.rs
 //!   the shared state: state.rs (Core), registry.rs, vm.rs
 //!   each feature's per-VM state (*/state.rs) and errors (*/error.rs),
 //!             fault/install.rs, settings.rs, error.rs, ratelimit.rs
@@ -28,6 +28,7 @@
 //! `pool` and `snapshot::arm`, everything uses `link`).
 
 pub mod actions;
+pub mod base;
 pub mod busy;
 pub mod clone;
 pub mod error;

@@ -45,13 +45,20 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
                 fault_around_kib: fault_around_kib(v.fault_around_pages),
                 wp_copies: v.stats.wp_copies,
                 minor: 0,
+                pages_shared: 0,
                 service_us_log2: v.stats.service_us_log2.to_vec(),
                 phases: v.phases.to_api(),
             },
             snapshot_saving: None,
+            memory: proto::api::VmMemory {
+                own_bytes: v.table.count_of(v.self_src) * PAGE_SIZE,
+                shared_bytes: 0,
+                base: None,
+            },
         });
     }
     let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+    let memory = crate::core::base::memory(&reg, id);
     Ok(VmInfo {
         id: id.to_string(),
         state: v.api_state(),
@@ -61,8 +68,16 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
         vcpus: v.vcpus,
         hugepages: v.memory.unit_pages() > 1,
         pages: reg.pages_by_kind(&v.table),
-        resident_pages: v.memory.allocated_bytes() / PAGE_SIZE,
-        memfd: Some(v.memory.name().to_owned()),
+        // Present in the VM: its own pages and those it maps from its base.
+        resident_pages: (memory.own_bytes + memory.shared_bytes) / PAGE_SIZE,
+        // The memfd its VMM maps: its own, or its base's.
+        memfd: Some(
+            v.base
+                .on
+                .as_ref()
+                .map_or(v.memory.name(), |on| on.base.memory.name())
+                .to_owned(),
+        ),
         exit_reason: v.link.exit_reason.clone(),
         failure: v.failure.clone(),
         parent: v.fork.parent.map(|p| p.to_string()),
@@ -78,6 +93,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
             fault_around_kib: fault_around_kib(v.faults.fault_around_pages),
             wp_copies: v.log.stats.wp_copies,
             minor: v.log.stats.minor,
+            pages_shared: v.log.stats.pages_shared,
             service_us_log2: v.log.stats.service_us_log2.to_vec(),
             phases: v.log.phases.to_api(),
         },
@@ -89,6 +105,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
                 pages_saved: s.pages_written,
             }
         }),
+        memory,
     })
 }
 
@@ -169,6 +186,12 @@ pub(crate) async fn pause(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
 pub(crate) async fn resume(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
     refuse_while_busy(&core, id, "resume")?;
     expect_state(&core, id, RunState::Paused, "resume")?;
+    {
+        // A template whose memfd its children map moves onto it first: it
+        // must not write it again.
+        let _busy = crate::core::busy::begin(&core, id, "resume", "a resume")?;
+        crate::core::base::move_onto_base(&core, id).await?;
+    }
     pause_or_resume(&core, id, false).await?;
     info(&core, id)
 }

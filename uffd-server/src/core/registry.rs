@@ -38,6 +38,8 @@ pub struct Registry {
     /// least the fault-around block), the faulting page's first; 0 = in
     /// one piece.
     pub readahead_piece_pages: u64,
+    /// The shared bases VMs map.
+    pub bases: crate::bases::Bases,
 }
 
 impl Registry {

@@ -59,6 +59,10 @@ pub struct Settings {
     /// faulting page's first, so its thread runs while the rest goes in
     /// (0 = the whole window before the wake).
     pub readahead_piece_pages: u64,
+    /// VMs made from an image, restored from a snapshot, or forked from a
+    /// paused VM map their clean pages from a shared base instead of
+    /// copying them (`crate::bases`); off where the kernel cannot.
+    pub shared_bases: bool,
     /// Restores install their snapshot's recorded working set ahead of
     /// the guest (see `core/workset/`).
     pub prefetch_working_set: bool,

@@ -31,13 +31,15 @@ pub(crate) fn open_image(path: &str, size: u64, settings: &Settings) -> Result<F
             ),
         });
     }
-    let (file, pin) = crate::images::pin(file, &settings.state_dir).map_err(|source| {
+    let open_err = |source| {
         Error::OpenImageFile(crate::images::ImageError::Open {
             path: path.into(),
             source,
         })
-    })?;
-    Ok(FileSource::new(path.into(), file, len, pin))
+    };
+    let identity = crate::images::Identity::of(&file).map_err(open_err)?;
+    let (file, pin) = crate::images::pin(file, &settings.state_dir).map_err(open_err)?;
+    Ok(FileSource::new(path.into(), file, len, pin).with_identity(identity))
 }
 
 /// Open a compressed image a client names (or a snapshot's
@@ -56,6 +58,7 @@ pub(crate) fn open_zstd(core: &Core, path: &str, snapshot: Option<&str>) -> Resu
             source,
         })
     };
+    let identity = crate::images::Identity::of(&file).map_err(open_err)?;
     let (file, pin) = match snapshot {
         // Snapshot files never change once committed.
         Some(_) => {
@@ -65,7 +68,13 @@ pub(crate) fn open_zstd(core: &Core, path: &str, snapshot: Option<&str>) -> Resu
         None => crate::images::pin(file, &core.settings.state_dir).map_err(open_err)?,
     };
     core.frames
-        .open(file, p.to_owned(), pin, snapshot.map(str::to_owned))
+        .open(
+            file,
+            p.to_owned(),
+            pin,
+            snapshot.map(str::to_owned),
+            Some(identity),
+        )
         .map_err(|e| Error::Image {
             path: path.into(),
             reason: format!("not a usable memory.zst image: {}", shared::error_chain(&e)),
@@ -101,9 +110,10 @@ pub(crate) fn open_snapshot_memory(
     let pin = crate::images::Pin::Stamp(
         crate::images::Stamp::of(&file).map_err(SnapshotError::io("stat", path))?,
     );
+    let identity = crate::images::Identity::of(&file).map_err(SnapshotError::io("stat", path))?;
     let source = PageSource::Image(ImageSource {
         snapshot: name.to_owned(),
-        file: FileSource::new(path.to_owned(), file, len, pin),
+        file: FileSource::new(path.to_owned(), file, len, pin).with_identity(identity),
     });
     Ok((source, data))
 }

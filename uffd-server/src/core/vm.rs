@@ -10,6 +10,7 @@
 //! | `snapshot` | base snapshot, dirty log, saving, arming | `snapshot::state::SnapshotState` |
 //! | `rollback` | stale pages, discard | `rollback::state::RollbackState` |
 //! | `pooled` | a warm-pool VMM set aside for it | `pool::state::SetAside` |
+//! | `base` | the shared base its guest RAM maps | `base::state::BaseState` |
 //! | `log` | page log, fault trace, phases, counters | `observe::vm::VmLog` |
 
 use std::rc::Rc;
@@ -17,6 +18,7 @@ use std::rc::Rc;
 use shared::{VmId, PAGE_SIZE};
 use userfaultfd::Uffd;
 
+use super::base::state::BaseState;
 use super::fault::state::FaultState;
 use super::fork::state::ForkState;
 use super::link::state::{ReadySender, VmmLink};
@@ -62,6 +64,7 @@ pub struct Vm {
     /// The pooled VMM whose memfd is this VM's guest RAM, until the VM's
     /// launch takes it.
     pub pooled: Option<SetAside>,
+    pub base: BaseState,
     pub log: VmLog,
 }
 
@@ -102,6 +105,7 @@ impl Vm {
             snapshot: SnapshotState::default(),
             rollback: RollbackState::default(),
             pooled: None,
+            base: BaseState::default(),
             log,
         }
     }

@@ -21,6 +21,30 @@ use std::fs::File;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
+/// What makes two opens of an image the same image: its device, inode,
+/// size and modification time when opened (a file rewritten in place is
+/// another image). VMs of the same image share one base (`crate::bases`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Identity {
+    pub dev: u64,
+    pub ino: u64,
+    pub len: u64,
+    pub mtime_ns: i128,
+}
+
+impl Identity {
+    /// The identity of `file` now.
+    pub fn of(file: &File) -> std::io::Result<Self> {
+        let m = file.metadata()?;
+        Ok(Identity {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        })
+    }
+}
+
 /// Why an image cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {

@@ -74,6 +74,8 @@ pub struct ZstdImage {
     pub snapshot: Option<String>,
     /// How the file is kept from changing under its readers.
     pub pin: Pin,
+    /// The image's identity when opened (see `FileSource::identity`).
+    pub identity: Option<super::Identity>,
     image: zst::Image,
     pool: Arc<FramePool>,
 }
@@ -144,6 +146,18 @@ impl ZstdImage {
     /// Drop this image's decoded frames from the cache (it is released).
     pub fn release_cache(&self) {
         self.pool.forget(self);
+    }
+
+    /// Drop the decoded `frames` from the cache: their pages are in a
+    /// shared base now, which every VM of this image maps, and a second
+    /// copy of them would only take memory (a frame is decoded again if
+    /// something else asks for it).
+    pub fn drop_decoded(&self, frames: Range<u64>) {
+        for f in frames {
+            if let Some((_, v)) = self.pool.cache.remove(&(self.key, f)) {
+                self.pool.bytes.fetch_sub(v.len() as u64, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -216,6 +230,7 @@ impl FramePool {
         path: PathBuf,
         pin: Pin,
         snapshot: Option<String>,
+        identity: Option<super::Identity>,
     ) -> Result<Arc<ZstdImage>, zst::Error> {
         let image = zst::Image::from_file(file)?;
         Ok(Arc::new(ZstdImage {
@@ -223,6 +238,7 @@ impl FramePool {
             path,
             snapshot,
             pin,
+            identity,
             image,
             pool: Arc::clone(self),
         }))

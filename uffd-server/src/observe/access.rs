@@ -29,6 +29,8 @@ pub enum By {
     WpCopy = 3,
     /// Installed before the VM ran.
     Prefetch = 4,
+    /// Mapped from the VM's shared base (the run around a fault).
+    Shared = 5,
 }
 
 impl By {
@@ -38,6 +40,7 @@ impl By {
             2 => Some(By::FaultAround),
             3 => Some(By::WpCopy),
             4 => Some(By::Prefetch),
+            5 => Some(By::Shared),
             _ => None,
         }
     }
@@ -49,6 +52,7 @@ impl By {
             By::FaultAround => "fault-around",
             By::WpCopy => "wp-copy",
             By::Prefetch => "prefetch",
+            By::Shared => "shared",
         }
     }
 }

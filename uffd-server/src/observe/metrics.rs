@@ -41,6 +41,8 @@ pub struct VmSample {
     pub stats: FaultStats,
     /// Pages present in the VM's own memory.
     pub resident_pages: u64,
+    /// Bytes of guest RAM it maps from a shared base.
+    pub shared_bytes: u64,
     /// Pages by the kind of their source (`uninitialized`, `vm`, `file`).
     pub pages_by_source: Vec<(String, u64)>,
     /// Deleted but kept while other VMs read pages from it.
@@ -61,6 +63,21 @@ pub struct Sample {
     pub sources_by_kind: Vec<(String, u64)>,
     /// The warm VMM pool.
     pub pool: PoolSample,
+    /// The shared bases.
+    pub bases: Vec<BaseSample>,
+}
+
+/// One shared base as a scrape sees it.
+#[derive(Debug, Clone)]
+pub struct BaseSample {
+    /// `base-N`.
+    pub id: String,
+    /// What it holds the pages of.
+    pub of: String,
+    /// Host memory it holds.
+    pub bytes: u64,
+    /// VMs mapping it.
+    pub users: u64,
 }
 
 /// The warm VMM pool's figures.
@@ -174,10 +191,38 @@ pub fn render(sample: &Sample) -> String {
         }
         frozen += i64::from(vm.frozen);
     }
+    let shared = Family::<Labels, Gauge>::default();
+    for vm in sample.vms.iter().filter(|v| v.shared_bytes > 0) {
+        shared
+            .get_or_create(&labels(&[("vm", &vm.id)]))
+            .set(i64::try_from(vm.shared_bytes).unwrap_or(i64::MAX));
+    }
+    reg.register(
+        "vm_shared_bytes",
+        "bytes of each VM's guest RAM mapped from its shared base",
+        shared,
+    );
+    let base_bytes = Family::<Labels, Gauge>::default();
+    let base_users = Family::<Labels, Gauge>::default();
+    for b in &sample.bases {
+        let l = labels(&[("base", &b.id), ("of", &b.of)]);
+        base_bytes
+            .get_or_create(&l)
+            .set(i64::try_from(b.bytes).unwrap_or(i64::MAX));
+        base_users
+            .get_or_create(&l)
+            .set(i64::try_from(b.users).unwrap_or(i64::MAX));
+    }
+    reg.register(
+        "base_bytes",
+        "host memory each shared base holds (once for all its VMs)",
+        base_bytes,
+    );
+    reg.register("base_users", "VMs mapping each shared base", base_users);
     reg.register("vms", "VMs by kind and state", vms);
     reg.register(
         "vm_resident_pages",
-        "pages present in each VM's own memory",
+        "pages of guest RAM present in each VM: its own, plus those it maps from a shared base (vm_shared_bytes)",
         resident,
     );
     reg.register(
@@ -263,6 +308,7 @@ mod tests {
                 state: "running".into(),
                 stats,
                 resident_pages: 40,
+                shared_bytes: 0,
                 pages_by_source: vec![("vm".into(), 40), ("uninitialized".into(), 984)],
                 frozen: false,
                 trace_listeners: 1,
@@ -279,8 +325,18 @@ mod tests {
                 taken: 9,
                 missed: 2,
             },
+            bases: vec![BaseSample {
+                id: "base-2".into(),
+                of: "snapshot:gold".into(),
+                bytes: 4096,
+                users: 3,
+            }],
         };
         let text = render(&sample);
+        assert!(
+            text.contains(r#"pagefork_base_users{base="base-2",of="snapshot:gold"} 3"#),
+            "{text}"
+        );
         assert!(text.contains("pagefork_faults_missing_total 12"), "{text}");
         assert!(
             text.contains(r#"pagefork_vm_faults_missing_total{vm="vm-3",kind="pagefork"} 5"#),

@@ -14,6 +14,9 @@ pub struct FaultStats {
     pub minor: u64,
     /// Pages installed into the memfd by the server.
     pub pages_installed: u64,
+    /// Pages mapped from the VM's shared base (UFFDIO_CONTINUE), not
+    /// copied.
+    pub pages_shared: u64,
     /// REMOVE events handled.
     pub removes: u64,
     /// Installs deferred by EAGAIN (a pending non-cooperative event).
@@ -45,6 +48,7 @@ impl FaultStats {
         self.missing += other.missing;
         self.write_protect += other.write_protect;
         self.pages_installed += other.pages_installed;
+        self.pages_shared += other.pages_shared;
         self.removes += other.removes;
         self.deferred += other.deferred;
         self.frame_waits += other.frame_waits;

@@ -3,6 +3,7 @@
 //! fault into a run of pages and their bytes (shared by our VMs and
 //! Firecracker's).
 
+pub mod process;
 pub mod readahead;
 pub mod resolve;
 pub mod source;
@@ -11,7 +12,7 @@ pub mod table;
 pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
 pub use resolve::{fault_on, plan_run, read_pages, Fault, ResolveError, Run};
 pub use source::{
-    FileSource, ImageSource, PageSource, RemoteSource, SourceArena, SourceId, ZstdSource,
-    UNINITIALIZED,
+    FileSource, FrozenSource, ImageSource, PageSource, RemoteSource, SourceArena, SourceId,
+    VmPages, ZstdSource, UNINITIALIZED,
 };
 pub use table::{Extent, PageTable, CHUNK_PAGES};

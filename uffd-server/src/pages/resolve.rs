@@ -10,15 +10,17 @@
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::rc::Rc;
 
 use shared::{VmId, PAGE_SIZE};
 use vm_memory::VolatileSlice;
 
+use super::process::ProcessReadError;
 use super::readahead::Readahead;
-use super::source::{FileSource, ImageSource, PageSource, RemoteSource, SourceId, ZstdSource};
+use super::source::{
+    FileSource, ImageSource, PageSource, RemoteSource, SourceId, VmPages, ZstdSource,
+};
 use super::table::PageTable;
-use crate::memory::{GuestMemory, MemoryError};
+use crate::memory::MemoryError;
 
 /// Errors of resolving a fault.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +67,8 @@ pub enum ResolveError {
         image: std::sync::Arc<crate::images::zst::ZstdImage>,
         frames: Range<u64>,
     },
+    #[error("cannot read a page of another VM")]
+    Process(#[from] ProcessReadError),
     #[error("cannot decode compressed image {}", path.display())]
     Frame {
         path: PathBuf,
@@ -190,7 +194,7 @@ fn remote_fault(
 }
 
 /// Where the memory of a VM named by a `Vm(id)` source is.
-pub type VmMemoryOf<'a> = dyn Fn(VmId) -> Option<Rc<GuestMemory>> + 'a;
+pub type VmMemoryOf<'a> = dyn Fn(VmId) -> Option<VmPages> + 'a;
 
 /// Write the bytes of pages `first..` of `source` into `dst` (a whole
 /// number of pages). An image shorter than the pages reads as zeroes past
@@ -212,12 +216,20 @@ pub fn read_pages(
             unsafe { std::ptr::write_bytes(ptr, 0, len) };
             Ok(())
         }
-        PageSource::Vm(owner) => {
-            let mem = vm_memory(*owner).ok_or(ResolveError::SourceGone {
+        PageSource::Vm(owner) => match vm_memory(*owner) {
+            Some(VmPages::Memfd(mem)) => {
+                let src = mem.slice(first, len as u64 / PAGE_SIZE)?;
+                src.copy_to_volatile_slice(*dst);
+                Ok(())
+            }
+            Some(VmPages::Process(p)) => Ok(p.read(first, dst)?),
+            None => Err(ResolveError::SourceGone {
                 owner: *owner,
                 page: first,
-            })?;
-            let src = mem.slice(first, len as u64 / PAGE_SIZE)?;
+            }),
+        },
+        PageSource::Frozen(f) => {
+            let src = f.memory.slice(first, len as u64 / PAGE_SIZE)?;
             src.copy_to_volatile_slice(*dst);
             Ok(())
         }
@@ -368,12 +380,15 @@ fn copy_frames(
 mod tests {
     use std::io::Write;
 
+    use std::rc::Rc;
+
     use super::*;
+    use crate::memory::GuestMemory;
     use crate::pages::FileSource;
 
     const PAGE: usize = 4096;
 
-    fn no_vms(_: VmId) -> Option<Rc<GuestMemory>> {
+    fn no_vms(_: VmId) -> Option<VmPages> {
         None
     }
 
@@ -452,7 +467,7 @@ mod tests {
     fn vm_source_copies_from_the_owner_memory() {
         let owner = Rc::new(GuestMemory::create("owner", 4 * PAGE_SIZE).unwrap());
         owner.slice(2, 1).unwrap().copy_from(&[9u8; PAGE]);
-        let lookup = |id: VmId| (id == VmId(1)).then(|| owner.clone());
+        let lookup = |id: VmId| (id == VmId(1)).then(|| VmPages::Memfd(owner.clone()));
         let mut buf = vec![0u8; PAGE];
         let dst = VolatileSlice::from(&mut buf[..]);
         read_pages(&PageSource::Vm(VmId(1)), 2, &dst, &lookup).unwrap();

@@ -17,6 +17,7 @@ use shared::VmId;
 use vm_memory::mmap::MmapRegion;
 use vm_memory::FileOffset;
 
+use super::process::ProcessPages;
 use crate::memory::GuestMemory;
 
 /// Index of a source in the arena; what a table entry stores.
@@ -39,6 +40,9 @@ pub struct FileSource {
     /// The whole file mapped read-only, made at the first 2 MiB block
     /// installed from it (see [`FileSource::mapped`]).
     pub map: std::cell::OnceCell<Option<MmapRegion>>,
+    /// The image's identity when opened (before any private copy was
+    /// made of it), which its shared base is found by.
+    pub identity: Option<crate::images::Identity>,
 }
 
 impl FileSource {
@@ -50,7 +54,14 @@ impl FileSource {
             len,
             pin,
             map: std::cell::OnceCell::new(),
+            identity: None,
         }
+    }
+
+    /// The same source, known to be the image `identity`.
+    pub fn with_identity(mut self, identity: crate::images::Identity) -> Self {
+        self.identity = Some(identity);
+        self
     }
 
     /// The file mapped whole (`MAP_SHARED`, read-only), for UFFDIO_COPY to
@@ -95,6 +106,25 @@ pub struct ZstdSource {
     pub image: std::sync::Arc<crate::images::zst::ZstdImage>,
 }
 
+/// The memfd of a VM that was forked as a template and then moved onto it
+/// as its base (it writes private pages from then on): the pages the VM
+/// held at the fork, frozen, which its children map as their base.
+#[derive(Debug)]
+pub struct FrozenSource {
+    /// The VM it was the memory of.
+    pub vm: VmId,
+    pub memory: Rc<GuestMemory>,
+}
+
+/// Where the pages of a `Vm(id)` source are.
+#[derive(Debug, Clone)]
+pub enum VmPages {
+    /// In the VM's own memfd, which the server maps.
+    Memfd(Rc<GuestMemory>),
+    /// Private pages of the VMM of a VM on a shared base.
+    Process(Rc<ProcessPages>),
+}
+
 /// A snapshot in the object store: pages are fetched a chunk at a time
 /// by the chunk pool's threads (see [`crate::remote::chunks`]); its holes
 /// are `Uninitialized` in the tables that read it.
@@ -108,8 +138,11 @@ pub struct RemoteSource {
 pub enum PageSource {
     /// Never written: all zeroes.
     Uninitialized,
-    /// Materialized in this VM's memfd.
+    /// Materialized in this VM: in its memfd, or (a VM on a shared base)
+    /// a private page of its VMM.
     Vm(VmId),
+    /// A template's memfd, frozen (see [`FrozenSource`]).
+    Frozen(FrozenSource),
     /// A raw image file.
     File(FileSource),
     /// A snapshot's image: served like `File`; its holes are
@@ -127,6 +160,7 @@ impl PageSource {
         match self {
             PageSource::Uninitialized => "uninitialized",
             PageSource::Vm(_) => "vm",
+            PageSource::Frozen(_) => "frozen",
             PageSource::File(_) => "file",
             PageSource::Image(_) => "image",
             PageSource::Zstd(_) => "zstd",
@@ -152,8 +186,19 @@ impl PageSource {
             PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => Some(f),
             PageSource::Uninitialized
             | PageSource::Vm(_)
+            | PageSource::Frozen(_)
             | PageSource::Zstd(_)
             | PageSource::Remote(_) => None,
+        }
+    }
+
+    /// The identity of the image behind this source (file or compressed),
+    /// if it is one and it was taken when it was opened.
+    pub fn identity(&self) -> Option<crate::images::Identity> {
+        match self {
+            PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => f.identity,
+            PageSource::Zstd(z) => z.image.identity,
+            _ => None,
         }
     }
 
@@ -187,6 +232,7 @@ impl PageSource {
         match self {
             PageSource::Uninitialized => "uninitialized".into(),
             PageSource::Vm(id) => id.to_string(),
+            PageSource::Frozen(f) => format!("{} (frozen)", f.vm),
             PageSource::File(f) => format!("file:{}", f.path.display()),
             PageSource::Image(i) => format!("snapshot:{}", i.snapshot),
             PageSource::Zstd(z) => match &z.image.snapshot {
@@ -218,9 +264,9 @@ const RETIRED_KEPT: usize = 4096;
 pub struct SourceArena {
     slots: Vec<Option<Rc<PageSource>>>,
     vm_ids: HashMap<VmId, SourceId>,
-    /// The memory of each VM with a `Vm(id)` source that has memory of its
-    /// own (Firecracker VMs have none the server can read).
-    memories: HashMap<VmId, Rc<GuestMemory>>,
+    /// Where the pages of each VM with a `Vm(id)` source are, when the
+    /// server can read them (Firecracker VMs have none it can).
+    memories: HashMap<VmId, VmPages>,
     retired: std::collections::BTreeMap<SourceId, Retired>,
 }
 
@@ -262,13 +308,41 @@ impl SourceArena {
     /// The id of `Vm(vm)` for a VM whose pages are in `memory`: a table
     /// that reads `Vm(vm)` reads them there ([`Self::memory_of`]).
     pub fn vm_with_memory(&mut self, vm: VmId, memory: Rc<GuestMemory>) -> SourceId {
-        self.memories.insert(vm, memory);
+        self.memories.insert(vm, VmPages::Memfd(memory));
         self.vm(vm)
     }
 
-    /// The memory of VM `vm`, while its source is held.
-    pub fn memory_of(&self, vm: VmId) -> Option<Rc<GuestMemory>> {
+    /// The pages of `Vm(vm)` are private pages of its VMM from now on (a
+    /// VM on a shared base whose uffd arrived).
+    pub fn vm_in_process(&mut self, vm: VmId, pages: ProcessPages) {
+        self.memories.insert(vm, VmPages::Process(Rc::new(pages)));
+    }
+
+    /// Where the pages of VM `vm` are, while its source is held.
+    pub fn memory_of(&self, vm: VmId) -> Option<VmPages> {
         self.memories.get(&vm).cloned()
+    }
+
+    /// Freeze `vm`'s memfd: its source becomes [`PageSource::Frozen`] (the
+    /// tables that name it read the memfd as it is), and `Vm(vm)` gets a
+    /// new id the next time it is asked for. Returns the frozen id.
+    pub fn freeze(&mut self, vm: VmId) -> Option<SourceId> {
+        let id = self.vm_ids.remove(&vm)?;
+        let memory = match self.memories.remove(&vm) {
+            Some(VmPages::Memfd(m)) => m,
+            other => {
+                // Not a memfd: nothing to freeze; put things back.
+                if let Some(o) = other {
+                    self.memories.insert(vm, o);
+                }
+                self.vm_ids.insert(vm, id);
+                return None;
+            }
+        };
+        if let Some(slot) = self.slots.get_mut(id as usize) {
+            *slot = Some(Rc::new(PageSource::Frozen(FrozenSource { vm, memory })));
+        }
+        Some(id)
     }
 
     /// The id of `Vm(vm)` if registered.
@@ -300,6 +374,7 @@ impl SourceArena {
                     PageSource::File(_)
                         | PageSource::Image(_)
                         | PageSource::Zstd(_)
+                        | PageSource::Frozen(_)
                         | PageSource::Remote(_)
                 )
             )

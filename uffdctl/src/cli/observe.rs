@@ -90,10 +90,11 @@ pub fn explain(client: &Client, id: &str, page: u64, as_json: bool) -> Result<()
     {
         let arrow = if i == 0 { "  " } else { "  ← " };
         let mut line = format!("{arrow}{}", step.at);
-        match step.present {
-            Some(true) => line.push_str(": present"),
-            Some(false) => line.push_str(": not present"),
-            None => {}
+        match (step.present, &step.shared_from) {
+            (Some(true), _) => line.push_str(": present"),
+            (Some(false), Some(base)) => line.push_str(&format!(": shared from {base}")),
+            (Some(false), None) => line.push_str(": not present"),
+            (None, _) => {}
         }
         if let Some(inst) = &step.installed {
             line.push_str(&format!(

@@ -41,6 +41,9 @@ pub enum VmCmd {
     },
     /// List VMs.
     List,
+    /// List the shared bases VMs map their clean pages from: what each
+    /// holds, once, and which VMs map it.
+    Bases,
     /// Show one VM.
     Show { id: String },
     /// Stop and delete a VM.
@@ -121,26 +124,60 @@ fn vm_row(v: &Value) -> Vec<String> {
         Value::Null => "-".into(),
         other => other.to_string(),
     };
+    let mem = &v["memory"];
     vec![
         s("id"),
         s("state"),
         s("pid"),
         s("memory_mib"),
-        s("resident_pages"),
+        mib(&mem["own_bytes"]),
+        mib(&mem["shared_bytes"]),
+        mem["base"].as_str().unwrap_or("-").to_owned(),
         pages_summary(v),
         s("parent"),
     ]
 }
 
-const HEADERS: [&str; 7] = [
+/// Bytes as MiB with one decimal.
+fn mib(v: &Value) -> String {
+    v.as_u64()
+        .map_or_else(|| "-".into(), |b| format!("{:.1}", b as f64 / 1048576.0))
+}
+
+/// OWN: the host memory the VM alone holds; SHARED: what it maps from its
+/// base, held once for all the VMs on it.
+const HEADERS: [&str; 9] = [
     "ID",
     "STATE",
     "PID",
     "MEM_MIB",
-    "RESIDENT",
+    "OWN_MIB",
+    "SHARED_MIB",
+    "BASE",
     "PAGES BY SOURCE",
     "PARENT",
 ];
+
+const BASE_HEADERS: [&str; 6] = ["BASE", "KIND", "OF", "HELD_MIB", "SIZE_MIB", "USERS"];
+
+fn base_row(b: &Value) -> Vec<String> {
+    vec![
+        b["id"].as_str().unwrap_or("?").to_owned(),
+        b["kind"].as_str().unwrap_or("?").to_owned(),
+        b["of"].as_str().unwrap_or("?").to_owned(),
+        mib(&b["bytes"]),
+        mib(&b["size_bytes"]),
+        b["users"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|u| u.as_str().unwrap_or("?"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .unwrap_or_default(),
+    ]
+}
 
 /// Run a VM command.
 pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
@@ -180,6 +217,18 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                     .map(|a| a.iter().map(vm_row).collect())
                     .unwrap_or_default();
                 print!("{}", render(&HEADERS, &rows));
+                return Ok(());
+            }
+            v
+        }
+        VmCmd::Bases => {
+            let v = call(client, "GET", "/v1/bases", None)?;
+            if !as_json {
+                let rows: Vec<Vec<String>> = v["bases"]
+                    .as_array()
+                    .map(|a| a.iter().map(base_row).collect())
+                    .unwrap_or_default();
+                print!("{}", render(&BASE_HEADERS, &rows));
                 return Ok(());
             }
             v

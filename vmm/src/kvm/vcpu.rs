@@ -33,6 +33,25 @@ pub enum VcpuError {
     State(#[from] StateError),
     #[error(transparent)]
     Memory(#[from] crate::memory::MemoryError),
+    #[error(
+        "guest RAM at {0:#x} cannot be mapped: the server could not serve the page \
+         (see its log), or no huge page was free to copy it on write"
+    )]
+    UnmappableRam(u64),
+}
+
+/// The page KVM traps as MMIO even without an in-kernel APIC.
+const APIC_PAGE: u64 = 0xfee0_0000;
+
+/// KVM reports an access to any other RAM page as MMIO only when it could
+/// not map the page: the server poisoned it (its bytes could not be had),
+/// or a copy on write found no free huge page. Touching it here would end
+/// the process with SIGBUS; say why instead.
+fn unmappable_ram(addr: u64) -> Result<()> {
+    if addr & !(shared::PAGE_SIZE - 1) == APIC_PAGE {
+        return Ok(());
+    }
+    Err(VcpuError::UnmappableRam(addr))
 }
 
 /// Result alias of this module.
@@ -210,10 +229,12 @@ impl VcpuThread {
                 // at 0xfee0_0000, even without an in-kernel irqchip); emulate
                 // those accesses on the RAM mapping so RAM has no holes.
                 Ok(VcpuExit::MmioRead(addr, data)) if self.mem.is_ram(addr, data.len()) => {
+                    unmappable_ram(addr)?;
                     self.mem.read(addr, data)?;
                     Next::Run
                 }
                 Ok(VcpuExit::MmioWrite(addr, data)) if self.mem.is_ram(addr, data.len()) => {
+                    unmappable_ram(addr)?;
                     self.mem.write(addr, data)?;
                     Next::Run
                 }

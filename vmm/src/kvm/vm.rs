@@ -582,6 +582,12 @@ impl Machine {
         }
     }
 
+    /// Whether every vCPU is parked by a pause.
+    pub fn is_paused(&self) -> bool {
+        let s = self.ctl.lock();
+        s.pause && s.paused.iter().all(Option::is_some)
+    }
+
     /// Let paused vCPUs run again.
     pub fn resume(&self) {
         self.ctl.update(|s| s.pause = false);

@@ -9,6 +9,7 @@ use tokio::io::unix::AsyncFd;
 use userfaultfd::Uffd;
 
 use super::install::{self, Books, How, Served, Target};
+use crate::core::base::state::OnBase;
 use crate::core::ratelimit::RateLimit;
 use crate::core::registry::Registry;
 use crate::core::vm::{RunState, Vm};
@@ -71,6 +72,14 @@ impl Books for OurBooks<'_> {
         mark_present(self.v, lo, n, how);
         *self.installed += n;
     }
+    fn mapped_shared(&mut self, lo: u64, n: u64, how: How) {
+        let v = &mut *self.v;
+        v.log.stats.pages_shared += n;
+        v.log
+            .pages
+            .installed_run(lo, n, how.fault, By::Shared, how.from);
+        *self.installed += n;
+    }
     fn before_install(&mut self, lo: u64, hi: u64) -> Result<(), ResolveError> {
         self.v.scrub(lo, hi).map_err(ResolveError::Memory)
     }
@@ -106,6 +115,23 @@ pub(crate) fn target<'a>(v: &Vm, uffd: &'a AsyncFd<Uffd>) -> Target<'a> {
         base: v.faults.vmm_base,
         unit: v.memory.unit_pages(),
         mode: v.copy_mode(),
+        shared: None,
+    }
+}
+
+/// [`target`] for installs: with the shared base `on` (the VM's own,
+/// cloned out of it so the installer may change the VM meanwhile).
+pub(crate) fn install_target<'a>(
+    v: &Vm,
+    uffd: &'a AsyncFd<Uffd>,
+    on: Option<&'a OnBase>,
+) -> Target<'a> {
+    Target {
+        shared: on.map(|on| install::OnBase {
+            base: &on.base,
+            src: on.src,
+        }),
+        ..target(v, uffd)
     }
 }
 

@@ -42,6 +42,19 @@ pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -
     if mem.unit_pages() > 1 {
         return preserve_block(reg, vm, src, page);
     }
+    // A VM on a shared base holds its own pages in its VMM: the page's
+    // bytes are read from there once (it is present: it was just about
+    // to be written), and copied from this buffer.
+    let held = match reg.arena.memory_of(vm) {
+        Some(crate::pages::VmPages::Process(p)) => {
+            let mut buf = vec![0u8; shared::geometry::usize_of(PAGE_SIZE)];
+            let read = p
+                .read(page, &vm_memory::VolatileSlice::from(&mut buf[..]))
+                .map_err(|e| shared::error_chain(&e));
+            Some(read.map(|()| buf))
+        }
+        _ => None,
+    };
     let mut given = 0;
     let mut lost = Vec::new();
     for (id, dep) in reg.vms.iter_mut() {
@@ -50,13 +63,15 @@ pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -
         if *id == vm || dep.faults.lost_from.contains(&src) || dep.table.get(page) != src {
             continue;
         }
-        if let Err(e) = install_copy(dep, &mem, page) {
+        let copied = match &held {
+            None => install_copy(dep, &mem, page).map_err(|e| shared::error_chain(&e)),
+            Some(Ok(bytes)) => install_bytes(dep, page, bytes).map_err(|e| shared::error_chain(&e)),
+            Some(Err(e)) => Err(e.clone()),
+        };
+        if let Err(e) = copied {
             lost.push((
                 *id,
-                format!(
-                    "its page {page} could not be kept when {vm} wrote it: {}",
-                    shared::error_chain(&e)
-                ),
+                format!("its page {page} could not be kept when {vm} wrote it: {e}"),
             ));
             continue;
         }
@@ -219,6 +234,20 @@ fn install_copy(dep: &Vm, src: &GuestMemory, page: u64) -> Result<(), PreserveEr
         }
     }
     Ok(dep.memory.copy_page_from(src, page)?)
+}
+
+/// [`install_copy`] of a page's `bytes` read out of its VM's VMM.
+fn install_bytes(dep: &Vm, page: u64, bytes: &[u8]) -> Result<(), PreserveError> {
+    if let Some(uffd) = dep.faults.uffd.clone() {
+        // SAFETY: `bytes` is borrowed for the call.
+        match unsafe { target(dep, &uffd).copy(bytes.as_ptr(), page, PAGE_SIZE) } {
+            Install::Done => return Ok(()),
+            Install::Exists { .. } => return Err(PreserveError::AlreadyPresent),
+            Install::Gone | Install::Again { .. } => {}
+            Install::Failed(errno) => return Err(PreserveError::Copy(errno)),
+        }
+    }
+    Ok(dep.memory.write_block(page, bytes)?)
 }
 
 /// Receivers that fire when every VM that reads `page`'s unit from `vm`

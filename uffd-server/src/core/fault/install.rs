@@ -44,6 +44,7 @@ use uffd_abi::{Errno, Install};
 use userfaultfd::Uffd;
 use vm_memory::VolatileSlice;
 
+use crate::bases::Base;
 use crate::core::ratelimit::{suppressed_note, RateLimit};
 use crate::observe::access::By;
 use crate::observe::phases::{self, Phase};
@@ -67,6 +68,16 @@ pub struct Target<'a> {
     /// UFFDIO_COPY mode (`COPY_MODE_WP` while the client's writes are
     /// tracked, so installed pages stay write-protected).
     pub mode: u64,
+    /// The shared base the client's memory maps, if any.
+    pub shared: Option<OnBase<'a>>,
+}
+
+/// A client on a shared base: pages whose table entry is `src` are the
+/// base's, mapped from it (UFFDIO_CONTINUE), not copied.
+#[derive(Debug, Clone, Copy)]
+pub struct OnBase<'a> {
+    pub base: &'a Base,
+    pub src: SourceId,
 }
 
 impl Target<'_> {
@@ -90,6 +101,18 @@ impl Target<'_> {
     pub unsafe fn copy(&self, from: *const u8, page: u64, len: u64) -> Install {
         // SAFETY: the caller's guarantee.
         unsafe { uffd_abi::copy(self.uffd, from, self.addr(page), len, self.mode) }
+    }
+
+    /// UFFDIO_CONTINUE `[page, page + n)`: map the base's pages there,
+    /// write-protected while the client's writes are tracked (a plain
+    /// CONTINUE would drop the protection of a page never mapped).
+    pub fn map_from_base(&self, page: u64, n: u64) -> Install {
+        let mode = if self.mode & uffd_abi::COPY_MODE_WP != 0 {
+            uffd_abi::CONTINUE_MODE_WP
+        } else {
+            0
+        };
+        uffd_abi::continue_range(self.uffd, self.addr(page), n * PAGE_SIZE, mode)
     }
 
     /// Wake the threads faulting on the units of `[page, page + n)`.
@@ -140,6 +163,9 @@ pub trait Books {
     fn warnings(&mut self) -> &mut RateLimit;
     /// Pages `[lo, lo + n)` are in the client's memory now (`how`).
     fn mark(&mut self, lo: u64, n: u64, how: How);
+    /// Pages `[lo, lo + n)` are mapped from the client's shared base now:
+    /// they stay the base's in its table (recorded in its page log only).
+    fn mapped_shared(&mut self, _lo: u64, _n: u64, _how: How) {}
     /// `[lo, hi)` is about to be installed: our VMs punch the stale pages
     /// a rollback left there (UFFDIO_COPY would stop at them).
     fn before_install(&mut self, lo: u64, hi: u64) -> Result<(), ResolveError>;
@@ -163,8 +189,9 @@ pub struct Request {
     /// A run longer than this goes in piece by piece, the faulting page's
     /// first (0 = in one piece).
     pub piece: u64,
-    /// Never-written pages go in with UFFDIO_ZEROPAGE (4 KiB anonymous
-    /// memory only: shmem and hugetlb have no zero page to map).
+    /// Never-written pages go in with UFFDIO_ZEROPAGE (4 KiB private
+    /// memory only: shared shmem and hugetlb have no zero page to map),
+    /// unless the client's writes are tracked.
     pub zero_pages: bool,
     /// On hugetlb, a sequential reader's next blocks go in behind the
     /// faulting one (`block_ahead`).
@@ -377,6 +404,9 @@ fn install_run(
     let Some(plan) = plan(b.table(), b.self_src(), arena, b.readahead(), req)? else {
         return Ok(Page::Present); // A concurrent fault installed it.
     };
+    if let Some(on) = t.shared.filter(|on| on.src == plan.src) {
+        return map_run(b, t, req, &plan, on);
+    }
     let Plan {
         src,
         lo,
@@ -395,14 +425,21 @@ fn install_run(
         by: By::Missing,
         from: src,
     };
-    let res = copy_or_zero(arena, t, &plan.source, src, lo, first_end, req)?;
+    let (res, zero_page) = copy_or_zero(arena, t, &plan.source, src, lo, first_end, req)?;
     let installed = match res {
         Install::Done => first_end - lo,
         Install::Exists { copied } | Install::Again { copied } => copied / PAGE_SIZE,
         Install::Gone => 0,
         Install::Failed(errno) => return Err(ResolveError::Install { first: lo, errno }),
     };
-    b.mark(lo, installed, how);
+    if t.shared.is_some() && zero_page {
+        // The zero page is no page of the VM's own: it stays zero in the
+        // table until the guest writes it (which the kernel tells, see
+        // `core::base::sync_private`).
+        b.mapped_shared(lo, installed, how);
+    } else {
+        b.mark(lo, installed, how);
+    }
     let mut end = lo + installed;
     let at = match res {
         Install::Done => {
@@ -455,7 +492,7 @@ fn install_one(
         .get(src)
         .cloned()
         .ok_or(ResolveError::UnknownSource(src))?;
-    match copy_or_zero(arena, t, &source, src, page, page + 1, req)? {
+    match copy_or_zero(arena, t, &source, src, page, page + 1, req)?.0 {
         Install::Done => {
             b.mark(page, 1, how);
             Ok(Page::Woken)
@@ -468,6 +505,91 @@ fn install_one(
         Install::Gone => Ok(Page::Gone),
         Install::Failed(errno) => Err(ResolveError::Install { first: page, errno }),
     }
+}
+
+/// Map the run planned around `req.page` from the client's shared base
+/// (4 KiB pages): the base is filled first where it lacks pages of it
+/// (the faulting page's piece first), then the faulting page's piece is
+/// mapped from the faulting page on (UFFDIO_CONTINUE wakes its thread),
+/// then the rest of the run behind it. A page of the run mapped already
+/// (the VM mapped it, or wrote it, since) ends that piece: the table does
+/// not record which pages a VM maps from its base.
+fn map_run(
+    b: &mut impl Books,
+    t: &Target<'_>,
+    req: &Request,
+    plan: &Plan,
+    on: OnBase<'_>,
+) -> Result<Page, ResolveError> {
+    let page = req.page;
+    let (lo, hi) = (plan.lo, plan.hi);
+    let first_end = if req.piece == 0 || hi - lo <= req.piece {
+        hi
+    } else {
+        (page + 1).max(lo + req.piece).min(hi)
+    };
+    let how = How {
+        fault: page,
+        by: By::Missing,
+        from: plan.src,
+    };
+    on.base.fill(&plan.source, lo, first_end)?;
+    drop_decoded(on.base, &plan.source, lo, first_end);
+    phases::lap(Phase::Resolve);
+    let res = t.map_from_base(page, first_end - page);
+    phases::lap(Phase::Install);
+    let at = match res {
+        Install::Done => Page::Woken,
+        Install::Exists { copied } if copied > 0 => Page::Woken,
+        Install::Exists { .. } => Page::Present,
+        Install::Again { .. } => return Ok(Page::Again),
+        Install::Gone => return Ok(Page::Gone),
+        Install::Failed(errno) => return Err(ResolveError::Install { first: page, errno }),
+    };
+    let mapped = match res {
+        Install::Done => first_end - page,
+        Install::Exists { copied } => copied / PAGE_SIZE,
+        _ => 0,
+    };
+    b.mapped_shared(page, mapped, how);
+    // The pages before the faulting one, and the rest of a readahead
+    // window, behind the woken thread.
+    if lo < page && matches!(t.map_from_base(lo, page - lo), Install::Done) {
+        b.mapped_shared(lo, page - lo, how);
+    }
+    let mut end = page + mapped;
+    if matches!(res, Install::Done) && first_end < hi {
+        let piece = req.piece.max(1);
+        let mut at = first_end;
+        while at < hi {
+            let e = (at + piece).min(hi);
+            if on.base.fill(&plan.source, at, e).is_err() {
+                break;
+            }
+            drop_decoded(on.base, &plan.source, at, e);
+            match t.map_from_base(at, e - at) {
+                Install::Done => {
+                    b.mapped_shared(at, e - at, how);
+                    at = e;
+                }
+                Install::Exists { copied } | Install::Again { copied } => {
+                    b.mapped_shared(at, copied / PAGE_SIZE, how);
+                    at += copied / PAGE_SIZE;
+                    break;
+                }
+                Install::Gone | Install::Failed(_) => break,
+            }
+        }
+        end = at;
+    }
+    if let Some(window) = plan.window {
+        let ra = b.readahead_mut();
+        ra.window = window;
+        if req.track {
+            ra.next = end;
+        }
+    }
+    Ok(at)
 }
 
 /// Install pages `[at, hi)` of a run whose faulting page is in already
@@ -514,14 +636,21 @@ fn copy_or_zero(
     lo: u64,
     hi: u64,
     req: &Request,
-) -> Result<Install, ResolveError> {
-    if req.zero_pages && src == UNINITIALIZED {
+) -> Result<(Install, bool), ResolveError> {
+    // UFFDIO_ZEROPAGE has no write-protect mode: while the client's
+    // writes are tracked, a zero page would take a write unseen. Nor can
+    // it go over an empty entry that keeps a protection (a discarded
+    // page's): EEXIST. Zeroes are copied then.
+    let tracked = t.mode & uffd_abi::COPY_MODE_WP != 0;
+    if req.zero_pages && !tracked && src == UNINITIALIZED {
         phases::lap(Phase::Resolve);
         let res = uffd_abi::zeropage(t.uffd, t.addr(lo), (hi - lo) * PAGE_SIZE);
         phases::lap(Phase::Install);
-        return Ok(res);
+        if !matches!(res, Install::Exists { copied: 0 }) {
+            return Ok((res, true));
+        }
     }
-    copy_pages(arena, t, source, lo, hi)
+    Ok((copy_pages(arena, t, source, lo, hi)?, false))
 }
 
 /// Read pages `[lo, hi)` of `source` into the staging buffer and
@@ -567,6 +696,12 @@ fn install_block(
     if src == b.self_src() {
         return Ok(Page::Present);
     }
+    if let Some(on) = t
+        .shared
+        .filter(|on| (lo..hi).all(|p| b.table().get(p) == on.src))
+    {
+        return map_block(b, arena, t, on, page, lo, hi);
+    }
     b.before_install(lo, hi)?;
     let res = copy_block(arena, b.table(), t, lo, hi)?;
     phases::lap(Phase::Install);
@@ -593,6 +728,60 @@ fn install_block(
             b.mark(lo, hi - lo, how);
             Ok(Page::Present)
         }
+        Install::Again { .. } => Ok(Page::Again),
+        Install::Gone => Ok(Page::Gone),
+        Install::Failed(errno) => Err(ResolveError::Install { first: lo, errno }),
+    }
+}
+
+/// The frames of a compressed `source` whose pages `[lo, hi)` just went
+/// into `base`, dropped from the frame cache once the base holds them
+/// whole: the base is the one decoded copy the host keeps.
+fn drop_decoded(base: &Base, source: &PageSource, lo: u64, hi: u64) {
+    let Some(z) = source.zstd() else {
+        return;
+    };
+    let h = z.header();
+    let frames = z.frames_of(lo..hi);
+    for f in frames {
+        let r = h.frame_range(f);
+        if base.holds(r.start, r.end.min(base.memory.pages())) {
+            z.drop_decoded(f..f + 1);
+        }
+    }
+}
+
+/// Map the hugetlb block `[lo, hi)`, all of it pages of the client's
+/// shared base, from the base (filled first if it lacks it).
+fn map_block(
+    b: &mut impl Books,
+    arena: &SourceArena,
+    t: &Target<'_>,
+    on: OnBase<'_>,
+    page: u64,
+    lo: u64,
+    hi: u64,
+) -> Result<Page, ResolveError> {
+    let source = arena
+        .get(on.src)
+        .cloned()
+        .ok_or(ResolveError::UnknownSource(on.src))?;
+    on.base.fill(&source, lo, hi)?;
+    drop_decoded(on.base, &source, lo, hi);
+    phases::lap(Phase::Resolve);
+    let res = t.map_from_base(lo, hi - lo);
+    phases::lap(Phase::Install);
+    let how = How {
+        fault: page,
+        by: By::Missing,
+        from: on.src,
+    };
+    match res {
+        Install::Done => {
+            b.mapped_shared(lo, hi - lo, how);
+            Ok(Page::Woken)
+        }
+        Install::Exists { .. } => Ok(Page::Present),
         Install::Again { .. } => Ok(Page::Again),
         Install::Gone => Ok(Page::Gone),
         Install::Failed(errno) => Err(ResolveError::Install { first: lo, errno }),

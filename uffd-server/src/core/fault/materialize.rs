@@ -24,6 +24,9 @@ pub fn materialize(
     by: By,
 ) -> Result<(u64, u64), ResolveError> {
     let v = reg.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+    if let Some(on) = v.base.on.clone() {
+        return fill_base(reg, vm, page, &on);
+    }
     if v.memory.unit_pages() > 1 {
         return materialize_block(reg, vm, page, by);
     }
@@ -58,6 +61,39 @@ pub fn materialize(
         v.faults.readahead.window = window;
     }
     reg.installed += hi - lo;
+    Ok((lo, hi - lo))
+}
+
+/// [`materialize`] for a VM on a shared base: a page of the base goes
+/// into the base (with its fault-around run), which the VM will map when
+/// it runs; any other page has nowhere to go before its VMM runs (its
+/// private pages are that process's) and is left to its fault. Returns
+/// the page range done.
+fn fill_base(
+    reg: &mut Registry,
+    vm: VmId,
+    page: u64,
+    on: &crate::core::base::state::OnBase,
+) -> Result<(u64, u64), ResolveError> {
+    let v = reg.vms.get(&vm).ok_or(ResolveError::NoSuchVm(vm))?;
+    if v.table.get(page) != on.src {
+        return Ok((page, 1));
+    }
+    let req = Request {
+        page,
+        bounds: 0..v.memory.pages(),
+        fault_around: v.faults.fault_around_pages.max(v.memory.unit_pages()),
+        track: false,
+        piece: 0,
+        zero_pages: false,
+        blocks_ahead: false,
+    };
+    let Some(plan) = install::plan(&v.table, v.self_src, &reg.arena, &v.faults.readahead, &req)?
+    else {
+        return Ok((page, 1));
+    };
+    let (lo, hi) = v.memory.unit_range(plan.lo, plan.hi);
+    on.base.fill(&plan.source, lo, hi)?;
     Ok((lo, hi - lo))
 }
 

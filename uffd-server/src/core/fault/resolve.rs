@@ -14,7 +14,7 @@ use shared::VmId;
 use tracing::{debug, warn};
 use userfaultfd::{Event, FaultKind, ReadWrite};
 
-use super::books::{handled, target, unservable, Handled, OurBooks};
+use super::books::{handled, install_target, target, unservable, Handled, OurBooks};
 use super::install::{self, Request, Served};
 use crate::core::ratelimit::suppressed_note;
 use crate::core::registry::Registry;
@@ -61,9 +61,17 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
         // this page see it first.
         before_write(reg, vm, page);
     }
+    let based = reg.vms.get(&vm).is_some_and(|v| v.base.is_based());
     match kind {
         FaultKind::Missing => resolve_missing(reg, vm, page),
         FaultKind::WriteProtected => resolve_write_protect(reg, vm, page),
+        // Over a base, MINOR is how a page the base holds faults first.
+        FaultKind::Minor if based => {
+            if let Some(v) = reg.vms.get_mut(&vm) {
+                v.log.stats.minor += 1;
+            }
+            resolve_missing(reg, vm, page)
+        }
         FaultKind::Minor => resolve_minor(reg, vm, page),
     }
 }
@@ -86,7 +94,8 @@ pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handle
     let Some(v) = vms.get_mut(&vm) else {
         return Handled::Ok;
     };
-    let t = target(v, &uffd);
+    let on = v.base.on.clone();
+    let t = install_target(v, &uffd, on.as_ref());
     let piece = match *readahead_piece_pages {
         0 => 0,
         n => n.max(v.faults.fault_around_pages),
@@ -97,7 +106,9 @@ pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handle
         fault_around: v.faults.fault_around_pages,
         track: true,
         piece,
-        zero_pages: false,
+        // Over a base, a never-written page maps the zero page (until the
+        // guest writes it); in a memfd of its own it must be allocated.
+        zero_pages: on.is_some() && v.memory.unit_pages() == 1,
         blocks_ahead: true,
     };
     let mut books = OurBooks { v, installed };

@@ -267,6 +267,7 @@ pub(crate) fn on_uffd_ready(core: &Rc<Core>, vm: VmId, bases: Vec<u64>, mut fds:
             v.faults.closed.clone(),
             v.log.tap.clone(),
         ));
+        crate::core::base::on_uffd_ready(&mut reg, vm);
     }
 }
 

@@ -147,6 +147,7 @@ impl FcVm {
                     base: 0,
                     unit: 1,
                     mode: 0,
+                    shared: None,
                 },
                 addr / PAGE_SIZE,
             ),
@@ -220,6 +221,7 @@ fn region_target(uffd: &Uffd, r: Region) -> Target<'_> {
         base: r.base.wrapping_sub(r.offset),
         unit: (r.page_size / PAGE_SIZE).max(1),
         mode: 0,
+        shared: None,
     }
 }
 

@@ -38,6 +38,17 @@ pub(crate) fn create_children(
         .vms
         .get(&parent)
         .map_or(0, |p| p.faults.readahead.max_pages);
+    // A paused parent forks as a template (its memfd frozen as the
+    // children's base, or its own base passed on).
+    let template = reg
+        .vms
+        .get(&parent)
+        .is_some_and(|p| p.state == crate::core::vm::RunState::Paused);
+    let on_base = if core.settings.shared_bases {
+        crate::core::base::for_children(&mut reg, parent, template)
+    } else {
+        None
+    };
     let mut out = Vec::new();
     for _ in 0..count {
         let id = reg.alloc_id(&core.settings.state_dir);
@@ -66,6 +77,7 @@ pub(crate) fn create_children(
         vm.fork.parent = Some(parent);
         vm.start_state = Some(state.clone());
         vm.pooled = pooled;
+        vm.base.on = on_base.clone();
         reg.vms.insert(id, vm);
         out.push((id, rx));
     }

@@ -116,6 +116,9 @@ struct Stopped<'a> {
 /// parent is resumed.
 async fn stop_parent(core: &Rc<Core>, parent: VmId, template: bool) -> Result<Stopped<'_>> {
     let timeout = core.settings.vmm_deadline;
+    // A parent on a base learns which pages its guest made its own
+    // first: those are what its children read from it.
+    crate::core::base::sync_private(&mut core.reg.borrow_mut(), parent)?;
     let armed = if template {
         None
     } else {
@@ -203,12 +206,18 @@ fn protect_at_fork(
     stopped: &mut Stopped<'_>,
 ) -> Result<u64> {
     let t_wp = Instant::now();
+    let frozen = template && freezes(core, parent);
     let protected = if let (Some(a), Some(p)) = (&stopped.armed, stopped.reprotected.take()) {
         p.and_then(|n| a.finish().map(|(late, _)| n + late))
-    } else if protected_paused(core, parent) {
+            .and_then(|n| Ok(n + protect_written_since(core, parent)?))
+    } else if protected_paused(core, parent) || frozen {
+        // A paused parent on its own memfd never writes it again: it moves
+        // onto it, as its children's base, before it runs.
         Ok(0)
     } else {
-        let p = write_protect_materialized(core, parent);
+        // (The registry's borrow ends with the sync, before the protect.)
+        let synced = crate::core::base::sync_private(&mut core.reg.borrow_mut(), parent);
+        let p = synced.and_then(|_| write_protect_materialized(core, parent));
         stopped.write_protect_us = us(t_wp);
         p
     };
@@ -308,6 +317,51 @@ async fn start_children(
         }
     }
     Ok(ids)
+}
+
+/// Whether a template fork of `vm` freezes its memfd as its children's
+/// base (a paused VM on its own memfd, with shared bases on).
+fn freezes(core: &Core, vm: VmId) -> bool {
+    core.settings.shared_bases
+        && core
+            .reg
+            .borrow()
+            .vms
+            .get(&vm)
+            .is_some_and(|v| !v.base.is_based())
+}
+
+/// A running parent on a base, paused: the pages its guest made its own
+/// since the protection was armed (copies on write of pages it had mapped
+/// from the base raise no fault) are protected now, like the rest of its
+/// own pages. Returns how many.
+fn protect_written_since(core: &Core, vm: VmId) -> Result<u64> {
+    let mut reg = core.reg.borrow_mut();
+    let Some(v) = reg.vms.get(&vm) else {
+        return Ok(0);
+    };
+    if !v.base.is_based() {
+        return Ok(0);
+    }
+    let before = v.table.ranges_of(v.self_src);
+    crate::core::base::sync_private(&mut reg, vm)?;
+    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let after = v.table.ranges_of(v.self_src);
+    if after == before {
+        return Ok(0);
+    }
+    let mut known = crate::snapshot::PageSet::new(v.memory.pages());
+    for (first, n) in before {
+        known.insert_range(first, n);
+    }
+    let new: Vec<(u64, u64)> = after
+        .iter()
+        .flat_map(|&(first, n)| first..first + n)
+        .filter(|p| !known.contains(*p))
+        .map(|p| (p, 1))
+        .collect();
+    protect(v, &new)?;
+    Ok(new.len() as u64)
 }
 
 /// Whether `vm` is a paused template whose pages are all protected.

@@ -250,6 +250,12 @@ fn prepare_vm(core: &Core, req: &CreateVm) -> Result<(VmId, oneshot::Receiver<Re
     vm.volume = req.volume.clone();
     vm.pooled = pooled;
     reg.vms.insert(id, vm);
+    // A VM asked to have all its memory before it starts (`prefetch`)
+    // holds it in its own memfd: pages of a base would still fault once
+    // each, to be mapped.
+    if core.settings.shared_bases && initial != UNINITIALIZED && !req.prefetch {
+        crate::core::base::attach_image(&mut reg, id, initial);
+    }
     Ok((id, ready_rx))
 }
 

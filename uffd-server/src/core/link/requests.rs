@@ -32,6 +32,16 @@ pub(crate) async fn request(
 /// Send a request to `vm`'s VMM without waiting; the VMM answers its
 /// requests in order, so several can be in flight.
 pub(crate) fn send_request(core: &Core, vm: VmId, request: Request) -> Result<PendingReply> {
+    send_request_with_fds(core, vm, request, Vec::new())
+}
+
+/// [`send_request`] with fds in the frame (a rebase's bases).
+pub(crate) fn send_request_with_fds(
+    core: &Core,
+    vm: VmId,
+    request: Request,
+    fds: Vec<std::os::fd::OwnedFd>,
+) -> Result<PendingReply> {
     let (tx, rx) = oneshot::channel();
     let mut reg = core.reg.borrow_mut();
     let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
@@ -54,7 +64,7 @@ pub(crate) fn send_request(core: &Core, vm: VmId, request: Request) -> Result<Pe
     }
     v.link.next_seq += 1;
     let seq = v.link.next_seq;
-    if let Err(e) = writer.send(ServerMsg::Request { seq, request }, Vec::new()) {
+    if let Err(e) = writer.send(ServerMsg::Request { seq, request }, fds) {
         return Err(Error::from(match e {
             QueueError::Full => LinkError::QueueFull {
                 vm,

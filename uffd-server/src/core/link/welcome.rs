@@ -1,6 +1,6 @@
 //! The Welcome a VM's VMM gets once it said hello: the VM's guest RAM
-//! (its memfd), its disk, and the launch config (vCPUs, the state to
-//! start from).
+//! (its memfd, or the shared base it maps private), its disk, and the
+//! launch config (vCPUs, the state to start from).
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
@@ -31,7 +31,15 @@ pub(crate) fn welcome(core: &Core, vm: VmId, writer: Arc<VmmWriter>, pid: u32) {
         engine.attach(name, &vm.to_string());
     }
     let sent = match config {
-        Ok((cfg, disk)) => match v.memory.memfd().try_clone() {
+        // A VM on a shared base maps the base (private); any other, its
+        // own memfd.
+        Ok((cfg, disk)) => match v
+            .base
+            .on
+            .as_ref()
+            .map_or(v.memory.memfd(), |on| on.base.memory.memfd())
+            .try_clone()
+        {
             Ok(memfd) => {
                 let mut fds = vec![OwnedFd::from(memfd)];
                 fds.extend(disk.map(OwnedFd::from));
@@ -86,6 +94,11 @@ fn launch_config(v: &Vm, volumes: Option<&VolumeEngine>) -> Result<(LaunchConfig
         vcpus: v.vcpus,
         disk_bytes,
         start_state: v.start_state.as_deref().cloned(),
+        memory: if v.base.is_based() {
+            proto::vmm::MemoryKind::Base
+        } else {
+            proto::vmm::MemoryKind::Own
+        },
     };
     Ok((config, disk))
 }

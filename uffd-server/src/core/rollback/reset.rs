@@ -116,7 +116,13 @@ pub(crate) async fn rollback(core: &Rc<Core>, vm: VmId, req: RollbackVm) -> Resu
     restore_state(core, vm, &name, &state, volume.as_deref(), &mut phases).await?;
     request(core, vm, Request::Resume, core.settings.vmm_deadline).await?;
     phases.lap("resume");
-    if discarded {
+    let based = core
+        .reg
+        .borrow()
+        .vms
+        .get(&vm)
+        .is_some_and(|v| v.base.is_based());
+    if discarded && !based {
         spawn_scrub(core, vm);
     }
     let pause_us = us(t_pause);
@@ -197,6 +203,9 @@ fn open_target(core: &Core, vm: VmId, name: String) -> Result<Target> {
 /// memory); those other VMs still read from this one go to them first.
 fn hand_over(core: &Core, vm: VmId, name: &str) -> Result<Prepared> {
     let mut reg = core.reg.borrow_mut();
+    // A VM on a shared base: the pages its guest wrote over the base are
+    // its own too (learnt while it is paused), for the dependents' sake.
+    crate::core::base::sync_private(&mut reg, vm)?;
     let (self_src, pages, since_target) = {
         let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
         let since = v
@@ -227,8 +236,11 @@ fn hand_over(core: &Core, vm: VmId, name: &str) -> Result<Prepared> {
         }
     }
     let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
-    // 4 KiB memory whose VMM can: discard rather than punch.
-    let discard = (!v.rollback.no_discard && v.memory.unit_pages() == 1).then(|| {
+    // 4 KiB memory whose VMM can: discard rather than punch. A VM on a
+    // shared base keeps its own pages in its VMM: only the VMM can drop
+    // them (and nothing stays stale: the base is left as it is).
+    let based = v.base.is_based();
+    let discard = (based || !v.rollback.no_discard && v.memory.unit_pages() == 1).then(|| {
         reset
             .iter()
             .map(|(first, n)| (v.addr_of(*first) as u64, n * PAGE_SIZE))
@@ -263,6 +275,12 @@ async fn drop_pages(core: &Rc<Core>, vm: VmId, name: &str, prepared: &Prepared) 
     let punched: Result<()> = (|| {
         let mut reg = core.reg.borrow_mut();
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+        if v.base.is_based() {
+            let reason = format!("rollback to {name}: its VMM cannot drop the pages it wrote");
+            v.failure = Some(reason.clone());
+            v.state = RunState::Failed;
+            return Err(Error::RollbackFailed { vm, reason });
+        }
         let punched = prepared
             .reset
             .iter()
@@ -310,7 +328,8 @@ fn point_at_snapshot(
     }));
     let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
     let pages = v.memory.pages();
-    if discarded {
+    // Over a base, the discard dropped the VM's own pages outright.
+    if discarded && !v.base.is_based() {
         if v.rollback.stale.pages() != pages {
             v.rollback.stale = PageSet::new(pages);
         }

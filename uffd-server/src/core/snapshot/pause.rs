@@ -201,6 +201,9 @@ fn open_window(
     ahead: &ArmedAhead<'_>,
 ) -> Result<()> {
     let mut reg = core.reg.borrow_mut();
+    // The pages a VM on a shared base wrote over it raised no fault: its
+    // table learns them now, while its vCPUs are stopped.
+    crate::core::base::sync_private(&mut reg, vm)?;
     let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
     let pages = v.memory.pages();
     let pending = match plan.mode {

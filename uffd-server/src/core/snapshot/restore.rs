@@ -123,6 +123,9 @@ pub(crate) fn prepare_restore(
     vm.volume = volume;
     vm.pooled = pooled;
     reg.vms.insert(id, vm);
+    if core.settings.shared_bases {
+        crate::core::base::attach_image(&mut reg, id, src);
+    }
     // Logged with the start (`create_vm`): one line per VM started.
     debug!("{id}: restoring from snapshot {name}");
     Ok((id, ready_rx))

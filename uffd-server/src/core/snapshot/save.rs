@@ -109,8 +109,10 @@ async fn take(
 /// out of its memory itself (4 KiB pages; hugetlb memory is read by the
 /// core).
 fn start_writer(core: &Core, vm: VmId, plan: &Plan) -> Result<writer::WriterHandle> {
+    // A VM on a shared base keeps its own pages in its VMM, not in a
+    // memfd: they are read through its table, on this thread.
     let memory = core.reg.borrow().vms.get(&vm).and_then(|v| {
-        (v.memory.unit_pages() == 1).then(|| writer::Memory {
+        (v.memory.unit_pages() == 1 && !v.base.is_based()).then(|| writer::Memory {
             memfd: v.memory.shared_memfd(),
             len: v.memory.size(),
             hold: core.settings.snapshot_copy_hold,

@@ -5,7 +5,6 @@
 //! table.
 
 use std::cell::RefCell;
-use std::rc::Rc;
 
 use shared::{VmId, PAGE_SIZE};
 use tokio::sync::OwnedSemaphorePermit;
@@ -13,7 +12,7 @@ use vm_memory::VolatileSlice;
 
 use super::state::Saving;
 use crate::core::registry::Registry;
-use crate::pages::{read_pages, PageSource, ResolveError, SourceId, UNINITIALIZED};
+use crate::pages::{read_pages, PageSource, ResolveError, SourceId, VmPages, UNINITIALIZED};
 
 /// Before `page` of `vm` changes (a write fault, a discard): record it
 /// in the dirty log and the arming set (`snapshot/arm.rs`), and hand its
@@ -160,25 +159,15 @@ fn read_run(
         .cloned()
         .ok_or(ResolveError::UnknownSource(src))?;
     if let PageSource::Vm(owner) = &*source {
-        // pread, not the server's mapping (see `read_pages_at`).
-        let mem =
-            reg.vms
-                .get(owner)
-                .map(|o| Rc::clone(&o.memory))
-                .ok_or(ResolveError::SourceGone {
-                    owner: *owner,
-                    page: first,
-                })?;
-        mem.read_pages_at(first, &mut buf)?;
-        return Ok(buf);
+        if let Some(VmPages::Memfd(mem)) = reg.arena.memory_of(*owner) {
+            // pread, not the server's mapping (see `read_pages_at`).
+            mem.read_pages_at(first, &mut buf)?;
+            return Ok(buf);
+        }
     }
     let dst = VolatileSlice::from(&mut buf[..]);
-    let vms = &reg.vms;
-    let read = || {
-        read_pages(&source, first, &dst, &|id| {
-            vms.get(&id).map(|o| Rc::clone(&o.memory))
-        })
-    };
+    let arena = &reg.arena;
+    let read = || read_pages(&source, first, &dst, &|id| arena.memory_of(id));
     match read() {
         Err(ResolveError::NotDecoded { image, frames }) => {
             // `save_pending` waits for a run's frames before it saves

@@ -155,7 +155,7 @@ fn working_set_of(
     let mut order: Vec<(u64, u64)> = (0..pages)
         .filter_map(|p| {
             let i = log.installed(p)?;
-            (i.from == src && matches!(i.by, By::Missing | By::FaultAround))
+            (i.from == src && matches!(i.by, By::Missing | By::FaultAround | By::Shared))
                 .then_some((i.unix_ms, p))
         })
         .collect();
