@@ -61,7 +61,9 @@ fn pagefork_and_firecracker_vms_install_the_same_pages_for_the_same_reads() {
     // Fault-around off; and 64 KiB blocks with readahead up to 512 KiB.
     for (fault_around_kib, readahead_kib) in [(0, 0), (64, 512)] {
         let what = format!("fault_around_kib {fault_around_kib}, readahead_kib {readahead_kib}");
-        let s = TestServer::start();
+        // Our VM copies what it reads, as Firecracker's anonymous memory
+        // must (a VM on a shared base maps it instead: `based_e2e`).
+        let s = TestServer::start_with_args(&["--shared-bases=false"]);
 
         // Arrange: a pagefork VM and a Firecracker client on one image.
         let ours = s.create_vm(&CreateVm {

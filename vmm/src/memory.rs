@@ -302,11 +302,15 @@ impl GuestRam {
                     mapping = RamMapping::OverReservation;
                     map_fixed(file, size, res.host, kind)
                 }
+                // No reservation of memory behind the mapping (as
+                // `MmapRegion::from_file` maps): hugetlb guest RAM larger
+                // than the free pool maps, and a block the pool cannot give
+                // fails when it is installed, not at the start.
                 None => MmapRegion::build(
                     Some(file),
                     size,
                     libc::PROT_READ | libc::PROT_WRITE,
-                    ram_flags(kind).bits(),
+                    (ram_flags(kind) | nix::sys::mman::MapFlags::MAP_NORESERVE).bits(),
                 ),
             }
             .map_err(|source| MemoryError::MapRegion {

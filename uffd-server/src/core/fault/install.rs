@@ -766,7 +766,15 @@ fn map_block(
         .get(on.src)
         .cloned()
         .ok_or(ResolveError::UnknownSource(on.src))?;
-    on.base.fill(&source, lo, hi)?;
+    if let Err(e) = on.base.fill(&source, lo, hi) {
+        // Filling a hugetlb base takes a huge page from the pool: a pool
+        // used up makes the fill fail (EFAULT in the read), and that, not
+        // the read, is what the VM's failure must say.
+        if crate::memory::hugepages_exhausted() {
+            return Err(ResolveError::HugePagesExhausted { first: lo });
+        }
+        return Err(e.into());
+    }
     drop_decoded(on.base, &source, lo, hi);
     phases::lap(Phase::Resolve);
     let res = t.map_from_base(lo, hi - lo);

@@ -38,23 +38,6 @@ pub(crate) fn new_guest_memory(
 /// a ready one if there is any; bind it to `id` and send its Welcome.
 /// Returns whether it did.
 pub(crate) fn launch_from_pool(core: &Rc<Core>, id: VmId) -> bool {
-    // A pooled VMM has mapped and registered guest RAM of its own; a VM
-    // on a shared base needs its RAM mapped private over the base and
-    // registered MINOR, which a VMM does from its start: it starts anew
-    // (the VMM set aside with the memfd it took is stopped).
-    let based = {
-        let mut reg = core.reg.borrow_mut();
-        match reg.vms.get_mut(&id) {
-            Some(v) if v.base.is_based() => {
-                v.pooled = None;
-                true
-            }
-            _ => false,
-        }
-    };
-    if based {
-        return false;
-    }
     let set_aside = core
         .reg
         .borrow_mut()
