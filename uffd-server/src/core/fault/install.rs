@@ -773,7 +773,7 @@ fn map_block(
         if crate::memory::hugepages_exhausted() {
             return Err(ResolveError::HugePagesExhausted { first: lo });
         }
-        return Err(e.into());
+        return Err(e);
     }
     drop_decoded(on.base, &source, lo, hi);
     phases::lap(Phase::Resolve);
