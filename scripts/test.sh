@@ -70,9 +70,12 @@ cargo test --workspace --no-fail-fast -- --test-threads=2 2>&1 | tee target/test
 status=${PIPESTATUS[0]}
 set -e
 if $stop_ceph; then
-	# Only the first pass uses the store: free its memory and cores.
+	# Only the first pass uses the store: free its memory and cores. Its
+	# address goes with it (the benchmark run boots a store of its own).
 	scripts/ceph.sh stop "$CEPH_DIR"
 	stop_ceph=false
+	unset AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN \
+		AWS_REGION AWS_ALLOW_HTTP PAGEFORK_REMOTE PAGEFORK_CEPH_DIR
 fi
 
 echo "== fork, snapshot, Firecracker, core and stall tests again, with a warm VMM pool" >&2

@@ -5,7 +5,9 @@
 //! mount (PAGEFORK_XFS_DIR). Memory is compared whole with the VMM's
 //! `digest` of all RAM.
 
-use pagefork_tests::{new_vm, pages_of, server_on_xfs, uffdctl_json, uffdctl_ok, TestServer};
+use pagefork_tests::{
+    new_vm, pages_of, server_on_xfs, uffdctl_json, uffdctl_ok, Holdings, TestServer,
+};
 use proto::api::{BaseList, CreateSnapshot, SnapshotMode};
 
 const MIB: u64 = 64;
@@ -289,4 +291,64 @@ fn a_server_killed_with_vms_on_a_base_leaves_nothing_and_restarts_clean() {
     let r = s.restore("gold-kill");
     assert_eq!(s.verify(&r, 0, 4000, 11), 0);
     assert_eq!(s.bases().bases.len(), 1, "{:?}", s.bases());
+}
+
+#[test]
+fn two_thousand_fork_restore_delete_cycles_leave_bases_fds_and_memory_at_baseline() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let g = s.create_vm(&new_vm(4));
+    s.fill(&g, 0, 64, 81);
+    snap(&s, &g, "cycle", SnapshotMode::Full, false);
+    s.delete_vm(&g);
+    // Each cycle: a restore that reads over its image's base and writes,
+    // or a paused template forked into a child on its memory; all deleted.
+    let cycle = |i: u64| {
+        if i.is_multiple_of(2) {
+            let r = s.restore("cycle");
+            assert_eq!(s.verify(&r, 0, 64, 81), 0, "restore {r} (cycle {i})");
+            s.fill(&r, 10, 4, i);
+            s.delete_vm(&r);
+        } else {
+            let t = s.create_vm(&new_vm(4));
+            s.fill(&t, 0, 16, i);
+            s.pause(&t);
+            let c = s.fork_one(&t);
+            assert_eq!(s.verify(&c, 0, 16, i), 0, "child {c} (cycle {i})");
+            s.delete_vm(&c);
+            s.delete_vm(&t);
+        }
+    };
+    cycle(0);
+    cycle(1);
+    let pid = s.pid();
+    let before = Holdings::of(pid);
+    for i in 2..2002 {
+        cycle(i);
+    }
+    assert!(s.vm_ids().is_empty(), "{:?}", s.vm_ids());
+    assert!(s.bases().bases.is_empty(), "{:?}", s.bases());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let after = loop {
+        let h = Holdings::of(pid);
+        let done = h.fds <= before.fds && h.userfaultfds <= before.userfaultfds;
+        if done || std::time::Instant::now() > deadline {
+            break h;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(after.fds <= before.fds, "fds {before:?} -> {after:?}");
+    assert_eq!(
+        after.userfaultfds, before.userfaultfds,
+        "{before:?} -> {after:?}"
+    );
+    assert!(after.children <= before.children, "{before:?} -> {after:?}");
+    assert!(
+        after.rss_shmem_kib <= before.rss_shmem_kib + 1024,
+        "{before:?} -> {after:?}"
+    );
+    // The server's memory: its mappings of memfds and bases, and the rest.
+    assert!(
+        after.rss_kib <= before.rss_kib + (32 << 10),
+        "server RSS {before:?} -> {after:?}"
+    );
 }
