@@ -70,6 +70,9 @@ fn serve_faults(
                     continue;
                 }
                 let src = source_page((page_addr - base) / PAGE_SIZE);
+                // Counted before the copy: its wake lets the guest go on,
+                // and the test reads the count as soon as the guest answers.
+                served.fetch_add(1, Ordering::SeqCst);
                 // SAFETY: `src` is a live page-sized buffer; the destination
                 // is a page of the VMM's registered range (UFFDIO_COPY only
                 // writes into that process's page cache, never into ours).
@@ -84,7 +87,6 @@ fn serve_faults(
                 if res.is_err() {
                     let _ = uffd.wake(page_addr as *mut c_void, PAGE_SIZE as usize);
                 }
-                served.fetch_add(1, Ordering::SeqCst);
             }
         }
     })
