@@ -129,7 +129,7 @@ if [ -z "${AWS_ENDPOINT_URL:-}" ] || [ -z "${PAGEFORK_REMOTE:-}" ]; then
 	if CEPH_ENV="$("$ROOT/scripts/ceph.sh" start "$CEPH_OURS" 2>"$WORK/ceph.log")"; then
 		eval "$CEPH_ENV"
 	else
-		echo "scripts/ceph.sh start failed: $(tail -3 "$WORK/ceph.log" | tr '\n' ' ')" >"$WORK/remote_restore.status"
+		echo "scripts/ceph.sh start failed: $(tail -5 "$WORK/ceph.log" | tr '\n' ' ')" >"$WORK/remote_restore.status"
 	fi
 fi
 if [ ! -f "$WORK/remote_restore.status" ]; then

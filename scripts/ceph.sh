@@ -32,7 +32,9 @@
 # Environment: PAGEFORK_CEPH_MEMSTORE_BYTES (the OSD's capacity, default
 # 6 GiB; memstore holds what is stored in RAM), PAGEFORK_CEPH_TIMEOUT
 # (seconds to wait for each step, default 90).
-set -euo pipefail
+set -Eeuo pipefail
+# A step that fails names itself (line and command) before the script exits.
+trap 'rc=$?; echo "ceph: line $LINENO: \`$BASH_COMMAND\` failed (exit $rc)" >&2' ERR
 
 DIR_DEFAULT="${TMPDIR:-/tmp}/pagefork-ceph"
 MEMSTORE_BYTES="${PAGEFORK_CEPH_MEMSTORE_BYTES:-$((6 << 30))}"
@@ -307,15 +309,23 @@ start)
 	else
 		[ -d "$DIR" ] && { echo "ceph: $DIR holds a cluster that is not healthy; booting it again" >&2; stop_all; }
 		t0=$SECONDS
-		# A failed step exits (set -e, die): stop what did start, keep the logs.
-		trap 'echo "ceph: boot failed; stopping what started; logs kept in $DIR.failed-logs" >&2
-			rm -rf "$DIR.failed-logs"; cp -a "$DIR/log" "$DIR.failed-logs" 2>/dev/null || true; stop_all' EXIT
-		rm -rf "$DIR.failed-logs"
-		boot
-		trap - EXIT
+		# A boot that fails once (a daemon that dies at start, a port taken
+		# between picking and binding it) gets one more try on fresh ports.
+		"$0" boot-once "$DIR" ||
+			{ echo "ceph: booting again once" >&2; "$0" boot-once "$DIR"; }
+		load_env
 		echo "ceph: up in $((SECONDS - t0)) s in $DIR (RGW on 127.0.0.1:$RGW_PORT)" >&2
 	fi
 	print_env
+	;;
+boot-once)
+	# One boot attempt (for `start`). A failed step exits (set -e, die): stop
+	# what did start, keep the logs.
+	trap 'echo "ceph: boot failed; stopping what started; logs kept in $DIR.failed-logs" >&2
+		rm -rf "$DIR.failed-logs"; cp -a "$DIR/log" "$DIR.failed-logs" 2>/dev/null || true; stop_all' EXIT
+	rm -rf "$DIR.failed-logs"
+	boot
+	trap - EXIT
 	;;
 env) print_env ;;
 stop) stop_all ;;
