@@ -32,7 +32,6 @@ fn us(t: Instant) -> u64 {
 pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<ForkResponse> {
     let template = check(core, parent, count)?;
     let _busy = busy::begin(core, parent, "fork", "a fork")?;
-    let t_pause = Instant::now();
     let mut stopped = stop_parent(core, parent, template).await?;
     let protected = protect_at_fork(core, parent, template, &mut stopped);
     let t_fork = Instant::now();
@@ -46,7 +45,9 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     let t_resume = Instant::now();
     let resumed = resume_parent(core, parent, template).await;
     let resume_us = us(t_resume);
-    let pause_us = us(t_pause);
+    // From the pause, not from the arming before it: the parent runs
+    // while its protection is armed.
+    let pause_us = us(stopped.paused_at);
     let phases = ForkPhases {
         armed_ahead_us: stopped.armed.as_ref().map_or(0, |a| a.us),
         pause_and_capture_us: stopped.pause_and_capture_us,
@@ -103,6 +104,8 @@ struct Stopped<'a> {
     armed: Option<ArmedAhead<'a>>,
     /// Pages protected by the arming and the pause's re-protect.
     reprotected: Option<Result<u64>>,
+    /// When the pause was sent (for a template, when its fork began).
+    paused_at: Instant,
     pause_and_capture_us: u64,
     write_protect_us: u64,
 }
@@ -170,6 +173,7 @@ async fn stop_parent(core: &Rc<Core>, parent: VmId, template: bool) -> Result<St
             state,
             armed,
             reprotected,
+            paused_at: t_pause,
             pause_and_capture_us,
             write_protect_us,
         }),
