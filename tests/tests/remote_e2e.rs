@@ -184,6 +184,18 @@ fn a_snapshot_pushed_on_one_host_restores_and_clones_exactly_on_another() {
         fetched_chunks,
         "the clones read the chunks B has, not the store"
     );
+    // And they map the snapshot's one base on B, as the restore does:
+    // what they read is held once, not once per clone.
+    let base = b.vm(&r).memory.base;
+    assert!(base.is_some(), "the restore maps a base");
+    for c in &clones.clones {
+        let m = b.vm(c).memory;
+        assert_eq!(m.base, base, "clone {c}");
+        assert!(
+            m.own_bytes * 16 < pages * 4096 && m.shared_bytes * 2 > pages * 4096,
+            "clone {c} read all its memory and holds little of it: {m:?}"
+        );
+    }
 
     // Pulled into B's catalog, the snapshot restores as a local one.
     let pulled = b.pull_snapshot("s1", Some("s1-here"));

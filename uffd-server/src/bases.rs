@@ -29,7 +29,7 @@ use std::rc::{Rc, Weak};
 
 use shared::VmId;
 
-use crate::images::Identity;
+use crate::images::ImageId;
 use crate::memory::{GuestMemory, MemoryError, PageSize};
 use crate::pages::resolve::{read_pages, ResolveError};
 use crate::pages::source::PageSource;
@@ -40,13 +40,13 @@ use crate::snapshot::pageset::PageSet;
 /// memfds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ImageKey {
-    pub image: Identity,
+    pub image: ImageId,
     pub huge: bool,
 }
 
 impl ImageKey {
     /// The key of the image `image` for memory of `page_size` pages.
-    pub fn new(image: Identity, page_size: PageSize) -> Self {
+    pub fn new(image: ImageId, page_size: PageSize) -> Self {
         ImageKey {
             image,
             huge: page_size == PageSize::Huge2M,
@@ -248,13 +248,13 @@ mod tests {
     use super::*;
 
     fn key(ino: u64) -> ImageKey {
-        let image = Identity {
+        let image = crate::images::Identity {
             dev: 1,
             ino,
             len: 1 << 20,
             mtime_ns: 7,
         };
-        ImageKey::new(image, PageSize::Small)
+        ImageKey::new(ImageId::File(image), PageSize::Small)
     }
 
     #[test]

@@ -45,6 +45,19 @@ impl Identity {
     }
 }
 
+/// What makes two page sources the same bytes, so VMs of either share one
+/// base (`crate::bases`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ImageId {
+    /// An image file on this host, as it was when opened.
+    File(Identity),
+    /// A snapshot in the object store: the XXH3-128 of its memory's chunk
+    /// list. Chunks are named by the digest of their bytes, so two
+    /// manifests with the same list hold the same memory, whatever their
+    /// names.
+    Content { digest: u128, memory_bytes: u64 },
+}
+
 /// Why an image cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {

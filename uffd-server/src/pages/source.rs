@@ -194,10 +194,14 @@ impl PageSource {
 
     /// The identity of the image behind this source (file or compressed),
     /// if it is one and it was taken when it was opened.
-    pub fn identity(&self) -> Option<crate::images::Identity> {
+    pub fn identity(&self) -> Option<crate::images::ImageId> {
+        use crate::images::ImageId;
         match self {
-            PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => f.identity,
-            PageSource::Zstd(z) => z.image.identity,
+            PageSource::File(f) | PageSource::Image(ImageSource { file: f, .. }) => {
+                f.identity.map(ImageId::File)
+            }
+            PageSource::Zstd(z) => z.image.identity.map(ImageId::File),
+            PageSource::Remote(r) => Some(r.image.id()),
             _ => None,
         }
     }

@@ -11,6 +11,7 @@ use shared::PAGE_SIZE;
 use tokio::sync::oneshot;
 
 use super::chunks::{key_of, ChunkError, ChunkKey, ChunkPool, Priority};
+use crate::images::ImageId;
 
 /// Pages per chunk.
 pub const CHUNK_PAGES: u64 = CHUNK_BYTES / PAGE_SIZE;
@@ -27,20 +28,24 @@ pub struct RemoteImage {
     /// Each chunk of memory: `None` for a hole.
     chunks: Vec<Option<(ChunkKey, ChunkRef)>>,
     pool: Arc<ChunkPool>,
+    /// Its content's identity (VMs of equal images share a base).
+    id: ImageId,
 }
 
 impl RemoteImage {
     /// The memory of the snapshot manifest `m` describes, in store `url`.
     pub fn new(m: &Manifest, url: String, pool: Arc<ChunkPool>) -> Self {
+        let chunks: Vec<_> = m
+            .memory_chunks()
+            .iter()
+            .map(|c| ChunkRef::of(c).map(|r| (key_of(&r.digest), r)))
+            .collect();
         RemoteImage {
             snapshot: m.name.clone(),
             url,
             memory_bytes: m.state.memory_bytes,
-            chunks: m
-                .memory_chunks()
-                .iter()
-                .map(|c| ChunkRef::of(c).map(|r| (key_of(&r.digest), r)))
-                .collect(),
+            id: content_id(&chunks, m.state.memory_bytes),
+            chunks,
             pool,
         }
     }
@@ -123,8 +128,32 @@ impl RemoteImage {
         }
     }
 
+    /// What its bytes are: equal for every snapshot with this memory.
+    pub fn id(&self) -> ImageId {
+        self.id
+    }
+
     /// The chunk reference of chunk `chunk` (`None` for a hole).
     pub fn chunk_ref(&self, chunk: u64) -> Option<&ChunkRef> {
         self.entry(chunk).map(|(_, r)| r)
+    }
+}
+
+/// The identity of memory of `memory_bytes` made of `chunks`: the
+/// XXH3-128 of the list, a hole as one byte, a chunk as its key.
+fn content_id(chunks: &[Option<(ChunkKey, ChunkRef)>], memory_bytes: u64) -> ImageId {
+    let mut list = Vec::with_capacity(chunks.len() * 17);
+    for c in chunks {
+        match c {
+            None => list.push(0),
+            Some((key, _)) => {
+                list.push(1);
+                list.extend_from_slice(&key.to_le_bytes());
+            }
+        }
+    }
+    ImageId::Content {
+        digest: xxhash_rust::xxh3::xxh3_128(&list),
+        memory_bytes,
     }
 }

@@ -174,6 +174,11 @@ fn register(
     vm.start_state = Some(Rc::new(m.state.vm_state.clone()));
     vm.pooled = pooled;
     reg.vms.insert(id, vm);
+    // Its clean pages map from the snapshot's base on this host, filled
+    // from the chunks as VMs fault: N restores hold the memory once.
+    if core.settings.shared_bases {
+        crate::core::base::attach_image(&mut reg, id, src);
+    }
     Ok((id, ready_rx))
 }
 
