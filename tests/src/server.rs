@@ -125,6 +125,16 @@ impl TestServer {
         }
     }
 
+    /// Wait until the warm pool, if the server keeps one, is full again:
+    /// its ready VMMs are children of the server holding fds, so a count
+    /// of those taken while it refills reads low.
+    pub fn wait_pool_full(&self) {
+        let target = self.metric("pagefork_vmm_pool_target").unwrap_or(0);
+        if target > 0 {
+            self.wait_pool_ready(target, Duration::from_secs(30));
+        }
+    }
+
     /// Stop the server with SIGTERM, wait up to `within` for it to exit,
     /// and return its exit status (SIGKILL and panic if it does not stop).
     pub fn stop(&mut self, within: Duration) -> std::process::ExitStatus {
@@ -292,10 +302,7 @@ impl TestServer {
         if args.iter().any(|a| a.starts_with("--vmm-pool")) {
             return;
         }
-        let target = self.metric("pagefork_vmm_pool_target").unwrap_or(0);
-        if target > 0 {
-            self.wait_pool_ready(target, Duration::from_secs(30));
-        }
+        self.wait_pool_full();
     }
 
     /// Stop the server (SIGTERM) and start a new one with `args` on the
