@@ -47,7 +47,9 @@ if [ "$QUICK" = 1 ]; then
 	PROFILE=debug
 	BUILD_DESC="debug (cargo build)"
 	QUICK_ARG=(--quick)
-	cargo build -p pagefork-benches -p pagefork-tests -p uffd-server -p vmm || { echo "bench.sh: build failed" >&2; exit 1; }
+	# The same selection as the test run's build, so after it this builds
+	# nothing (a narrower -p list resolves other features and recompiles).
+	cargo build --workspace --all-targets || { echo "bench.sh: build failed" >&2; exit 1; }
 else
 	PROFILE=release
 	BUILD_DESC="release (cargo build --release)"

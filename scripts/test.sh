@@ -15,6 +15,23 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 
+# One build serves every pass below: incremental state would only take disk
+# (4 GB of it), and each `cargo test` names --workspace so that all passes
+# resolve the same features and reuse the first build's artifacts instead of
+# compiling the workspace a second time.
+export CARGO_INCREMENTAL=0
+
+# The run needs room for the build, the loop-mounted XFS's written blocks,
+# snapshots and the fuzz build: a full disk shows up much later as a linker
+# crash, so say it here.
+need_gib="${PAGEFORK_TEST_DISK_GIB:-12}"
+free_gib=$(df -P -BG . | awk 'NR == 2 { sub("G", "", $4); print $4 }')
+echo "== disk: ${free_gib} GiB free here, the run needs about ${need_gib} GiB" >&2
+if [ "$free_gib" -lt "$need_gib" ]; then
+	echo "test: only ${free_gib} GiB free on $(df -P . | awk 'NR == 2 { print $6 }'); the run needs about ${need_gib} GiB (free space or set PAGEFORK_TEST_DISK_GIB)" >&2
+	exit 1
+fi
+
 XFS_DIR="${PAGEFORK_XFS_DIR:-/var/tmp/pagefork-test-xfs}"
 CEPH_DIR="$PWD/target/ceph"
 stop_xfs=false
@@ -80,7 +97,7 @@ fi
 
 echo "== fork, snapshot, Firecracker, core and stall tests again, with a warm VMM pool" >&2
 set +e
-PAGEFORK_VMM_POOL=2 cargo test -p pagefork-tests --no-fail-fast \
+PAGEFORK_VMM_POOL=2 cargo test --workspace --no-fail-fast \
 	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e --test stalls_e2e \
 	--test based_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
@@ -89,7 +106,7 @@ set -e
 
 echo "== fork and snapshot tests again, on hugepage guest RAM (2 MiB hugetlb)" >&2
 set +e
-PAGEFORK_HUGEPAGES=true cargo test -p pagefork-tests --no-fail-fast \
+PAGEFORK_HUGEPAGES=true cargo test --workspace --no-fail-fast \
 	--test fork_e2e --test snapshot_e2e --test based_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
