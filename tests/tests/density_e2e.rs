@@ -103,6 +103,23 @@ fn assert_shared(what: &str, vms: usize, before: u64, started: u64, after: u64) 
     );
 }
 
+/// Start the VMs `make` makes, have each read its working set (checked
+/// against `want`), and assert they share what they read; returns them.
+fn assert_vms_share(
+    s: &TestServer,
+    what: &str,
+    want: u64,
+    make: impl FnOnce() -> Vec<String>,
+) -> Vec<String> {
+    let before = settled_host_kib();
+    let vms = make();
+    let started = settled_host_kib();
+    read_and_check(s, &vms, want);
+    let after = settled_host_kib();
+    assert_shared(what, vms.len(), before, started, after);
+    vms
+}
+
 /// A 256 MiB VM that wrote its working set, paused.
 fn template(s: &TestServer) -> String {
     let t = s.create_vm(&new_vm(MIB));
@@ -122,12 +139,7 @@ fn children_of_a_template_share_the_pages_they_read() {
     let s = TestServer::start();
     let t = template(&s);
     let want = working_set_digest();
-    let before = settled_host_kib();
-    let children = s.fork(&t, VMS).children;
-    let started = settled_host_kib();
-    read_and_check(&s, &children, want);
-    let after = settled_host_kib();
-    assert_shared("template children", children.len(), before, started, after);
+    let children = assert_vms_share(&s, "template children", want, || s.fork(&t, VMS).children);
     // The template, resumed, still holds its own memory, and what it
     // writes now is its own: its children keep the pages as they were.
     s.resume(&t);
@@ -154,18 +166,9 @@ fn restores_of_one_snapshot_share_the_pages_they_read() {
     // The first restore's reads fill the snapshot's base.
     let first = s.restore("gold");
     read_and_check(&s, std::slice::from_ref(&first), want);
-    let before = settled_host_kib();
-    let vms: Vec<String> = (0..VMS).map(|_| s.restore("gold")).collect();
-    let started = settled_host_kib();
-    read_and_check(&s, &vms, want);
-    let after = settled_host_kib();
-    assert_shared(
-        "restores of one snapshot",
-        vms.len(),
-        before,
-        started,
-        after,
-    );
+    assert_vms_share(&s, "restores of one snapshot", want, || {
+        (0..VMS).map(|_| s.restore("gold")).collect()
+    });
     s.assert_healthy();
 }
 
@@ -213,18 +216,9 @@ fn vms_of_one_compressed_image_share_the_pages_they_read() {
     // The first VM's reads fill the image's base: decoded once per host.
     let first = vm();
     read_and_check(&s, std::slice::from_ref(&first), want);
-    let before = settled_host_kib();
-    let vms: Vec<String> = (0..VMS).map(|_| vm()).collect();
-    let started = settled_host_kib();
-    read_and_check(&s, &vms, want);
-    let after = settled_host_kib();
-    assert_shared(
-        "VMs of one compressed image",
-        vms.len(),
-        before,
-        started,
-        after,
-    );
+    assert_vms_share(&s, "VMs of one compressed image", want, || {
+        (0..VMS).map(|_| vm()).collect()
+    });
     s.assert_healthy();
 }
 

@@ -23,14 +23,7 @@ fn us(t: Instant) -> u64 {
 
 /// Clone `vm` `req.count` times.
 pub(crate) async fn clone_vm(core: &Rc<Core>, vm: VmId, req: CloneVm) -> Result<ClonedVms> {
-    if req.count == 0 || req.count > MAX_CLONE_COUNT {
-        return Err(Error::BadRequest(format!(
-            "count must be between 1 and {MAX_CLONE_COUNT}"
-        )));
-    }
-    if req.concurrency == 0 {
-        return Err(Error::BadRequest("concurrency must be at least 1".into()));
-    }
+    check_request(&req)?;
     let t0 = Instant::now();
     // Clones are backed like their original.
     let hugepages = core
@@ -85,13 +78,26 @@ pub(crate) async fn clone_vm(core: &Rc<Core>, vm: VmId, req: CloneVm) -> Result<
     })
 }
 
-/// A failed clone: its index, the clones made, and why.
-type Failed = (usize, Vec<String>, Error);
+/// Refuse a clone request whose count or concurrency is out of range.
+pub(crate) fn check_request(req: &CloneVm) -> Result<()> {
+    if req.count == 0 || req.count > MAX_CLONE_COUNT {
+        return Err(Error::BadRequest(format!(
+            "count must be between 1 and {MAX_CLONE_COUNT}"
+        )));
+    }
+    if req.concurrency == 0 {
+        return Err(Error::BadRequest("concurrency must be at least 1".into()));
+    }
+    Ok(())
+}
 
-/// Restore `req.count` VMs from snapshot `name`, at most
-/// `req.concurrency` at once. Returns their ids; on a failure, the first
-/// failed index, the clones made, and its error.
-async fn restore_all(
+/// A failed clone: its index, the clones made, and why.
+pub(crate) type Failed = (usize, Vec<String>, Error);
+
+/// Restore `req.count` VMs from snapshot `name` (a local name or
+/// `remote:NAME`), at most `req.concurrency` at once. Returns their ids; on
+/// a failure, the first failed index, the clones made, and its error.
+pub(crate) async fn restore_all(
     core: &Rc<Core>,
     name: &str,
     req: &CloneVm,
@@ -151,15 +157,20 @@ async fn undo(core: &Rc<Core>, vm: VmId, name: &str, made: &[String], index: usi
         index + 1,
         made.len()
     );
+    delete_clones(core, made).await;
+    if let Err(e) = delete_snapshot(core, name) {
+        warn!("cannot delete snapshot {name}: {}", e.message());
+    }
+}
+
+/// Delete the clones `made` of a clone request that failed.
+pub(crate) async fn delete_clones(core: &Rc<Core>, made: &[String]) {
     for id in made {
         if let Ok(id) = id.parse::<VmId>() {
             if let Err(e) = delete_vm(core.clone(), id).await {
                 warn!("{id}: cannot delete a clone: {}", e.message());
             }
         }
-    }
-    if let Err(e) = delete_snapshot(core, name) {
-        warn!("cannot delete snapshot {name}: {}", e.message());
     }
 }
 
