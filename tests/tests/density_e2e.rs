@@ -172,6 +172,76 @@ fn restores_of_one_snapshot_share_the_pages_they_read() {
     s.assert_healthy();
 }
 
+/// Restores that prefetch the working set the snapshot's first restore
+/// recorded map it from the snapshot's base too: installing ahead of the
+/// guest is not a reason to copy.
+#[test]
+fn restores_prefetching_a_recorded_working_set_share_it() {
+    let _host = HOST
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let t = template(&s);
+    s.resume(&t);
+    s.snapshot(&t, "gold", SnapshotMode::Full);
+    s.delete_vm(&t);
+    let want = working_set_digest();
+    // The first restore records the working set as it reads it; a second
+    // keeps the base it filled (a base lives while a VM maps it).
+    let first = s.restore("gold");
+    read_and_check(&s, std::slice::from_ref(&first), want);
+    let keeper = s.restore("gold");
+    read_and_check(&s, std::slice::from_ref(&keeper), want);
+    s.delete_vm(&first);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.snapshot_info("gold").working_set_pages < WORKING_SET {
+        assert!(
+            Instant::now() < deadline,
+            "the working set was not recorded: {:?}",
+            s.snapshot_info("gold")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let vms = assert_vms_share(&s, "restores prefetching their working set", want, || {
+        let vms: Vec<String> = (0..4).map(|_| s.restore("gold")).collect();
+        for v in &vms {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let f = s.vm(v).faults;
+                if f.pages_installed + f.pages_shared >= WORKING_SET {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{v}: the prefetch did not end: {:?}",
+                    s.vm(v).faults
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        vms
+    });
+    let log = s.server_log_text();
+    for v in &vms {
+        assert!(
+            log.contains(&format!(
+                "{v}: working set of {WORKING_SET} pages prefetched"
+            )),
+            "{v} did not prefetch its working set"
+        );
+        let m = s.vm(v).memory;
+        assert!(
+            m.own_bytes < WORKING_SET * 4096 / 20,
+            "{v}: {} bytes of its own after the prefetch: {m:?}",
+            m.own_bytes
+        );
+    }
+    s.assert_healthy();
+}
+
 /// `uffdctl image compress` of `raw` into `out`.
 fn compress(raw: &Path, out: &Path) {
     let o = Command::new(bin("uffdctl"))

@@ -431,7 +431,8 @@ fn the_working_set_recorded_on_a_first_restore_travels_and_is_prefetched() {
     // A later local restore installs it while the guest runs.
     let again = a.restore("s");
     wait_until("the local prefetch", Duration::from_secs(30), || {
-        (a.vm(&again).faults.pages_installed >= ws).then_some(())
+        let f = a.vm(&again).faults;
+        (f.pages_installed + f.pages_shared >= ws).then_some(())
     });
 
     a.push_and_wait("s");
@@ -441,7 +442,8 @@ fn the_working_set_recorded_on_a_first_restore_travels_and_is_prefetched() {
     assert_eq!(b.remote_snapshot("s").working_set_pages, ws);
     let r = b.restore("remote:s");
     wait_until("the remote prefetch", Duration::from_secs(60), || {
-        (b.vm(&r).faults.pages_installed >= ws).then_some(())
+        let f = b.vm(&r).faults;
+        (f.pages_installed + f.pages_shared >= ws).then_some(())
     });
     let missing = b.vm(&r).faults.missing;
     b.touch(&r, 2000, 3000, false);

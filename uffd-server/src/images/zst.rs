@@ -262,10 +262,20 @@ impl FramePool {
             .collect()
     }
 
-    /// Start decoding `frames` of `image` (readahead): nobody waits.
+    /// Start decoding `frames` of `image` (readahead): nobody waits. A
+    /// zero frame is skipped: its pages never read from the image (the
+    /// table has them as never written), so decoding it would only fill
+    /// the cache with zeroes.
     pub fn prefetch(image: &Arc<ZstdImage>, frames: Range<u64>) {
+        let entries = image.image.entries();
         for f in frames.take_while(|f| *f < image.header().frames) {
-            let _ = image.pool.request(image, f, false);
+            let zero = usize::try_from(f)
+                .ok()
+                .and_then(|i| entries.get(i))
+                .is_some_and(|e| e.zero);
+            if !zero {
+                let _ = image.pool.request(image, f, false);
+            }
         }
     }
 

@@ -10,7 +10,7 @@ pub mod source;
 pub mod table;
 
 pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
-pub use resolve::{fault_on, plan_run, read_pages, Fault, ResolveError, Run};
+pub use resolve::{fault_on, plan_run, read_pages, Fault, Held, ResolveError, Run};
 pub use source::{
     FileSource, FrozenSource, ImageSource, PageSource, RemoteSource, SourceArena, SourceId,
     VmPages, ZstdSource, UNINITIALIZED,

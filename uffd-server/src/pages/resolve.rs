@@ -142,13 +142,18 @@ pub fn plan_run(table: &PageTable, src: SourceId, fault: &Fault, ra: &Readahead)
     Run { lo, hi, window }
 }
 
+/// Whether the pages `[lo, hi)` are in the client's memory already for
+/// any client of their source (a shared base that holds them): a frame or
+/// chunk of such pages is not decoded or fetched ahead.
+pub type Held<'a> = dyn Fn(u64, u64) -> bool + 'a;
+
 /// The fault to plan on `source`: a compressed image's run stays inside
 /// the frame of the faulting page (the frame is what one decode yields, so
 /// fault-around comes with it), and a sequential reader gets the next
-/// frames decoded ahead.
-pub fn fault_on(source: &PageSource, fault: Fault, ra: &Readahead) -> Fault {
+/// frames decoded ahead, but for those whose pages are `held`.
+pub fn fault_on(source: &PageSource, fault: Fault, ra: &Readahead, held: &Held<'_>) -> Fault {
     if let Some(r) = source.remote() {
-        return remote_fault(r, fault, ra);
+        return remote_fault(r, fault, ra, held);
     }
     let Some(z) = source.zstd() else {
         return fault;
@@ -159,7 +164,12 @@ pub fn fault_on(source: &PageSource, fault: Fault, ra: &Readahead) -> Fault {
     if fault.track && ra.max_pages > 0 && ra.next == fault.page {
         let per = u64::from(h.frame_pages);
         let ahead = (ra.max_pages / per).clamp(1, 8);
-        crate::images::zst::FramePool::prefetch(z, frame + 1..frame + 1 + ahead);
+        for f in (frame + 1..frame + 1 + ahead).take_while(|f| *f < h.frames) {
+            let r = h.frame_range(f);
+            if !held(r.start, r.end) {
+                crate::images::zst::FramePool::prefetch(z, f..f + 1);
+            }
+        }
     }
     Fault {
         bounds: r.start.max(fault.bounds.start)..r.end.min(fault.bounds.end),
@@ -176,13 +186,17 @@ fn remote_fault(
     r: &std::sync::Arc<crate::remote::image::RemoteImage>,
     fault: Fault,
     ra: &Readahead,
+    held: &Held<'_>,
 ) -> Fault {
     let chunk = r.chunk_of(fault.page);
     let pages = r.chunk_pages(chunk);
     if fault.track && ra.max_pages > 0 && ra.next == fault.page {
         let ahead = (ra.max_pages / crate::remote::image::CHUNK_PAGES).clamp(1, 8);
         r.prefetch(
-            chunk + 1..chunk + 1 + ahead,
+            (chunk + 1..chunk + 1 + ahead).filter(|&c| {
+                let p = r.chunk_pages(c);
+                !held(p.start, p.end)
+            }),
             crate::remote::chunks::Priority::Urgent,
         );
     }

@@ -1,8 +1,9 @@
 //! Installing pages of one of our VMs that no fault asked for yet (a
 //! working set prefetched while the guest runs), through its uffd and the
 //! one installer ([`super::install`]), as a fault on the page would: the
-//! run around it, `UFFDIO_COPY` (write-protected while writes are
-//! tracked), the table and page log marked. It never moves readahead on,
+//! run around it, mapped from the VM's shared base or copied with
+//! `UFFDIO_COPY` (write-protected while writes are tracked), the table and
+//! page log marked. It never moves readahead on,
 //! and it never fails the VM for data that is not here: a chunk or frame
 //! not fetched or decoded yet is waited for, one that cannot be had is
 //! left to the guest's own fault, if it comes.
@@ -10,7 +11,7 @@
 use shared::VmId;
 use tokio::sync::oneshot;
 
-use super::books::{target, OurBooks};
+use super::books::{install_target, OurBooks};
 use super::install::{self, Request, Served};
 use crate::core::registry::Registry;
 use crate::core::vm::RunState;
@@ -60,7 +61,16 @@ pub(crate) fn install_ahead(reg: &mut Registry, vm: VmId, page: u64) -> Ahead {
     if src == v.self_src {
         return Ahead::Done;
     }
+    // A VM on a shared base maps the base's pages, as its faults do:
+    // installing ahead of the guest is no reason to copy them, nor to
+    // fetch or decode what the base holds already.
+    let on = v.base.on.clone();
+    let held = |lo, hi| {
+        on.as_ref()
+            .is_some_and(|on| on.src == src && on.base.holds(lo, hi))
+    };
     match arena.get(src).map(|s| &**s) {
+        Some(PageSource::Remote(_) | PageSource::Zstd(_)) if held(page, page + 1) => {}
         Some(PageSource::Remote(r)) => {
             let chunk = r.image.chunk_of(page);
             match r.image.cached(chunk) {
@@ -85,14 +95,14 @@ pub(crate) fn install_ahead(reg: &mut Registry, vm: VmId, page: u64) -> Ahead {
         Some(_) => {}
         None => return Ahead::Skip,
     }
-    let t = target(v, &uffd);
+    let t = install_target(v, &uffd, on.as_ref());
     let req = Request {
         page,
         bounds: 0..v.memory.pages(),
         fault_around: v.faults.fault_around_pages.max(MIN_RUN),
         track: false,
         piece: 0,
-        zero_pages: false,
+        zero_pages: on.is_some() && v.memory.unit_pages() == 1,
         blocks_ahead: false,
     };
     let mut books = OurBooks { v, installed };

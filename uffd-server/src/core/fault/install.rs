@@ -355,12 +355,15 @@ pub struct Plan {
 }
 
 /// Plan the install of `req.page`: `None` when it is present already.
+/// `shared` is the client's base, if any: frames and chunks of pages it
+/// holds are not decoded or fetched ahead.
 pub fn plan(
     table: &PageTable,
     self_src: SourceId,
     arena: &SourceArena,
     ra: &Readahead,
     req: &Request,
+    shared: Option<OnBase<'_>>,
 ) -> Result<Option<Plan>, ResolveError> {
     let page = req.page;
     let src = table.get(page);
@@ -378,7 +381,9 @@ pub fn plan(
             block: req.fault_around,
             track: req.track,
         };
-        let fault = fault_on(&source, fault, ra);
+        // What the client's base holds is not decoded or fetched ahead.
+        let held = |lo, hi| shared.is_some_and(|on| on.src == src && on.base.holds(lo, hi));
+        let fault = fault_on(&source, fault, ra, &held);
         plan_run(table, src, &fault, ra)
     });
     let (lo, hi) = run.map_or((page, page + 1), |r| (r.lo, r.hi));
@@ -401,7 +406,7 @@ fn install_run(
     req: &Request,
 ) -> Result<Page, ResolveError> {
     let page = req.page;
-    let Some(plan) = plan(b.table(), b.self_src(), arena, b.readahead(), req)? else {
+    let Some(plan) = plan(b.table(), b.self_src(), arena, b.readahead(), req, t.shared)? else {
         return Ok(Page::Present); // A concurrent fault installed it.
     };
     if let Some(on) = t.shared.filter(|on| on.src == plan.src) {

@@ -39,7 +39,14 @@ pub fn materialize(
         zero_pages: false,
         blocks_ahead: false,
     };
-    let Some(plan) = install::plan(&v.table, v.self_src, &reg.arena, &v.faults.readahead, &req)?
+    let Some(plan) = install::plan(
+        &v.table,
+        v.self_src,
+        &reg.arena,
+        &v.faults.readahead,
+        &req,
+        None,
+    )?
     else {
         return Ok((page, 1)); // Already present: a concurrent fault.
     };
@@ -88,7 +95,14 @@ fn fill_base(
         zero_pages: false,
         blocks_ahead: false,
     };
-    let Some(plan) = install::plan(&v.table, v.self_src, &reg.arena, &v.faults.readahead, &req)?
+    let Some(plan) = install::plan(
+        &v.table,
+        v.self_src,
+        &reg.arena,
+        &v.faults.readahead,
+        &req,
+        None,
+    )?
     else {
         return Ok((page, 1));
     };
