@@ -24,7 +24,7 @@ export CARGO_INCREMENTAL=0
 # The run needs room for the build, the loop-mounted XFS's written blocks,
 # snapshots and the fuzz build: a full disk shows up much later as a linker
 # crash, so say it here.
-need_gib="${PAGEFORK_TEST_DISK_GIB:-12}"
+need_gib="${PAGEFORK_TEST_DISK_GIB:-9}"
 free_gib=$(df -P -BG . | awk 'NR == 2 { sub("G", "", $4); print $4 }')
 echo "== disk: ${free_gib} GiB free here, the run needs about ${need_gib} GiB" >&2
 if [ "$free_gib" -lt "$need_gib" ]; then
@@ -37,6 +37,11 @@ CEPH_DIR="$PWD/target/ceph"
 stop_xfs=false
 stop_ceph=false
 cleanup() {
+	if [ -n "${trim_pid:-}" ]; then
+		kill "$trim_pid" 2>/dev/null || true
+		# A trim under way finishes before the XFS is unmounted.
+		for _ in 1 2 3 4 5 6 7 8 9 10; do pgrep -x fstrim >/dev/null || break; sleep 0.5; done
+	fi
 	if $stop_ceph; then
 		# A boot still under way finishes first, so nothing outlives the stop.
 		[ -z "${ceph_pid:-}" ] || wait "$ceph_pid" 2>/dev/null || true
@@ -50,6 +55,11 @@ if [ -z "${PAGEFORK_XFS_DIR:-}" ]; then
 	scripts/xfs-loop.sh up "$XFS_DIR" >/dev/null
 fi
 export PAGEFORK_XFS_DIR="$XFS_DIR"
+# The loop-mounted XFS's image keeps every block the tests ever wrote until
+# the filesystem hands freed ones back (a trim punches them out of the
+# image): without it the image grows by gigabytes over a run.
+(while sleep 60; do fstrim "$XFS_DIR" || true; done) >/dev/null 2>&1 &
+trim_pid=$!
 
 # The S3 store of the remote-snapshot tests (a one-node Ceph with RGW),
 # unless AWS_* already name one: booted once, while the workspace builds.
