@@ -149,6 +149,16 @@ fn children_of_a_template_share_the_pages_they_read() {
     s.assert_healthy();
 }
 
+/// Snapshot "gold" of a [`template`] (then deleted); returns the digest of
+/// its working set.
+fn gold_snapshot(s: &TestServer) -> u64 {
+    let t = template(s);
+    s.resume(&t);
+    s.snapshot(&t, "gold", SnapshotMode::Full);
+    s.delete_vm(&t);
+    working_set_digest()
+}
+
 #[test]
 fn restores_of_one_snapshot_share_the_pages_they_read() {
     let _host = HOST
@@ -158,11 +168,7 @@ fn restores_of_one_snapshot_share_the_pages_they_read() {
         return;
     }
     let s = TestServer::start();
-    let t = template(&s);
-    s.resume(&t);
-    s.snapshot(&t, "gold", SnapshotMode::Full);
-    s.delete_vm(&t);
-    let want = working_set_digest();
+    let want = gold_snapshot(&s);
     // The first restore's reads fill the snapshot's base.
     let first = s.restore("gold");
     read_and_check(&s, std::slice::from_ref(&first), want);
@@ -184,11 +190,7 @@ fn restores_prefetching_a_recorded_working_set_share_it() {
         return;
     }
     let s = TestServer::start();
-    let t = template(&s);
-    s.resume(&t);
-    s.snapshot(&t, "gold", SnapshotMode::Full);
-    s.delete_vm(&t);
-    let want = working_set_digest();
+    let want = gold_snapshot(&s);
     // The first restore records the working set as it reads it; a second
     // keeps the base it filled (a base lives while a VM maps it).
     let first = s.restore("gold");
