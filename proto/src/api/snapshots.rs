@@ -188,7 +188,10 @@ pub struct SnapshotDeleted {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RollbackVm {
-    /// A snapshot of this VM's memory size.
+    /// A snapshot of a VM of this one's shape: as many vCPUs, the same
+    /// memory size, and a volume of the same size exactly when this VM
+    /// has one (hugepage or 4 KiB memory may differ). Another is refused
+    /// with 409 and the VM runs on untouched.
     pub snapshot: String,
 }
 

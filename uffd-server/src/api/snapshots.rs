@@ -78,7 +78,8 @@ async fn delete_snapshot(
 }
 
 /// Roll a VM back in place to a snapshot's moment; it answers once the VM
-/// runs from there.
+/// runs from there (409, the VM untouched, when the snapshot was taken of
+/// a VM of another shape: vCPUs, memory size, volume).
 #[utoipa::path(post, path = "/v1/vms/{id}/rollback")]
 async fn rollback_vm(
     State(core): State<CoreHandle>,

@@ -15,6 +15,7 @@ use shared::VmId;
 
 use crate::core::link::error::LinkError;
 use crate::core::remote::error::RemoteError;
+use crate::core::rollback::fit::FitError;
 use crate::core::snapshot::error::ArmError;
 use crate::memory::MemoryError;
 use crate::snapshot::ErrorKind as SnapshotKind;
@@ -124,6 +125,8 @@ pub enum Error {
         count: u32,
         source: Box<Error>,
     },
+    #[error(transparent)]
+    RollbackFit(#[from] FitError),
     #[error("{vm} failed: {reason}")]
     RollbackFailed { vm: VmId, reason: String },
     #[error("cannot save the snapshot of {vm}: {reason}")]
@@ -185,7 +188,11 @@ impl Error {
             | Listen { .. }
             | NoVolumes => 400,
             NoSuchVm(_) | BadVmId(_) | NoSuchListener(_) | NoSuchRoute => 404,
-            WrongState { .. } | Busy { .. } | SocketExists { .. } | Incompatible { .. } => 409,
+            WrongState { .. }
+            | Busy { .. }
+            | SocketExists { .. }
+            | Incompatible { .. }
+            | RollbackFit(_) => 409,
             AttachVolume { source, .. } => match source.kind() {
                 ErrorKind::Io => 500,
                 ErrorKind::Unavailable => 503,
@@ -319,6 +326,16 @@ mod tests {
                     libc::ENOSPC,
                 ))),
                 507,
+            ),
+            (
+                FitError::Vcpus {
+                    vm,
+                    snapshot: "s".into(),
+                    snapshot_vcpus: 31,
+                    vm_vcpus: 1,
+                }
+                .into(),
+                409,
             ),
             (Error::ShuttingDown, 503),
             (

@@ -1,8 +1,12 @@
 //! Rolling a VM back to a snapshot in place ([`reset`] runs the steps,
-//! [`discard`] drops the pages in the pause and scrubs them after).
+//! [`fit`] checks the snapshot fits the VM, [`discard`] drops the pages in
+//! the pause and scrubs them after).
 //!
 //! Rollback of VM X to snapshot S (X keeps its id, memfd, VMM and
 //! dependents):
+//! 0. Check that S fits X (vCPUs, memory size, volume, origin) and open
+//!    its image; a snapshot that does not fit is refused here, with X
+//!    untouched.
 //! 1. Pause X.
 //! 2. Hand every page another VM still reads from X to that VM (the
 //!    copy-on-write step of a WP fault, done for all of them at once).
@@ -29,5 +33,6 @@
 //!    and resume. A failure after step 3 fails X visibly.
 
 pub mod discard;
+pub mod fit;
 pub mod reset;
 pub mod state;

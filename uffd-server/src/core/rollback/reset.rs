@@ -14,6 +14,7 @@ use shared::{VmId, PAGE_SIZE};
 use tracing::info;
 
 use super::discard::{discard, spawn_scrub};
+use super::fit;
 use crate::core::busy::{self, expect_state};
 use crate::core::error::{Error, Result};
 use crate::core::fault::dependents::preserve_for_dependents;
@@ -142,41 +143,20 @@ pub(crate) async fn rollback(core: &Rc<Core>, vm: VmId, req: RollbackVm) -> Resu
     })
 }
 
-/// Step 0, before the pause: the snapshot must fit the VM (its memory size,
-/// a volume exactly when the VM has one); its image is opened and its data
-/// runs read.
+/// Step 0, before the pause: the snapshot must fit the VM (`fit::check`:
+/// whatever would fail once the VM is paused is refused here); its image
+/// is opened and its data runs read.
 fn open_target(core: &Core, vm: VmId, name: String) -> Result<Target> {
     let (state, path) = {
         let cat = core.snapshots.borrow();
         (cat.get(&name)?.clone(), cat.image_of(&name))
     };
-    let (size, volume) = {
+    let volume = {
         let reg = core.reg.borrow();
         let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
-        (v.memory.size(), v.volume.clone())
+        fit::check(core.volumes.as_deref(), v, &name, &state)?;
+        v.volume.clone()
     };
-    if state.memory_bytes != size {
-        return Err(Error::BadRequest(format!(
-            "snapshot {name} has {} MiB of memory, {vm} has {} MiB",
-            state.memory_bytes >> 20,
-            size >> 20
-        )));
-    }
-    if state.volume_snapshot.is_some() != volume.is_some() {
-        return Err(Error::BadRequest(format!(
-            "snapshot {name} {} a volume and {vm} {}; roll back to a snapshot of this VM",
-            if state.volume_snapshot.is_some() {
-                "has"
-            } else {
-                "has no"
-            },
-            if volume.is_some() {
-                "has one"
-            } else {
-                "has none"
-            },
-        )));
-    }
     let file = image::open_read(&path)?;
     let len = file
         .metadata()
