@@ -48,6 +48,29 @@ pub enum WorkingSetError {
         pages: u64,
         reason: String,
     },
+    #[error("{} is not a working set of {pages} pages", path.display())]
+    CheckRuns {
+        path: std::path::PathBuf,
+        pages: u64,
+        #[source]
+        source: RunsError,
+    },
+}
+
+/// Why the runs of a working set do not fit a memory.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunsError {
+    #[error("run {index} holds no page")]
+    EmptyRun { index: usize },
+    #[error("run {index} (page {first}, {pages} pages) ends past page {memory_pages}")]
+    PastEnd {
+        index: usize,
+        first: u64,
+        pages: u64,
+        memory_pages: u64,
+    },
+    #[error("the runs hold {total} pages in all, more than the {memory_pages} of memory")]
+    TooManyPages { total: u64, memory_pages: u64 },
 }
 
 /// The working set recorded in snapshot directory `dir` for `pages` pages
@@ -83,21 +106,36 @@ pub fn read(dir: &Path, pages: u64) -> Result<Option<Vec<PageRun>>, WorkingSetEr
     if f.version != VERSION {
         return Err(invalid(format!("version {}", f.version)));
     }
-    check(&f.pages, pages).map_err(invalid)?;
+    check(&f.pages, pages).map_err(|source| WorkingSetError::CheckRuns {
+        path: path.clone(),
+        pages,
+        source,
+    })?;
     Ok(Some(f.pages))
 }
 
 /// Check that `runs` lie within `pages` pages and hold at most that many.
-pub fn check(runs: &[PageRun], pages: u64) -> Result<(), String> {
+pub fn check(runs: &[PageRun], pages: u64) -> Result<(), RunsError> {
     let mut total = 0u64;
-    for (i, r) in runs.iter().enumerate() {
-        if r.pages == 0 || r.first.checked_add(r.pages).is_none_or(|end| end > pages) {
-            return Err(format!("run {i} is empty or past the end"));
+    for (index, r) in runs.iter().enumerate() {
+        if r.pages == 0 {
+            return Err(RunsError::EmptyRun { index });
+        }
+        if r.first.checked_add(r.pages).is_none_or(|end| end > pages) {
+            return Err(RunsError::PastEnd {
+                index,
+                first: r.first,
+                pages: r.pages,
+                memory_pages: pages,
+            });
         }
         total = total.saturating_add(r.pages);
     }
     if total > pages {
-        return Err(format!("{total} pages in all"));
+        return Err(RunsError::TooManyPages {
+            total,
+            memory_pages: pages,
+        });
     }
     Ok(())
 }
@@ -178,8 +216,45 @@ mod tests {
         assert_eq!(read(dir.path(), 100).unwrap().unwrap(), runs);
         assert_eq!(page_count(&runs), 6);
         // Past the end of a smaller memory.
-        assert!(read(dir.path(), 50).is_err());
+        assert!(matches!(
+            read(dir.path(), 50),
+            Err(WorkingSetError::CheckRuns {
+                source: RunsError::PastEnd { index: 2, .. },
+                ..
+            })
+        ));
         std::fs::write(dir.path().join(WORKING_SET_FILE), b"{\"version\":1}").unwrap();
         assert!(read(dir.path(), 100).is_err());
+    }
+
+    #[test]
+    fn runs_that_do_not_fit_the_memory_say_which_and_why() {
+        let run = |first, pages| PageRun { first, pages };
+        assert_eq!(check(&[run(0, 10), run(90, 10)], 100), Ok(()));
+        assert_eq!(
+            check(&[run(0, 10), run(5, 0)], 100),
+            Err(RunsError::EmptyRun { index: 1 })
+        );
+        assert_eq!(
+            check(&[run(95, 10)], 100),
+            Err(RunsError::PastEnd {
+                index: 0,
+                first: 95,
+                pages: 10,
+                memory_pages: 100
+            })
+        );
+        assert!(matches!(
+            check(&[run(u64::MAX, 2)], 100),
+            Err(RunsError::PastEnd { index: 0, .. })
+        ));
+        // Overlapping runs: each fits, not all of them.
+        assert_eq!(
+            check(&[run(0, 60), run(0, 60)], 100),
+            Err(RunsError::TooManyPages {
+                total: 120,
+                memory_pages: 100
+            })
+        );
     }
 }
