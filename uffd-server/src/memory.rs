@@ -183,6 +183,17 @@ impl GuestMemory {
         Ok(())
     }
 
+    /// The bytes of `[page, page + pages)` in the server's mapping, to be
+    /// written: on hugetlb (whole blocks) they are allocated first, as in
+    /// [`Self::write_block`].
+    pub fn allocated_slice(&self, page: u64, pages: u64) -> Result<VolatileSlice<'_>> {
+        let dst = self.slice(page, pages)?;
+        if self.page_size == PageSize::Huge2M {
+            self.allocate(page, pages)?;
+        }
+        Ok(dst)
+    }
+
     /// Allocate `[page, page + pages)` (whole blocks on hugetlb).
     fn allocate(&self, page: u64, pages: u64) -> Result<()> {
         let (lo, hi) = self.unit_range(page, page + pages);

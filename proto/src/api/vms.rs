@@ -579,6 +579,14 @@ pub struct ForkPhases {
     pub resume_us: u64,
     /// Pages protected for the fork, before and in the pause.
     pub write_protected_pages: Option<u64>,
+    /// Pages a parent on a shared base had written (held only in its
+    /// VMM), copied into a layer the server owns for its children, after
+    /// the resume and before the children start (0: none to copy).
+    #[serde(default)]
+    pub layer_pages: u64,
+    /// Copying them, after the resume.
+    #[serde(default)]
+    pub layer_us: u64,
 }
 
 #[cfg(test)]

@@ -140,6 +140,10 @@ pub enum Error {
         source: crate::pages::ResolveError,
     },
     #[error(transparent)]
+    Layer(#[from] crate::core::fork::layer::LayerError),
+    #[error("{vm} forked, but a page it wrote could not be kept for its children: {why}")]
+    LayerLost { vm: VmId, why: String },
+    #[error(transparent)]
     Remote(#[from] RemoteError),
     #[error("snapshot {name} cannot be restored on this host: {reason}")]
     Incompatible { name: String, reason: String },
@@ -224,6 +228,9 @@ impl Error {
                 SnapshotKind::Io => 500,
             },
             SaveSnapshot { .. } | RollbackFailed { .. } | Base(_) | BaseSync { .. } => 500,
+            // The parent's VMM went while its pages were being copied.
+            Layer(crate::core::fork::layer::LayerError::Read { .. }) | LayerLost { .. } => 502,
+            Layer(_) => 500,
             CloneFailed { source, .. } | RemoteCloneFailed { source, .. } => source.status(),
         }
     }

@@ -12,7 +12,8 @@ pub mod table;
 pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_KIB};
 pub use resolve::{fault_on, plan_run, read_pages, Fault, Held, ResolveError, Run};
 pub use source::{
-    FileSource, FrozenSource, ImageSource, PageSource, RemoteSource, SourceArena, SourceId,
+    FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, RemoteSource, SourceArena,
+    SourceId,
     VmPages, ZstdSource, UNINITIALIZED,
 };
 pub use table::{Extent, PageTable, CHUNK_PAGES};

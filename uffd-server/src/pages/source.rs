@@ -106,14 +106,28 @@ pub struct ZstdSource {
     pub image: std::sync::Arc<crate::images::zst::ZstdImage>,
 }
 
-/// The memfd of a VM that was forked as a template and then moved onto it
-/// as its base (it writes private pages from then on): the pages the VM
-/// held at the fork, frozen, which its children map as their base.
+/// Pages a VM held at a fork, frozen in a memfd the server owns, which
+/// the fork's children (and theirs) read them from whatever becomes of
+/// that VM and its VMM.
 #[derive(Debug)]
 pub struct FrozenSource {
-    /// The VM it was the memory of.
+    /// The VM they were the pages of.
     pub vm: VmId,
     pub memory: Rc<GuestMemory>,
+    pub kind: FrozenKind,
+}
+
+/// What a frozen memfd was before it froze.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrozenKind {
+    /// The VM's own memfd: it was forked as a paused template and moved
+    /// onto that memfd as its base (it writes private pages from then
+    /// on). Its children map it as their base.
+    Template,
+    /// A layer: the pages a VM on a shared base had written (private
+    /// pages of its VMM), copied out of its VMM when it forked, so that
+    /// its children never read them from a process that may die.
+    Layer,
 }
 
 /// Where the pages of a `Vm(id)` source are.
@@ -236,7 +250,10 @@ impl PageSource {
         match self {
             PageSource::Uninitialized => "uninitialized".into(),
             PageSource::Vm(id) => id.to_string(),
-            PageSource::Frozen(f) => format!("{} (frozen)", f.vm),
+            PageSource::Frozen(f) => match f.kind {
+                FrozenKind::Template => format!("{} (frozen)", f.vm),
+                FrozenKind::Layer => format!("{} (layer)", f.vm),
+            },
             PageSource::File(f) => format!("file:{}", f.path.display()),
             PageSource::Image(i) => format!("snapshot:{}", i.snapshot),
             PageSource::Zstd(z) => match &z.image.snapshot {
@@ -344,7 +361,29 @@ impl SourceArena {
             }
         };
         if let Some(slot) = self.slots.get_mut(id as usize) {
-            *slot = Some(Rc::new(PageSource::Frozen(FrozenSource { vm, memory })));
+            *slot = Some(Rc::new(PageSource::Frozen(FrozenSource {
+                vm,
+                memory,
+                kind: FrozenKind::Template,
+            })));
+        }
+        Some(id)
+    }
+
+    /// Freeze the pages of `Vm(vm)`, a VM on a shared base, into `layer`
+    /// (filled by the caller before any table reads them): its source
+    /// becomes [`PageSource::Frozen`] over the layer, so the tables that
+    /// name it read the layer, and `Vm(vm)` gets a new id the next time it
+    /// is asked for (the VM's pages stay in its VMM). Returns the frozen
+    /// id.
+    pub fn freeze_to_layer(&mut self, vm: VmId, layer: Rc<GuestMemory>) -> Option<SourceId> {
+        let id = self.vm_ids.remove(&vm)?;
+        if let Some(slot) = self.slots.get_mut(id as usize) {
+            *slot = Some(Rc::new(PageSource::Frozen(FrozenSource {
+                vm,
+                memory: layer,
+                kind: FrozenKind::Layer,
+            })));
         }
         Some(id)
     }
@@ -357,6 +396,13 @@ impl SourceArena {
     /// The source behind `id`.
     pub fn get(&self, id: SourceId) -> Option<&Rc<PageSource>> {
         self.slots.get(id as usize).and_then(Option::as_ref)
+    }
+
+    /// Every source held, with its id.
+    pub fn iter(&self) -> impl Iterator<Item = (SourceId, &Rc<PageSource>)> + '_ {
+        self.slots.iter().enumerate().filter_map(|(i, s)| {
+            Some((SourceId::try_from(i).ok()?, s.as_ref()?))
+        })
     }
 
     /// How many sources of each kind are held.

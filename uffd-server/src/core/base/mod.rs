@@ -170,10 +170,14 @@ pub(crate) fn sync_private(reg: &mut Registry, vm: VmId) -> Result<u64> {
             source: crate::pages::ResolveError::Process(source),
         })?;
     let me = v.self_src;
+    // A paused template's pages its kept layer holds are named by the
+    // layer until it runs (see `fork::layer`).
+    let kept = v.fork.kept_layer;
     let mut new = 0;
     for (first, n) in runs {
         for page in first..first + n {
-            if v.table.get(page) != me {
+            let now = v.table.get(page);
+            if now != me && Some(now) != kept {
                 v.table.set(page, me);
                 new += 1;
             }

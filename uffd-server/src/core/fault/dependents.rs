@@ -1,7 +1,8 @@
 //! The copy-on-write step of a live fork: before a VM overwrites a page,
-//! every VM whose table still reads that page from it (a fork child, a
-//! frozen VM's reader) gets the page's current bytes, through its own uffd
-//! when its VMM runs. A dependent that cannot take them is failed, never
+//! a layer being filled from it saves the page (`fork::layer`), and every
+//! VM whose table still reads that page from it (a fork child, a frozen
+//! VM's reader) gets the page's current bytes, through its own uffd when
+//! its VMM runs. A dependent that cannot take them is failed, never
 //! left reading the writer's later bytes.
 
 use std::rc::Rc;
@@ -33,6 +34,10 @@ enum PreserveError {
 /// Before `vm` overwrites `page`, copy its current bytes to every VM whose
 /// table still reads that page from `vm`. Returns how many VMs got a copy.
 pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -> u64 {
+    // A layer a fork is filling from this VM takes the page first.
+    if let Some(v) = reg.vms.get_mut(&vm) {
+        v.fork.save_before_write(page);
+    }
     let Some(src) = reg.arena.vm_id(vm) else {
         return 0;
     };

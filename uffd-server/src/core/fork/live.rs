@@ -10,6 +10,7 @@ use shared::VmId;
 use tracing::warn;
 
 use super::children::{abort_children, create_children, fork_volumes, Ready};
+use super::layer;
 use crate::core::busy::{self, expect_state};
 use crate::core::error::{Error, Result};
 use crate::core::launch::create::{spawn_vmm, wait_ready};
@@ -41,7 +42,14 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     let t_vol = Instant::now();
     let created = created.and_then(|c| fork_volumes(core, parent, c));
     let volume_us = us(t_vol);
-    let early = start_early(core, template, &protected, &created);
+    let (created, layered) = begin_layer(core, parent, template, &protected, created);
+    let early = if layered {
+        // The children read the layer, which is whole only after the
+        // resume: none of them starts before.
+        Vec::new()
+    } else {
+        start_early(core, template, &protected, &created)
+    };
     let t_resume = Instant::now();
     let resumed = resume_parent(core, parent, template).await;
     let resume_us = us(t_resume);
@@ -56,8 +64,32 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
         volumes_us: volume_us,
         resume_us,
         write_protected_pages: protected.as_ref().ok().copied(),
+        layer_pages: 0,
+        layer_us: 0,
     };
-    let children = keep_or_undo(core, protected, created, resumed, &early).await?;
+    let children = match keep_or_undo(core, protected, created, resumed, &early).await {
+        Ok(c) => c,
+        Err(e) => {
+            layer::end(core, parent, false);
+            return Err(e);
+        }
+    };
+    let t_layer = Instant::now();
+    let phases = if layered {
+        match layer::fill(core, parent).await {
+            Ok(pages) => ForkPhases {
+                layer_pages: pages,
+                layer_us: us(t_layer),
+                ..phases
+            },
+            Err(e) => {
+                discard_vms(core, &children.iter().map(|(id, _)| *id).collect::<Vec<_>>());
+                return Err(e);
+            }
+        }
+    } else {
+        phases
+    };
     let ids = start_children(core, children, &early).await?;
     core.log_after_answer(format!(
         "{parent}: forked into {ids:?} (pause {pause_us} us, table fork {fork_us} us)"
@@ -232,6 +264,30 @@ fn protect_at_fork(
         }
     }
     protected
+}
+
+/// In the pause, once the children's tables are made: a parent on a base
+/// freezes the pages it holds into a layer for them (see
+/// [`layer::begin`]). On failure the children are forgotten.
+fn begin_layer(
+    core: &Core,
+    parent: VmId,
+    template: bool,
+    protected: &Result<u64>,
+    created: Result<Vec<(VmId, Ready)>>,
+) -> (Result<Vec<(VmId, Ready)>>, bool) {
+    let (Ok(_), Ok(children)) = (protected, created.as_ref()) else {
+        return (created, false);
+    };
+    let begun = layer::begin(&mut core.reg.borrow_mut(), parent, template);
+    match begun {
+        Ok(begun) => (created, begun),
+        Err(e) => {
+            let ids: Vec<VmId> = children.iter().map(|(id, _)| *id).collect();
+            discard_vms(core, &ids);
+            (Err(e), false)
+        }
+    }
 }
 
 /// The children of a small live fork that find a ready VMM in the pool

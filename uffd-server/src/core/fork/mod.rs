@@ -23,5 +23,6 @@
 //! and again costs the table fork and the children's start only.
 
 pub mod children;
+pub mod layer;
 pub mod live;
 pub mod state;

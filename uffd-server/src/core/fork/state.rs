@@ -6,6 +6,9 @@ use std::rc::Rc;
 
 use shared::VmId;
 
+use super::layer::Layering;
+use crate::pages::SourceId;
+
 /// One VM's fork state.
 #[derive(Debug, Default)]
 pub struct ForkState {
@@ -19,6 +22,12 @@ pub struct ForkState {
     /// The state a fork of this paused VM captured, reused by later forks
     /// until it runs or changes (cleared with `protected_paused`).
     pub paused_state: Option<Rc<shared::VmState>>,
+    /// A layer a fork of this VM is filling (see `fork::layer`).
+    pub layering: Option<Layering>,
+    /// A paused template's layer, which its table still names for the
+    /// pages it holds unchanged (cleared with `protected_paused`): a
+    /// further fork shares it instead of copying them again.
+    pub kept_layer: Option<SourceId>,
 }
 
 impl ForkState {
@@ -27,5 +36,14 @@ impl ForkState {
     pub fn forget_template(&mut self) {
         self.protected_paused = false;
         self.paused_state = None;
+        self.kept_layer = None;
+    }
+
+    /// Before `page` is written or discarded: a layer being filled from
+    /// this VM saves it first.
+    pub fn save_before_write(&mut self, page: u64) {
+        if let Some(l) = &mut self.layering {
+            l.save(page);
+        }
     }
 }

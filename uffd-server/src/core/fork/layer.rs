@@ -1,0 +1,263 @@
+//! Layers: what a VM on a shared base wrote, copied out of its VMM when it
+//! forks, so that no child ever depends on the parent's process.
+//!
+//! A VM on a base holds the pages its guest wrote as private pages of its
+//! VMM: they die with that process, and a SIGKILL gives no chance to copy
+//! them anywhere. So a fork of such a VM copies the pages it holds, as the
+//! fork captured them, into a memfd the server owns (a layer), and the
+//! children read them there, whatever becomes of the parent:
+//!
+//! 1. In the pause ([`begin`]): a layer memfd is made and the parent's
+//!    `Vm(parent)` source is frozen over it, so the children's tables,
+//!    forked in the same pause, name the layer. The parent gets a new
+//!    source for its own pages, and its table names them by it. Every
+//!    page to copy is write-protected in the parent (the fork protected
+//!    them), so its bytes cannot change before they are copied.
+//! 2. After the resume ([`fill`]): the pages are copied out of the VMM
+//!    (`process_vm_readv`) into the layer a few MiB at a time, with the
+//!    rest of the core's work served between two steps. A write (or a
+//!    discard) of the parent to a page not copied yet copies that page
+//!    first ([`Layering::save`], from the write-protect and remove paths).
+//! 3. The children start once the layer is whole. If the parent's VMM
+//!    dies before, the fork fails and its children are discarded: no VM
+//!    ever reads a page the layer lacks.
+//!
+//! A paused template forked again before it runs reuses its layer: its
+//! table keeps naming the layer for the pages it holds unchanged, so the
+//! next children share it, and nothing is copied twice
+//! ([`Layering`]'s `kept`, cleared when it runs or changes).
+
+use std::rc::Rc;
+
+use shared::VmId;
+use tracing::info;
+
+use crate::core::error::{Error, Result};
+use crate::core::registry::Registry;
+use crate::core::state::Core;
+use crate::memory::{GuestMemory, MemoryError};
+use crate::pages::process::{ProcessPages, ProcessReadError};
+use crate::pages::{SourceId, VmPages};
+use crate::snapshot::PageSet;
+
+/// Pages copied into a layer in one step of [`fill`] (4 MiB).
+const STEP_PAGES: u64 = 1024;
+
+/// Why a layer could not be filled.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    #[error("cannot make a layer for the pages {vm} holds")]
+    Create {
+        vm: VmId,
+        #[source]
+        source: MemoryError,
+    },
+    #[error("cannot write pages {first}..{end} into {vm}'s layer")]
+    Write {
+        vm: VmId,
+        first: u64,
+        end: u64,
+        #[source]
+        source: MemoryError,
+    },
+    #[error("cannot copy pages {vm} holds out of its VMM into its layer (the VMM exited?)")]
+    Read {
+        vm: VmId,
+        #[source]
+        source: ProcessReadError,
+    },
+}
+
+/// A layer being filled from a VM's VMM, kept in the VM (`ForkState`) so
+/// that its writes and discards can save a page before it changes.
+#[derive(Debug)]
+pub struct Layering {
+    vm: VmId,
+    /// The id the children's tables read the layer by.
+    frozen: SourceId,
+    layer: Rc<GuestMemory>,
+    process: Rc<ProcessPages>,
+    /// Pages still to copy (whole kernel pages).
+    pending: PageSet,
+    unit: u64,
+    /// The first failure; the fork fails with it.
+    failed: Option<String>,
+    /// Pages copied so far.
+    copied: u64,
+}
+
+impl Layering {
+    /// Before `page` of the VM is written or discarded: copy its unit
+    /// into the layer if it is still to be copied.
+    pub fn save(&mut self, page: u64) {
+        if !self.pending.contains(page) {
+            return;
+        }
+        let lo = page / self.unit * self.unit;
+        if let Err(e) = self.copy(lo, self.unit) {
+            self.failed.get_or_insert_with(|| shared::error_chain(&e));
+        }
+    }
+
+    /// Copy the next run of pending pages (at most `max`). `Ok(false)`
+    /// when nothing is left.
+    fn step(&mut self, max: u64) -> std::result::Result<bool, LayerError> {
+        let Some(first) = self.pending.next_from(0) else {
+            return Ok(false);
+        };
+        let mut n = self.unit;
+        while n < max && self.pending.contains(first + n) {
+            n += self.unit;
+        }
+        self.copy(first, n)?;
+        Ok(true)
+    }
+
+    fn copy(&mut self, first: u64, n: u64) -> std::result::Result<(), LayerError> {
+        let vm = self.vm;
+        let end = first + n;
+        let dst = self
+            .layer
+            .allocated_slice(first, n)
+            .map_err(|source| LayerError::Write {
+                vm,
+                first,
+                end,
+                source,
+            })?;
+        self.process
+            .read(first, &dst)
+            .map_err(|source| LayerError::Read { vm, source })?;
+        for p in first..end {
+            self.pending.remove(p);
+        }
+        self.copied += n;
+        Ok(())
+    }
+}
+
+/// Step 1, in the fork's pause, after the children's tables were forked
+/// and before anything awaits: if `parent` is a VM on a base holding
+/// pages of its own, freeze them into a new (empty) layer and give the
+/// parent a new source for them. `None`: nothing to copy (a VM on its own
+/// memfd, whose memfd the server owns already; a VM on a base that wrote
+/// nothing; a template whose layer is kept). Returns whether a layer is
+/// to be filled.
+pub(crate) fn begin(reg: &mut Registry, parent: VmId, template: bool) -> Result<bool> {
+    let Some(VmPages::Process(process)) = reg.arena.memory_of(parent) else {
+        return Ok(false);
+    };
+    let Registry { vms, arena, .. } = reg;
+    let Some(v) = vms.get_mut(&parent) else {
+        return Ok(false);
+    };
+    if !v.base.is_based() {
+        return Ok(false);
+    }
+    let runs = v.table.ranges_of(v.self_src);
+    if runs.is_empty() {
+        return Ok(false);
+    }
+    let unit = v.memory.unit_pages();
+    let mut pending = PageSet::new(v.memory.pages());
+    for &(first, n) in &runs {
+        let (lo, hi) = v.memory.unit_range(first, first + n);
+        pending.insert_range(lo, hi - lo);
+    }
+    let pages = pending.len();
+    let layer = GuestMemory::create_with(
+        &format!("pagefork-{parent}-layer"),
+        v.memory.size(),
+        v.memory.page_size(),
+    )
+    .map_err(|source| Error::Layer(LayerError::Create { vm: parent, source }))?;
+    let layer = Rc::new(layer);
+    let Some(frozen) = arena.freeze_to_layer(parent, Rc::clone(&layer)) else {
+        return Ok(false);
+    };
+    let me = arena.vm(parent);
+    v.self_src = me;
+    if template {
+        // It does not run before its next fork: its table keeps naming
+        // the layer, which that fork's children then share.
+        v.fork.kept_layer = Some(frozen);
+    } else {
+        // The parent's own pages: the same pages, under its new source
+        // (its table's chunks part from the children's here).
+        for &(first, n) in &runs {
+            v.table.set_range(first, n, me);
+        }
+    }
+    v.fork.layering = Some(Layering {
+        vm: parent,
+        frozen,
+        layer,
+        process,
+        pending,
+        unit,
+        failed: None,
+        copied: 0,
+    });
+    info!("{parent}: {pages} pages it wrote are frozen into a layer for its children");
+    Ok(true)
+}
+
+/// Step 2, after the resume: copy every pending page into the layer, a
+/// step at a time, serving the rest of the core between steps. On
+/// failure (the parent's VMM died), the error; the caller fails the fork.
+pub(crate) async fn fill(core: &Rc<Core>, parent: VmId) -> Result<u64> {
+    loop {
+        let step = {
+            let mut reg = core.reg.borrow_mut();
+            let Some(l) = reg
+                .vms
+                .get_mut(&parent)
+                .and_then(|v| v.fork.layering.as_mut())
+            else {
+                return Err(Error::NoSuchVm(parent));
+            };
+            if let Some(why) = l.failed.take() {
+                Err(Error::LayerLost { vm: parent, why })
+            } else {
+                l.step(STEP_PAGES).map_err(Error::Layer)
+            }
+        };
+        match step {
+            Ok(true) => tokio::task::yield_now().await,
+            Ok(false) => break,
+            Err(e) => {
+                end(core, parent, false);
+                return Err(e);
+            }
+        }
+    }
+    let copied = end(core, parent, true);
+    info!("{parent}: {copied} pages it wrote copied into a layer for its children");
+    Ok(copied)
+}
+
+/// The layering of `parent` is over: filled, or failed (`filled` false:
+/// its fork fails and discards the children; a template's table, which
+/// named the unfilled layer for the pages it holds, names them as its
+/// own again). Later writes need no saving. Returns the pages copied.
+pub(crate) fn end(core: &Core, parent: VmId, filled: bool) -> u64 {
+    let mut reg = core.reg.borrow_mut();
+    let Some(v) = reg.vms.get_mut(&parent) else {
+        return 0;
+    };
+    let Some(l) = v.fork.layering.take() else {
+        return 0;
+    };
+    if !filled && v.fork.kept_layer == Some(l.frozen) {
+        v.fork.kept_layer = None;
+        let me = v.self_src;
+        for (first, n) in v.table.ranges_of(l.frozen) {
+            v.table.set_range(first, n, me);
+        }
+    }
+    if !filled {
+        // An unfilled layer no table reads any more goes now.
+        reg.release_unused_sources();
+    }
+    l.copied
+}
