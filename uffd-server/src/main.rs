@@ -374,15 +374,27 @@ fn prepare_private_dir(dir: &Path) -> Result<(), StartError> {
 
 /// Raise the soft fd limit to the hard one: every VM holds a few fds
 /// (memfd, uffd, image, sockets), and the default soft limit (1024) is
-/// far below what a host with many VMs needs.
+/// far below what a host with many VMs needs. Creates and forks are
+/// admitted against it (`core::fd_budget`), with a reserve kept.
 fn raise_fd_limit() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    use uffd_server::core::fd_budget::reserve;
     match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-            Ok(()) => info!("fd limit raised from {soft} to {hard}"),
-            Err(e) => warn!("cannot raise the fd limit from {soft} to {hard}: {e}"),
+            Ok(()) => info!(
+                "fd limit raised from {soft} to {hard}, {} of them kept for running VMs and the API",
+                reserve(hard)
+            ),
+            Err(e) => warn!(
+                "cannot raise the fd limit from {soft} to {hard}: {e}; VMs are admitted \
+                 against {soft}, {} of them kept for running VMs and the API",
+                reserve(soft)
+            ),
         },
-        Ok((soft, _)) => info!("fd limit {soft}"),
+        Ok((soft, _)) => info!(
+            "fd limit {soft}, {} of them kept for running VMs and the API",
+            reserve(soft)
+        ),
         Err(e) => warn!("cannot read the fd limit: {e}"),
     }
 }

@@ -11,6 +11,7 @@ use shared::VmId;
 use tracing::{info, warn};
 
 use crate::core::error::{Error, Result};
+use crate::core::fd_budget::FdKind;
 use crate::core::launch::create::create_vm;
 use crate::core::launch::delete::delete_vm;
 use crate::core::snapshot::catalog::delete_snapshot;
@@ -24,6 +25,9 @@ fn us(t: Instant) -> u64 {
 /// Clone `vm` `req.count` times.
 pub(crate) async fn clone_vm(core: &Rc<Core>, vm: VmId, req: CloneVm) -> Result<ClonedVms> {
     check_request(&req)?;
+    // Room for every clone before the snapshot is taken; each restore
+    // claims its own as it starts.
+    let fds = core.fds.admit(FdKind::Restore, u64::from(req.count))?;
     let t0 = Instant::now();
     // Clones are backed like their original.
     let hugepages = core
@@ -44,6 +48,7 @@ pub(crate) async fn clone_vm(core: &Rc<Core>, vm: VmId, req: CloneVm) -> Result<
     )
     .await?;
     let snapshot_us = us(t0);
+    drop(fds);
     let t_create = Instant::now();
     let made = match restore_all(core, &name, &req, hugepages).await {
         Ok(made) => made,

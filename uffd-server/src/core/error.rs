@@ -112,6 +112,20 @@ pub enum Error {
     },
     #[error("the server runs {0} VMs already, its --max-vms; delete some first")]
     TooManyVms(usize),
+    #[error(
+        "cannot start {}: the server holds {in_use} of its {limit} file descriptors \
+         (RLIMIT_NOFILE); {} about {need} more, and {reserve} stay free for running VMs and \
+         the API; raise the limit (ulimit -n, LimitNOFILE=) or delete VMs",
+        vms(*count),
+        if *count == 1 { "it needs" } else { "they need" }
+    )]
+    OverFdLimit {
+        count: u64,
+        need: u64,
+        in_use: u64,
+        reserve: u64,
+        limit: u64,
+    },
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
     #[error(transparent)]
@@ -161,6 +175,14 @@ pub enum Error {
 /// Result alias for core operations.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// "1 VM", "4 VMs".
+fn vms(count: u64) -> String {
+    match count {
+        1 => "1 VM".to_owned(),
+        n => format!("{n} VMs"),
+    }
+}
+
 fn hint(state: RunState) -> &'static str {
     match state {
         RunState::Paused => "; resume it first",
@@ -178,10 +200,17 @@ impl Error {
     /// memory budget, the VM limit) and a full disk or quota: an `ENOSPC`
     /// or `EDQUOT` anywhere in the error's sources, whatever failed on it
     /// (a snapshot's files, a volume, a log), is 507 before anything else.
+    ///
+    /// 503 is the server short of something it gets back as VMs go: fds
+    /// (their admission, or an `EMFILE`/`ENFILE` anywhere in the sources
+    /// of whatever could not open a file all the same).
     pub fn status(&self) -> u16 {
         use Error::*;
         if self.out_of_space() {
             return 507;
+        }
+        if self.out_of_fds() {
+            return 503;
         }
         match self {
             BadRequest(_)
@@ -219,6 +248,9 @@ impl Error {
             StartFailed { .. } => 502,
             ShuttingDown => 503,
             OverBudget { .. } | TooManyVms(_) => 507,
+            // Fds come back as VMs go: the server is short of them for
+            // now, the request itself is fine.
+            OverFdLimit { .. } => 503,
             StartTimeout { .. } => 504,
             Snapshot(e) => match e.kind() {
                 SnapshotKind::BadRequest => 400,
@@ -246,6 +278,23 @@ impl Error {
                 {
                     return true;
                 }
+            }
+            cause = e.source();
+        }
+        false
+    }
+
+    /// Whether the server or the host was out of fds: an `EMFILE` or
+    /// `ENFILE` among the error's sources.
+    fn out_of_fds(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = cause {
+            let errno = match e.downcast_ref::<std::io::Error>() {
+                Some(io) => io.raw_os_error(),
+                None => e.downcast_ref::<nix::errno::Errno>().map(|n| *n as i32),
+            };
+            if matches!(errno, Some(libc::EMFILE | libc::ENFILE)) {
+                return true;
             }
             cause = e.source();
         }
@@ -380,6 +429,16 @@ mod tests {
             ),
             (Error::TooManyVms(12), 507),
             (
+                Error::OverFdLimit {
+                    count: 4,
+                    need: 40,
+                    in_use: 19_800,
+                    reserve: 1024,
+                    limit: 20_000,
+                },
+                503,
+            ),
+            (
                 Error::Snapshot(crate::snapshot::SnapshotError::Io {
                     what: "write",
                     path: "memory.img".into(),
@@ -415,6 +474,15 @@ mod tests {
                 },
                 507,
             ),
+            // Out of fds all the same, past admission: for now.
+            (
+                Error::Snapshot(crate::snapshot::SnapshotError::Io {
+                    what: "open",
+                    path: "memory.img".into(),
+                    source: std::io::Error::from_raw_os_error(libc::EMFILE),
+                }),
+                503,
+            ),
             // Other I/O failures stay the server's.
             (
                 Error::Snapshot(crate::snapshot::SnapshotError::Io {
@@ -439,6 +507,23 @@ mod tests {
         assert_eq!(
             e.message(),
             "cannot exec vm-3: it is paused; resume it first"
+        );
+    }
+
+    #[test]
+    fn over_fd_limit_names_the_limit_and_what_to_do() {
+        let e = Error::OverFdLimit {
+            count: 4,
+            need: 36,
+            in_use: 19_800,
+            reserve: 1024,
+            limit: 20_000,
+        };
+        assert_eq!(
+            e.message(),
+            "cannot start 4 VMs: the server holds 19800 of its 20000 file descriptors \
+             (RLIMIT_NOFILE); they need about 36 more, and 1024 stay free for running VMs and \
+             the API; raise the limit (ulimit -n, LimitNOFILE=) or delete VMs"
         );
     }
 }

@@ -77,6 +77,20 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
                 users: b.users.len() as u64,
             })
             .collect(),
+        fds: fd_sample(core),
+    }
+}
+
+/// The server's fds for `/metrics`: open now (not what admitted
+/// operations still starting were promised), the limit, the reserve.
+fn fd_sample(core: &Core) -> crate::observe::metrics::FdSample {
+    use crate::observe::fds::{fd_limit, open_fds};
+    let limit = fd_limit().unwrap_or(0);
+    crate::observe::metrics::FdSample {
+        open: open_fds().unwrap_or(0),
+        limit,
+        reserve: crate::core::fd_budget::reserve(limit),
+        refused: core.fds.refused(),
     }
 }
 

@@ -1,7 +1,7 @@
 //! [`Core`]: the state the core thread owns and every feature works on
 //! (the registry of VMs, the settings, the snapshot catalog, the volume
-//! engine, the warm VMM pool, the object store, working sets), and its few
-//! methods of its own.
+//! engine, the warm VMM pool, the object store, working sets, the fds
+//! admitted), and its few methods of its own.
 //!
 //! Everything here runs on one tokio current-thread runtime inside a
 //! `LocalSet`, so state is plain `Rc`/`RefCell`. No `RefCell` borrow is
@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tracing::info;
 
 use crate::conn::{ConnEvent, PendingLaunches};
+use crate::core::fd_budget::FdBudget;
 use crate::core::pool::state::VmmPool;
 use crate::core::registry::Registry;
 use crate::core::remote::state::RemoteState;
@@ -45,6 +46,8 @@ pub struct Core {
     pub remote: RemoteState,
     /// Working sets being recorded, and those read from snapshots.
     pub worksets: RefCell<WorkingSets>,
+    /// The admission of file descriptors.
+    pub fds: FdBudget,
     /// Log lines that report a finished request, written once its answer
     /// is out (see [`Core::log_after_answer`]).
     after_answer: RefCell<Vec<String>>,
@@ -78,6 +81,7 @@ impl Core {
                 ..RemoteState::default()
             },
             worksets: RefCell::new(WorkingSets::default()),
+            fds: FdBudget::default(),
             after_answer: RefCell::new(Vec::new()),
         })
     }

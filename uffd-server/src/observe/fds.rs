@@ -8,9 +8,16 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-/// Open file descriptors of this process.
+/// Open file descriptors of this process. Admission asks before every
+/// create, so this is the kernel's count where it gives one (the size of
+/// `/proc/self/fd`, Linux 6.2 on), one `stat` however many are open; older
+/// kernels report 0 there and the directory is read (one more fd for a
+/// moment, counted).
 pub fn open_fds() -> std::io::Result<u64> {
-    Ok(std::fs::read_dir("/proc/self/fd")?.count() as u64)
+    match std::fs::metadata("/proc/self/fd")?.len() {
+        0 => Ok(std::fs::read_dir("/proc/self/fd")?.count() as u64),
+        n => Ok(n),
+    }
 }
 
 /// The soft `RLIMIT_NOFILE`.

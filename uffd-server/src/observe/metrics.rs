@@ -65,6 +65,21 @@ pub struct Sample {
     pub pool: PoolSample,
     /// The shared bases.
     pub bases: Vec<BaseSample>,
+    /// The server's fds and their admission.
+    pub fds: FdSample,
+}
+
+/// The server's file descriptors as admission sees them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FdSample {
+    /// Open now.
+    pub open: u64,
+    /// The soft `RLIMIT_NOFILE`.
+    pub limit: u64,
+    /// Kept free of admission for running VMs and the API.
+    pub reserve: u64,
+    /// Creates, restores, clones and forks refused for want of fds.
+    pub refused: u64,
 }
 
 /// One shared base as a scrape sees it.
@@ -278,6 +293,33 @@ pub fn render(sample: &Sample) -> String {
         counter(sample.pool.missed),
     );
 
+    for (name, help, v) in [
+        (
+            "fds_open",
+            "file descriptors the server holds",
+            sample.fds.open,
+        ),
+        (
+            "fds_limit",
+            "the server's file descriptor limit (soft RLIMIT_NOFILE)",
+            sample.fds.limit,
+        ),
+        (
+            "fds_reserve",
+            "file descriptors admission keeps free for running VMs and the API",
+            sample.fds.reserve,
+        ),
+    ] {
+        let g = Gauge::<i64>::default();
+        g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        reg.register(name, help, g);
+    }
+    reg.register(
+        "fd_refusals",
+        "creates, restores, clones and forks refused (503) for want of file descriptors",
+        counter(sample.fds.refused),
+    );
+
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = encode(&mut out, &reg);
@@ -331,6 +373,12 @@ mod tests {
                 bytes: 4096,
                 users: 3,
             }],
+            fds: FdSample {
+                open: 40,
+                limit: 1024,
+                reserve: 102,
+                refused: 2,
+            },
         };
         let text = render(&sample);
         assert!(
@@ -353,6 +401,9 @@ mod tests {
         );
         assert!(text.contains("pagefork_vmm_pool_taken_total 9"), "{text}");
         assert!(text.contains("pagefork_vmm_pool_target 4"), "{text}");
+        assert!(text.contains("pagefork_fds_open 40"), "{text}");
+        assert!(text.contains("pagefork_fds_limit 1024"), "{text}");
+        assert!(text.contains("pagefork_fd_refusals_total 2"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

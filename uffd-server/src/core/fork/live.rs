@@ -13,6 +13,7 @@ use super::children::{abort_children, create_children, fork_volumes, Ready};
 use super::layer;
 use crate::core::busy::{self, expect_state};
 use crate::core::error::{Error, Result};
+use crate::core::fd_budget::FdKind;
 use crate::core::launch::create::{spawn_vmm, wait_ready};
 use crate::core::launch::delete::discard_vms;
 use crate::core::link::error::LinkError;
@@ -32,6 +33,8 @@ fn us(t: Instant) -> u64 {
 /// Fork `parent` into `count` children.
 pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<ForkResponse> {
     let template = check(core, parent, count)?;
+    // The children's fds are promised to the fork until they have started.
+    let _fds = core.fds.admit(FdKind::ForkChild, u64::from(count))?;
     let _busy = busy::begin(core, parent, "fork", "a fork")?;
     let mut stopped = stop_parent(core, parent, template).await?;
     let protected = protect_at_fork(core, parent, template, &mut stopped);

@@ -1,4 +1,5 @@
-//! Creating a VM (`POST /v1/vms`): validate the request, make its memory
+//! Creating a VM (`POST /v1/vms`): admit the fds it will hold
+//! (`core::fd_budget`), validate the request, make its memory
 //! and table (or, `from_snapshot`, restore it: `snapshot::restore`, or
 //! `remote::restore` for a snapshot in the object store),
 //! install every page first if asked (`prefetch`), start its VMM (from the
@@ -13,6 +14,7 @@ use tokio::sync::oneshot;
 use super::delete::discard_vms;
 use crate::conn::Binding;
 use crate::core::error::{Error, Result};
+use crate::core::fd_budget::FdKind;
 use crate::core::link::process::{launch_process, stop_vmm};
 use crate::core::pool::take::{launch_from_pool, new_guest_memory};
 use crate::core::snapshot::restore::prepare_restore;
@@ -37,6 +39,8 @@ fn host_memory_mib() -> u64 {
 
 /// `POST /v1/vms`.
 pub(crate) async fn create_vm(core: Rc<Core>, req: CreateVm) -> Result<VmInfo> {
+    // Its fds are promised to it until it has started (or failed).
+    let _fds = core.fds.admit(fd_kind(&req), 1)?;
     let (id, ready_rx) = match &req.from_snapshot {
         Some(name) => match name.strip_prefix(proto::api::REMOTE_PREFIX) {
             Some(remote) => crate::core::remote::restore::prepare(&core, &req, remote).await?,
@@ -65,6 +69,15 @@ pub(crate) async fn create_vm(core: Rc<Core>, req: CreateVm) -> Result<VmInfo> {
         None => format!("{id}: running"),
     });
     crate::core::ops::info(&core, id)
+}
+
+/// What a create starts, for the fds it will hold.
+fn fd_kind(req: &CreateVm) -> FdKind {
+    match &req.from_snapshot {
+        Some(name) if name.starts_with(proto::api::REMOTE_PREFIX) => FdKind::RemoteRestore,
+        Some(_) => FdKind::Restore,
+        None => FdKind::Create,
+    }
 }
 
 /// Install every page of `id` before its VMM starts. Frames of a

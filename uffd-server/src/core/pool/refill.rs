@@ -12,6 +12,7 @@ use tracing::warn;
 
 use super::state::{Pooled, MAX_FAILURES, POOL_BASE};
 use crate::conn::Binding;
+use crate::core::fd_budget::FdKind;
 use crate::core::link::process::launch_process;
 use crate::core::settings::Settings;
 use crate::core::state::Core;
@@ -116,7 +117,9 @@ async fn refill(core: Rc<Core>, delay: Duration) {
         quiet(&core).await;
         let id = {
             let mut pool = core.pool.borrow_mut();
-            if pool.idle.len() >= pool.target {
+            // Pooled VMMs hold fds too: none is started into the fds
+            // kept for running VMs and the API; the next launch asks again.
+            if pool.idle.len() >= pool.target || !core.fds.has_room(FdKind::Pooled, 1) {
                 break;
             }
             if pool.failures >= MAX_FAILURES {

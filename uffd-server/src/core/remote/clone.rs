@@ -13,6 +13,7 @@ use tracing::{info, warn};
 use super::restore::check_name;
 use crate::core::clone::{check_request, delete_clones, restore_all};
 use crate::core::error::{Error, Result};
+use crate::core::fd_budget::FdKind;
 use crate::core::state::Core;
 
 /// Clone remote snapshot `name` `req.count` times.
@@ -20,6 +21,10 @@ pub(crate) async fn clone_remote(core: &Rc<Core>, name: &str, req: CloneVm) -> R
     core.remote.service()?;
     check_name(name)?;
     check_request(&req)?;
+    // Room for every clone up front; each restore claims its own as it
+    // starts.
+    core.fds
+        .check(FdKind::RemoteRestore, u64::from(req.count))?;
     let t0 = Instant::now();
     let from = format!("{REMOTE_PREFIX}{name}");
     let made = match restore_all(core, &from, &req, None).await {
