@@ -254,16 +254,26 @@ fn parent(s: &TestServer, lineage: Lineage) -> Parent {
     Parent { id, holds }
 }
 
-/// Make VM `id` go as `gone` says.
-fn go(s: &TestServer, id: &str, gone: Gone) {
+/// Make VM `id`, the parent of `child`, go as `gone` says. A delete
+/// says what it keeps of the parent and for whom: its memfd (a parent on
+/// its own memfd, kept frozen) or the layer its pages were copied into
+/// when it forked (a parent on a base, not kept itself).
+fn go(s: &TestServer, id: &str, gone: Gone, lineage: Lineage, child: &str) {
     match gone {
         Gone::Deleted => {
             let d = s.delete_vm(id);
-            // Whether the server keeps the parent as a frozen source is
-            // shown, not checked: the answer is not settled.
-            eprintln!(
-                "DELETE /v1/vms/{id} answers deleted={} frozen={}",
-                d.deleted, d.frozen
+            let own_memfd = matches!(lineage, Lineage::Plain);
+            assert_eq!(d.frozen, own_memfd, "DELETE of {id}: {d:?}");
+            let kind = if own_memfd { "memfd" } else { "layer" };
+            let kept = d
+                .kept
+                .iter()
+                .find(|k| k.kind == kind)
+                .unwrap_or_else(|| panic!("DELETE of {id} keeps no {kind}: {d:?}"));
+            assert!(
+                kept.bytes >= QUARTER.pages * PAGE_SIZE
+                    && kept.readers.iter().any(|r| r.vm == child && r.pages > 0),
+                "DELETE of {id} keeps its {kind} for {child}: {d:?}"
             );
         }
         Gone::Killed => {
@@ -281,6 +291,40 @@ fn go(s: &TestServer, id: &str, gone: Gone) {
             );
         }
     }
+}
+
+/// `GET /v1/vms/{child}` and explain say where the pages the child reads
+/// from its gone parent live: in the parent's memfd or in its layer,
+/// both the server's, never in a VMM.
+fn assert_lives_with_the_server(s: &TestServer, child: &str, lineage: Lineage) {
+    let want = if matches!(lineage, Lineage::Plain) {
+        "memfd pagefork-vm-"
+    } else {
+        "-layer (server, a layer of"
+    };
+    let info = s.vm(child);
+    let from = info
+        .reads_from
+        .iter()
+        .find(|r| r.lives_in.contains(want))
+        .unwrap_or_else(|| panic!("{child} reads nothing from {want:?}: {:?}", info.reads_from));
+    assert!(from.pages >= QUARTER.pages, "{child}: {from:?}");
+    assert!(
+        info.reads_from
+            .iter()
+            .all(|r| !r.lives_in.starts_with("private memory")),
+        "{child} reads pages from a VMM: {:?}",
+        info.reads_from
+    );
+    let explained = s.explain(child, QUARTER.start);
+    let chain = explained.explain.expect("explain asked for").chain;
+    assert!(
+        chain
+            .iter()
+            .any(|step| step.lives_in.as_deref().is_some_and(|l| l.contains(want))),
+        "explain of page {} of {child}: {chain:?}",
+        QUARTER.start
+    );
 }
 
 /// Fork a parent of `lineage`, let it write `more` after the fork, make
@@ -301,7 +345,8 @@ fn child_keeps_the_fork(lineage: Lineage, gone: Gone, more: &[Fill]) {
             "the parent's writes after the fork change its memory"
         );
     }
-    go(&s, &p.id, gone);
+    go(&s, &p.id, gone, lineage, &child);
+    assert_lives_with_the_server(&s, &child, lineage);
     let what = format!("{} after {}", lineage.child(), gone.what());
     assert_holds(&s, &child, at_fork, &p.holds, &what);
     s.assert_invariant(&format!("after {what}"));
@@ -317,7 +362,7 @@ fn orphan_snapshots_rolls_back_and_clones_exactly(lineage: Lineage) {
     let at_fork = all_ram(&s, &p.id, "the parent right before the fork");
     let c = s.fork_one(&p.id);
     snap(&s, &c, "before", SnapshotMode::Full);
-    go(&s, &p.id, Gone::Deleted);
+    go(&s, &p.id, Gone::Deleted, lineage, &c);
 
     // The first read of the parent's pages since it went is the
     // server's own, for the image.

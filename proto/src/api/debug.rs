@@ -79,6 +79,12 @@ pub struct Invariant {
     pub pages_checked: u64,
     /// The first violations found (at most 32).
     pub violations: Vec<Violation>,
+    /// VMs whose table reads pages from another VM's VMM process (the
+    /// private pages of a VM on a shared base), which would die with that
+    /// process: `vm-5 reads 300 pages from vm-3's VMM`. Always empty when
+    /// the invariant holds.
+    #[serde(default)]
+    pub reads_from_other_vmms: Vec<String>,
 }
 
 /// A page where the table and the memfd disagree.

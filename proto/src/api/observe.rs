@@ -148,6 +148,11 @@ pub struct ExplainStep {
     /// that base until this one writes it (then it is `present`: private).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_from: Option<String>,
+    /// Where the bytes of this step live now: a VM's memfd or its VMM's
+    /// private memory, a layer or frozen memfd the server keeps (and
+    /// whether the VM it came from is gone), a file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lives_in: Option<String>,
 }
 
 /// How a page got into a VM's memory.

@@ -178,6 +178,11 @@ pub struct VmInfo {
     /// it maps from a shared base (held once per host by the base).
     #[serde(default)]
     pub memory: VmMemory,
+    /// Where its pages that are not its own come from, and where those
+    /// bytes live now: none of them lives in another VM's VMM, so no other
+    /// VM's exit can take them.
+    #[serde(default)]
+    pub reads_from: Vec<ReadSource>,
 }
 
 /// Where a VM's guest RAM is in host memory, read from the kernel.
@@ -519,8 +524,59 @@ pub struct VmList {
 pub struct VmDeleted {
     pub id: String,
     pub deleted: bool,
-    /// Kept as a frozen source because other VMs still read its pages.
+    /// The VM itself is kept, frozen (state `deleted`), because other VMs
+    /// still read pages from its own memfd. False when nothing of it is
+    /// kept, or when only its layers are (`kept`).
     pub frozen: bool,
+    /// The memory of this VM the server keeps for other VMs that still
+    /// read pages it held, one entry per place, each with its readers.
+    /// Empty when nothing is kept.
+    #[serde(default)]
+    pub kept: Vec<KeptMemory>,
+}
+
+/// Memory of a VM that the server keeps because other VMs read from it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct KeptMemory {
+    /// The source, as tables and explain name it: `vm-3` (its own memfd,
+    /// frozen), `vm-3 (layer)` (the pages it had written, copied out of
+    /// its VMM when it forked), `vm-3 (frozen)` (a template's memfd, now
+    /// its children's base).
+    pub source: String,
+    /// `memfd`, `layer` or `template`.
+    pub kind: String,
+    /// The memfd holding the pages (the server's): `pagefork-vm-3`,
+    /// `pagefork-vm-3-layer`.
+    pub memfd: String,
+    /// Bytes of host memory it holds.
+    pub bytes: u64,
+    /// The VMs that read pages from it, and how many pages each.
+    pub readers: Vec<PageReader>,
+}
+
+/// A VM that reads pages from another VM's kept memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PageReader {
+    pub vm: String,
+    pub pages: u64,
+}
+
+/// Where a VM's pages that are not its own come from, and where the bytes
+/// live now (`GET /v1/vms/{id}`: `reads_from`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ReadSource {
+    /// The source (`vm-3`, `vm-3 (layer)`, `snapshot:gold`, `file:/path`).
+    pub source: String,
+    /// Its kind (`vm`, `frozen`, `file`, `image`, `zstd`, `remote`).
+    pub kind: String,
+    /// Pages of this VM that read from it.
+    pub pages: u64,
+    /// Where those bytes are: `memfd pagefork-vm-3-layer (server)`,
+    /// `memfd pagefork-vm-3 (server; vm-3 is deleted)`, `file /path`.
+    pub lives_in: String,
 }
 
 /// Most children one fork request may create (admission control still

@@ -14,7 +14,7 @@ use crate::core::error::{Error, Result};
 use crate::core::registry::Registry;
 use crate::core::state::Core;
 use crate::core::vm::{RunState, Vm};
-use crate::pages::{PageSource, PageTable, SourceId};
+use crate::pages::{PageSource, PageTable, SourceId, VmPages};
 
 /// What `/metrics` reports, read from the core's counters now.
 pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
@@ -118,6 +118,7 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
                 offset: None,
                 frame: None,
                 shared_from: None,
+                lives_in: None,
             });
             break;
         };
@@ -147,6 +148,7 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
             offset: None,
             frame: None,
             shared_from,
+            lives_in: present.then(|| crate::core::kept::lives_in(reg, v.self_src)),
         });
         // Where the bytes are (not present) or came from (present).
         let next = match (present, installed) {
@@ -156,7 +158,13 @@ fn explain_page(reg: &Registry, id: VmId, page: u64) -> PageExplain {
         };
         match reg.arena.get(next).map(|s| &**s) {
             Some(PageSource::Vm(other)) => at = Some(*other),
-            Some(s) => chain.push(source_step(s, page)),
+            Some(s) => {
+                let mut step = source_step(s, page);
+                if !matches!(s, PageSource::Uninitialized) {
+                    step.lives_in = Some(crate::core::kept::lives_in(reg, next));
+                }
+                chain.push(step);
+            }
             None => chain.push(retired_step(reg, next, page)),
         }
     }
@@ -186,6 +194,7 @@ fn retired_step(reg: &Registry, src: SourceId, page: u64) -> ExplainStep {
         offset: path.map(|_| page * shared::PAGE_SIZE),
         frame: None,
         shared_from: None,
+        lives_in: None,
     }
 }
 
@@ -216,6 +225,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
             offset: Some((page - r.chunk_pages(chunk).start) * shared::PAGE_SIZE),
             frame: Some(chunk),
             shared_from: None,
+            lives_in: None,
         };
     }
     if let Some(z) = s.zstd() {
@@ -229,6 +239,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
             offset: z.frame_offset(frame),
             frame: Some(frame),
             shared_from: None,
+            lives_in: None,
         };
     }
     let file = s.file();
@@ -241,6 +252,7 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
         offset: file.map(|_| page * shared::PAGE_SIZE),
         frame: None,
         shared_from: None,
+        lives_in: None,
     }
 }
 
@@ -503,11 +515,40 @@ pub(crate) fn check_invariant(core: &Core) -> Invariant {
         }
         checked += v.table.pages();
     }
+    let reads_from_other_vmms = reads_from_other_vmms(&reg);
     Invariant {
-        ok: violations.is_empty(),
+        ok: violations.is_empty() && reads_from_other_vmms.is_empty(),
         pages_checked: checked,
         violations,
+        reads_from_other_vmms,
     }
+}
+
+/// Every VM whose table names another VM's source while that VM's pages
+/// are private pages of its VMM: bytes that die with a process the reader
+/// does not own (a fork of a VM on a base copies them into a layer
+/// instead, `fork::layer`).
+fn reads_from_other_vmms(reg: &Registry) -> Vec<String> {
+    let tables = reg
+        .vms
+        .values()
+        .map(|v| (v.id, &v.table))
+        .chain(reg.fc_vms.values().map(|v| (v.id, &v.table)));
+    let mut found = Vec::new();
+    for (reader, table) in tables {
+        for (src, n) in table.counts() {
+            let Some(PageSource::Vm(owner)) = reg.arena.get(*src).map(|s| &**s) else {
+                continue;
+            };
+            if *owner == reader || *n == 0 {
+                continue;
+            }
+            if let Some(VmPages::Process(_)) = reg.arena.memory_of(*owner) {
+                found.push(format!("{reader} reads {n} pages from {owner}'s VMM"));
+            }
+        }
+    }
+    found
 }
 
 /// Pages of a VM on a shared base that its table says are its own but its

@@ -38,6 +38,7 @@ pub mod fd_budget;
 pub mod firecracker;
 pub mod fork;
 pub mod inspect;
+pub mod kept;
 pub mod launch;
 pub mod link;
 pub mod ops;

@@ -55,6 +55,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
                 shared_bytes: 0,
                 base: None,
             },
+            reads_from: crate::core::kept::reads_from(&reg, &v.table, v.self_src, None),
         });
     }
     let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
@@ -106,6 +107,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
             }
         }),
         memory,
+        reads_from: crate::core::kept::reads_from(&reg, &v.table, v.self_src, v.base.on.as_ref()),
     })
 }
 

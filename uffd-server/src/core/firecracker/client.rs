@@ -161,5 +161,6 @@ pub(crate) fn delete_fc_vm(core: &Core, id: VmId) -> Option<VmDeleted> {
         id: id.to_string(),
         deleted: true,
         frozen: false,
+        kept: Vec::new(),
     })
 }

@@ -40,10 +40,24 @@ pub(crate) async fn delete_vm(core: Rc<Core>, id: VmId) -> Result<VmDeleted> {
             }
         }
         reg.collect_garbage();
-        reg.vms.contains_key(&id)
+        (
+            reg.vms.contains_key(&id),
+            crate::core::kept::kept_of(&reg, id),
+        )
     };
-    if frozen {
-        info!("{id}: deleted; memory kept while other VMs read from it");
+    let (frozen, kept) = frozen;
+    if !kept.is_empty() {
+        let what: Vec<String> = kept
+            .iter()
+            .map(|k| {
+                let readers: Vec<&str> = k.readers.iter().map(|r| r.vm.as_str()).collect();
+                format!("{} for {}", k.memfd, readers.join(", "))
+            })
+            .collect();
+        info!(
+            "{id}: deleted; memory kept while other VMs read from it: {}",
+            what.join("; ")
+        );
     } else {
         info!("{id}: deleted");
     }
@@ -52,6 +66,7 @@ pub(crate) async fn delete_vm(core: Rc<Core>, id: VmId) -> Result<VmDeleted> {
         id: id.to_string(),
         deleted: true,
         frozen,
+        kept,
     })
 }
 
