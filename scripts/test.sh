@@ -109,7 +109,7 @@ echo "== fork, snapshot, Firecracker, core and stall tests again, with a warm VM
 set +e
 PAGEFORK_VMM_POOL=2 cargo test --workspace --no-fail-fast \
 	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e --test stalls_e2e \
-	--test based_e2e \
+	--test based_e2e --test lineage_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e
@@ -117,7 +117,7 @@ set -e
 echo "== fork and snapshot tests again, on hugepage guest RAM (2 MiB hugetlb)" >&2
 set +e
 PAGEFORK_HUGEPAGES=true cargo test --workspace --no-fail-fast \
-	--test fork_e2e --test snapshot_e2e --test based_e2e \
+	--test fork_e2e --test snapshot_e2e --test based_e2e --test lineage_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e
