@@ -472,6 +472,44 @@ fn truncated_image_fails_its_vm(hugepages: bool) {
     assert_eq!(s.verify(&other, 0, 64, 1), 0);
 }
 
+/// The same on a VM whose writes are tracked (after a snapshot, every
+/// page it lacks carries a write-protect marker, which UFFDIO_POISON
+/// refuses): the VM fails once, its exec is answered and its VMM ends,
+/// instead of the fault being retried for ever.
+#[test]
+fn a_truncated_image_fails_a_tracked_vm_once_instead_of_looping() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let image = RandomImage::new(8, 0x7d);
+    let id = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        fault_around_kib: Some(0),
+        readahead_kib: Some(0),
+        ..new_vm(8)
+    });
+    assert_eq!(s.digest(&id, 0, 16), expected_digest(&image.bytes, 0, 16));
+    s.snapshot(&id, "tracked", proto::api::SnapshotMode::Full);
+    image.file.as_file().set_len(16 * 4096).expect("truncate");
+    let answer = exec_detached(&s, &id, &op::digest(1000, 10), Duration::from_secs(60));
+    let got = answer
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the exec on a page that cannot be served is answered");
+    match got {
+        Some((200, body)) => panic!("pages past the end of a truncated image were served: {body}"),
+        Some(_) => {}
+        None => panic!("the exec got no answer"),
+    }
+    let v = s.vm(&id);
+    assert_eq!(v.state, RunState::Failed, "{v:?}");
+    assert!(
+        v.faults.missing < 1000,
+        "the unservable page was retried {} times: {v:?}",
+        v.faults.missing
+    );
+}
+
 /// An image on the same XFS as the server's state directory is served
 /// from a private reflink clone: truncating (or rewriting) the client's
 /// file has no effect on the VM.

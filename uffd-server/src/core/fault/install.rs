@@ -126,9 +126,26 @@ impl Target<'_> {
 
     /// Poison the units of `[page, page + n)`: every access to them fails
     /// from now on.
+    ///
+    /// UFFDIO_POISON refuses any pte that is not empty, the write-protect
+    /// marker of a never-touched page included (which every missing page
+    /// of a VM whose writes are tracked carries): it answers EEXIST there,
+    /// and the fault would be retried for ever. So on EEXIST the range's
+    /// protection is lifted (which clears those markers; the VM is failing,
+    /// its writes need no tracking) and the poison tried once more. A
+    /// page really present still answers EEXIST.
     pub fn poison(&self, page: u64, n: u64) -> Install {
         let (lo, hi) = self.units(page, page + n);
-        uffd_abi::poison(self.uffd, self.addr(lo), (hi - lo) * PAGE_SIZE)
+        let len = (hi - lo) * PAGE_SIZE;
+        match uffd_abi::poison(self.uffd, self.addr(lo), len) {
+            Install::Exists { .. } => {
+                if let Err(e) = uffd_abi::write_protect(self.uffd, self.addr(lo), len, false) {
+                    return Install::Failed(e);
+                }
+                uffd_abi::poison(self.uffd, self.addr(lo), len)
+            }
+            other => other,
+        }
     }
 
     /// Write-protect (`protect`) or unprotect and wake the units of
