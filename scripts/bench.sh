@@ -12,7 +12,7 @@
 # status is non-zero if a bench failed or a row is missing, never because of
 # a timing.
 #
-# The volume, VM-snapshot, qcow2, disk-throughput and density benches need an XFS (reflink=1) directory: $PAGEFORK_XFS_DIR if
+# The volume, VM-snapshot, qcow2, disk-throughput, density and lineage benches need an XFS (reflink=1) directory: $PAGEFORK_XFS_DIR if
 # set, else one is set up with scripts/xfs-loop.sh (needs root) and torn down
 # afterwards. The remote-snapshot bench needs an S3 store on this host: the
 # one of AWS_ENDPOINT_URL/PAGEFORK_REMOTE if set, else a one-node Ceph
@@ -114,11 +114,13 @@ if [ -n "$XFS_DIR" ]; then
 	run qcow2_interchange "$XFS_DIR" "${QUICK_ARG[@]}"
 	run disk_throughput "$XFS_DIR" "${QUICK_ARG[@]}"
 	run density "$XFS_DIR" "${QUICK_ARG[@]}"
+	run lineage "$XFS_DIR" "${QUICK_ARG[@]}"
 else
 	cp "$WORK/volume_snapshot.status" "$WORK/vm_snapshot.status"
 	cp "$WORK/volume_snapshot.status" "$WORK/qcow2_interchange.status"
 	cp "$WORK/volume_snapshot.status" "$WORK/disk_throughput.status"
 	cp "$WORK/volume_snapshot.status" "$WORK/density.status"
+	cp "$WORK/volume_snapshot.status" "$WORK/lineage.status"
 fi
 
 run fc_restore "${QUICK_ARG[@]}"

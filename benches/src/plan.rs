@@ -42,6 +42,9 @@ pub struct Plan {
     /// and each child reads (W), MiB.
     pub density_mib: u64,
     pub density_ws_mib: u64,
+    /// Sizes of the parent on a shared base whose fork copies a layer,
+    /// MiB; the first is also the paused template's.
+    pub lineage_mib: Vec<u64>,
 }
 
 impl Plan {
@@ -63,6 +66,7 @@ impl Plan {
                 density_children: vec![1, 20, 100],
                 density_mib: 32,
                 density_ws_mib: 8,
+                lineage_mib: vec![64],
             }
         } else {
             Plan {
@@ -80,6 +84,7 @@ impl Plan {
                 density_children: vec![1, 100, 1000],
                 density_mib: 64,
                 density_ws_mib: 16,
+                lineage_mib: vec![256, 1024],
             }
         }
     }
@@ -246,13 +251,25 @@ impl Plan {
                 );
                 k
             }
+            "lineage" => {
+                let mut k: Vec<String> = self
+                    .lineage_mib
+                    .iter()
+                    .flat_map(|s| {
+                        ["pause", "e2e", "copy", "shmem", "rss", "orphan_read"]
+                            .map(|m| format!("lineage.{m}.{s}"))
+                    })
+                    .collect();
+                k.extend(["template_first", "template_later"].map(|m| format!("lineage.{m}")));
+                k
+            }
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 12] = [
+pub const BENCHES: [&str; 13] = [
     "lazy_restore",
     "fork",
     "vmm_pool",
@@ -265,6 +282,7 @@ pub const BENCHES: [&str; 12] = [
     "minor_fault",
     "remote_restore",
     "density",
+    "lineage",
 ];
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! Host counters and machine facts read from /proc.
 
+use std::collections::HashSet;
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
 /// The XFS (reflink=1) directory a bench runs on: its first argument that
@@ -23,6 +25,51 @@ pub fn meminfo_kib(field: &str) -> Option<u64> {
 pub fn proc_status_kib(pid: u32, field: &str) -> Option<u64> {
     let text = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status_field(&text, field)
+}
+
+/// Memory that a set of processes holds, read from /proc.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Held {
+    /// Pages of every memfd they have open (each memfd counted once), KiB.
+    pub memfd_kib: u64,
+    /// Their anonymous pages (RssAnon), KiB.
+    pub anon_kib: u64,
+}
+
+impl Held {
+    /// Both, KiB.
+    pub fn total_kib(&self) -> f64 {
+        (self.memfd_kib + self.anon_kib) as f64
+    }
+}
+
+/// The memory `pids` hold: the host's `Shmem` + `AnonPages` restricted
+/// to them. Exact, and blind to other work on the machine, which moves
+/// the host-wide counters by hundreds of MiB. A process that exits
+/// meanwhile counts as nothing.
+pub fn held(pids: &[u32]) -> Held {
+    let mut seen = HashSet::new();
+    let mut h = Held::default();
+    for &pid in pids {
+        h.anon_kib += proc_status_kib(pid, "RssAnon").unwrap_or(0);
+        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            let is_memfd =
+                fs::read_link(fd.path()).is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:"));
+            if !is_memfd {
+                continue;
+            }
+            if let Ok(m) = fs::metadata(fd.path()) {
+                if seen.insert((m.dev(), m.ino())) {
+                    // st_blocks counts 512-byte blocks.
+                    h.memfd_kib += m.blocks() / 2;
+                }
+            }
+        }
+    }
+    h
 }
 
 /// `Name:   1234 kB` → 1234.

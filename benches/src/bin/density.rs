@@ -38,13 +38,11 @@
 //! overrides the children counts of part 1 for a quick look; the report
 //! then lacks rows). Prints JSON rows.
 
-use std::collections::HashSet;
-use std::os::unix::fs::MetadataExt;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use pagefork_benches::sys::{meminfo_kib, proc_status_kib};
+use pagefork_benches::sys::{held, meminfo_kib, proc_status_kib};
 use pagefork_benches::{Plan, Row, Stats};
 use pagefork_tests::{child_pids, from_snapshot, new_vm, TestServer};
 use proto::api::{ForkRequest, SnapshotMode};
@@ -159,36 +157,14 @@ fn host_kib() -> f64 {
 }
 
 /// The same counters restricted to the bench's servers and their VMMs,
-/// KiB: the pages of every memfd they hold (guest RAM, bases; each
-/// counted once) and their anonymous pages (RssAnon: what VMs wrote over
-/// a base, the processes' heaps). Exact, and blind to other work on the
-/// machine, which moves the host-wide figures by hundreds of MiB.
+/// KiB (see [`held`]): what VMs wrote over a base is in their VMMs'
+/// anonymous pages.
 fn own_kib(servers: &[u32]) -> f64 {
     let mut pids = servers.to_vec();
     for &s in servers {
         pids.extend(child_pids(s));
     }
-    let mut seen = HashSet::new();
-    let (mut shmem, mut anon) = (0u64, 0u64);
-    for pid in pids {
-        anon += proc_status_kib(pid, "RssAnon").unwrap_or(0);
-        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-            continue;
-        };
-        for fd in fds.flatten() {
-            let is_memfd = std::fs::read_link(fd.path())
-                .is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:"));
-            if !is_memfd {
-                continue;
-            }
-            if let Ok(m) = std::fs::metadata(fd.path()) {
-                if seen.insert((m.dev(), m.ino())) {
-                    shmem += m.blocks() / 2;
-                }
-            }
-        }
-    }
-    (shmem + anon) as f64
+    held(&pids).total_kib()
 }
 
 /// Both measures of memory at one moment.
