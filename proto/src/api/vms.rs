@@ -643,6 +643,15 @@ pub struct ForkPhases {
     /// Copying them, after the resume.
     #[serde(default)]
     pub layer_us: u64,
+    /// In the pause: making the layer and freezing the parent's pages
+    /// over it (0 when there is no layer).
+    #[serde(default)]
+    pub layer_begin_us: u64,
+    /// In the pause, after the capture (a running parent): protecting
+    /// what a late fault lifted and, on a base, the pages its guest wrote
+    /// with no fault (found by a pagemap scan).
+    #[serde(default)]
+    pub late_protect_us: u64,
 }
 
 #[cfg(test)]

@@ -154,14 +154,20 @@ pub(crate) async fn move_onto_base(core: &Rc<Core>, vm: VmId) -> Result<()> {
 /// says which (`PAGEMAP_SCAN`). Returns how many pages were new to the
 /// table. Nothing to do for a VM on its own memfd, or before its VMM runs.
 pub(crate) fn sync_private(reg: &mut Registry, vm: VmId) -> Result<u64> {
+    Ok(sync_private_runs(reg, vm)?.iter().map(|r| r.1).sum())
+}
+
+/// [`sync_private`], returning the runs `(first, n)` of pages that were
+/// new to the table.
+pub(crate) fn sync_private_runs(reg: &mut Registry, vm: VmId) -> Result<Vec<(u64, u64)>> {
     let Some(VmPages::Process(p)) = reg.arena.memory_of(vm) else {
-        return Ok(0);
+        return Ok(Vec::new());
     };
     let Some(v) = reg.vms.get_mut(&vm) else {
-        return Ok(0);
+        return Ok(Vec::new());
     };
     if !v.base.is_based() {
-        return Ok(0);
+        return Ok(Vec::new());
     }
     let runs = p
         .private_runs(v.memory.pages())
@@ -173,13 +179,16 @@ pub(crate) fn sync_private(reg: &mut Registry, vm: VmId) -> Result<u64> {
     // A paused template's pages its kept layer holds are named by the
     // layer until it runs (see `fork::layer`).
     let kept = v.fork.kept_layer;
-    let mut new = 0;
+    let mut new: Vec<(u64, u64)> = Vec::new();
     for (first, n) in runs {
         for page in first..first + n {
             let now = v.table.get(page);
             if now != me && Some(now) != kept {
                 v.table.set(page, me);
-                new += 1;
+                match new.last_mut() {
+                    Some((f, k)) if *f + *k == page => *k += 1,
+                    _ => new.push((page, 1)),
+                }
             }
         }
     }

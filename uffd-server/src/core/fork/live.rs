@@ -45,7 +45,9 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     let t_vol = Instant::now();
     let created = created.and_then(|c| fork_volumes(core, parent, c));
     let volume_us = us(t_vol);
+    let t_begin = Instant::now();
     let (created, layered) = begin_layer(core, parent, template, &protected, created);
+    let layer_begin_us = if layered { us(t_begin) } else { 0 };
     let early = if layered {
         // The children read the layer, which is whole only after the
         // resume: none of them starts before.
@@ -69,6 +71,8 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
         write_protected_pages: protected.as_ref().ok().copied(),
         layer_pages: 0,
         layer_us: 0,
+        layer_begin_us,
+        late_protect_us: stopped.late_protect_us,
     };
     let children = match keep_or_undo(core, protected, created, resumed, &early).await {
         Ok(c) => c,
@@ -86,7 +90,10 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
                 ..phases
             },
             Err(e) => {
-                discard_vms(core, &children.iter().map(|(id, _)| *id).collect::<Vec<_>>());
+                discard_vms(
+                    core,
+                    &children.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+                );
                 return Err(e);
             }
         }
@@ -143,6 +150,8 @@ struct Stopped<'a> {
     paused_at: Instant,
     pause_and_capture_us: u64,
     write_protect_us: u64,
+    /// After the capture (a running parent): see `ForkPhases`.
+    late_protect_us: u64,
 }
 
 /// Steps 1 and 2: a running parent's materialized pages are
@@ -211,6 +220,7 @@ async fn stop_parent(core: &Rc<Core>, parent: VmId, template: bool) -> Result<St
             paused_at: t_pause,
             pause_and_capture_us,
             write_protect_us,
+            late_protect_us: 0,
         }),
         (p, c) => {
             // The pause may still land later (a VMM that stopped
@@ -247,8 +257,11 @@ fn protect_at_fork(
     let t_wp = Instant::now();
     let frozen = template && freezes(core, parent);
     let protected = if let (Some(a), Some(p)) = (&stopped.armed, stopped.reprotected.take()) {
-        p.and_then(|n| a.finish().map(|(late, _)| n + late))
-            .and_then(|n| Ok(n + protect_written_since(core, parent)?))
+        let p = p
+            .and_then(|n| a.finish().map(|(late, _)| n + late))
+            .and_then(|n| Ok(n + protect_written_since(core, parent)?));
+        stopped.late_protect_us = us(t_wp);
+        p
     } else if protected_paused(core, parent) || frozen {
         // A paused parent on its own memfd never writes it again: it moves
         // onto it, as its children's base, before it runs.
@@ -400,31 +413,15 @@ fn freezes(core: &Core, vm: VmId) -> bool {
 /// own pages. Returns how many.
 fn protect_written_since(core: &Core, vm: VmId) -> Result<u64> {
     let mut reg = core.reg.borrow_mut();
-    let Some(v) = reg.vms.get(&vm) else {
-        return Ok(0);
-    };
-    if !v.base.is_based() {
+    if !reg.vms.get(&vm).is_some_and(|v| v.base.is_based()) {
         return Ok(0);
     }
-    let before = v.table.ranges_of(v.self_src);
-    crate::core::base::sync_private(&mut reg, vm)?;
-    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
-    let after = v.table.ranges_of(v.self_src);
-    if after == before {
+    let new = crate::core::base::sync_private_runs(&mut reg, vm)?;
+    if new.is_empty() {
         return Ok(0);
     }
-    let mut known = crate::snapshot::PageSet::new(v.memory.pages());
-    for (first, n) in before {
-        known.insert_range(first, n);
-    }
-    let new: Vec<(u64, u64)> = after
-        .iter()
-        .flat_map(|&(first, n)| first..first + n)
-        .filter(|p| !known.contains(*p))
-        .map(|p| (p, 1))
-        .collect();
-    protect(v, &new)?;
-    Ok(new.len() as u64)
+    protect(reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?, &new)?;
+    Ok(new.iter().map(|r| r.1).sum())
 }
 
 /// Whether `vm` is a paused template whose pages are all protected.
