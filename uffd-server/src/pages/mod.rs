@@ -13,7 +13,6 @@ pub use readahead::{FaultAround, FaultAroundError, Readahead, MAX_FAULT_AROUND_K
 pub use resolve::{fault_on, plan_run, read_pages, Fault, Held, ResolveError, Run};
 pub use source::{
     FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, RemoteSource, SourceArena,
-    SourceId,
-    VmPages, ZstdSource, UNINITIALIZED,
+    SourceId, VmPages, ZstdSource, UNINITIALIZED,
 };
 pub use table::{Extent, PageTable, CHUNK_PAGES};

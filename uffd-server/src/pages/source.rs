@@ -400,9 +400,10 @@ impl SourceArena {
 
     /// Every source held, with its id.
     pub fn iter(&self) -> impl Iterator<Item = (SourceId, &Rc<PageSource>)> + '_ {
-        self.slots.iter().enumerate().filter_map(|(i, s)| {
-            Some((SourceId::try_from(i).ok()?, s.as_ref()?))
-        })
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((SourceId::try_from(i).ok()?, s.as_ref()?)))
     }
 
     /// How many sources of each kind are held.
