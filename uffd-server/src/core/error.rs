@@ -15,7 +15,7 @@ use shared::VmId;
 
 use crate::core::link::error::LinkError;
 use crate::core::remote::error::RemoteError;
-use crate::core::rollback::fit::FitError;
+use crate::core::rollback::error::FitError;
 use crate::core::snapshot::error::ArmError;
 use crate::memory::MemoryError;
 use crate::snapshot::ErrorKind as SnapshotKind;
@@ -154,7 +154,7 @@ pub enum Error {
         source: crate::pages::ResolveError,
     },
     #[error(transparent)]
-    Layer(#[from] crate::core::fork::layer::LayerError),
+    Layer(#[from] crate::core::fork::error::LayerError),
     #[error("{vm} forked, but a page it wrote could not be kept for its children: {why}")]
     LayerLost { vm: VmId, why: String },
     #[error(transparent)]
@@ -261,7 +261,7 @@ impl Error {
             },
             SaveSnapshot { .. } | RollbackFailed { .. } | Base(_) | BaseSync { .. } => 500,
             // The parent's VMM went while its pages were being copied.
-            Layer(crate::core::fork::layer::LayerError::Read { .. }) | LayerLost { .. } => 502,
+            Layer(crate::core::fork::error::LayerError::Read { .. }) | LayerLost { .. } => 502,
             Layer(_) => 500,
             CloneFailed { source, .. } | RemoteCloneFailed { source, .. } => source.status(),
         }

@@ -17,7 +17,7 @@
 //!    (`process_vm_readv`) into the layer a few MiB at a time, with the
 //!    rest of the core's work served between two steps. A write (or a
 //!    discard) of the parent to a page not copied yet copies that page
-//!    first ([`Layering::save`], from the write-protect and remove paths).
+//!    first (`Layering::save`, from the write-protect and remove paths).
 //! 3. The children start once the layer is whole. If the parent's VMM
 //!    dies before, the fork fails and its children are discarded: no VM
 //!    ever reads a page the layer lacks.
@@ -32,109 +32,17 @@ use std::rc::Rc;
 use shared::VmId;
 use tracing::info;
 
+use super::error::LayerError;
+use super::layering::Layering;
 use crate::core::error::{Error, Result};
 use crate::core::registry::Registry;
 use crate::core::state::Core;
-use crate::memory::{GuestMemory, MemoryError};
-use crate::pages::process::{ProcessPages, ProcessReadError};
-use crate::pages::{SourceId, VmPages};
+use crate::memory::GuestMemory;
+use crate::pages::VmPages;
 use crate::snapshot::PageSet;
 
 /// Pages copied into a layer in one step of [`fill`] (4 MiB).
 const STEP_PAGES: u64 = 1024;
-
-/// Why a layer could not be filled.
-#[derive(Debug, thiserror::Error)]
-pub enum LayerError {
-    #[error("cannot make a layer for the pages {vm} holds")]
-    Create {
-        vm: VmId,
-        #[source]
-        source: MemoryError,
-    },
-    #[error("cannot write pages {first}..{end} into {vm}'s layer")]
-    Write {
-        vm: VmId,
-        first: u64,
-        end: u64,
-        #[source]
-        source: MemoryError,
-    },
-    #[error("cannot copy pages {vm} holds out of its VMM into its layer (the VMM exited?)")]
-    Read {
-        vm: VmId,
-        #[source]
-        source: ProcessReadError,
-    },
-}
-
-/// A layer being filled from a VM's VMM, kept in the VM (`ForkState`) so
-/// that its writes and discards can save a page before it changes.
-#[derive(Debug)]
-pub struct Layering {
-    vm: VmId,
-    /// The id the children's tables read the layer by.
-    frozen: SourceId,
-    layer: Rc<GuestMemory>,
-    process: Rc<ProcessPages>,
-    /// Pages still to copy (whole kernel pages).
-    pending: PageSet,
-    unit: u64,
-    /// The first failure; the fork fails with it.
-    failed: Option<String>,
-    /// Pages copied so far.
-    copied: u64,
-}
-
-impl Layering {
-    /// Before `page` of the VM is written or discarded: copy its unit
-    /// into the layer if it is still to be copied.
-    pub fn save(&mut self, page: u64) {
-        if !self.pending.contains(page) {
-            return;
-        }
-        let lo = page / self.unit * self.unit;
-        if let Err(e) = self.copy(lo, self.unit) {
-            self.failed.get_or_insert_with(|| shared::error_chain(&e));
-        }
-    }
-
-    /// Copy the next run of pending pages (at most `max`). `Ok(false)`
-    /// when nothing is left.
-    fn step(&mut self, max: u64) -> std::result::Result<bool, LayerError> {
-        let Some(first) = self.pending.next_from(0) else {
-            return Ok(false);
-        };
-        let mut n = self.unit;
-        while n < max && self.pending.contains(first + n) {
-            n += self.unit;
-        }
-        self.copy(first, n)?;
-        Ok(true)
-    }
-
-    fn copy(&mut self, first: u64, n: u64) -> std::result::Result<(), LayerError> {
-        let vm = self.vm;
-        let end = first + n;
-        let dst = self
-            .layer
-            .allocated_slice(first, n)
-            .map_err(|source| LayerError::Write {
-                vm,
-                first,
-                end,
-                source,
-            })?;
-        self.process
-            .read(first, &dst)
-            .map_err(|source| LayerError::Read { vm, source })?;
-        for p in first..end {
-            self.pending.remove(p);
-        }
-        self.copied += n;
-        Ok(())
-    }
-}
 
 /// Step 1, in the fork's pause, after the children's tables were forked
 /// and before anything awaits: if `parent` is a VM on a base holding
@@ -188,16 +96,7 @@ pub(crate) fn begin(reg: &mut Registry, parent: VmId, template: bool) -> Result<
             v.table.set_range(first, n, me);
         }
     }
-    v.fork.layering = Some(Layering {
-        vm: parent,
-        frozen,
-        layer,
-        process,
-        pending,
-        unit,
-        failed: None,
-        copied: 0,
-    });
+    v.fork.layering = Some(Layering::new(parent, frozen, layer, process, pending, unit));
     info!("{parent}: {pages} pages it wrote are frozen into a layer for its children");
     Ok(true)
 }
@@ -216,7 +115,7 @@ pub(crate) async fn fill(core: &Rc<Core>, parent: VmId) -> Result<u64> {
             else {
                 return Err(Error::NoSuchVm(parent));
             };
-            if let Some(why) = l.failed.take() {
+            if let Some(why) = l.take_failure() {
                 Err(Error::LayerLost { vm: parent, why })
             } else {
                 l.step(STEP_PAGES).map_err(Error::Layer)
@@ -248,10 +147,10 @@ pub(crate) fn end(core: &Core, parent: VmId, filled: bool) -> u64 {
     let Some(l) = v.fork.layering.take() else {
         return 0;
     };
-    if !filled && v.fork.kept_layer == Some(l.frozen) {
+    if !filled && v.fork.kept_layer == Some(l.frozen()) {
         v.fork.kept_layer = None;
         let me = v.self_src;
-        for (first, n) in v.table.ranges_of(l.frozen) {
+        for (first, n) in v.table.ranges_of(l.frozen()) {
             v.table.set_range(first, n, me);
         }
     }
@@ -259,5 +158,5 @@ pub(crate) fn end(core: &Core, parent: VmId, filled: bool) -> u64 {
         // An unfilled layer no table reads any more goes now.
         reg.release_unused_sources();
     }
-    l.copied
+    l.copied()
 }

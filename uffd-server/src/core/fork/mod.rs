@@ -23,6 +23,8 @@
 //! and again costs the table fork and the children's start only.
 
 pub mod children;
+pub mod error;
 pub mod layer;
+pub mod layering;
 pub mod live;
 pub mod state;

@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use shared::VmId;
 
-use super::layer::Layering;
+use super::layering::Layering;
 use crate::pages::SourceId;
 
 /// One VM's fork state.

@@ -33,6 +33,7 @@
 //!    and resume. A failure after step 3 fails X visibly.
 
 pub mod discard;
+pub mod error;
 pub mod fit;
 pub mod reset;
 pub mod state;
