@@ -15,6 +15,23 @@ pub fn xfs_dir_arg() -> Option<PathBuf> {
         .or_else(|| std::env::var_os("PAGEFORK_XFS_DIR").map(PathBuf::from))
 }
 
+/// What a bench of VMs on the XFS needs before it starts: the directory
+/// ([`xfs_dir_arg`]), `/dev/kvm` and userfaultfd, and `TMPDIR` pointed
+/// there (the harness makes its state directories under it). Otherwise
+/// it says what is missing and gives the exit code to end with.
+pub fn start_on_xfs(bench: &str) -> Result<PathBuf, std::process::ExitCode> {
+    let Some(xfs) = xfs_dir_arg() else {
+        eprintln!("{bench}: give an XFS (reflink=1) directory or set PAGEFORK_XFS_DIR");
+        return Err(std::process::ExitCode::from(2));
+    };
+    if !pagefork_tests::require_kvm_uffd() {
+        eprintln!("{bench}: needs /dev/kvm and /dev/userfaultfd");
+        return Err(std::process::ExitCode::FAILURE);
+    }
+    std::env::set_var("TMPDIR", &xfs);
+    Ok(xfs)
+}
+
 /// A field of /proc/meminfo in KiB (`Shmem`, `MemTotal`, ...).
 pub fn meminfo_kib(field: &str) -> Option<u64> {
     let text = fs::read_to_string("/proc/meminfo").ok()?;

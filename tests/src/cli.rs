@@ -47,3 +47,15 @@ pub fn uffdctl_json<T: DeserializeOwned>(s: &TestServer, args: &[&str]) -> T {
         )
     })
 }
+
+/// `uffdctl image compress RAW OUT [--frame-kib N]`: a `memory.zst` of a
+/// raw image, offline; panics unless it succeeds.
+pub fn compress_image(raw: &std::path::Path, out: &std::path::Path, frame_kib: Option<u64>) {
+    let mut cmd = Command::new(bin("uffdctl"));
+    cmd.args(["image", "compress"]).arg(raw).arg(out);
+    if let Some(kib) = frame_kib {
+        cmd.args(["--frame-kib", &kib.to_string()]);
+    }
+    let o = cmd.output().expect("run uffdctl image compress");
+    ok_stdout(&o, "uffdctl image compress");
+}

@@ -14,13 +14,11 @@
 //! Run: `cargo build --workspace && cargo test -p pagefork-tests --test
 //! density_e2e -- --test-threads=1`.
 
-use std::path::Path;
-use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use pagefork_tests::{
-    bin, expected_digest, filled_zero_memory, new_vm, require_kvm_uffd, zstd_source, TestServer,
+    expected_digest, filled_zero_memory, new_vm, require_kvm_uffd, zstd_source, TestServer,
 };
 use proto::api::{CreateVm, SnapshotMode};
 
@@ -244,22 +242,6 @@ fn restores_prefetching_a_recorded_working_set_share_it() {
     s.assert_healthy();
 }
 
-/// `uffdctl image compress` of `raw` into `out`.
-fn compress(raw: &Path, out: &Path) {
-    let o = Command::new(bin("uffdctl"))
-        .args(["image", "compress"])
-        .arg(raw)
-        .arg(out)
-        .output()
-        .expect("run uffdctl image compress");
-    assert!(
-        o.status.success(),
-        "uffdctl image compress failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 #[test]
 fn vms_of_one_compressed_image_share_the_pages_they_read() {
     let _host = HOST
@@ -276,7 +258,7 @@ fn vms_of_one_compressed_image_share_the_pages_they_read() {
     pagefork_tests::apply_fill(&mut mem, 0, WORKING_SET, SEED);
     std::fs::write(&raw, &mem).expect("write the raw image");
     drop(mem);
-    compress(&raw, &zst);
+    pagefork_tests::compress_image(&raw, &zst, None);
     std::fs::remove_file(&raw).expect("remove the raw image");
     let want = working_set_digest();
     let vm = || {

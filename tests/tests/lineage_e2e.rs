@@ -16,13 +16,11 @@
 //! whole. Real server, VMMs, KVM and userfaultfd; snapshots on the XFS
 //! mount (PAGEFORK_XFS_DIR).
 
-use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    bin, new_vm, op, pages_of, realistic_memory, server_on_xfs, signal, wait_until, zstd_source,
+    new_vm, op, pages_of, realistic_memory, server_on_xfs, signal, wait_until, zstd_source,
     TestServer,
 };
 use proto::api::{CreateSnapshot, CreateVm, RunState, SnapshotCreated, SnapshotMode};
@@ -190,29 +188,13 @@ fn assert_restores(s: &TestServer, name: &str, want: u64, holds: &[Fill]) {
     s.delete_vm(&back);
 }
 
-/// `uffdctl image compress` of `raw` into `out`.
-fn compress(raw: &Path, out: &Path) {
-    let o = Command::new(bin("uffdctl"))
-        .args(["image", "compress"])
-        .arg(raw)
-        .arg(out)
-        .output()
-        .expect("run uffdctl image compress");
-    assert!(
-        o.status.success(),
-        "uffdctl image compress failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 /// A VM created from a compressed image of realistic memory, made next to
 /// the server's state directory.
 fn zstd_vm(s: &TestServer) -> String {
     let dir = s.state_dir().join("..");
     let (raw, zst) = (dir.join("lineage.raw"), dir.join("lineage.zst"));
     std::fs::write(&raw, realistic_memory(MIB)).expect("write the raw image");
-    compress(&raw, &zst);
+    pagefork_tests::compress_image(&raw, &zst, None);
     std::fs::remove_file(&raw).expect("remove the raw image");
     s.create_vm(&CreateVm {
         memory_source: Some(zstd_source(&zst)),

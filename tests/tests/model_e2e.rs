@@ -58,14 +58,13 @@
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use pagefork_tests::{
-    apply_fill, bin, expected_digest, file_source, from_snapshot, new_vm, op, require_hugepages,
+    apply_fill, expected_digest, file_source, from_snapshot, new_vm, op, require_hugepages,
     server_on_xfs, vm_num, wait_for, zstd_source, Api, Holdings, RandomImage, Reply, TestServer,
 };
 use proto::api::{
@@ -1465,23 +1464,6 @@ fn vm_of(source: Option<MemorySource>, huge: bool) -> CreateVm {
     }
 }
 
-/// `uffdctl image compress` of `raw` into `out`.
-fn compress(raw: &Path, out: &Path) {
-    let o = Command::new(bin("uffdctl"))
-        .args(["image", "compress"])
-        .arg(raw)
-        .arg(out)
-        .args(["--frame-kib", "128"])
-        .output()
-        .expect("run uffdctl image compress");
-    assert!(
-        o.status.success(),
-        "uffdctl image compress failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 /// Threads of process `pid`.
 fn threads(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -1640,7 +1622,7 @@ fn random_operations_on_vms_of_every_kind_keep_every_vm_exact() {
     let zst_raw = RandomImage::from_bytes(memory_of(&zst_seeds));
     let zst_dir = tempfile::tempdir().expect("tempdir");
     let zst = zst_dir.path().join("memory.zst");
-    compress(zst_raw.file.path(), &zst);
+    pagefork_tests::compress_image(zst_raw.file.path(), &zst, Some(128));
     let run = Run {
         api: (*s).clone(),
         seed,

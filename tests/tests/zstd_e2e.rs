@@ -17,23 +17,6 @@ use pagefork_tests::{
 use proto::api::{CreateListener, CreateSnapshot, CreateVm, MemorySource, RunState, SnapshotMode};
 use serde_json::Value;
 
-/// `uffdctl image compress` of `raw` into `out`.
-fn compress(raw: &Path, out: &Path, frame_kib: u64) {
-    let o = Command::new(bin("uffdctl"))
-        .args(["image", "compress"])
-        .arg(raw)
-        .arg(out)
-        .args(["--frame-kib", &frame_kib.to_string()])
-        .output()
-        .expect("run uffdctl image compress");
-    assert!(
-        o.status.success(),
-        "uffdctl image compress failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 fn inspect(file: &Path) -> Value {
     let o = Command::new(bin("uffdctl"))
         .args(["--json", "image", "inspect"])
@@ -61,7 +44,7 @@ fn a_vm_created_from_a_compressed_file_reads_exactly_the_original() {
     let dir = tempfile::tempdir().expect("tempdir");
     let zst = dir.path().join("memory.zst");
     // 192 KiB frames: 8192 pages are 170 frames and a partial one.
-    compress(raw.file.path(), &zst, 192);
+    pagefork_tests::compress_image(raw.file.path(), &zst, Some(192));
     let info = inspect(&zst);
     assert_eq!(info["memory_bytes"], mib << 20, "{info}");
     assert_eq!(info["frames"], 171, "{info}");
@@ -193,7 +176,7 @@ fn a_firecracker_client_is_served_from_a_compressed_image() {
     let raw = RandomImage::from_bytes(realistic_memory(mib));
     let dir = tempfile::tempdir().expect("tempdir");
     let zst = dir.path().join("fc.zst");
-    compress(raw.file.path(), &zst, 64);
+    pagefork_tests::compress_image(raw.file.path(), &zst, Some(64));
     let s = TestServer::start();
     let l = s.add_listener(&s.listener_request("fc", zstd_source(&zst)));
     let socket = Path::new(&l.socket);
@@ -273,7 +256,7 @@ fn corrupt_compressed_images_fail_only_the_vm_that_reads_them() {
     let raw = RandomImage::from_bytes(realistic_memory(mib));
     let dir = tempfile::tempdir().expect("tempdir");
     let good = dir.path().join("good.zst");
-    compress(raw.file.path(), &good, 64);
+    pagefork_tests::compress_image(raw.file.path(), &good, Some(64));
     let s = TestServer::start();
     let other = s.create_vm(&new_vm(16));
     s.fill(&other, 0, pages_of(16), 4);

@@ -607,16 +607,9 @@ fn start_rows(sz: &Sizes, sides: &[Side; 2]) {
 
 fn main() -> ExitCode {
     let plan = Plan::from_args();
-    let Some(xfs) = pagefork_benches::sys::xfs_dir_arg() else {
-        eprintln!("{BENCH}: give an XFS (reflink=1) directory or set PAGEFORK_XFS_DIR");
-        return ExitCode::from(2);
-    };
-    if !pagefork_tests::require_kvm_uffd() {
-        eprintln!("{BENCH}: needs /dev/kvm and /dev/userfaultfd");
-        return ExitCode::FAILURE;
+    if let Err(code) = pagefork_benches::sys::start_on_xfs(BENCH) {
+        return code;
     }
-    // The harness makes its state directories under TMPDIR.
-    std::env::set_var("TMPDIR", &xfs);
     let sz = Sizes::new(&plan);
     eprintln!(
         "{BENCH}: {} MiB template, W = {} pages, children {:?}, {} restores",

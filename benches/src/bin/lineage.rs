@@ -635,16 +635,9 @@ fn template_rows(s: &TestServer, plan: &Plan, sz: &Size, seed: &mut u64) {
 
 fn main() -> ExitCode {
     let plan = Plan::from_args();
-    let Some(xfs) = pagefork_benches::sys::xfs_dir_arg() else {
-        eprintln!("{BENCH}: give an XFS (reflink=1) directory or set PAGEFORK_XFS_DIR");
-        return ExitCode::from(2);
-    };
-    if !pagefork_tests::require_kvm_uffd() {
-        eprintln!("{BENCH}: needs /dev/kvm and /dev/userfaultfd");
-        return ExitCode::FAILURE;
+    if let Err(code) = pagefork_benches::sys::start_on_xfs(BENCH) {
+        return code;
     }
-    // The harness makes its state directories under TMPDIR.
-    std::env::set_var("TMPDIR", &xfs);
     let server = TestServer::start();
     let mut seed = 100;
     let mut sizes: Vec<Size> = plan
