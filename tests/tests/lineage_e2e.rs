@@ -271,6 +271,11 @@ fn go(s: &TestServer, id: &str, gone: Gone, lineage: Lineage, child: &str) {
                         .then_some(())
                 },
             );
+            // The views of a VM whose VMM is gone still answer.
+            if let Err(e) = s.try_sources(id) {
+                panic!("GET /v1/vms/{id}/sources after its VMM was killed: {e}");
+            }
+            s.explain(id, QUARTER.start);
         }
     }
 }

@@ -169,6 +169,12 @@ pub(crate) fn sync_private_runs(reg: &mut Registry, vm: VmId) -> Result<Vec<(u64
     if !v.base.is_based() {
         return Ok(Vec::new());
     }
+    if v.faults.uffd.is_none() {
+        // Its VMM is gone (exited, killed): nothing can change any more,
+        // and its pagemap cannot be read. The table is all that is known
+        // (a read-only view of such a VM must not fail for it).
+        return Ok(Vec::new());
+    }
     let runs = p
         .private_runs(v.memory.pages())
         .map_err(|source| Error::BaseSync {
