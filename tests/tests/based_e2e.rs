@@ -356,3 +356,32 @@ fn two_thousand_fork_restore_delete_cycles_leave_bases_fds_and_memory_at_baselin
         "server RSS {before:?} -> {after:?}"
     );
 }
+
+/// A hugepage restore whose snapshot's working set was recorded maps
+/// that set from the base ahead of its guest; a sequential read over it
+/// then reads ahead block by block. A block mapped shared already is not
+/// the VM's own copy: the table must not say so (the invariant checks it
+/// against the VMM's pagemap).
+#[test]
+fn a_hugepage_restore_reading_over_its_prefetched_working_set_keeps_the_invariant() {
+    if !pagefork_tests::require_hugepages(64) {
+        return;
+    }
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let vm = s.create_vm(&new_vm(32));
+    s.fill(&vm, 0, 1024, 5);
+    s.fill(&vm, 2048, 512, 6);
+    snap(&s, &vm, "ws", SnapshotMode::Full, false);
+    let huge = || proto::api::CreateVm {
+        hugepages: Some(true),
+        ..pagefork_tests::from_snapshot("ws")
+    };
+    // The first restore records the working set it reads of the image.
+    let first = s.create_vm(&huge());
+    s.fill(&first, 2048, 512, 7);
+    s.delete_vm(&first);
+    let r = s.create_vm(&huge());
+    let want = s.digest(&vm, 0, pages_of(32));
+    assert_eq!(s.digest(&r, 0, pages_of(32)), want);
+    s.assert_invariant("after a hugepage restore read over its prefetched working set");
+}

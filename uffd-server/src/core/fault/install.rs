@@ -856,9 +856,28 @@ fn block_ahead(
         if src == b.self_src() || !arena.get(src).is_some_and(|s| s.fault_around()) {
             return;
         }
+        // A block of the client's shared base is mapped from it, as its
+        // fault would be; one there already (mapped shared, or written)
+        // ends the run: it is not the client's own copy to record.
+        if let Some(on) = t
+            .shared
+            .filter(|on| (at..end).all(|p| b.table().get(p) == on.src))
+        {
+            match map_block(b, arena, t, on, lo, at, end) {
+                Ok(Page::Woken) => {
+                    b.readahead_mut().next = end;
+                    continue;
+                }
+                _ => return,
+            }
+        }
         match copy_block(arena, b.table(), t, at, end) {
             Ok(Install::Done) => {}
-            Ok(Install::Exists { .. }) if !crate::memory::hugepages_exhausted() => {}
+            // Present already in a memfd of its own: the kernel installs
+            // hugetlb blocks whole, so the block is the client's. Over a
+            // base it may be mapped shared: not the client's own.
+            Ok(Install::Exists { .. })
+                if t.shared.is_none() && !crate::memory::hugepages_exhausted() => {}
             _ => return,
         }
         let how = How {
