@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
+use super::mirror::Mirror;
 use super::source::{SourceId, UNINITIALIZED};
 
 /// Pages per chunk: 4096 entries, 16 KiB, covering 16 MiB of guest RAM.
@@ -24,11 +25,26 @@ pub struct Extent {
 }
 
 /// One VM's page-source table.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PageTable {
     chunks: Vec<Rc<[SourceId; CHUNK_PAGES]>>,
     pages: u64,
     counts: BTreeMap<SourceId, u64>,
+    /// Where every entry set is written too, to outlive the server (see
+    /// [`super::mirror`]); a copy of the table has none of its own.
+    mirror: Option<Mirror>,
+}
+
+impl Clone for PageTable {
+    /// The entries and counts; not the mirror, which belongs to one VM.
+    fn clone(&self) -> Self {
+        PageTable {
+            chunks: self.chunks.clone(),
+            pages: self.pages,
+            counts: self.counts.clone(),
+            mirror: None,
+        }
+    }
 }
 
 impl PageTable {
@@ -44,6 +60,51 @@ impl PageTable {
             chunks: vec![chunk; nchunks],
             pages,
             counts,
+            mirror: None,
+        }
+    }
+
+    /// Write every entry into `mirror` from now on, starting with all of
+    /// them as they are.
+    pub fn attach_mirror(&mut self, mirror: Mirror) {
+        for e in self.extents() {
+            mirror.set_range(e.start, e.start + e.pages, e.source);
+        }
+        self.mirror = Some(mirror);
+    }
+
+    /// The table `mirror` holds (a server's table, read back after it
+    /// died), writing into it from now on.
+    pub fn from_mirror(mirror: Mirror) -> Self {
+        let pages = mirror.pages();
+        let mut t = PageTable::new(pages, UNINITIALIZED);
+        let mut p = 0;
+        while p < pages {
+            let s = mirror.get(p);
+            let mut q = p + 1;
+            while q < pages && mirror.get(q) == s {
+                q += 1;
+            }
+            if s != UNINITIALIZED {
+                t.set_range(p, q - p, s);
+            }
+            p = q;
+        }
+        t.mirror = Some(mirror);
+        t
+    }
+
+    /// The mirror this table writes into, if any.
+    pub fn mirror(&self) -> Option<&Mirror> {
+        self.mirror.as_ref()
+    }
+
+    /// Take `new`'s entries, keeping (and rewriting) this table's mirror.
+    pub fn replace(&mut self, new: PageTable) {
+        let mirror = self.mirror.take();
+        *self = new;
+        if let Some(m) = mirror {
+            self.attach_mirror(m);
         }
     }
 
@@ -82,6 +143,9 @@ impl PageTable {
         let old = self.chunks[c][i];
         if old != source {
             Rc::make_mut(&mut self.chunks[c])[i] = source;
+            if let Some(m) = &self.mirror {
+                m.set(page, source);
+            }
             self.count(old, -1);
             self.count(source, 1);
         }
@@ -96,6 +160,9 @@ impl PageTable {
     /// it, as after a fork).
     pub fn set_range(&mut self, start: u64, pages: u64, source: SourceId) {
         let end = start.saturating_add(pages).min(self.pages);
+        if let Some(m) = &self.mirror {
+            m.set_range(start, end, source);
+        }
         let mut p = start;
         let mut replaced: Vec<(SourceId, u64)> = Vec::new();
         let mut whole: Option<Rc<[SourceId; CHUNK_PAGES]>> = None;
@@ -227,6 +294,29 @@ mod tests {
         assert_eq!(b.get(10), 1);
         assert_eq!(a.count_of(2), 0);
         assert_eq!(b.count_of(2), 1);
+    }
+
+    #[test]
+    fn a_mirror_reads_back_the_table_it_was_written_by() {
+        let n = 2 * CHUNK_PAGES as u64 + 3;
+        let mut t = PageTable::new(n, 2);
+        t.attach_mirror(Mirror::create(n).expect("mirror"));
+        t.set(5, 9);
+        t.set_range(CHUNK_PAGES as u64 - 1, 3, 4);
+        let copy = t.fork();
+        assert!(copy.mirror().is_none());
+        let file = t.mirror().map(|m| {
+            use std::os::fd::AsFd;
+            std::fs::File::from(m.fd().as_fd().try_clone_to_owned().expect("dup"))
+        });
+        let back = PageTable::from_mirror(Mirror::open(file.expect("file"), n).expect("open"));
+        for p in 0..n {
+            assert_eq!(back.get(p), t.get(p), "page {p}");
+        }
+        assert_eq!(back.counts(), t.counts());
+        let mut t2 = t;
+        t2.replace(PageTable::new(n, 0));
+        assert_eq!(t2.mirror().map(|m| m.get(5)), Some(0));
     }
 
     #[test]
