@@ -15,10 +15,23 @@
 //!   |                                                  |  private over a new base
 //!   |-- Reply{seq, result} ---------------------------->|
 //!   |-- Console{text} / Exited{code} ------------------>|  unsolicited
+//!   |                                                  |
+//!   |<-- connection closed --------------------------X|  server gone (killed, or handing
+//!   |   VMM keeps its uffd and guest RAM;              |  over): its keeper holds the socket,
+//!   |   vCPUs wait on their next fault                 |  the memfds and the uffds
+//!   |-- connect (waits in the backlog) --------------->|  a new server accepts
+//!   |-- Rejoin{version, vm, pid} --------------------->|  pid checked with SO_PEERCRED
+//!   |<-- Rejoined -------------------------------------|  or Error: no such VM here
+//!   |   requests in flight were lost with the old server
 //! ```
 //!
 //! Any message that breaks the sequence, or a frame with the wrong number of
 //! fds, is answered with [`ServerMsg::Error`] and the connection is closed.
+//! A `Rejoin` is a first message, like `Hello`, anywhere else it breaks the
+//! sequence; so does a `Rejoined` that does not answer one. A VMM that
+//! finds nothing listening on the socket any more (`ENOENT`,
+//! `ECONNREFUSED`: the server and its keeper are gone for good), or is
+//! refused, exits.
 
 use serde::{Deserialize, Serialize};
 use shared::{GuestOp, GuestRegion, OpResult, VmId, VmState};
@@ -48,6 +61,11 @@ pub enum VmmMsg {
     Console { text: String },
     /// The VMM is about to exit.
     Exited { code: i32, reason: String },
+    /// First message on a new connection from a VMM that was serving VM
+    /// `vm` when its connection to the server closed (the server died or
+    /// handed over to a new one): take it back. No fds: its uffd and guest
+    /// RAM are the ones the server (or its keeper) holds already.
+    Rejoin { version: u16, vm: VmId, pid: u32 },
 }
 
 /// Messages the server sends.
@@ -60,7 +78,15 @@ pub enum ServerMsg {
     Request { seq: u64, request: Request },
     /// The server refuses what the VMM sent; the connection closes next.
     Error { message: String },
+    /// Answer to `Rejoin`: the server took the VM's VMM back and sends its
+    /// requests on this connection from now on. No fds.
+    Rejoined,
 }
+
+/// The message of the [`ServerMsg::Error`] that refuses a connection only
+/// because too many connections wait to send their first message: the
+/// peer may connect again a moment later (a rejoining VMM does).
+pub const BUSY: &str = "too many connections waiting to say hello; try again later";
 
 /// How the VMM must build the VM.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -266,7 +292,41 @@ mod tests {
                 }
             }),
             ".{0,40}".prop_map(|text| VmmMsg::Console { text }),
+            (any::<u16>(), any::<u32>(), any::<u32>()).prop_map(|(version, vm, pid)| {
+                VmmMsg::Rejoin {
+                    version,
+                    vm: VmId(vm),
+                    pid,
+                }
+            }),
         ]
+    }
+
+    /// Rejoin and Rejoined come after every older message: a VMM and a
+    /// server of different versions (the VMM outlives its server across a
+    /// handover) still agree on the messages both know.
+    #[test]
+    fn rejoin_messages_round_trip_after_the_older_ones() {
+        let rejoin = VmmMsg::Rejoin {
+            version: crate::frame::VERSION,
+            vm: VmId(7),
+            pid: 4242,
+        };
+        let bytes = encode(&rejoin).unwrap();
+        assert_eq!(bytes[0], 6, "Rejoin is VmmMsg's seventh variant");
+        assert_eq!(decode::<VmmMsg>(&bytes).unwrap(), rejoin);
+        let rejoined = encode(&ServerMsg::Rejoined).unwrap();
+        assert_eq!(rejoined, [3], "Rejoined is ServerMsg's fourth variant");
+        assert_eq!(decode::<ServerMsg>(&rejoined).unwrap(), ServerMsg::Rejoined);
+        // Over a socket, as the VMM sends it and the server's first read
+        // takes it.
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        send(&a, &rejoin, &[]).unwrap();
+        let (got, fds) = recv::<VmmMsg>(&b).unwrap();
+        assert_eq!(got, rejoin);
+        assert!(fds.is_empty());
+        send(&b, &ServerMsg::Rejoined, &[]).unwrap();
+        assert_eq!(recv::<ServerMsg>(&a).unwrap().0, ServerMsg::Rejoined);
     }
 
     proptest! {

@@ -7,15 +7,26 @@
 //! ```
 //! The control thread never waits for an op, so a Pause can arrive in the
 //! middle of a long fill.
+//!
+//! The VMM outlives its server: the server's keeper holds on to the
+//! socket, guest RAM and the userfaultfd when the server dies or hands
+//! over to a new version. When the server hangs up, the control thread
+//! rejoins the next one ([`Connection::rejoin`]) while the vCPUs wait on
+//! their next fault for it to serve; requests in flight are lost with the
+//! old server. Only when nobody holds the socket any more, the new server
+//! does not know the VM, or none takes it back within [`REJOIN_WAIT`],
+//! does the VMM exit.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use proto::frame::FrameError;
 use proto::vmm::{ServerMsg, VmmMsg};
+use shared::VmId;
 
 use crate::connection::{Connection, ConnectionError};
 use crate::devices::Disk;
@@ -32,12 +43,19 @@ fn exit_with(conn: &Connection, code: i32, reason: String) -> ! {
     exit_now(code)
 }
 
+/// How long a VMM whose server hung up tries to rejoin the next one.
+const REJOIN_WAIT: Duration = Duration::from_secs(120);
+
+/// How long it waits between attempts that failed for a passing reason.
+const REJOIN_RETRY: Duration = Duration::from_millis(100);
+
 /// End the process at once. The VMM's only exits go through here: they
-/// come from the control thread (stopped, or the server hung up) or from a
-/// vCPU thread that hit a fatal error, while other threads may sit in
-/// KVM_RUN or on a fault; unwinding those would only delay the moment the
-/// server sees the VMM gone. Guest memory belongs to the server and the
-/// disk is written through, so nothing is lost.
+/// come from the control thread (stopped, or the server hung up and no
+/// server took the VMM back) or from a vCPU thread that hit a fatal error,
+/// while other threads may sit in KVM_RUN or on a fault; unwinding those
+/// would only delay the moment the server sees the VMM gone. Guest memory
+/// belongs to the server and the disk is written through, so nothing is
+/// lost.
 #[allow(clippy::exit)]
 fn exit_now(code: i32) -> ! {
     std::process::exit(code)
@@ -63,13 +81,10 @@ pub fn run(
     ram_hint_mib: Option<u64>,
     ram_fd: Option<i32>,
 ) -> Result<()> {
-    // The server owns this VM's memory: if it dies (even by SIGKILL), the
-    // guest cannot go on, so this process goes with it. The signal follows
-    // the death of the server thread that spawned us, which is the core
-    // thread, alive as long as the server.
-    if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL) {
-        tracing::warn!("cannot ask to die with the server: {e}");
-    }
+    // No parent-death signal: the server owns this VM's memory, but when
+    // it dies (even by SIGKILL) its keeper holds on to the memory and the
+    // uffd, and this process rejoins the next server (see `serve`). A VMM
+    // not yet welcomed exits when its connection closes.
     // Everything that does not depend on guest RAM is made before saying
     // hello: a VMM the server keeps in its pool waits here ready, and the
     // Welcome finds only memory to map and state to load.
@@ -91,7 +106,7 @@ pub fn run(
             tracing::debug!(error = %shared::error_chain(&e), "guest RAM is registered at the Welcome instead");
         }
     }
-    let control = Control::spawn()?;
+    let control = Control::spawn(socket.to_owned())?;
     release_free_heap();
     let (conn, welcome) = Connection::connect(socket, token)?;
     let conn = Arc::new(conn);
@@ -139,20 +154,24 @@ fn take_inherited_fd(fd: i32) -> Result<File> {
 
 /// The control thread, started before the Welcome: it serves the server's
 /// requests once it has the machine.
-struct Control(std::sync::mpsc::SyncSender<(Arc<Connection>, Machine, Option<RamControl>)>);
+struct Control(std::sync::mpsc::SyncSender<ControlStart>);
+
+/// What the control thread serves: the VM's connection and id, its
+/// machine, and its guest RAM's controls.
+type ControlStart = (Arc<Connection>, VmId, Machine, Option<RamControl>);
 
 impl Control {
-    fn spawn() -> Result<Self> {
-        let (give, take) =
-            std::sync::mpsc::sync_channel::<(Arc<Connection>, Machine, Option<RamControl>)>(1);
+    /// `socket`: the server socket, to rejoin a new server on.
+    fn spawn(socket: std::path::PathBuf) -> Result<Self> {
+        let (give, take) = std::sync::mpsc::sync_channel::<ControlStart>(1);
         std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
                 // Without a machine (the set-up failed), the process is on
                 // its way out already.
-                if let Ok((conn, machine, ram_control)) = take.recv() {
+                if let Ok((conn, vm, machine, ram_control)) = take.recv() {
                     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        control(&conn, machine, ram_control)
+                        control(&conn, &socket, vm, machine, ram_control)
                     }));
                     match served {
                         Ok(Ok(())) => exit_now(0),
@@ -166,9 +185,12 @@ impl Control {
     }
 }
 
-/// Serve requests for `machine` over `conn` until stopped.
+/// Serve requests for VM `vm`'s `machine` over `conn` until stopped,
+/// rejoining a new server on `socket` if this one hangs up.
 fn control(
     conn: &Arc<Connection>,
+    socket: &Path,
+    vm: VmId,
     machine: Machine,
     ram_control: Option<RamControl>,
 ) -> Result<()> {
@@ -177,7 +199,7 @@ fn control(
         dispatcher = dispatcher.with_ram_control(c);
     }
     release_free_heap();
-    serve(conn, &dispatcher)
+    serve(conn, &dispatcher, socket, vm)
 }
 
 /// Map guest RAM, hand the userfaultfd to the server and start the
@@ -271,18 +293,21 @@ fn setup(
     let first = first.ok_or_else(|| Error::Guest("vCPU 0 has a thread of its own".into()))?;
     control
         .0
-        .send((conn.clone(), machine, ram_control))
+        .send((conn.clone(), VmId(vm_id), machine, ram_control))
         .map_err(|_| Error::SpawnControl(std::io::Error::other("the control thread is gone")))?;
     Ok(first)
 }
 
-fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
+/// Serve the server's requests for VM `vm` until stopped; when the server
+/// hangs up, rejoin the next one on `socket` and go on.
+fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher, socket: &Path, vm: VmId) -> Result<()> {
     loop {
         let (msg, fds) = match conn.recv() {
             Ok(m) => m,
-            Err(ConnectionError::Recv(FrameError::Closed)) => {
-                tracing::info!("the server hung up; exiting");
-                exit_now(0);
+            Err(ConnectionError::Recv(e)) if hung_up(&e) => {
+                tracing::info!(error = %shared::error_chain(&e), "the server hung up; rejoining");
+                rejoin_or_exit(conn, socket, vm);
+                continue;
             }
             Err(e) => return Err(e.into()),
         };
@@ -290,12 +315,20 @@ fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
             ServerMsg::Request { seq, request } => {
                 tracing::debug!(seq, ?request, "request");
                 let c = conn.clone();
+                // The answer goes to the server that asked, or nowhere.
+                let asked = conn.generation();
                 let flow = dispatcher.handle(
                     request,
                     fds,
                     Box::new(move |result| {
-                        if let Err(e) = c.send(&VmmMsg::Reply { seq, result }, &[]) {
-                            tracing::error!(seq, error = %shared::error_chain(&e), "cannot send a reply");
+                        match c.send_on(asked, &VmmMsg::Reply { seq, result }, &[]) {
+                            Ok(()) => {}
+                            Err(ConnectionError::Superseded) => {
+                                tracing::info!(seq, "the server that asked is gone; answer dropped");
+                            }
+                            Err(e) => {
+                                tracing::error!(seq, error = %shared::error_chain(&e), "cannot send a reply");
+                            }
                         }
                     }),
                 );
@@ -312,6 +345,69 @@ fn serve(conn: &Arc<Connection>, dispatcher: &Dispatcher) -> Result<()> {
                 }
                 .into())
             }
+            ServerMsg::Rejoined => {
+                return Err(ConnectionError::Unexpected {
+                    expected: "Request",
+                    got: "Rejoined, without a rejoin".into(),
+                }
+                .into())
+            }
         }
+    }
+}
+
+/// Whether a receive failed because the server went: it closed the
+/// connection, even in the middle of a frame, or died with messages of
+/// this VMM unread (which the kernel reports as a reset).
+fn hung_up(e: &FrameError) -> bool {
+    matches!(
+        e,
+        FrameError::Closed
+            | FrameError::Truncated
+            | FrameError::Recv(nix::errno::Errno::ECONNRESET)
+    )
+}
+
+/// The server hung up on VM `vm`'s VMM: rejoin the next server on
+/// `socket`, trying again every [`REJOIN_RETRY`] while the failures may
+/// pass, for up to [`REJOIN_WAIT`]. Exits if no server takes the VMM back.
+/// The vCPUs run on meanwhile (they wait on their next fault until a
+/// server serves it); replies sent meanwhile fail.
+fn rejoin_or_exit(conn: &Connection, socket: &Path, vm: VmId) {
+    let start = Instant::now();
+    let deadline = start + REJOIN_WAIT;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let e = match conn.rejoin(socket, vm, deadline) {
+            Ok(()) => {
+                tracing::info!(
+                    attempts,
+                    after_ms = start.elapsed().as_millis(),
+                    "rejoined the server"
+                );
+                return;
+            }
+            Err(e) => e,
+        };
+        if e.is_definitive() {
+            tracing::warn!(error = %shared::error_chain(&e), "cannot rejoin a server; exiting");
+            exit_now(0);
+        }
+        if Instant::now() + REJOIN_RETRY >= deadline {
+            tracing::warn!(
+                attempts,
+                error = %shared::error_chain(&e),
+                "no server took this VMM back within {} s; exiting",
+                REJOIN_WAIT.as_secs()
+            );
+            exit_now(0);
+        }
+        if attempts == 1 {
+            tracing::info!(error = %shared::error_chain(&e), "cannot rejoin yet; trying again");
+        } else {
+            tracing::debug!(attempts, error = %shared::error_chain(&e), "cannot rejoin yet");
+        }
+        std::thread::sleep(REJOIN_RETRY);
     }
 }

@@ -7,6 +7,7 @@
 //!
 //! ```text
 //!  vmm-accept ──▶ vmm-conn (checks the hello) ──Hello──▶ core
+//!                 (or a rejoin)              ──Rejoin─▶ core (answers Rejoined)
 //!                 core reads the VMM's frames itself (vmm::read_frames, never waiting)
 //!                 vmm-send (writes frames) ◀──VmmWriter── core   (bounded queue)
 //!  fc-accept  ──▶ fc-conn  (reads the handshake, waits for hang-up) ──▶ core
@@ -46,6 +47,19 @@ pub enum ConnEvent {
         /// The connection, for the core to read (see [`vmm::read_frames`]).
         stream: UnixStream,
         /// Which VM the connection speaks for, as the core binds it.
+        binding: Binding,
+    },
+    /// A VMM that was serving `vm` when its connection to a server closed
+    /// (this server's predecessor died or handed over) asks to be taken
+    /// back; its pid is checked against the peer's. The core answers
+    /// `Rejoined`, or an error if it has no such VM.
+    Rejoin {
+        vm: VmId,
+        writer: Arc<VmmWriter>,
+        pid: u32,
+        /// The connection, for the core to read (see [`vmm::read_frames`]).
+        stream: UnixStream,
+        /// Which VM the connection speaks for (`vm`; never rebound).
         binding: Binding,
     },
     /// A message (and its fds) from `vm`'s VMM.

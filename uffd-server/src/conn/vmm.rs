@@ -2,12 +2,12 @@
 //! each connection's frames into [`ConnEvent`]s for the core.
 //!
 //! Each new connection gets a thread that waits (blocking, with a timeout)
-//! for its hello and checks it; from then on the core reads the connection
-//! on its own event loop ([`read_frames`]) and writes to the VMM through a
-//! [`VmmWriter`]. A connection that sends
-//! bad bytes, an unknown launch token, a pid that is not the launched VMM's,
-//! or the wrong fds gets a [`ServerMsg::Error`] and is closed; nothing else
-//! is affected.
+//! for its hello, or the rejoin of a VMM whose server went, and checks it;
+//! from then on the core reads the connection on its own event loop
+//! ([`read_frames`]) and writes to the VMM through a [`VmmWriter`]. A
+//! connection that sends bad bytes, an unknown launch token, a pid that is
+//! not the launched VMM's (or, rejoining, not the peer's), or the wrong fds
+//! gets a [`ServerMsg::Error`] and is closed; nothing else is affected.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -18,6 +18,7 @@ use std::time::Duration;
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use proto::frame::{FrameError, FrameReader};
 use proto::vmm::{self as msg, ServerMsg, VmmMsg};
+use shared::VmId;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::mpsc::UnboundedSender;
@@ -75,10 +76,7 @@ pub fn accept_loop(
                 let cap = MAX_UNAUTHENTICATED + launched;
                 if unauthenticated.fetch_add(1, Ordering::Relaxed) >= cap {
                     unauthenticated.fetch_sub(1, Ordering::Relaxed);
-                    refuse(
-                        &stream,
-                        "too many connections waiting to say hello; try again later",
-                    );
+                    refuse(&stream, msg::BUSY);
                     continue;
                 }
                 let guard = Unauthenticated(unauthenticated.clone());
@@ -111,29 +109,39 @@ fn serve_connection(
         .unwrap_or(-1);
     // A peer has a few seconds to say hello.
     let _ = stream.set_read_timeout(Some(HELLO_TIMEOUT));
-    let hello = msg::recv::<VmmMsg>(&stream);
-    let (token, pid) = match hello {
-        Ok((
-            VmmMsg::Hello {
-                version,
-                token,
-                pid,
-            },
-            fds,
-        )) => {
-            if !fds.is_empty() {
-                return refuse(
-                    &stream,
-                    &format!("hello must carry no fds, got {}", fds.len()),
-                );
-            }
-            if version != proto::frame::VERSION {
-                return refuse(&stream, &format!("unsupported protocol version {version}"));
-            }
-            (token, pid)
-        }
-        Ok((other, _)) => return refuse(&stream, &format!("expected hello, got {}", kind(&other))),
+    let (first, fds) = match msg::recv::<VmmMsg>(&stream) {
+        Ok(m) => m,
         Err(e) => return refuse(&stream, &shared::error_chain(&e)),
+    };
+    let version = match &first {
+        VmmMsg::Hello { version, .. } | VmmMsg::Rejoin { version, .. } => *version,
+        other => {
+            return refuse(
+                &stream,
+                &format!("expected hello or rejoin, got {}", kind(other)),
+            )
+        }
+    };
+    if !fds.is_empty() {
+        return refuse(
+            &stream,
+            &format!("{} must carry no fds, got {}", kind(&first), fds.len()),
+        );
+    }
+    if version != proto::frame::VERSION {
+        return refuse(&stream, &format!("unsupported protocol version {version}"));
+    }
+    let (token, pid) = match first {
+        VmmMsg::Hello { token, pid, .. } => (token, pid),
+        VmmMsg::Rejoin { vm, pid, .. } => {
+            return rejoin(stream, vm, pid, peer_pid, events, queue, unauthenticated)
+        }
+        other => {
+            return refuse(
+                &stream,
+                &format!("expected hello or rejoin, got {}", kind(&other)),
+            )
+        }
     };
     let launch = {
         let mut map = pending.lock().unwrap_or_else(|p| p.into_inner());
@@ -175,6 +183,43 @@ fn serve_connection(
         pid,
         stream,
         binding,
+    });
+}
+
+/// A VMM that was serving `vm` when its server went asks this server to
+/// take it back: if it is the process it says it is, hand the connection
+/// to the core, which answers (it knows whether it has the VM).
+fn rejoin(
+    stream: UnixStream,
+    vm: VmId,
+    pid: u32,
+    peer_pid: i32,
+    events: UnboundedSender<ConnEvent>,
+    queue: usize,
+    unauthenticated: Unauthenticated,
+) {
+    if i64::from(pid) != i64::from(peer_pid) {
+        return refuse(
+            &stream,
+            &format!("rejoin for {vm} says pid {pid}, but the peer is pid {peer_pid}"),
+        );
+    }
+    let _ = stream.set_read_timeout(None);
+    drop(unauthenticated);
+    let writer = match stream
+        .try_clone()
+        .and_then(|s| VmmWriter::start(vm, s, queue))
+    {
+        Ok(w) => w,
+        Err(e) => return refuse(&stream, &format!("internal error: {e}")),
+    };
+    info!("{vm}: vmm pid {pid} asks to rejoin");
+    let _ = events.send(ConnEvent::Rejoin {
+        vm,
+        writer,
+        pid,
+        stream,
+        binding: Binding::new(vm),
     });
 }
 
@@ -253,6 +298,7 @@ pub fn kind(m: &VmmMsg) -> &'static str {
         VmmMsg::Reply { .. } => "reply",
         VmmMsg::Console { .. } => "console",
         VmmMsg::Exited { .. } => "exited",
+        VmmMsg::Rejoin { .. } => "rejoin",
     }
 }
 
@@ -277,6 +323,62 @@ mod tests {
         }
         .encode();
         header.iter().chain(&payload).copied().collect()
+    }
+
+    /// A rejoin is a first message like a hello: checked (version, no
+    /// fds, the peer's pid), then handed to the core as `Rejoin`, which
+    /// answers it; a refused one gets an error and no event.
+    #[test]
+    fn a_rejoin_reaches_the_core_only_from_the_process_it_names() {
+        let me = std::process::id();
+        let try_rejoin = |version: u16, pid: u32| {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            let counter = Arc::new(AtomicUsize::new(1));
+            msg::send(
+                &theirs,
+                &VmmMsg::Rejoin {
+                    version,
+                    vm: VmId(9),
+                    pid,
+                },
+                &[],
+            )
+            .unwrap();
+            serve_connection(
+                ours,
+                PendingLaunches::default(),
+                tx,
+                4,
+                Unauthenticated(counter.clone()),
+            );
+            assert_eq!(counter.load(Ordering::Relaxed), 0, "no longer counted");
+            (rx.try_recv().ok(), theirs)
+        };
+        let (event, theirs) = try_rejoin(proto::frame::VERSION, me);
+        match event {
+            Some(ConnEvent::Rejoin {
+                vm, pid, binding, ..
+            }) => {
+                assert_eq!((vm, pid), (VmId(9), me));
+                assert_eq!(binding.get(), VmId(9));
+            }
+            other => panic!("expected a rejoin event, got {other:?}"),
+        }
+        // Nothing is answered yet: the core does.
+        theirs.set_nonblocking(true).unwrap();
+        assert!(msg::recv::<ServerMsg>(&theirs).is_err());
+        for (version, pid, why) in [
+            (proto::frame::VERSION, me + 1, "pid"),
+            (proto::frame::VERSION + 1, me, "version"),
+        ] {
+            let (event, theirs) = try_rejoin(version, pid);
+            assert!(event.is_none(), "{why}: refused before the core");
+            match msg::recv::<ServerMsg>(&theirs).unwrap().0 {
+                ServerMsg::Error { message } => assert!(message.contains(why), "{message}"),
+                other => panic!("{why}: expected an error, got {other:?}"),
+            }
+        }
     }
 
     /// The core reads connections on its own thread: a VMM that stops in

@@ -46,5 +46,6 @@ pub(crate) fn on_message(core: &Core, vm: VmId, msg: VmmMsg) {
             }
         }
         VmmMsg::Hello { .. } => protocol_error(core, vm, "hello sent twice"),
+        VmmMsg::Rejoin { .. } => protocol_error(core, vm, "rejoin after the first message"),
     }
 }

@@ -4,13 +4,15 @@
 
 use std::fs::File;
 use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use proto::vmm::{LaunchConfig, ServerMsg};
 use shared::{GuestRegion, VmId};
 use tracing::warn;
 
-use crate::conn::{QueueError, VmmWriter};
+use crate::conn::{Binding, QueueError, VmmWriter};
 use crate::core::error::{Error, Result};
 use crate::core::state::Core;
 use crate::core::vm::Vm;
@@ -74,6 +76,46 @@ pub(crate) fn welcome(core: &Core, vm: VmId, writer: Arc<VmmWriter>, pid: u32) {
     }
     v.link.pid = Some(pid);
     v.link.writer = Some(writer);
+}
+
+/// A VMM that was serving `vm` when its server went asks this one to take
+/// it back: read its connection and answer `Rejoined` if `vm` is here and
+/// the VMM is the one it knows, else an error.
+pub(crate) fn rejoin(
+    core: &Rc<Core>,
+    vm: VmId,
+    writer: Arc<VmmWriter>,
+    pid: u32,
+    stream: UnixStream,
+    binding: Binding,
+) {
+    let refusal = match core.reg.borrow().vms.get(&vm) {
+        None => Some(format!("no VM {vm} here")),
+        Some(v) if v.link.pid.is_some_and(|p| p != pid) || v.link.writer.is_some() => Some(
+            format!("{vm} has a vmm already; pid {pid} may not rejoin it"),
+        ),
+        Some(_) => None,
+    };
+    if let Some(message) = refusal {
+        // Refused before its frames are read: its hang-up must not reach
+        // the VM it named (the core would count that VM's VMM as gone).
+        warn!("{vm}: vmm pid {pid} may not rejoin: {message}");
+        let _ = writer.send(ServerMsg::Error { message }, Vec::new());
+        writer.shutdown();
+        return;
+    }
+    let c = core.clone();
+    tokio::task::spawn_local(crate::conn::vmm::read_frames(stream, binding, move |ev| {
+        c.on_conn_event(ev)
+    }));
+    // adoption: attach the link
+    if let Err(e) = writer.send(ServerMsg::Rejoined, Vec::new()) {
+        warn!("{vm}: cannot answer the rejoin: {e}");
+    }
+    if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+        v.link.pid = Some(pid);
+        v.link.writer = Some(writer);
+    }
 }
 
 /// The launch config for `v` and its disk file, if any.
