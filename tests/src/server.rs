@@ -91,8 +91,20 @@ impl TestServer {
         new_listener(self.state_dir.join(format!("{name}.sock")), memory_source)
     }
 
-    /// The server process's pid.
+    /// The serving process's pid: the one that holds the VMs' memory and
+    /// answers the API (`GET /v1/health`). It changes when the server
+    /// restarts; the process this test started is its keeper.
     pub fn pid(&self) -> u32 {
+        match self.health().pid {
+            0 => self.keeper_pid(),
+            pid => pid,
+        }
+    }
+
+    /// The process this test started: the keeper that starts the serving
+    /// process and holds what outlives it (or, with `--no-keeper`, the
+    /// serving process itself).
+    pub fn keeper_pid(&self) -> u32 {
         self.child
             .as_ref()
             .map(Child::id)
@@ -327,10 +339,21 @@ impl TestServer {
         self.settle_env_pool(args);
     }
 
-    /// SIGKILL the server, so none of its clean-up runs, and reap it. The
-    /// state directory stays; its VMMs die with it.
+    /// SIGKILL the server and its keeper, so none of their clean-up runs,
+    /// and reap them. The state directory stays; its VMMs end once they
+    /// find nobody holds the socket they would rejoin on.
     pub fn kill_hard(&mut self) {
         if let Some(mut child) = self.child.take() {
+            let keeper = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(0));
+            let serving = children_of(child.id());
+            // The keeper, stopped, cannot start another serving process.
+            let _ = nix::sys::signal::kill(keeper, nix::sys::signal::Signal::SIGSTOP);
+            for pid in serving {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap_or(0)),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -383,4 +406,22 @@ pub fn server_on_xfs(args: &[&str]) -> Option<TestServer> {
     }
     std::env::set_var("TMPDIR", &dir);
     Some(TestServer::start_with_args(args))
+}
+
+/// The processes whose parent is `pid` (from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|stat| {
+                // Fields after the command (which may hold spaces): state, ppid.
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok())
+                    == Some(pid)
+            })
+        })
+        .collect()
 }

@@ -237,6 +237,17 @@ impl Bases {
         self.all.push(Rc::downgrade(base));
     }
 
+    /// Take back `base`, made by a server before this one (adopted after
+    /// a restart): VMs of its image find it again, and new bases get
+    /// other ids.
+    pub fn adopt(&mut self, base: &Rc<Base>) {
+        if let Origin::Image { key, .. } = &base.origin {
+            self.by_image.insert(*key, Rc::downgrade(base));
+        }
+        self.next = self.next.max(base.id);
+        self.remember(base);
+    }
+
     /// The bases some VM (or source) still holds.
     pub fn live(&self) -> Vec<Rc<Base>> {
         self.all.iter().filter_map(Weak::upgrade).collect()

@@ -149,6 +149,14 @@ struct Args {
     #[arg(long, default_value_t = 30000)]
     working_set_window_ms: u64,
 
+    /// Serve without a keeper: every VM dies with this process. By
+    /// default a small keeper process holds what must outlive the server
+    /// (its sockets, the VMs' memory and userfaultfds) and restarts it if
+    /// it dies; under systemd (`$NOTIFY_SOCKET` set), systemd's fd store
+    /// does, and no keeper starts.
+    #[arg(long, env = "PAGEFORK_NO_KEEPER")]
+    no_keeper: bool,
+
     #[command(flatten)]
     remote: RemoteArgs,
 }
@@ -322,8 +330,13 @@ fn bind_0600(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
 /// Hold an exclusive lock on DIR/lock so two servers never share a state
 /// dir. The lock lives as long as the returned guard.
 fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, StartError> {
+    lock_file(dir, "lock")
+}
+
+/// Hold an exclusive lock on DIR/NAME.
+fn lock_file(dir: &Path, name: &str) -> Result<nix::fcntl::Flock<std::fs::File>, StartError> {
     use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join("lock");
+    let path = dir.join(name);
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -331,9 +344,29 @@ fn lock_state_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, StartE
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&path)
-        .map_err(|e| StartError::OpenLock(path, e))?;
-    nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
-        .map_err(|_| StartError::Locked(dir.to_owned()))
+        .map_err(|e| StartError::OpenLock(path.clone(), e))?;
+    // A server that was just stopped may still be stopping its VMMs:
+    // wait a few seconds for it before refusing.
+    let mut f = f;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut said = false;
+    loop {
+        match nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            Ok(l) => return Ok(l),
+            Err((back, _)) if std::time::Instant::now() < deadline => {
+                if !said {
+                    info!(
+                        "{} is locked by another server; waiting up to 10 s",
+                        path.display()
+                    );
+                    said = true;
+                }
+                f = back;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(_) => return Err(StartError::Locked(dir.to_owned())),
+        }
+    }
 }
 
 /// Create `dir` (0700) if missing and refuse one that another user owns or
@@ -406,8 +439,15 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    let since_start = std::time::Instant::now();
     let args = Args::parse();
-    match run(args) {
+    if !args.no_keeper
+        && std::env::var_os("NOTIFY_SOCKET").is_none()
+        && !uffd_server::fdstore::is_kept()
+    {
+        return keep(&args);
+    }
+    match run(args, since_start) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!("{}", shared::error_chain(&e));
@@ -416,7 +456,40 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: Args) -> Result<(), StartError> {
+/// Become the keeper of the state directory: it starts the serving
+/// process (this binary again, with the same arguments) and holds what
+/// must outlive it (`uffd_server::keeper`).
+fn keep(args: &Args) -> ExitCode {
+    let state_dir = args.state_dir.clone().unwrap_or_else(default_state_dir);
+    let lock = prepare_private_dir(&state_dir).and_then(|()| lock_file(&state_dir, "keeper.lock"));
+    let _lock = match lock {
+        Ok(l) => l,
+        Err(e) => {
+            error!("{}", shared::error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
+    let program = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            error!("cannot find the server's own binary: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    uffd_server::keeper::run(&state_dir, program, std::env::args_os().skip(1).collect())
+}
+
+fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
+    // What a keeper or systemd handed over, and where to hand it again.
+    let mut handed = uffd_server::fdstore::listen_fds();
+    let store = uffd_server::fdstore::FdStore::from_env();
+    let start_kind = uffd_server::core::restart::state::StartKind::from_env(!handed.is_empty());
+    let mut take_handed = |name: &str| {
+        let i = handed.iter().position(|(n, _)| n == name)?;
+        Some(handed.swap_remove(i).1)
+    };
+    let handed_api = take_handed(uffd_server::core::restart::journal::API_LISTENER);
+    let handed_vmm = take_handed(uffd_server::core::restart::journal::VMM_LISTENER);
     let remote_settings = args.remote.settings()?;
     let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
     prepare_private_dir(&state_dir)?;
@@ -521,8 +594,19 @@ fn run(args: Args) -> Result<(), StartError> {
     };
     let api_path = state_dir.join("api.sock");
     let vmm_path = state_dir.join("vmm.sock");
-    let vmm_listener = bind_0600(&vmm_path).map_err(|e| StartError::Listen(vmm_path.clone(), e))?;
-    let api_listener = bind_0600(&api_path).map_err(|e| StartError::Listen(api_path.clone(), e))?;
+    // Listeners handed over are the ones clients already wait on.
+    let fresh_listeners = handed_vmm.is_none() || handed_api.is_none();
+    let vmm_listener = match handed_vmm {
+        Some(fd) => std::os::unix::net::UnixListener::from(fd),
+        None => bind_0600(&vmm_path).map_err(|e| StartError::Listen(vmm_path.clone(), e))?,
+    };
+    let api_listener = match handed_api {
+        Some(fd) => std::os::unix::net::UnixListener::from(fd),
+        None => bind_0600(&api_path).map_err(|e| StartError::Listen(api_path.clone(), e))?,
+    };
+    let vmm_listener_copy = vmm_listener
+        .try_clone()
+        .map_err(|e| StartError::Listen(vmm_path.clone(), e))?;
 
     let pending: PendingLaunches = Arc::default();
     let (events_tx, events_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -591,7 +675,19 @@ fn run(args: Args) -> Result<(), StartError> {
             core_events,
             frames,
             core_remote,
+            uffd_server::core::restart::state::Restart::new(&state_dir)
+                .with_store(store, start_kind),
         );
+        if fresh_listeners {
+            use std::os::fd::AsFd;
+            use uffd_server::core::restart::journal::{store_listener, API_LISTENER, VMM_LISTENER};
+            store_listener(&core, API_LISTENER, api_listener.as_fd());
+            store_listener(&core, VMM_LISTENER, vmm_listener_copy.as_fd());
+        }
+        drop(vmm_listener_copy);
+        if start_kind != uffd_server::core::restart::state::StartKind::First || !handed.is_empty() {
+            uffd_server::core::restart::start(&core, handed, since_start);
+        }
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
             if std::fs::symlink_metadata(&sock)
@@ -633,6 +729,12 @@ fn run(args: Args) -> Result<(), StartError> {
             vmm_path.display()
         );
         core.start_pool();
+        if let Some(store) = core.restart.store() {
+            let status = format!("serving {} VM(s)", core.reg.borrow().vms.len());
+            if let Err(e) = store.ready(&status) {
+                warn!("cannot tell the keeper the server is ready: {e}");
+            }
+        }
         core.run(commands, events_rx).await;
         let _ = std::fs::remove_file(&api_path);
         let _ = std::fs::remove_file(&vmm_path);

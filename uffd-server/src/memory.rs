@@ -104,6 +104,8 @@ pub struct GuestMemory {
     page_size: PageSize,
     /// The memfd's name.
     name: String,
+    /// The memfd's inode number, unique among live memfds.
+    ino: u64,
 }
 
 impl GuestMemory {
@@ -136,13 +138,56 @@ impl GuestMemory {
             ))?;
         let map = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&memfd), 0), len)
             .map_err(MemoryError::Map)?;
+        let ino = std::os::unix::fs::MetadataExt::ino(
+            &memfd
+                .metadata()
+                .map_err(|e| MemoryError::SizeMemfd(size, e))?,
+        );
         Ok(GuestMemory {
             memfd,
             map,
             size,
             page_size,
             name: name.to_owned(),
+            ino,
         })
+    }
+
+    /// Map `memfd` (made by a server before this one and handed back by
+    /// the fd store), of `page_size` pages, named `name`.
+    pub fn adopt(memfd: File, name: &str, page_size: PageSize) -> Result<Self> {
+        let size = memfd
+            .metadata()
+            .map_err(|e| MemoryError::SizeMemfd(0, e))?
+            .len();
+        let memfd = Arc::new(memfd);
+        let len = usize::try_from(size)
+            .ok()
+            .filter(|l| *l > 0)
+            .ok_or(MemoryError::SizeMemfd(
+                size,
+                std::io::Error::from_raw_os_error(libc::EINVAL),
+            ))?;
+        let map = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&memfd), 0), len)
+            .map_err(MemoryError::Map)?;
+        let ino = std::os::unix::fs::MetadataExt::ino(
+            &memfd
+                .metadata()
+                .map_err(|e| MemoryError::SizeMemfd(size, e))?,
+        );
+        Ok(GuestMemory {
+            memfd,
+            map,
+            size,
+            page_size,
+            name: name.to_owned(),
+            ino,
+        })
+    }
+
+    /// The memfd's inode number, unique among the memfds alive.
+    pub fn ino(&self) -> u64 {
+        self.ino
     }
 
     /// The memfd's name, as `/proc/<pid>/fd` and `maps` show it

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use uffdctl::cli::{
-    demo, firecracker, image, inspect, map, observe, qcow2, snapshot, top, vm, volume,
+    demo, firecracker, image, inspect, map, observe, qcow2, server, snapshot, top, vm, volume,
 };
 use uffdctl::client::Client;
 
@@ -43,6 +43,9 @@ enum Cmd {
     /// Manage disk volumes and their snapshots.
     #[command(subcommand)]
     Volume(volume::VolumeCmd),
+    /// The server process: status, and an upgrade that keeps every VM.
+    #[command(subcommand)]
+    Server(server::ServerCmd),
     /// Work on qcow2 files directly (offline, no server).
     #[command(subcommand)]
     Qcow2(qcow2::Qcow2Cmd),
@@ -140,6 +143,7 @@ fn main() -> ExitCode {
         Cmd::Qcow2(cmd) => qcow2::run(cmd, args.json),
         Cmd::Firecracker(cmd) => firecracker::run(cmd, &client, args.json),
         Cmd::Volume(cmd) => volume::run(cmd, &client, args.json),
+        Cmd::Server(cmd) => server::run(cmd, &client, args.json),
         Cmd::Snapshot(cmd) => snapshot::run(cmd, &client, args.json),
         Cmd::Sources { id, extents } => inspect::sources(&client, &id, extents, args.json),
         Cmd::Page { id, page, explain } => {

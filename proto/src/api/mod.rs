@@ -43,10 +43,55 @@ pub struct ErrorBody {
 }
 
 /// `GET /v1/health`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Health {
     /// Always `ok` when the server answers.
     pub status: String,
     pub version: String,
+    /// The serving process.
+    #[serde(default)]
+    pub pid: u32,
+    /// When it started serving, in ms since the Unix epoch.
+    #[serde(default)]
+    pub started_unix_ms: u64,
+    /// Why it started: `first`, `crash` (the process before it died) or
+    /// `upgrade` (the process before it handed over).
+    #[serde(default)]
+    pub start: String,
+    /// Whether a keeper or systemd holds what outlives this process (its
+    /// VMs survive its crash and an upgrade).
+    #[serde(default)]
+    pub kept: bool,
+    /// VMs taken back at start.
+    #[serde(default)]
+    pub adopted_vms: u64,
+    /// VMs that could not be taken back, each with why.
+    #[serde(default)]
+    pub lost_vms: Vec<String>,
+    /// From process start to serving the VMs it took back, in ms.
+    #[serde(default)]
+    pub recovery_ms: Option<f64>,
+}
+
+/// `POST /v1/server/upgrade`: hand everything to a new server process.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Upgrade {
+    /// The binary to start (default: the one the server runs).
+    #[serde(default)]
+    pub binary: Option<String>,
+}
+
+/// The answer to `POST /v1/server/upgrade`: the process handing over
+/// exits right after it; `GET /v1/health` names the new one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct UpgradeStarted {
+    /// The process handing over.
+    pub pid: u32,
+    /// The binary the next process runs.
+    pub binary: String,
+    /// VMs handed over.
+    pub vms: u64,
 }

@@ -134,6 +134,14 @@ impl Api {
             .is_ok_and(|r| r.status == 200)
     }
 
+    /// `GET /v1/health` if the server answers it now.
+    pub fn health_now(&self) -> Option<proto::api::Health> {
+        let r = self.client.request("GET", "/v1/health", None).ok()?;
+        (r.status == 200)
+            .then(|| serde_json::from_value(r.body).ok())
+            .flatten()
+    }
+
     /// Send `method path` with an optional JSON body and return the reply
     /// whatever its status; panics if the exchange fails or takes longer
     /// than [`API_TIMEOUT`].

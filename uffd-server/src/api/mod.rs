@@ -26,7 +26,7 @@
 //! decides (`error.rs`).
 //!
 //! - `vms.rs`, `debug.rs`, `observe.rs`, `firecracker.rs`, `snapshots.rs`,
-//!   `remote.rs`, `volumes.rs`: the handlers, one file per part of
+//!   `remote.rs`, `volumes.rs`, `server.rs`: the handlers, one file per part of
 //!   `proto::api`;
 //! - `params.rs`: the path parameters they share;
 //! - `serve.rs`: the socket, with limits on connections and headers.
@@ -40,6 +40,7 @@ pub mod openapi;
 pub mod params;
 pub mod remote;
 pub mod serve;
+pub mod server;
 pub mod snapshots;
 pub mod vms;
 pub mod volumes;
@@ -67,6 +68,7 @@ pub(crate) fn core_routes() -> OpenApiRouter<CoreHandle> {
         .merge(firecracker::routes())
         .merge(snapshots::routes())
         .merge(remote::routes())
+        .merge(server::routes())
 }
 
 /// The whole API, and its document at `/v1/openapi.json`. Without a

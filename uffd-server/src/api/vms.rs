@@ -1,8 +1,7 @@
 //! REST handlers for VMs: create, list, show, delete, pause, resume, guest
-//! ops, live fork; and the server's health.
+//! ops, live fork.
 //!
 //! ```text
-//! GET    /v1/health              the server answers
 //! POST   /v1/vms                 CreateVm: start a VM
 //! GET    /v1/vms                 every VM
 //! GET    /v1/vms/{id}            one VM
@@ -15,8 +14,8 @@
 
 use axum::extract::State;
 use proto::api::{
-    BaseList, CreateVm, ExecRequest, ExecResponse, ForkRequest, ForkResponse, Health, VmDeleted,
-    VmInfo, VmList,
+    BaseList, CreateVm, ExecRequest, ExecResponse, ForkRequest, ForkResponse, VmDeleted, VmInfo,
+    VmList,
 };
 use utoipa_axum::router::OpenApiRouter;
 
@@ -28,7 +27,6 @@ use crate::core::{CoreHandle, Error};
 /// The VM routes.
 pub fn routes() -> OpenApiRouter<CoreHandle> {
     OpenApiRouter::default()
-        .routes(routes!(health))
         .routes(routes!(create_vm, list_vms))
         .routes(routes!(get_vm, delete_vm))
         .routes(routes!(pause))
@@ -44,15 +42,6 @@ async fn list_bases(State(core): State<CoreHandle>) -> Result<Json<BaseList>, Er
     core.run(|c| async move { Ok(c.list_bases()) })
         .await
         .map(Json)
-}
-
-/// The server answers.
-#[utoipa::path(get, path = "/v1/health")]
-async fn health() -> Json<Health> {
-    Json(Health {
-        status: "ok".into(),
-        version: env!("CARGO_PKG_VERSION").into(),
-    })
 }
 
 /// Start a VM; it answers once the guest runs.

@@ -101,6 +101,10 @@ pub enum Error {
     },
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("the server is handing over to a new process; retry in a moment")]
+    HandingOver,
+    #[error("{0}")]
+    CannotUpgrade(String),
     #[error(
         "not enough memory: {asked_mib} MiB asked, {promised_mib} MiB of the {budget_mib} MiB \
          budget promised already; delete VMs or start the server with a larger --memory-budget-mib"
@@ -246,7 +250,8 @@ impl Error {
             Link(e) => e.status(),
             Remote(e) => e.status(),
             StartFailed { .. } => 502,
-            ShuttingDown => 503,
+            ShuttingDown | HandingOver => 503,
+            CannotUpgrade(_) => 409,
             OverBudget { .. } | TooManyVms(_) => 507,
             // Fds come back as VMs go: the server is short of them for
             // now, the request itself is fine.

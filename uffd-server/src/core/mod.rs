@@ -46,6 +46,7 @@ pub mod pool;
 pub mod ratelimit;
 pub mod registry;
 pub mod remote;
+pub mod restart;
 pub mod rollback;
 pub mod settings;
 pub mod snapshot;
@@ -112,7 +113,12 @@ impl CoreHandle {
         let (reply, answer) = oneshot::channel();
         let job: Job = Box::new(move |core| {
             Box::pin(async move {
-                let _ = reply.send(work(core).await);
+                let answer = work(core.clone()).await;
+                // What the request changed is in the journal before its
+                // client hears of it: an answered request survives a
+                // crash of the server.
+                restart::journal::sync(&core, false);
+                let _ = reply.send(answer);
             })
         });
         self.tx
@@ -152,6 +158,11 @@ impl Core {
                     Some(Command::Run(job)) => {
                         let core = self.clone();
                         tokio::task::spawn_local(async move {
+                            // During a handover no request starts: its
+                            // client hears 503 (the job is dropped).
+                            let Some(_job) = core.restart.job_started() else {
+                                return;
+                            };
                             // The pool refills only while the API is quiet.
                             let _busy = core.pool_activity();
                             job(core.clone()).await;
@@ -206,6 +217,13 @@ impl Core {
                     link::welcome::welcome(self, vm, writer, pid);
                 }
             }
+            ConnEvent::Rejoin {
+                vm,
+                writer,
+                pid,
+                stream,
+                binding,
+            } => link::welcome::rejoin(self, vm, writer, pid, stream, binding),
             ConnEvent::Msg {
                 vm,
                 msg: VmmMsg::UffdReady { bases },

@@ -19,6 +19,7 @@ use crate::core::fd_budget::FdBudget;
 use crate::core::pool::state::VmmPool;
 use crate::core::registry::Registry;
 use crate::core::remote::state::RemoteState;
+use crate::core::restart::state::Restart;
 use crate::core::settings::Settings;
 use crate::core::workset::state::WorkingSets;
 use crate::images::zst::FramePool;
@@ -48,6 +49,8 @@ pub struct Core {
     pub worksets: RefCell<WorkingSets>,
     /// The admission of file descriptors.
     pub fds: FdBudget,
+    /// What outlives this process, and what it took back at start.
+    pub restart: Restart,
     /// Log lines that report a finished request, written once its answer
     /// is out (see [`Core::log_after_answer`]).
     after_answer: RefCell<Vec<String>>,
@@ -55,6 +58,7 @@ pub struct Core {
 
 impl Core {
     /// A core with no VMs.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         settings: Settings,
         pending: PendingLaunches,
@@ -63,6 +67,7 @@ impl Core {
         events: mpsc::UnboundedSender<ConnEvent>,
         frames: Arc<FramePool>,
         remote: Option<Arc<crate::remote::RemoteService>>,
+        restart: Restart,
     ) -> Rc<Self> {
         let reg = Registry::new(&settings.state_dir, settings.readahead_piece_pages);
         let pool = VmmPool::new(settings.vmm_pool);
@@ -82,6 +87,7 @@ impl Core {
             },
             worksets: RefCell::new(WorkingSets::default()),
             fds: FdBudget::default(),
+            restart,
             after_answer: RefCell::new(Vec::new()),
         })
     }

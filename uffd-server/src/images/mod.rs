@@ -161,6 +161,19 @@ pub enum Changed {
 }
 
 impl Stamp {
+    /// Length, mtime seconds and nanoseconds (for the restart journal).
+    pub fn parts(&self) -> (u64, i64, i64) {
+        (self.len, self.mtime.0, self.mtime.1)
+    }
+
+    /// The stamp of these [`Self::parts`].
+    pub fn from_parts(len: u64, sec: i64, nsec: i64) -> Stamp {
+        Stamp {
+            len,
+            mtime: (sec, nsec),
+        }
+    }
+
     /// The stamp of `file` now.
     pub fn of(file: &File) -> std::io::Result<Stamp> {
         let m = file.metadata()?;

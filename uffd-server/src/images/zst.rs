@@ -81,6 +81,11 @@ pub struct ZstdImage {
 }
 
 impl ZstdImage {
+    /// The open file.
+    pub fn file(&self) -> &File {
+        self.image.file()
+    }
+
     /// The header (memory size, frame geometry).
     pub fn header(&self) -> &zst::Header {
         self.image.header()

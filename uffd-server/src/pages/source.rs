@@ -339,6 +339,29 @@ impl SourceArena {
         self.memories.insert(vm, VmPages::Process(Rc::new(pages)));
     }
 
+    /// Every VM whose pages the arena can find, and where they are.
+    pub fn memories(&self) -> impl Iterator<Item = (VmId, &VmPages)> + '_ {
+        self.memories.iter().map(|(vm, p)| (*vm, p))
+    }
+
+    /// Put `source` back at `id`, the id it had in the server before this
+    /// one (adopted after a restart); ids between are retired.
+    pub fn adopt(&mut self, id: SourceId, source: PageSource) {
+        let at = id as usize;
+        if self.slots.len() <= at {
+            self.slots.resize(at + 1, None);
+        }
+        if let PageSource::Vm(vm) = source {
+            self.vm_ids.insert(vm, id);
+        }
+        self.slots[at] = Some(Rc::new(source));
+    }
+
+    /// The pages of `Vm(vm)` are in `memory` (adopted after a restart).
+    pub fn adopt_memory(&mut self, vm: VmId, memory: Rc<GuestMemory>) {
+        self.memories.insert(vm, VmPages::Memfd(memory));
+    }
+
     /// Where the pages of VM `vm` are, while its source is held.
     pub fn memory_of(&self, vm: VmId) -> Option<VmPages> {
         self.memories.get(&vm).cloned()

@@ -9,6 +9,7 @@ pub mod map;
 pub mod observe;
 pub mod qcow2;
 pub mod remote;
+pub mod server;
 pub mod snapshot;
 pub mod table;
 pub mod top;

@@ -230,35 +230,56 @@ pub(crate) fn on_uffd_ready(core: &Rc<Core>, vm: VmId, bases: Vec<u64>, mut fds:
         );
     }
     let fd = fds.remove(0);
+    if let Err(reason) = serve_uffd(core, vm, fd, bases[0], false) {
+        protocol_error(core, vm, &reason);
+    }
+}
+
+/// Serve `vm`'s uffd `fd` (its VMM maps guest RAM at `vmm_base`) from
+/// now on: when its VMM sends it, or, `adopted`, when a server before
+/// this one served it; then every range is woken once, so that a fault
+/// the server before read and never answered is raised again.
+pub(crate) fn serve_uffd(
+    core: &Rc<Core>,
+    vm: VmId,
+    fd: OwnedFd,
+    vmm_base: u64,
+    adopted: bool,
+) -> Result<(), String> {
     if let Err(e) = nix::fcntl::fcntl(
         fd.as_raw_fd(),
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
     ) {
-        return protocol_error(core, vm, &format!("cannot make the uffd non-blocking: {e}"));
+        return Err(format!("cannot make the uffd non-blocking: {e}"));
     }
-    // SAFETY: `fd` came from SCM_RIGHTS and is owned here; ownership
-    // moves into the Uffd, which closes it on drop.
+    // SAFETY: `fd` is owned here; ownership moves into the Uffd, which
+    // closes it on drop.
     let uffd = unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) };
     // SAFETY: the Uffd owns its fd, which stays open and unchanged
     // until the Uffd (moved into the AsyncFd) is dropped.
     let afd = match unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) }
     {
         Ok(a) => Rc::new(a),
-        Err(e) => return protocol_error(core, vm, &format!("cannot poll the uffd: {e}")),
+        Err(e) => return Err(format!("cannot poll the uffd: {e}")),
     };
     {
         let mut reg = core.reg.borrow_mut();
         let Some(v) = reg.vms.get_mut(&vm) else {
-            return;
+            return Ok(());
         };
         if v.faults.uffd.is_some() {
-            drop(reg);
-            return protocol_error(core, vm, "uffd-ready sent twice");
+            return Err("uffd-ready sent twice".into());
         }
-        v.faults.vmm_base = bases[0];
+        v.faults.vmm_base = vmm_base;
         v.faults.uffd = Some(afd.clone());
         for w in v.faults.on_uffd.drain(..) {
             let _ = w.send(());
+        }
+        if adopted {
+            let len = usize::try_from(v.memory.size()).unwrap_or(0);
+            if let Err(e) = afd.get_ref().wake(vmm_base as *mut libc::c_void, len) {
+                warn!("{vm}: cannot wake its guest RAM: {e}");
+            }
         }
         tokio::task::spawn_local(serve_faults(
             core.clone(),
@@ -269,6 +290,8 @@ pub(crate) fn on_uffd_ready(core: &Rc<Core>, vm: VmId, bases: Vec<u64>, mut fds:
         ));
         crate::core::base::on_uffd_ready(&mut reg, vm);
     }
+    crate::core::restart::journal::sync(core, false);
+    Ok(())
 }
 
 /// Resolve the events in `batch` (read after a wake-up of the event

@@ -79,7 +79,7 @@ fn forget_borrowed_pages(v: &mut Vm) {
     for (start, pages) in v.table.ranges_of(v.self_src) {
         table.set_range(start, pages, v.self_src);
     }
-    v.table = table;
+    v.table.replace(table);
 }
 
 /// Forget VMs whose VMM never ran (a create or fork that failed

@@ -355,7 +355,7 @@ fn point_at_snapshot(
             for (first, n) in data {
                 table.set_range(first, n, src);
             }
-            v.table = table;
+            v.table.replace(table);
             v.snapshot.base = Some((name.to_owned(), src));
             v.snapshot.dirty = None;
         }

@@ -1,0 +1,317 @@
+//! Taking VMs back at start: the fds the store handed over and the
+//! journal make the arena, the bases and every VM again, exactly as the
+//! process before this one left them (its tables are read from their
+//! mirrors). Each adopted VM's uffd is served again and every range of
+//! it woken once: a fault the dead process read but never answered is
+//! raised again by the thread that waits on it. Its VMM, alive all along,
+//! rejoins on its own (`link::welcome::rejoin`).
+//!
+//! A VM that cannot be taken back (a table naming a source the journal
+//! lacks, made by an operation the crash interrupted; a remote source; a
+//! VMM that died meanwhile) is kept as `failed`, with the reason, and
+//! counted as lost.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Instant;
+
+use shared::VmId;
+use tracing::{info, warn};
+
+use super::journal::{replay, sync};
+use super::record::{BaseOrigin, FileRec, IdentityRec, PinRec, SourceRec};
+use crate::bases::{Base, ImageKey, Origin};
+use crate::core::base::state::OnBase;
+use crate::core::state::Core;
+use crate::core::vm::{Vm, VmParts};
+use crate::images::{Identity, ImageId, Pin, Stamp};
+use crate::memory::{GuestMemory, PageSize};
+use crate::pages::mirror::Mirror;
+use crate::pages::{
+    FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, PageTable, ZstdSource,
+};
+use crate::snapshot::pageset::PageSet;
+
+/// The fds handed over, by name; each is taken once.
+struct Handed {
+    fds: HashMap<String, OwnedFd>,
+    memories: HashMap<String, Rc<GuestMemory>>,
+}
+
+impl Handed {
+    fn file(&mut self, name: &str) -> Result<File, String> {
+        self.fds
+            .remove(name)
+            .map(File::from)
+            .ok_or_else(|| format!("the fd store did not hand back {name}"))
+    }
+
+    fn memory(&mut self, name: &str, huge: bool) -> Result<Rc<GuestMemory>, String> {
+        if let Some(m) = self.memories.get(name) {
+            return Ok(Rc::clone(m));
+        }
+        let file = self.file(name)?;
+        let m = GuestMemory::adopt(file, name, PageSize::huge(huge))
+            .map_err(|e| format!("cannot map {name}: {e}"))?;
+        let m = Rc::new(m);
+        self.memories.insert(name.to_owned(), Rc::clone(&m));
+        Ok(m)
+    }
+}
+
+fn identity(i: &IdentityRec) -> Identity {
+    Identity {
+        dev: i.dev,
+        ino: i.ino,
+        len: i.len,
+        mtime_ns: i128::from(i.mtime_ns),
+    }
+}
+
+fn pin(p: PinRec) -> Pin {
+    match p {
+        PinRec::Private => Pin::PrivateClone,
+        PinRec::Stamp { len, sec, nsec } => Pin::Stamp(Stamp::from_parts(len, sec, nsec)),
+    }
+}
+
+fn file_source(h: &mut Handed, f: &FileRec) -> Result<FileSource, String> {
+    let file = h.file(&f.fd)?;
+    let mut s = FileSource::new(PathBuf::from(&f.path), file, f.len, pin(f.pin));
+    if let Some(i) = &f.identity {
+        s = s.with_identity(identity(i));
+    }
+    Ok(s)
+}
+
+fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, String> {
+    Ok(match rec {
+        SourceRec::Vm { vm } => PageSource::Vm(VmId(*vm)),
+        SourceRec::Frozen {
+            vm,
+            layer,
+            fd,
+            huge,
+        } => PageSource::Frozen(FrozenSource {
+            vm: VmId(*vm),
+            memory: h.memory(fd, *huge)?,
+            kind: if *layer {
+                FrozenKind::Layer
+            } else {
+                FrozenKind::Template
+            },
+        }),
+        SourceRec::File { file } => PageSource::File(file_source(h, file)?),
+        SourceRec::Image { snapshot, file } => PageSource::Image(ImageSource {
+            snapshot: snapshot.clone(),
+            file: file_source(h, file)?,
+        }),
+        SourceRec::Zstd { file, snapshot } => {
+            let f = h.file(&file.fd)?;
+            let image = core
+                .frames
+                .open(
+                    f,
+                    PathBuf::from(&file.path),
+                    pin(file.pin),
+                    snapshot.clone(),
+                    file.identity.as_ref().map(identity),
+                )
+                .map_err(|e| format!("cannot read the compressed image {}: {e}", file.path))?;
+            PageSource::Zstd(ZstdSource { image })
+        }
+        SourceRec::Lost { why } => return Err(why.clone()),
+    })
+}
+
+/// Take back everything the journal and `fds` hold. Returns the VMs
+/// whose uffds are to be served, with those uffds.
+pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, OwnedFd, u64)> {
+    let t0 = Instant::now();
+    let r = &core.restart;
+    let journal = replay(&r.journal_path);
+    {
+        // What the store holds now: what nothing names after adoption is
+        // removed from it by the sync below.
+        let mut w = r.written.borrow_mut();
+        w.stored.extend(fds.iter().map(|(n, _)| n.clone()));
+        w.stored.insert(super::journal::API_LISTENER.to_owned());
+        w.stored.insert(super::journal::VMM_LISTENER.to_owned());
+    }
+    let mut h = Handed {
+        fds: fds.into_iter().collect(),
+        memories: HashMap::new(),
+    };
+    let mut lost_sources: HashMap<u32, String> = HashMap::new();
+    let mut serve = Vec::new();
+    let mut adopted = 0;
+    let mut lost = Vec::new();
+    {
+        let mut reg = core.reg.borrow_mut();
+        for (id, rec) in &journal.sources {
+            match source(core, &mut h, rec) {
+                Ok(s) => reg.arena.adopt(*id, s),
+                Err(why) => {
+                    lost_sources.insert(*id, why);
+                }
+            }
+        }
+        for (vm, (fd, huge)) in &journal.memories {
+            match h.memory(fd, *huge) {
+                Ok(m) => reg.arena.adopt_memory(VmId(*vm), m),
+                Err(e) => warn!("vm-{vm}: {e}"),
+            }
+        }
+        let mut bases: HashMap<u32, Rc<Base>> = HashMap::new();
+        for (id, b) in &journal.bases {
+            let memory = match h.memory(&b.fd, b.huge) {
+                Ok(m) => m,
+                Err(e) => {
+                    warn!("base-{id}: {e}");
+                    continue;
+                }
+            };
+            let origin = match &b.origin {
+                BaseOrigin::Template { vm } => Origin::Template(VmId(*vm)),
+                BaseOrigin::Image { identity: i } => {
+                    let mut filled = PageSet::new(memory.pages());
+                    for (first, n) in memory.present_ranges().unwrap_or_default() {
+                        filled.insert_range(first, n);
+                    }
+                    Origin::Image {
+                        key: ImageKey::new(ImageId::File(identity(i)), memory.page_size()),
+                        filled: std::cell::RefCell::new(filled),
+                    }
+                }
+                BaseOrigin::Content {
+                    digest,
+                    memory_bytes,
+                } => {
+                    let mut filled = PageSet::new(memory.pages());
+                    for (first, n) in memory.present_ranges().unwrap_or_default() {
+                        filled.insert_range(first, n);
+                    }
+                    Origin::Image {
+                        key: ImageKey::new(
+                            ImageId::Content {
+                                digest: u128::from_str_radix(digest, 16).unwrap_or(0),
+                                memory_bytes: *memory_bytes,
+                            },
+                            memory.page_size(),
+                        ),
+                        filled: std::cell::RefCell::new(filled),
+                    }
+                }
+            };
+            let base = Rc::new(Base {
+                id: *id,
+                memory,
+                origin,
+                what: b.what.clone(),
+            });
+            reg.bases.adopt(&base);
+            bases.insert(*id, base);
+        }
+        for (id, rec) in &journal.vms {
+            let vm = VmId(*id);
+            let adopted_vm = (|| -> Result<Vm, String> {
+                let memory = h.memory(&rec.memory, rec.huge)?;
+                let mirror =
+                    Mirror::open(h.file(&rec.table)?, memory.pages()).map_err(|e| e.to_string())?;
+                let table = PageTable::from_mirror(mirror);
+                for src in table.counts().keys() {
+                    if let Some(why) = lost_sources.get(src) {
+                        return Err(why.clone());
+                    }
+                    if reg.arena.get(*src).is_none() {
+                        return Err(format!(
+                            "its table names source {src}, which the journal lacks: an \
+                             operation on it was cut short by the crash"
+                        ));
+                    }
+                }
+                let (ready, _) = tokio::sync::oneshot::channel();
+                let mut v = Vm::new(VmParts {
+                    id: vm,
+                    memory,
+                    table,
+                    self_src: rec.self_src,
+                    vcpus: rec.vcpus,
+                    fault_around_pages: rec.fault_around_pages,
+                    readahead_pages: rec.readahead_pages,
+                    ready,
+                });
+                v.link.ready = None;
+                v.state = rec.state;
+                v.failure.clone_from(&rec.failure);
+                v.volume.clone_from(&rec.volume);
+                v.owns_volume = rec.owns_volume;
+                v.deleted = rec.deleted;
+                v.link.pid = rec.pid;
+                v.faults.vmm_base = rec.vmm_base;
+                if let Some((b, src)) = rec.on_base {
+                    let base = bases
+                        .get(&b)
+                        .ok_or_else(|| format!("its base base-{b} was not handed back"))?;
+                    v.base.on = Some(OnBase {
+                        base: Rc::clone(base),
+                        src,
+                    });
+                }
+                v.base.frozen_for = rec.frozen_for.and_then(|b| bases.get(&b).cloned());
+                Ok(v)
+            })();
+            match adopted_vm {
+                Ok(v) => {
+                    let live = matches!(
+                        v.state,
+                        proto::api::RunState::Running | proto::api::RunState::Paused
+                    );
+                    if live {
+                        if let Some(uffd) = rec.uffd.as_ref().and_then(|n| h.fds.remove(n)) {
+                            serve.push((vm, uffd, rec.vmm_base));
+                        }
+                    }
+                    if let (Some(name), Some(engine)) = (&v.volume, &core.volumes) {
+                        // Its VMM holds the disk, as before.
+                        engine.attach(name, &vm.to_string());
+                    }
+                    reg.vms.insert(vm, v);
+                    adopted += 1;
+                }
+                Err(why) => {
+                    warn!("{vm}: cannot be taken back: {why}");
+                    lost.push(format!("{vm}: {why}"));
+                    if let Some(pid) = rec.pid {
+                        // Its VMM serves nobody now.
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap_or(0)),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    let unused: Vec<&String> = h.fds.keys().collect();
+    if !unused.is_empty() {
+        info!(
+            "{} handed-over fd(s) nothing names any more are closed",
+            unused.len()
+        );
+    }
+    drop(h);
+    r.adopted.set(adopted);
+    *r.lost.borrow_mut() = lost;
+    // The journal again, compacted, and the store trimmed to what it names.
+    sync(core, true);
+    info!(
+        "adopted {adopted} VM(s) in {:.1} ms ({} start)",
+        t0.elapsed().as_secs_f64() * 1e3,
+        r.start_kind().as_str()
+    );
+    serve
+}

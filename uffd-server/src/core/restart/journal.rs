@@ -1,0 +1,462 @@
+//! The journal: what a server needs to take its VMs back after a crash
+//! or a handover, beyond what the memfds and VMMs themselves hold.
+//!
+//! Tables are not in it: each VM's table writes its entries into a
+//! mirror memfd as it goes (`pages::mirror`), which the fd store keeps.
+//! The journal records the rest, which changes only when an operation
+//! changes it: the sources the tables name (ids, files, frozen memfds),
+//! the bases, and each VM (its memfds, uffd, VMM, state, base). Every fd
+//! a record names is handed to the store before the record is written;
+//! an fd is removed from the store only after the records that stop
+//! naming it are written. [`sync`] runs after every API request and when
+//! a VMM hands over its uffd, and appends only what changed; a torn last
+//! line (a crash mid-write) is skipped when it is read back.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::rc::Rc;
+
+use tracing::warn;
+
+use super::record::{BaseOrigin, BaseRec, FileRec, IdentityRec, PinRec, Record, SourceRec, VmRec};
+use super::state::Written;
+use crate::bases::{Base, Origin};
+use crate::core::state::Core;
+use crate::core::vm::Vm;
+use crate::images::{Identity, ImageId, Pin};
+use crate::memory::{GuestMemory, PageSize};
+use crate::pages::mirror::Mirror;
+use crate::pages::{FileSource, FrozenKind, PageSource, VmPages};
+
+/// Names of the listening sockets in the store; they are never removed.
+pub const API_LISTENER: &str = "api-listener";
+pub const VMM_LISTENER: &str = "vmm-listener";
+
+/// Compact the journal once it grows past this.
+const COMPACT_BYTES: u64 = 16 << 20;
+
+pub(super) fn identity_rec(i: &Identity) -> IdentityRec {
+    IdentityRec {
+        dev: i.dev,
+        ino: i.ino,
+        len: i.len,
+        mtime_ns: i64::try_from(i.mtime_ns).unwrap_or(i64::MAX),
+    }
+}
+
+fn pin_rec(p: &Pin) -> PinRec {
+    match p {
+        Pin::PrivateClone => PinRec::Private,
+        Pin::Stamp(s) => {
+            let (len, sec, nsec) = s.parts();
+            PinRec::Stamp { len, sec, nsec }
+        }
+    }
+}
+
+/// What one sync found: records and the fds they name.
+#[derive(Default)]
+struct Found {
+    records: Vec<Record>,
+    fds: HashMap<String, RawFd>,
+}
+
+impl Found {
+    fn fd(&mut self, name: String, fd: RawFd) -> String {
+        self.fds.insert(name.clone(), fd);
+        name
+    }
+
+    fn memory(&mut self, m: &GuestMemory) -> String {
+        self.fd(format!("mem-{}", m.ino()), m.memfd().as_raw_fd())
+    }
+
+    fn file(&mut self, id: u32, f: &FileSource) -> FileRec {
+        FileRec {
+            path: f.path.display().to_string(),
+            fd: self.fd(format!("src-{id}"), f.file.as_raw_fd()),
+            len: f.len,
+            pin: pin_rec(&f.pin),
+            identity: f.identity.as_ref().map(identity_rec),
+        }
+    }
+}
+
+fn source_rec(found: &mut Found, id: u32, s: &PageSource) -> Option<SourceRec> {
+    Some(match s {
+        PageSource::Uninitialized => return None,
+        PageSource::Vm(vm) => SourceRec::Vm { vm: vm.0 },
+        PageSource::Frozen(f) => SourceRec::Frozen {
+            vm: f.vm.0,
+            layer: f.kind == FrozenKind::Layer,
+            fd: found.memory(&f.memory),
+            huge: f.memory.page_size() == PageSize::Huge2M,
+        },
+        PageSource::File(f) => SourceRec::File {
+            file: found.file(id, f),
+        },
+        PageSource::Image(i) => SourceRec::Image {
+            snapshot: i.snapshot.clone(),
+            file: found.file(id, &i.file),
+        },
+        PageSource::Zstd(z) => SourceRec::Zstd {
+            file: FileRec {
+                path: z.image.path.display().to_string(),
+                fd: found.fd(format!("src-{id}"), z.image.file().as_raw_fd()),
+                len: z.image.file().metadata().map_or(0, |m| m.len()),
+                pin: pin_rec(&z.image.pin),
+                identity: z.image.identity.as_ref().map(identity_rec),
+            },
+            snapshot: z.image.snapshot.clone(),
+        },
+        PageSource::Remote(r) => SourceRec::Lost {
+            why: format!(
+                "it read the remote snapshot {}, which a new server does not open again",
+                r.image.snapshot
+            ),
+        },
+    })
+}
+
+fn base_rec(found: &mut Found, b: &Base) -> BaseRec {
+    BaseRec {
+        id: b.id,
+        fd: found.memory(&b.memory),
+        huge: b.memory.page_size() == PageSize::Huge2M,
+        origin: match &b.origin {
+            Origin::Template(vm) => BaseOrigin::Template { vm: vm.0 },
+            Origin::Image { key, .. } => match key.image {
+                ImageId::File(i) => BaseOrigin::Image {
+                    identity: identity_rec(&i),
+                },
+                ImageId::Content {
+                    digest,
+                    memory_bytes,
+                } => BaseOrigin::Content {
+                    digest: format!("{digest:032x}"),
+                    memory_bytes,
+                },
+            },
+        },
+        what: b.what.clone(),
+    }
+}
+
+fn vm_rec(found: &mut Found, v: &Vm) -> VmRec {
+    let table = v
+        .table
+        .mirror()
+        .map(|m| {
+            let raw = m.fd().as_raw_fd();
+            // SAFETY: `m` is alive for this borrow.
+            let f = unsafe { BorrowedFd::borrow_raw(raw) };
+            let ino = rustix_ino(f);
+            found.fd(format!("table-{}-{ino}", v.id.0), raw)
+        })
+        .unwrap_or_default();
+    let uffd = v
+        .faults
+        .uffd
+        .as_ref()
+        .map(|u| found.fd(format!("uffd-{}", v.id.0), u.get_ref().as_raw_fd()));
+    VmRec {
+        id: v.id.0,
+        vcpus: v.vcpus,
+        memory: found.memory(&v.memory),
+        huge: v.memory.page_size() == PageSize::Huge2M,
+        self_src: v.self_src,
+        table,
+        uffd,
+        vmm_base: v.faults.vmm_base,
+        pid: v.link.pid,
+        state: v.state,
+        failure: v.failure.clone(),
+        volume: v.volume.clone(),
+        owns_volume: v.owns_volume,
+        deleted: v.deleted,
+        on_base: v.base.on.as_ref().map(|o| (o.base.id, o.src)),
+        frozen_for: v.base.frozen_for.as_ref().map(|b| b.id),
+        fault_around_pages: v.faults.fault_around_pages,
+        readahead_pages: v.faults.readahead.max_pages,
+    }
+}
+
+fn rustix_ino(fd: BorrowedFd<'_>) -> u64 {
+    nix::sys::stat::fstat(fd.as_raw_fd()).map_or(0, |s| s.st_ino)
+}
+
+/// Write what changed since the last sync to the journal (everything,
+/// into a fresh journal, if `full` or the journal has grown large), with
+/// the fds it names handed to the store first. A server without a store
+/// keeps no journal.
+pub(crate) fn sync(core: &Core, full: bool) {
+    let r = &core.restart;
+    let Some(store) = r.store() else {
+        return;
+    };
+    if r.handing_over.get() && !full {
+        return;
+    }
+    let mut found = Found::default();
+    let mut reg = core.reg.borrow_mut();
+    // Every VM's table keeps a mirror (a new VM's gets one here).
+    for v in reg.vms.values_mut() {
+        if v.table.mirror().is_none() && v.state != proto::api::RunState::Starting {
+            match Mirror::create(v.table.pages()) {
+                Ok(m) => v.table.attach_mirror(m),
+                Err(e) => warn!("{}: no mirror of its table: {e}", v.id),
+            }
+        }
+    }
+    let big = r
+        .journal
+        .borrow()
+        .as_ref()
+        .and_then(|f| f.metadata().ok())
+        .is_some_and(|m| m.len() > COMPACT_BYTES);
+    let full = full || big || r.journal.borrow().is_none();
+    let mut w = r.written.borrow_mut();
+    if full {
+        let stored = std::mem::take(&mut w.stored);
+        *w = Written {
+            stored,
+            ..Written::default()
+        };
+    }
+    // Sources.
+    let mut seen = HashSet::new();
+    for (id, s) in reg.arena.iter() {
+        let key = Rc::as_ptr(s) as usize;
+        let Some(rec) = source_rec(&mut found, id, s) else {
+            continue;
+        };
+        seen.insert(id);
+        if w.sources
+            .get(&id)
+            .is_none_or(|(k, old)| *k != key || *old != rec)
+        {
+            found.records.push(Record::Source {
+                id,
+                source: rec.clone(),
+            });
+            w.sources.insert(id, (key, rec));
+        }
+    }
+    let gone: Vec<u32> = w
+        .sources
+        .keys()
+        .filter(|id| !seen.contains(id))
+        .copied()
+        .collect();
+    for id in gone {
+        w.sources.remove(&id);
+        found.records.push(Record::Released { id });
+    }
+    // Where VMs' pages are.
+    for (vm, pages) in reg.arena.memories() {
+        if let VmPages::Memfd(m) = pages {
+            let fd = found.memory(m);
+            let rec = (fd.clone(), m.page_size() == PageSize::Huge2M);
+            if w.memories.get(&vm.0) != Some(&rec) {
+                found.records.push(Record::Memory {
+                    vm: vm.0,
+                    fd,
+                    huge: rec.1,
+                });
+                w.memories.insert(vm.0, rec);
+            }
+        }
+    }
+    // Bases.
+    let live = reg.bases.live();
+    let ids: HashSet<u32> = live.iter().map(|b| b.id).collect();
+    for b in &live {
+        let rec = base_rec(&mut found, b);
+        if w.bases.get(&b.id) != Some(&rec) {
+            w.bases.insert(b.id, rec.clone());
+            found.records.push(Record::Base(rec));
+        }
+    }
+    let gone: Vec<u32> = w
+        .bases
+        .keys()
+        .filter(|id| !ids.contains(id))
+        .copied()
+        .collect();
+    for id in gone {
+        w.bases.remove(&id);
+        found.records.push(Record::BaseGone { id });
+    }
+    // VMs.
+    let mut ids = HashSet::new();
+    for v in reg.vms.values() {
+        if v.state == proto::api::RunState::Starting {
+            continue;
+        }
+        ids.insert(v.id.0);
+        let rec = vm_rec(&mut found, v);
+        if w.vms.get(&v.id.0) != Some(&rec) {
+            w.vms.insert(v.id.0, rec.clone());
+            found.records.push(Record::Vm(rec));
+        }
+    }
+    let gone: Vec<u32> = w
+        .vms
+        .keys()
+        .filter(|id| !ids.contains(id))
+        .copied()
+        .collect();
+    for id in gone {
+        w.vms.remove(&id);
+        found.records.push(Record::VmGone { id });
+    }
+    // The fds first, then the records that name them.
+    for (name, fd) in &found.fds {
+        if w.stored.contains(name) {
+            continue;
+        }
+        // SAFETY: every fd in `found` belongs to an object `reg` holds,
+        // borrowed for this whole function.
+        let fd = unsafe { BorrowedFd::borrow_raw(*fd) };
+        match store.store(name, fd) {
+            Ok(()) => {
+                w.stored.insert(name.clone());
+            }
+            Err(e) => warn!("cannot hand {name} to the fd store: {e}"),
+        }
+    }
+    drop(reg);
+    if full {
+        write_fresh(r, &found.records);
+    } else if !found.records.is_empty() {
+        append(r, &found.records);
+    }
+    // Then what nothing names any more.
+    let dead: Vec<String> = w
+        .stored
+        .iter()
+        .filter(|n| {
+            !found.fds.contains_key(*n) && n.as_str() != API_LISTENER && n.as_str() != VMM_LISTENER
+        })
+        .cloned()
+        .collect();
+    for name in dead {
+        if let Err(e) = store.remove(&name) {
+            warn!("cannot remove {name} from the fd store: {e}");
+        }
+        w.stored.remove(&name);
+    }
+}
+
+fn lines(records: &[Record]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for rec in records {
+        if let Ok(mut l) = serde_json::to_vec(rec) {
+            l.push(b'\n');
+            out.extend(l);
+        }
+    }
+    out
+}
+
+fn append(r: &super::state::Restart, records: &[Record]) {
+    let mut j = r.journal.borrow_mut();
+    let Some(f) = j.as_mut() else {
+        return;
+    };
+    // One write: a crash leaves at most its last line torn.
+    if let Err(e) = f.write_all(&lines(records)) {
+        warn!("cannot write the restart journal: {e}");
+    }
+}
+
+fn write_fresh(r: &super::state::Restart, records: &[Record]) {
+    let tmp = r.journal_path.with_extension("new");
+    let written = (|| -> std::io::Result<File> {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .open(&tmp)?;
+        f.write_all(&lines(records))?;
+        std::fs::rename(&tmp, &r.journal_path)?;
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&r.journal_path)
+    })();
+    match written {
+        Ok(f) => *r.journal.borrow_mut() = Some(f),
+        Err(e) => warn!(
+            "cannot write the restart journal {}: {e}",
+            r.journal_path.display()
+        ),
+    }
+}
+
+/// What a journal says, replayed: the last record of each key.
+#[derive(Debug, Default)]
+pub(super) struct Replayed {
+    pub sources: BTreeMap<u32, SourceRec>,
+    pub memories: HashMap<u32, (String, bool)>,
+    pub bases: BTreeMap<u32, BaseRec>,
+    pub vms: BTreeMap<u32, VmRec>,
+}
+
+/// Read the journal at `path` (a torn or unreadable line is skipped).
+pub(super) fn replay(path: &std::path::Path) -> Replayed {
+    let mut out = Replayed::default();
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return out;
+    };
+    for line in text.lines() {
+        let rec = match serde_json::from_str::<Record>(line) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("restart journal: skipping a line it cannot read: {e}");
+                continue;
+            }
+        };
+        match rec {
+            Record::Source { id, source } => {
+                out.sources.insert(id, source);
+            }
+            Record::Released { id } => {
+                out.sources.remove(&id);
+            }
+            Record::Memory { vm, fd, huge } => {
+                out.memories.insert(vm, (fd, huge));
+            }
+            Record::Base(b) => {
+                out.bases.insert(b.id, b);
+            }
+            Record::BaseGone { id } => {
+                out.bases.remove(&id);
+            }
+            Record::Vm(v) => {
+                out.vms.insert(v.id, v);
+            }
+            Record::VmGone { id } => {
+                out.vms.remove(&id);
+            }
+        }
+    }
+    out
+}
+
+/// Hand a listening socket to the store (once, at first start).
+pub fn store_listener(core: &Core, name: &str, fd: BorrowedFd<'_>) {
+    if let Some(store) = core.restart.store() {
+        match store.store(name, fd.as_fd()) {
+            Ok(()) => {
+                core.restart
+                    .written
+                    .borrow_mut()
+                    .stored
+                    .insert(name.to_owned());
+            }
+            Err(e) => warn!("cannot hand {name} to the fd store: {e}"),
+        }
+    }
+}

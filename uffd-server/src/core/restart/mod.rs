@@ -1,0 +1,65 @@
+//! Restart without losing a VM: what must outlive the serving process is
+//! held outside it, and a new process takes every VM back.
+//!
+//! ```text
+//!   keeper (or systemd) ── holds ──▶ api/vmm listeners, memfds, uffds,
+//!     │                              table mirrors, image fds (fd store)
+//!     └─ starts ─▶ uffd-server ── FDSTORE=1 ──▶ keeper
+//!                      │ journal: sources, bases, VMs (restart.journal)
+//!                      └─ dies / hands over ─▶ keeper starts the next one
+//!                           with LISTEN_FDS ─▶ adopt: arena, bases, VMs,
+//!                           tables from mirrors; wake every uffd range;
+//!                           VMMs rejoin on vmm.sock
+//! ```
+//!
+//! - [`state`]: what the feature keeps ([`state::Restart`] on the core).
+//! - [`record`]: the journal's records.
+//! - [`journal`]: writing the journal and the store as the server runs
+//!   (`sync`), and reading it back.
+//! - [`adopt`]: taking VMs back at start.
+//! - [`upgrade`]: a graceful handover to a new binary.
+
+pub mod adopt;
+pub mod journal;
+pub mod record;
+pub mod state;
+pub mod upgrade;
+
+use std::os::fd::OwnedFd;
+use std::rc::Rc;
+
+use tracing::warn;
+
+use crate::core::state::Core;
+
+/// Take back what the process before this one left (`fds`, handed over
+/// by the keeper or systemd) and serve every adopted VM's uffd.
+pub fn start(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>, since_start: std::time::Instant) {
+    for (vm, uffd, base) in adopt::adopt(core, fds) {
+        if let Err(e) = crate::core::fault::serve::serve_uffd(core, vm, uffd, base, true) {
+            warn!("{vm}: cannot serve its uffd again: {e}");
+        }
+    }
+    // VMs whose VMM died while no server ran.
+    let gone: Vec<_> = core
+        .reg
+        .borrow()
+        .vms
+        .values()
+        .filter(|v| {
+            v.faults.uffd.is_some()
+                && v.link.pid.is_some_and(|p| {
+                    nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(i32::try_from(p).unwrap_or(0)),
+                        None,
+                    )
+                    .is_err()
+                })
+        })
+        .map(|v| v.id)
+        .collect();
+    for vm in gone {
+        crate::core::link::exit::mark_exited(core, vm, "its vmm died while no server ran");
+    }
+    core.restart.took.set(Some(since_start.elapsed()));
+}
