@@ -685,9 +685,7 @@ fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
             store_listener(&core, VMM_LISTENER, vmm_listener_copy.as_fd());
         }
         drop(vmm_listener_copy);
-        if start_kind != uffd_server::core::restart::state::StartKind::First || !handed.is_empty() {
-            uffd_server::core::restart::start(&core, handed, since_start);
-        }
+        uffd_server::core::restart::start(&core, handed, since_start);
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
             if std::fs::symlink_metadata(&sock)

@@ -84,6 +84,17 @@ impl MemorySource {
     }
 }
 
+/// When the serving process took a VM back, and served it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Adopted {
+    /// When it took the VM back, in µs since the Unix epoch.
+    pub at_unix_us: u64,
+    /// When it served the VM's first fault after that, in µs since the
+    /// Unix epoch; none yet if the guest has not faulted since.
+    pub first_fault_unix_us: Option<u64>,
+}
+
 /// A VM's life-cycle state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -174,6 +185,10 @@ pub struct VmInfo {
     /// A snapshot of this VM saving its pages now (the guest runs).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub snapshot_saving: Option<SnapshotSaving>,
+    /// This process took the VM back from the one before it (a crash or
+    /// an upgrade of the server).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub adopted: Option<Adopted>,
     /// The host memory its guest RAM takes: its own pages, and the pages
     /// it maps from a shared base (held once per host by the base).
     #[serde(default)]

@@ -50,6 +50,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
                 phases: v.phases.to_api(),
             },
             snapshot_saving: None,
+            adopted: None,
             memory: proto::api::VmMemory {
                 own_bytes: v.table.count_of(v.self_src) * PAGE_SIZE,
                 shared_bytes: 0,
@@ -106,6 +107,10 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
                 pages_saved: s.pages_written,
             }
         }),
+        adopted: v
+            .adopted
+            .as_ref()
+            .map(crate::core::restart::state::AdoptedVm::to_api),
         memory,
         reads_from: crate::core::kept::reads_from(&reg, &v.table, v.self_src, v.base.on.as_ref()),
     })

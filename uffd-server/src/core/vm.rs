@@ -12,6 +12,7 @@
 //! | `pooled` | a warm-pool VMM set aside for it | `pool::state::SetAside` |
 //! | `base` | the shared base its guest RAM maps | `base::state::BaseState` |
 //! | `log` | page log, fault trace, phases, counters | `observe::vm::VmLog` |
+//! | `adopted` | taken back after a restart of the server | `restart::state::AdoptedVm` |
 
 use std::rc::Rc;
 
@@ -23,6 +24,7 @@ use super::fault::state::FaultState;
 use super::fork::state::ForkState;
 use super::link::state::{ReadySender, VmmLink};
 use super::pool::state::SetAside;
+use super::restart::state::AdoptedVm;
 use super::rollback::state::RollbackState;
 use super::snapshot::state::SnapshotState;
 use crate::memory::{GuestMemory, MemoryError};
@@ -66,6 +68,7 @@ pub struct Vm {
     pub pooled: Option<SetAside>,
     pub base: BaseState,
     pub log: VmLog,
+    pub adopted: Option<AdoptedVm>,
 }
 
 /// What a new VM is made of; everything else starts empty.
@@ -107,6 +110,7 @@ impl Vm {
             pooled: None,
             base: BaseState::default(),
             log,
+            adopted: None,
         }
     }
 

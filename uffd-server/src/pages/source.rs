@@ -280,9 +280,26 @@ pub struct Retired {
 /// Released sources remembered at most (the most recent ones).
 const RETIRED_KEPT: usize = 4096;
 
+/// Called with each source the arena takes, or changes in place, before
+/// any table can name it (the restart journal, `core::restart`).
+pub struct SourceHook(Box<dyn Fn(SourceId, &Rc<PageSource>)>);
+
+impl SourceHook {
+    pub fn new(f: impl Fn(SourceId, &Rc<PageSource>) + 'static) -> Self {
+        SourceHook(Box::new(f))
+    }
+}
+
+impl std::fmt::Debug for SourceHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SourceHook")
+    }
+}
+
 /// All sources the server knows, by id.
 #[derive(Debug)]
 pub struct SourceArena {
+    hook: Option<SourceHook>,
     slots: Vec<Option<Rc<PageSource>>>,
     vm_ids: HashMap<VmId, SourceId>,
     /// Where the pages of each VM with a `Vm(id)` source are, when the
@@ -301,6 +318,7 @@ impl SourceArena {
     /// An arena holding only `Uninitialized`.
     pub fn new() -> Self {
         SourceArena {
+            hook: None,
             slots: vec![Some(Rc::new(PageSource::Uninitialized))],
             vm_ids: HashMap::new(),
             memories: HashMap::new(),
@@ -314,8 +332,17 @@ impl SourceArena {
         if let PageSource::Vm(vm) = source {
             self.vm_ids.insert(vm, id);
         }
-        self.slots.push(Some(Rc::new(source)));
+        let source = Rc::new(source);
+        if let Some(h) = &self.hook {
+            (h.0)(id, &source);
+        }
+        self.slots.push(Some(source));
         id
+    }
+
+    /// Call `hook` with every source taken or frozen from now on.
+    pub fn set_hook(&mut self, hook: SourceHook) {
+        self.hook = Some(hook);
     }
 
     /// The id of `Vm(vm)`, registering it on first use.
@@ -384,11 +411,15 @@ impl SourceArena {
             }
         };
         if let Some(slot) = self.slots.get_mut(id as usize) {
-            *slot = Some(Rc::new(PageSource::Frozen(FrozenSource {
+            let frozen = Rc::new(PageSource::Frozen(FrozenSource {
                 vm,
                 memory,
                 kind: FrozenKind::Template,
-            })));
+            }));
+            if let Some(h) = &self.hook {
+                (h.0)(id, &frozen);
+            }
+            *slot = Some(frozen);
         }
         Some(id)
     }

@@ -338,6 +338,9 @@ fn serve_batch(
     phases::lap(Phase::Loop);
     batch.laps.push(phases::take());
     if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+        if let Some(a) = v.adopted.as_mut() {
+            a.fault_served();
+        }
         for (a, b) in v.log.stats.service_us_log2.iter_mut().zip(service) {
             *a += b;
         }

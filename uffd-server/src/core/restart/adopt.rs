@@ -132,11 +132,11 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, St
 pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, OwnedFd, u64)> {
     let t0 = Instant::now();
     let r = &core.restart;
-    let journal = replay(&r.journal_path);
+    let journal = replay(&r.log.path);
     {
         // What the store holds now: what nothing names after adoption is
         // removed from it by the sync below.
-        let mut w = r.written.borrow_mut();
+        let mut w = r.log.written.borrow_mut();
         w.stored.extend(fds.iter().map(|(n, _)| n.clone()));
         w.stored.insert(super::journal::API_LISTENER.to_owned());
         w.stored.insert(super::journal::VMM_LISTENER.to_owned());
@@ -233,12 +233,16 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                         ));
                     }
                 }
+                // Its newest `Vm(id)` source: a fork the crash cut short
+                // may have given it one the journal has and its record
+                // does not.
+                let self_src = reg.arena.vm_id(vm).unwrap_or(rec.self_src);
                 let (ready, _) = tokio::sync::oneshot::channel();
                 let mut v = Vm::new(VmParts {
                     id: vm,
                     memory,
                     table,
-                    self_src: rec.self_src,
+                    self_src,
                     vcpus: rec.vcpus,
                     fault_around_pages: rec.fault_around_pages,
                     readahead_pages: rec.readahead_pages,
@@ -252,6 +256,8 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                 v.deleted = rec.deleted;
                 v.link.pid = rec.pid;
                 v.faults.vmm_base = rec.vmm_base;
+                v.fork.parent = rec.parent.map(VmId);
+                v.adopted = Some(crate::core::restart::state::AdoptedVm::now());
                 if let Some((b, src)) = rec.on_base {
                     let base = bases
                         .get(&b)

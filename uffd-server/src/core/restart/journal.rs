@@ -21,7 +21,7 @@ use std::rc::Rc;
 use tracing::warn;
 
 use super::record::{BaseOrigin, BaseRec, FileRec, IdentityRec, PinRec, Record, SourceRec, VmRec};
-use super::state::Written;
+use super::state::{Log, Written};
 use crate::bases::{Base, Origin};
 use crate::core::state::Core;
 use crate::core::vm::Vm;
@@ -180,6 +180,7 @@ fn vm_rec(found: &mut Found, v: &Vm) -> VmRec {
         frozen_for: v.base.frozen_for.as_ref().map(|b| b.id),
         fault_around_pages: v.faults.fault_around_pages,
         readahead_pages: v.faults.readahead.max_pages,
+        parent: v.fork.parent.map(|p| p.0),
     }
 }
 
@@ -211,13 +212,14 @@ pub(crate) fn sync(core: &Core, full: bool) {
         }
     }
     let big = r
-        .journal
+        .log
+        .file
         .borrow()
         .as_ref()
         .and_then(|f| f.metadata().ok())
         .is_some_and(|m| m.len() > COMPACT_BYTES);
-    let full = full || big || r.journal.borrow().is_none();
-    let mut w = r.written.borrow_mut();
+    let full = full || big || r.log.file.borrow().is_none();
+    let mut w = r.log.written.borrow_mut();
     if full {
         let stored = std::mem::take(&mut w.stored);
         *w = Written {
@@ -329,9 +331,9 @@ pub(crate) fn sync(core: &Core, full: bool) {
     }
     drop(reg);
     if full {
-        write_fresh(r, &found.records);
+        write_fresh(&r.log, &found.records);
     } else if !found.records.is_empty() {
-        append(r, &found.records);
+        append(&r.log, &found.records);
     }
     // Then what nothing names any more.
     let dead: Vec<String> = w
@@ -361,8 +363,8 @@ fn lines(records: &[Record]) -> Vec<u8> {
     out
 }
 
-fn append(r: &super::state::Restart, records: &[Record]) {
-    let mut j = r.journal.borrow_mut();
+fn append(log: &Log, records: &[Record]) {
+    let mut j = log.file.borrow_mut();
     let Some(f) = j.as_mut() else {
         return;
     };
@@ -372,8 +374,8 @@ fn append(r: &super::state::Restart, records: &[Record]) {
     }
 }
 
-fn write_fresh(r: &super::state::Restart, records: &[Record]) {
-    let tmp = r.journal_path.with_extension("new");
+fn write_fresh(log: &Log, records: &[Record]) {
+    let tmp = log.path.with_extension("new");
     let written = (|| -> std::io::Result<File> {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
@@ -381,16 +383,14 @@ fn write_fresh(r: &super::state::Restart, records: &[Record]) {
             .write(true)
             .open(&tmp)?;
         f.write_all(&lines(records))?;
-        std::fs::rename(&tmp, &r.journal_path)?;
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&r.journal_path)
+        std::fs::rename(&tmp, &log.path)?;
+        std::fs::OpenOptions::new().append(true).open(&log.path)
     })();
     match written {
-        Ok(f) => *r.journal.borrow_mut() = Some(f),
+        Ok(f) => *log.file.borrow_mut() = Some(f),
         Err(e) => warn!(
             "cannot write the restart journal {}: {e}",
-            r.journal_path.display()
+            log.path.display()
         ),
     }
 }
@@ -451,6 +451,7 @@ pub fn store_listener(core: &Core, name: &str, fd: BorrowedFd<'_>) {
         match store.store(name, fd.as_fd()) {
             Ok(()) => {
                 core.restart
+                    .log
                     .written
                     .borrow_mut()
                     .stored
@@ -459,4 +460,51 @@ pub fn store_listener(core: &Core, name: &str, fd: BorrowedFd<'_>) {
             Err(e) => warn!("cannot hand {name} to the fd store: {e}"),
         }
     }
+}
+
+/// Journal source `id`, which the arena just took (or froze in place),
+/// with the fds it names, before any table can name it: a crash in the
+/// middle of the operation that made it leaves no table naming a source
+/// the journal lacks. (A layer is not journaled here: it is empty until
+/// its fork fills it, and the journal keeps naming the parent's pages in
+/// its VMM until the fork's answer syncs.)
+pub(crate) fn log_source(log: &Log, id: u32, src: &Rc<PageSource>) {
+    let Some(store) = log.store.as_ref() else {
+        return;
+    };
+    if log.file.borrow().is_none() {
+        // Not written yet: the first sync writes everything.
+        return;
+    }
+    let mut found = Found::default();
+    let Some(rec) = source_rec(&mut found, id, src) else {
+        return;
+    };
+    let mut w = log.written.borrow_mut();
+    for (name, fd) in &found.fds {
+        if w.stored.contains(name) {
+            continue;
+        }
+        // SAFETY: the fds belong to `src`, alive for this call.
+        let fd = unsafe { BorrowedFd::borrow_raw(*fd) };
+        match store.store(name, fd) {
+            Ok(()) => {
+                w.stored.insert(name.clone());
+            }
+            Err(e) => warn!("cannot hand {name} to the fd store: {e}"),
+        }
+    }
+    append(
+        log,
+        &[Record::Source {
+            id,
+            source: rec.clone(),
+        }],
+    );
+    w.sources.insert(id, (Rc::as_ptr(src) as usize, rec));
+}
+
+/// The arena's hook: [`log_source`] into `log`.
+pub(crate) fn source_hook(log: Rc<Log>) -> crate::pages::source::SourceHook {
+    crate::pages::source::SourceHook::new(move |id, src| log_source(&log, id, src))
 }

@@ -33,8 +33,23 @@ use tracing::warn;
 use crate::core::state::Core;
 
 /// Take back what the process before this one left (`fds`, handed over
-/// by the keeper or systemd) and serve every adopted VM's uffd.
+/// by the keeper or systemd) and serve every adopted VM's uffd; on a
+/// first start, write the journal afresh. From then on the arena
+/// journals every source it takes.
 pub fn start(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>, since_start: std::time::Instant) {
+    if core.restart.store().is_none() {
+        return;
+    }
+    if core.restart.start_kind() == state::StartKind::First && fds.is_empty() {
+        journal::sync(core, true);
+    } else {
+        adopt_all(core, fds, since_start);
+    }
+    let hook = journal::source_hook(Rc::clone(&core.restart.log));
+    core.reg.borrow_mut().arena.set_hook(hook);
+}
+
+fn adopt_all(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>, since_start: std::time::Instant) {
     for (vm, uffd, base) in adopt::adopt(core, fds) {
         if let Err(e) = crate::core::fault::serve::serve_uffd(core, vm, uffd, base, true) {
             warn!("{vm}: cannot serve its uffd again: {e}");

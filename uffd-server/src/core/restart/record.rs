@@ -139,4 +139,7 @@ pub struct VmRec {
     pub frozen_for: Option<u32>,
     pub fault_around_pages: u64,
     pub readahead_pages: u64,
+    /// The VM it was forked from.
+    #[serde(default)]
+    pub parent: Option<u32>,
 }

@@ -60,13 +60,20 @@ pub(super) struct Written {
     pub stored: HashSet<String>,
 }
 
+/// The journal and the fd store: shared with the arena's hook, which
+/// journals each new source the moment it is made (`journal::log_source`).
+#[derive(Debug)]
+pub struct Log {
+    pub(super) store: Option<FdStore>,
+    pub(super) file: RefCell<Option<File>>,
+    pub(super) path: PathBuf,
+    pub(super) written: RefCell<Written>,
+}
+
 /// The restart feature's state.
 #[derive(Debug)]
 pub struct Restart {
-    pub(super) store: Option<FdStore>,
-    pub(super) journal: RefCell<Option<File>>,
-    pub(super) journal_path: PathBuf,
-    pub(super) written: RefCell<Written>,
+    pub(super) log: std::rc::Rc<Log>,
     pub(super) started: SystemTime,
     pub(super) start: Cell<StartKind>,
     pub(super) adopted: Cell<u64>,
@@ -87,10 +94,12 @@ impl Restart {
     /// systemd has; it restarts with no VM.
     pub fn new(state_dir: &std::path::Path) -> Self {
         Restart {
-            store: None,
-            journal: RefCell::new(None),
-            journal_path: state_dir.join("restart.journal"),
-            written: RefCell::new(Written::default()),
+            log: std::rc::Rc::new(Log {
+                store: None,
+                file: RefCell::new(None),
+                path: state_dir.join("restart.journal"),
+                written: RefCell::new(Written::default()),
+            }),
             started: SystemTime::now(),
             start: Cell::new(StartKind::First),
             adopted: Cell::new(0),
@@ -104,7 +113,9 @@ impl Restart {
 
     /// Keep what must outlive this process in `store`.
     pub fn with_store(mut self, store: Option<FdStore>, start: StartKind) -> Self {
-        self.store = store;
+        if let Some(log) = std::rc::Rc::get_mut(&mut self.log) {
+            log.store = store;
+        }
         self.start.set(start);
         self
     }
@@ -112,7 +123,7 @@ impl Restart {
     /// Whether anything outlives this process (a keeper or systemd holds
     /// its fds).
     pub fn kept(&self) -> bool {
-        self.store.is_some()
+        self.log.store.is_some()
     }
 
     /// Whether a handover is under way.
@@ -176,7 +187,7 @@ impl Restart {
 
     /// The fd store, if any.
     pub fn store(&self) -> Option<&FdStore> {
-        self.store.as_ref()
+        self.log.store.as_ref()
     }
 }
 
@@ -187,5 +198,43 @@ pub struct JobGuard<'a>(&'a Restart);
 impl Drop for JobGuard<'_> {
     fn drop(&mut self) {
         self.0.jobs.set(self.0.jobs.get().saturating_sub(1));
+    }
+}
+
+/// A VM this process took back from the one before it.
+#[derive(Debug, Clone, Copy)]
+pub struct AdoptedVm {
+    at: SystemTime,
+    first_fault: Option<SystemTime>,
+}
+
+impl AdoptedVm {
+    /// Taken back now.
+    pub fn now() -> Self {
+        AdoptedVm {
+            at: SystemTime::now(),
+            first_fault: None,
+        }
+    }
+
+    /// A fault of the VM was served: the first one since adoption ends
+    /// its stall.
+    #[inline]
+    pub fn fault_served(&mut self) {
+        if self.first_fault.is_none() {
+            self.first_fault = Some(SystemTime::now());
+        }
+    }
+
+    /// As `GET /v1/vms/{id}` shows it.
+    pub fn to_api(&self) -> proto::api::Adopted {
+        let us = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        };
+        proto::api::Adopted {
+            at_unix_us: us(self.at),
+            first_fault_unix_us: self.first_fault.map(us),
+        }
     }
 }
