@@ -282,7 +282,9 @@ const RETIRED_KEPT: usize = 4096;
 
 /// Called with each source the arena takes, or changes in place, before
 /// any table can name it (the restart journal, `core::restart`).
-pub struct SourceHook(Box<dyn Fn(SourceId, &Rc<PageSource>)>);
+pub struct SourceHook(Box<HookFn>);
+
+type HookFn = dyn Fn(SourceId, &Rc<PageSource>);
 
 impl SourceHook {
     pub fn new(f: impl Fn(SourceId, &Rc<PageSource>) + 'static) -> Self {
