@@ -78,7 +78,7 @@ pub(crate) fn create_children(
         vm.start_state = Some(state.clone());
         vm.pooled = pooled;
         vm.base.on = on_base.clone();
-        reg.vms.insert(id, vm);
+        crate::core::launch::make::enlist(&mut reg, vm);
         out.push((id, rx));
     }
     Ok(out)

@@ -8,20 +8,20 @@
 use std::rc::Rc;
 
 use proto::api::{CreateVm, MemorySource, VmInfo};
-use shared::{VmId, PAGE_SIZE};
+use shared::VmId;
 use tokio::sync::oneshot;
 
 use super::delete::discard_vms;
 use crate::conn::Binding;
 use crate::core::error::{Error, Result};
 use crate::core::fd_budget::FdKind;
+use crate::core::launch::make::{make, reserve, Origin, VmSpec};
 use crate::core::link::process::{launch_process, stop_vmm};
-use crate::core::pool::take::{launch_from_pool, new_guest_memory};
+use crate::core::pool::take::launch_from_pool;
 use crate::core::snapshot::restore::prepare_restore;
 use crate::core::sources::{open_image, open_zstd};
 use crate::core::state::Core;
-use crate::core::vm::{Vm, VmParts};
-use crate::pages::{PageSource, PageTable, UNINITIALIZED};
+use crate::pages::PageSource;
 
 /// Largest guest the host can hold, from /proc/meminfo.
 fn host_memory_mib() -> u64 {
@@ -191,11 +191,12 @@ fn prepare_vm(core: &Core, req: &CreateVm) -> Result<(VmId, oneshot::Receiver<Re
     }
     let size = req.memory_mib << 20;
     let page_size = core.settings.page_size_for(req.hugepages, size)?;
-    let image = match &req.memory_source {
+    let origin = match &req.memory_source {
         None => None,
-        Some(MemorySource::File { path }) => {
-            Some(PageSource::File(open_image(path, size, &core.settings)?))
-        }
+        Some(MemorySource::File { path }) => Some(Origin {
+            source: PageSource::File(open_image(path, size, &core.settings)?),
+            data: None,
+        }),
         Some(MemorySource::Zstd { path }) => {
             let image = open_zstd(core, path, None)?;
             if image.header().memory_bytes < size {
@@ -208,7 +209,12 @@ fn prepare_vm(core: &Core, req: &CreateVm) -> Result<(VmId, oneshot::Receiver<Re
                     ),
                 });
             }
-            Some(PageSource::Zstd(crate::pages::ZstdSource { image }))
+            // Its zero frames read as zero without it.
+            let data = Some(image.data_pages());
+            Some(Origin {
+                source: PageSource::Zstd(crate::pages::ZstdSource { image }),
+                data,
+            })
         }
         Some(MemorySource::Snapshot { .. }) => {
             return bad(
@@ -216,59 +222,26 @@ fn prepare_vm(core: &Core, req: &CreateVm) -> Result<(VmId, oneshot::Receiver<Re
             )
         }
     };
-    let mut reg = core.reg.borrow_mut();
-    reg.admit(&core.settings, 1, size)?;
-    let id = reg.alloc_id(&core.settings.state_dir);
-    let (memory, pooled) =
-        new_guest_memory(core, id, size, page_size).map_err(Error::CreateMemory)?;
-    let memory = Rc::new(memory);
-    let self_src = reg.arena.vm_with_memory(id, Rc::clone(&memory));
-    let pages = size / PAGE_SIZE;
-    // A compressed image's zero frames read as zero without it.
-    let data = image
-        .as_ref()
-        .and_then(PageSource::zstd)
-        .map(|z| z.data_pages());
-    let initial = match image {
-        None => UNINITIALIZED,
-        Some(source) => reg.arena.insert(source),
-    };
-    let mut table = PageTable::new(
-        pages,
-        if data.is_some() {
-            UNINITIALIZED
-        } else {
-            initial
-        },
-    );
-    for (first, n) in data.unwrap_or_default() {
-        table.set_range(first, n.min(pages.saturating_sub(first)), initial);
-    }
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let fault_around_pages = fault_around.map_or(core.settings.fault_around_pages, |f| f.pages());
-    let readahead_pages = match req.readahead_kib {
-        Some(k) => k / 4,
-        None => core.settings.readahead_pages,
-    };
-    let mut vm = Vm::new(VmParts {
-        id,
-        memory,
-        table,
-        self_src,
+    let spec = VmSpec {
+        size,
+        page_size,
         vcpus: req.vcpus,
-        fault_around_pages,
-        readahead_pages,
-        ready: ready_tx,
-    });
-    vm.volume = req.volume.clone();
-    vm.pooled = pooled;
-    reg.vms.insert(id, vm);
-    // A VM asked to have all its memory before it starts (`prefetch`)
-    // holds it in its own memfd: pages of a base would still fault once
-    // each, to be mapped.
-    if core.settings.shared_bases && initial != UNINITIALIZED && !req.prefetch {
-        crate::core::base::attach_image(&mut reg, id, initial);
-    }
+        origin,
+        fault_around_pages: fault_around.map_or(core.settings.fault_around_pages, |f| f.pages()),
+        readahead_pages: req
+            .readahead_kib
+            .map_or(core.settings.readahead_pages, |k| k / 4),
+        start_state: None,
+        volume: req.volume.clone().map(|v| (v, false)),
+        restores: None,
+        // A VM asked to have all its memory before it starts (`prefetch`)
+        // holds it in its own memfd: pages of a base would still fault
+        // once each, to be mapped.
+        shared_base: !req.prefetch,
+    };
+    let mut reg = core.reg.borrow_mut();
+    let id = reserve(core, &mut reg, size)?;
+    let ready_rx = make(core, &mut reg, id, spec)?;
     Ok((id, ready_rx))
 }
 

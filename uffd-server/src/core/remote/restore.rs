@@ -20,17 +20,16 @@ use std::sync::Arc;
 
 use pagefork_remote::Manifest;
 use proto::api::CreateVm;
-use shared::{VmId, PAGE_SIZE};
+use shared::VmId;
 use tokio::sync::oneshot;
 use tracing::debug;
 
 use super::error::RemoteError;
 use crate::core::error::{Error, Result};
 use crate::core::launch::delete::discard_vms;
-use crate::core::pool::take::new_guest_memory;
+use crate::core::launch::make::{make, reserve, Origin, VmSpec};
 use crate::core::state::Core;
-use crate::core::vm::{Vm, VmParts};
-use crate::pages::{PageSource, PageTable, RemoteSource, UNINITIALIZED};
+use crate::pages::{PageSource, RemoteSource};
 use crate::remote::chunks::Priority;
 use crate::remote::image::RemoteImage;
 use crate::remote::RemoteService;
@@ -145,40 +144,30 @@ fn register(
         .settings
         .page_size_for(req.hugepages.or(Some(m.state.hugepages)), size)?;
     let data = image.data_pages();
-    let mut reg = core.reg.borrow_mut();
-    reg.admit(&core.settings, 1, size)?;
-    let id = reg.alloc_id(&core.settings.state_dir);
-    let (memory, pooled) =
-        new_guest_memory(core, id, size, page_size).map_err(Error::CreateMemory)?;
-    let memory = Rc::new(memory);
-    let self_src = reg.arena.vm_with_memory(id, Rc::clone(&memory));
-    let src = reg.arena.insert(PageSource::Remote(RemoteSource { image }));
-    let pages = size / PAGE_SIZE;
-    let mut table = PageTable::new(pages, UNINITIALIZED);
-    for (first, n) in data {
-        table.set_range(first, n.min(pages.saturating_sub(first)), src);
-    }
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let mut vm = Vm::new(VmParts {
-        id,
-        memory,
-        table,
-        self_src,
+    let spec = VmSpec {
+        size,
+        page_size,
         vcpus: m.state.vcpus(),
+        origin: Some(Origin {
+            source: PageSource::Remote(RemoteSource { image }),
+            data: Some(data),
+        }),
         fault_around_pages: fault_around.map_or(core.settings.fault_around_pages, |f| f.pages()),
         readahead_pages: req
             .readahead_kib
             .map_or(core.settings.readahead_pages, |k| k / 4),
-        ready: ready_tx,
-    });
-    vm.start_state = Some(Rc::new(m.state.vm_state.clone()));
-    vm.pooled = pooled;
-    reg.vms.insert(id, vm);
-    // Its clean pages map from the snapshot's base on this host, filled
-    // from the chunks as VMs fault: N restores hold the memory once.
-    if core.settings.shared_bases {
-        crate::core::base::attach_image(&mut reg, id, src);
-    }
+        start_state: Some(m.state.vm_state.clone()),
+        // Its volume is written after (`attach_volume`).
+        volume: None,
+        restores: None,
+        // Its clean pages map from the snapshot's base on this host,
+        // filled from the chunks as VMs fault: N restores hold the
+        // memory once.
+        shared_base: true,
+    };
+    let mut reg = core.reg.borrow_mut();
+    let id = reserve(core, &mut reg, size)?;
+    let ready_rx = make(core, &mut reg, id, spec)?;
     Ok((id, ready_rx))
 }
 

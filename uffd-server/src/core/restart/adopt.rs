@@ -285,7 +285,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                         // Its VMM holds the disk, as before.
                         engine.attach(name, &vm.to_string());
                     }
-                    reg.vms.insert(vm, v);
+                    crate::core::launch::make::enlist(&mut reg, v);
                     adopted += 1;
                 }
                 Err(why) => {

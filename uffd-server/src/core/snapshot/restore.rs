@@ -4,19 +4,15 @@
 //! of the snapshot's, and its VMM starts from the saved vCPU and device
 //! state. Pages come in lazily, fault by fault.
 
-use std::rc::Rc;
-
 use proto::api::CreateVm;
-use shared::{VmId, PAGE_SIZE};
+use shared::VmId;
 use tokio::sync::oneshot;
 use tracing::debug;
 
 use crate::core::error::{Error, Result};
-use crate::core::pool::take::new_guest_memory;
+use crate::core::launch::make::{make, reserve, Origin, VmSpec};
 use crate::core::sources::open_snapshot_memory;
 use crate::core::state::Core;
-use crate::core::vm::{Vm, VmParts};
-use crate::pages::{PageTable, UNINITIALIZED};
 
 /// Register a VM that starts from snapshot `name` (`POST /v1/vms`
 /// with `from_snapshot`): its table reads the snapshot's image (holes
@@ -76,8 +72,7 @@ pub(crate) fn prepare_restore(
         .page_size_for(req.hugepages.or(Some(hugepages)), size)?;
     let (source, data) = open_snapshot_memory(core, name, compressed, &path)?;
     let mut reg = core.reg.borrow_mut();
-    reg.admit(&core.settings, 1, size)?;
-    let id = reg.alloc_id(&core.settings.state_dir);
+    let id = reserve(core, &mut reg, size)?;
     let volume = match (&volume_snapshot, core.volumes.as_ref()) {
         (Some(vs), Some(engine)) => {
             let vol = format!("{name}-{id}");
@@ -87,45 +82,32 @@ pub(crate) fn prepare_restore(
         (Some(_), None) => return Err(Error::NoVolumes),
         (None, _) => None,
     };
-    let (memory, pooled) = match new_guest_memory(core, id, size, page_size) {
-        Ok(m) => m,
-        Err(e) => {
-            if let (Some(vol), Some(engine)) = (&volume, core.volumes.as_ref()) {
-                let _ = engine.delete(vol);
-            }
-            return Err(Error::CreateMemory(e));
-        }
-    };
-    let memory = Rc::new(memory);
-    let self_src = reg.arena.vm_with_memory(id, Rc::clone(&memory));
-    let src = reg.arena.insert(source);
-    let pages = size / PAGE_SIZE;
-    let mut table = PageTable::new(pages, UNINITIALIZED);
-    for (first, n) in data {
-        table.set_range(first, n, src);
-    }
-    let (ready_tx, ready_rx) = oneshot::channel();
-    let mut vm = Vm::new(VmParts {
-        id,
-        memory,
-        table,
-        self_src,
+    let spec = VmSpec {
+        size,
+        page_size,
         vcpus: u8::try_from(vm_state.vcpus.len()).unwrap_or(u8::MAX),
+        origin: Some(Origin {
+            source,
+            data: Some(data),
+        }),
         fault_around_pages: fault_around.map_or(core.settings.fault_around_pages, |f| f.pages()),
         readahead_pages: req
             .readahead_kib
             .map_or(core.settings.readahead_pages, |k| k / 4),
-        ready: ready_tx,
-    });
-    vm.start_state = Some(Rc::new(vm_state));
-    vm.snapshot.base = Some((name.to_owned(), src));
-    vm.owns_volume = volume.is_some();
-    vm.volume = volume;
-    vm.pooled = pooled;
-    reg.vms.insert(id, vm);
-    if core.settings.shared_bases {
-        crate::core::base::attach_image(&mut reg, id, src);
-    }
+        start_state: Some(vm_state),
+        volume: volume.clone().map(|v| (v, true)),
+        restores: Some(name.to_owned()),
+        shared_base: true,
+    };
+    let ready_rx = match make(core, &mut reg, id, spec) {
+        Ok(r) => r,
+        Err(e) => {
+            if let (Some(vol), Some(engine)) = (&volume, core.volumes.as_ref()) {
+                let _ = engine.delete(vol);
+            }
+            return Err(e);
+        }
+    };
     // Logged with the start (`create_vm`): one line per VM started.
     debug!("{id}: restoring from snapshot {name}");
     Ok((id, ready_rx))
