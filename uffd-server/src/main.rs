@@ -480,6 +480,8 @@ fn keep(args: &Args) -> ExitCode {
 }
 
 fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
+    // The keeper that started this process, if one did.
+    let keeper = uffd_server::fdstore::is_kept().then(nix::unistd::getppid);
     // What a keeper or systemd handed over, and where to hand it again.
     let mut handed = uffd_server::fdstore::listen_fds();
     let store = uffd_server::fdstore::FdStore::from_env();
@@ -718,6 +720,25 @@ fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
         let stopper = handle.clone();
         tokio::spawn(async move {
             wait_for_signal().await;
+            if keeper.is_some_and(|k| nix::unistd::getppid() != k) {
+                // The keeper died (its death signal is a SIGTERM): what
+                // would have outlived this process is gone with it, so
+                // nothing can take the VMs back; they end with the server,
+                // at once, stopped VMMs too.
+                warn!("the keeper is gone; stopping every VM now");
+                let pids = stopper
+                    .run(|c| async move { Ok(uffd_server::core::restart::vmm_pids(&c)) })
+                    .await
+                    .unwrap_or_default();
+                for pid in pids {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap_or(0)),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+                #[allow(clippy::exit)]
+                std::process::exit(1);
+            }
             info!("signal received; stopping");
             stopper.shutdown().await;
         });

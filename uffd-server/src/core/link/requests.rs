@@ -47,6 +47,21 @@ pub(crate) fn send_request_with_fds(
     let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
     let writer = match (&v.link.writer, v.state) {
         (Some(w), RunState::Running | RunState::Paused) => w.clone(),
+        (None, RunState::Running | RunState::Paused) if v.adopted.is_some() => {
+            // Taken back after a restart; its VMM rejoins in a moment.
+            if v.link.pending.len() >= core.settings.vmm_queue {
+                return Err(LinkError::QueueFull {
+                    vm,
+                    queued: v.link.pending.len(),
+                }
+                .into());
+            }
+            v.link.next_seq += 1;
+            let seq = v.link.next_seq;
+            v.link.held.push((seq, request, fds));
+            v.link.pending.insert(seq, tx);
+            return Ok(rx);
+        }
         (_, state) => {
             return Err(Error::WrongState {
                 vm,

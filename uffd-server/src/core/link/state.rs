@@ -35,6 +35,9 @@ pub struct VmmLink {
     pub ready: Option<ReadySender>,
     /// Why the VMM went, as it or the server saw it.
     pub exit_reason: Option<String>,
+    /// Requests sent while the VMM of a VM taken back after a restart of
+    /// the server has not rejoined yet: sent, in order, when it does.
+    pub held: Vec<(u64, proto::vmm::Request, Vec<std::os::fd::OwnedFd>)>,
 }
 
 impl VmmLink {

@@ -113,6 +113,12 @@ pub(crate) fn rejoin(
         warn!("{vm}: cannot answer the rejoin: {e}");
     }
     if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+        // Requests made while it was away go out now, in order.
+        for (seq, request, fds) in v.link.held.drain(..) {
+            if let Err(e) = writer.send(ServerMsg::Request { seq, request }, fds) {
+                warn!("{vm}: cannot send a held request: {e}");
+            }
+        }
         v.link.pid = Some(pid);
         v.link.writer = Some(writer);
     }

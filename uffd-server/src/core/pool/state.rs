@@ -86,6 +86,11 @@ impl VmmPool {
         self.idle.len()
     }
 
+    /// The pids of the VMMs it holds.
+    pub fn pids(&self) -> Vec<u32> {
+        self.idle.iter().map(|p| p.pid).collect()
+    }
+
     /// VMMs ready to be taken.
     pub fn ready(&self) -> usize {
         self.idle.iter().filter(|p| p.writer.is_some()).count()

@@ -77,4 +77,48 @@ fn adopt_all(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>, since_start: std::tim
         crate::core::link::exit::mark_exited(core, vm, "its vmm died while no server ran");
     }
     core.restart.took.set(Some(since_start.elapsed()));
+    // A VMM that has not rejoined after a while and is gone never will.
+    let c = Rc::clone(core);
+    tokio::task::spawn_local(async move {
+        tokio::time::sleep(REJOIN_WITHIN).await;
+        let absent: Vec<_> = c
+            .reg
+            .borrow()
+            .vms
+            .values()
+            .filter(|v| v.adopted.is_some() && v.link.writer.is_none() && v.faults.uffd.is_some())
+            .map(|v| (v.id, v.link.pid))
+            .collect();
+        for (vm, pid) in absent {
+            let alive = pid.is_some_and(|p| {
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(i32::try_from(p).unwrap_or(0)),
+                    None,
+                )
+                .is_ok()
+            });
+            if alive {
+                warn!("{vm}: its vmm (pid {pid:?}) has not rejoined after {REJOIN_WITHIN:?}");
+            } else {
+                crate::core::link::exit::mark_exited(&c, vm, "its vmm died before it rejoined");
+            }
+        }
+    });
+}
+
+/// How long adopted VMMs have to rejoin before one that is gone is
+/// counted as exited.
+const REJOIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The pids of every VMM the server knows (its VMs' and its pool's).
+pub fn vmm_pids(core: &Core) -> Vec<u32> {
+    let mut pids: Vec<u32> = core
+        .reg
+        .borrow()
+        .vms
+        .values()
+        .filter_map(|v| v.link.pid)
+        .collect();
+    pids.extend(core.pool.borrow().pids());
+    pids
 }
