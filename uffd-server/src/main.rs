@@ -534,8 +534,9 @@ fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
             None
         }
     };
-    let mut snapshots =
-        uffd_server::snapshot::Catalog::open(&state_dir).map_err(StartError::Snapshots)?;
+    let restarting = start_kind != uffd_server::core::restart::state::StartKind::First;
+    let mut snapshots = uffd_server::snapshot::Catalog::open_with(&state_dir, !restarting)
+        .map_err(StartError::Snapshots)?;
     // A crash between a VM snapshot's volume snapshot (`<name>.disk`,
     // taken in the pause) and its commit leaves the volume snapshot
     // behind: the snapshot it belongs to never came to be.

@@ -78,6 +78,7 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
             })
             .collect(),
         fds: fd_sample(core),
+        start: core.restart.sample(),
     }
 }
 

@@ -67,6 +67,22 @@ pub struct Sample {
     pub bases: Vec<BaseSample>,
     /// The server's fds and their admission.
     pub fds: FdSample,
+    /// How this serving process started.
+    pub start: StartSample,
+}
+
+/// How the serving process started: what it took back from the one
+/// before it, and how long that took.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StartSample {
+    /// VMs taken back at start (0 on a first start).
+    pub adopted: u64,
+    /// VMs it could not take back.
+    pub lost: u64,
+    /// From process start to serving them, in seconds (0 on a first start).
+    pub recovery_seconds: f64,
+    /// 0 first start, 1 after a crash, 2 after an upgrade.
+    pub kind: u64,
 }
 
 /// The server's file descriptors as admission sees them.
@@ -320,6 +336,35 @@ pub fn render(sample: &Sample) -> String {
         counter(sample.fds.refused),
     );
 
+    for (name, help, v) in [
+        (
+            "server_adopted_vms",
+            "VMs this serving process took back from the one before it",
+            sample.start.adopted,
+        ),
+        (
+            "server_lost_vms",
+            "VMs this serving process could not take back",
+            sample.start.lost,
+        ),
+        (
+            "server_start_kind",
+            "why this serving process started: 0 first start, 1 after a crash, 2 after an upgrade",
+            sample.start.kind,
+        ),
+    ] {
+        let g = Gauge::<i64>::default();
+        g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        reg.register(name, help, g);
+    }
+    let g = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+    g.set(sample.start.recovery_seconds);
+    reg.register(
+        "server_recovery_seconds",
+        "from this serving process's start to serving the VMs it took back",
+        g,
+    );
+
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = encode(&mut out, &reg);
@@ -379,6 +424,12 @@ mod tests {
                 reserve: 102,
                 refused: 2,
             },
+            start: StartSample {
+                adopted: 5,
+                lost: 0,
+                recovery_seconds: 0.004,
+                kind: 1,
+            },
         };
         let text = render(&sample);
         assert!(
@@ -404,6 +455,11 @@ mod tests {
         assert!(text.contains("pagefork_fds_open 40"), "{text}");
         assert!(text.contains("pagefork_fds_limit 1024"), "{text}");
         assert!(text.contains("pagefork_fd_refusals_total 2"), "{text}");
+        assert!(text.contains("pagefork_server_adopted_vms 5"), "{text}");
+        assert!(
+            text.contains("pagefork_server_recovery_seconds 0.004"),
+            "{text}"
+        );
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

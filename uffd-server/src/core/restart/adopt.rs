@@ -160,6 +160,15 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             }
         }
         for (vm, (fd, huge)) in &journal.memories {
+            // Only the memories of VMs a source still names (a VM gone
+            // leaves its record behind until the journal is compacted).
+            let named = journal
+                .sources
+                .values()
+                .any(|s| matches!(s, SourceRec::Vm { vm: v } if v == vm));
+            if !named {
+                continue;
+            }
             match h.memory(fd, *huge) {
                 Ok(m) => reg.arena.adopt_memory(VmId(*vm), m),
                 Err(e) => warn!("vm-{vm}: {e}"),

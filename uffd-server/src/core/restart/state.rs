@@ -185,6 +185,20 @@ impl Restart {
         }
     }
 
+    /// For `/metrics`.
+    pub fn sample(&self) -> crate::observe::metrics::StartSample {
+        crate::observe::metrics::StartSample {
+            adopted: self.adopted.get(),
+            lost: self.lost.borrow().len() as u64,
+            recovery_seconds: self.took.get().map_or(0.0, |d| d.as_secs_f64()),
+            kind: match self.start.get() {
+                StartKind::First => 0,
+                StartKind::Crash => 1,
+                StartKind::Upgrade => 2,
+            },
+        }
+    }
+
     /// The fd store, if any.
     pub fn store(&self) -> Option<&FdStore> {
         self.log.store.as_ref()
