@@ -45,6 +45,9 @@ pub struct Plan {
     /// Sizes of the parent on a shared base whose fork copies a layer,
     /// MiB; the first is also the paused template's.
     pub lineage_mib: Vec<u64>,
+    /// Counts of busy VMs whose stall the restart bench measures over a
+    /// crash and a handover of the server.
+    pub restart_vms: Vec<u32>,
 }
 
 impl Plan {
@@ -67,6 +70,7 @@ impl Plan {
                 density_mib: 32,
                 density_ws_mib: 8,
                 lineage_mib: vec![64],
+                restart_vms: vec![1, 10],
             }
         } else {
             Plan {
@@ -85,6 +89,7 @@ impl Plan {
                 density_mib: 64,
                 density_ws_mib: 16,
                 lineage_mib: vec![256, 1024],
+                restart_vms: vec![1, 100, 1000],
             }
         }
     }
@@ -263,13 +268,22 @@ impl Plan {
                 k.extend(["template_first", "template_later"].map(|m| format!("lineage.{m}")));
                 k
             }
+            "restart" => {
+                let mut k: Vec<String> = self
+                    .restart_vms
+                    .iter()
+                    .flat_map(|n| ["crash", "upgrade"].map(|m| format!("restart.{m}.{n}")))
+                    .collect();
+                k.extend(["fault_crash", "fault_upgrade"].map(|m| format!("restart.{m}")));
+                k
+            }
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 13] = [
+pub const BENCHES: [&str; 14] = [
     "lazy_restore",
     "fork",
     "vmm_pool",
@@ -283,6 +297,7 @@ pub const BENCHES: [&str; 13] = [
     "remote_restore",
     "density",
     "lineage",
+    "restart",
 ];
 
 #[cfg(test)]

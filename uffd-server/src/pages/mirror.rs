@@ -37,6 +37,10 @@ pub struct Mirror {
     file: File,
     map: MmapRegion,
     pages: u64,
+    /// Made by [`Mirror::create`] and not written yet: every entry reads
+    /// `Uninitialized` (0) without being stored, so its pages stay
+    /// unallocated.
+    fresh: std::cell::Cell<bool>,
 }
 
 impl Mirror {
@@ -50,7 +54,9 @@ impl Mirror {
         let file = File::from(fd);
         file.set_len(Self::bytes(pages))
             .map_err(MirrorError::Create)?;
-        Self::map(file, pages)
+        let m = Self::map(file, pages)?;
+        m.fresh.set(true);
+        Ok(m)
     }
 
     /// The mirror in `file` (handed back by the fd store) of a table of
@@ -78,7 +84,12 @@ impl Mirror {
             libc::MAP_SHARED,
         )
         .map_err(MirrorError::Map)?;
-        Ok(Mirror { file, map, pages })
+        Ok(Mirror {
+            file,
+            map,
+            pages,
+            fresh: std::cell::Cell::new(false),
+        })
     }
 
     /// The memfd, for the fd store.
@@ -114,6 +125,11 @@ impl Mirror {
         }
     }
 
+    /// Entries were written: zeroes must be stored from now on.
+    pub fn written(&self) {
+        self.fresh.set(false);
+    }
+
     /// Set entry `page`.
     #[inline]
     pub fn set(&self, page: u64, source: SourceId) {
@@ -124,6 +140,9 @@ impl Mirror {
 
     /// Set `[start, end)`.
     pub fn set_range(&self, start: u64, end: u64, source: SourceId) {
+        if source == 0 && self.fresh.get() {
+            return;
+        }
         let e = self.entries_mut();
         let end = shared::geometry::usize_of(end.min(self.pages));
         let start = shared::geometry::usize_of(start).min(end);

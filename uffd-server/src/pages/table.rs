@@ -67,9 +67,13 @@ impl PageTable {
     /// Write every entry into `mirror` from now on, starting with all of
     /// them as they are.
     pub fn attach_mirror(&mut self, mirror: Mirror) {
+        // A fresh mirror reads `Uninitialized` everywhere: only the other
+        // runs are stored (a VM restored from an image with holes, or
+        // made on zeroes, allocates nothing for them).
         for e in self.extents() {
             mirror.set_range(e.start, e.start + e.pages, e.source);
         }
+        mirror.written();
         self.mirror = Some(mirror);
     }
 
