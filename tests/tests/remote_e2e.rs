@@ -11,8 +11,8 @@
 use std::time::Duration;
 
 use pagefork_tests::{
-    op, require_kvm_uffd, require_root, require_store, wait_until, xfs_dir, Netns, RandomImage,
-    ScratchXfs, ServerOptions, Store, TestServer,
+    op, require_kvm_uffd, require_root, require_store, signal, wait_for, wait_until, xfs_dir,
+    Netns, RandomImage, ScratchXfs, ServerOptions, Store, TestServer,
 };
 use proto::api::{CreateVm, PushState, RunState, SnapshotMode};
 
@@ -454,4 +454,51 @@ fn the_working_set_recorded_on_a_first_restore_travels_and_is_prefetched() {
         "the guest's working set was there before it touched it"
     );
     assert_eq!(b.digest(&r, 0, pages), digest);
+}
+
+/// A VM restored lazily from the store survives its server: SIGKILLed
+/// before it read half its memory, and then handed over to a new process,
+/// it reads exactly what it held and the rest from the store.
+#[test]
+fn a_vm_restored_from_the_store_survives_a_crash_and_an_upgrade_of_its_server() {
+    let Some(store) = require_store() else { return };
+    let _shared = store.shared();
+    let Some(ha) = host_a("survives", &[]) else {
+        return;
+    };
+    let a = &ha.a;
+    let (vm, img) = random_vm(a, 32, 23);
+    let pages = 32 * CHUNK_PAGES;
+    let digest = a.digest(&vm, 0, pages);
+    a.snapshot(&vm, "s1", SnapshotMode::Full);
+    a.push_and_wait("s1");
+    let r = a.restore("remote:s1");
+    // Its own writes on a third of it; the rest still in the store.
+    a.fill(&r, 0, pages / 3, 77);
+    let first = a.health();
+    signal(first.pid, nix::sys::signal::Signal::SIGKILL);
+    let crashed = wait_for(Duration::from_secs(30), || {
+        a.health_now().filter(|h| h.pid != first.pid)
+    })
+    .expect("the keeper starts the server again");
+    assert_eq!(crashed.start, "crash");
+    assert!(crashed.lost_vms.is_empty(), "{:?}", crashed.lost_vms);
+    assert_eq!(a.vm(&r).state, RunState::Running);
+    assert_eq!(a.verify(&r, 0, pages / 3, 77), 0, "its writes");
+    assert_eq!(
+        a.digest(&r, pages / 3, pages - pages / 3),
+        a.digest(&vm, pages / 3, pages - pages / 3),
+        "the rest, from the store"
+    );
+    let r2 = a.raw("POST", "/v1/server/upgrade", Some(serde_json::json!({})));
+    assert_eq!(r2.status, 200, "{r2}");
+    let upgraded = wait_for(Duration::from_secs(30), || {
+        a.health_now().filter(|h| h.pid != crashed.pid)
+    })
+    .expect("the new process serves");
+    assert_eq!(upgraded.start, "upgrade");
+    assert!(upgraded.lost_vms.is_empty(), "{:?}", upgraded.lost_vms);
+    assert_eq!(a.verify(&r, 0, pages / 3, 77), 0, "its writes");
+    assert_eq!(a.digest(&vm, 0, pages), digest, "the VM it was taken of");
+    drop(img);
 }

@@ -691,6 +691,22 @@ fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
         uffd_server::core::restart::start(&core, handed, since_start);
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
+            // Taken back from the process before this one, still bound.
+            let same = |p: &std::path::Path| {
+                p == sock
+                    || std::fs::canonicalize(p)
+                        .ok()
+                        .is_some_and(|p| std::fs::canonicalize(&sock).is_ok_and(|s| s == p))
+            };
+            if core
+                .reg
+                .borrow()
+                .fc_listeners
+                .values()
+                .any(|a| same(&a.socket))
+            {
+                continue;
+            }
             if std::fs::symlink_metadata(&sock)
                 .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
             {

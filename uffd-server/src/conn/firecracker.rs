@@ -11,12 +11,16 @@
 //!
 //! A bad handshake is logged, counted on the listener, and the connection
 //! closed; other connections are unaffected.
+//!
+//! While a handover is under way ([`pause`]) listeners accept nothing:
+//! connections wait in the backlog of the socket, which the keeper holds,
+//! for the next process (see `core::restart::firecracker`).
 
 use std::io::IoSliceMut;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,7 +31,7 @@ use proto::firecracker::{parse_regions, HandshakeError, MAX_HANDSHAKE};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
-use super::{ConnEvent, FcHandshake};
+use super::{ConnEvent, FcHandshake, InFlight};
 
 /// Counters and the last refusal, shared between the listener's threads and
 /// the API.
@@ -40,6 +44,25 @@ pub struct ListenerStats {
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
+/// Set while a handover is under way: listeners leave new connections in
+/// their backlogs (the keeper holds the sockets) for the next process.
+static PAUSED: AtomicBool = AtomicBool::new(false);
+/// Stop accepting (`true`, a handover begins) or accept again.
+pub fn pause(paused: bool) {
+    PAUSED.store(paused, Ordering::SeqCst);
+}
+
+/// Wait until `listener` has a connection to accept (or is shut down).
+fn wait_readable(listener: &UnixListener) {
+    let mut p = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd; EINTR just polls again.
+    while unsafe { libc::poll(&mut p, 1, -1) } < 0 {}
+}
+
 /// What a listener thread needs.
 #[derive(Debug, Clone)]
 pub struct ListenerCtx {
@@ -50,15 +73,25 @@ pub struct ListenerCtx {
     pub events: UnboundedSender<ConnEvent>,
 }
 
-/// Accept Firecracker connections until the listener is shut down.
+/// Accept Firecracker connections until the listener is shut down; while
+/// paused (see [`pause`]), leave them in the backlog.
 pub fn accept_loop(listener: UnixListener, ctx: ListenerCtx) {
-    for conn in listener.incoming() {
-        match conn {
-            Ok(stream) => {
+    loop {
+        wait_readable(&listener);
+        // Counted before the pause is looked at: a handover that pauses
+        // and then finds none in flight knows no accept is under way.
+        let taken = InFlight::take();
+        if PAUSED.load(Ordering::SeqCst) {
+            drop(taken);
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        match listener.accept() {
+            Ok((stream, _)) => {
                 let ctx = ctx.clone();
                 let spawned = std::thread::Builder::new()
                     .name("fc-conn".into())
-                    .spawn(move || serve_connection(stream, ctx));
+                    .spawn(move || serve_connection(stream, ctx, taken));
                 if let Err(e) = spawned {
                     warn!("firecracker listener: cannot start a connection thread: {e}");
                 }
@@ -122,7 +155,7 @@ fn read_handshake(stream: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>
     Ok((buf, fds))
 }
 
-fn serve_connection(stream: UnixStream, ctx: ListenerCtx) {
+fn serve_connection(stream: UnixStream, ctx: ListenerCtx, in_flight: InFlight) {
     let pid = getsockopt(&stream, PeerCredentials)
         .map(|c| c.pid())
         .unwrap_or(0);
@@ -158,11 +191,17 @@ fn serve_connection(stream: UnixStream, ctx: ListenerCtx) {
         uffd: fds.remove(0),
         pid: u32::try_from(pid).unwrap_or(0),
         stream: core_stream,
+        in_flight,
     };
     if ctx.events.send(ConnEvent::FcHello(hs)).is_err() {
         return;
     }
-    // Firecracker sends nothing more; EOF (or an error) means it is gone.
+    wait_hangup(&stream, conn, &ctx.events);
+}
+
+/// Firecracker sends nothing after its handshake; EOF (or an error) on
+/// `stream` means it is gone: tell the core.
+fn wait_hangup(stream: &UnixStream, conn: u64, events: &UnboundedSender<ConnEvent>) {
     let mut b = [0u8; 256];
     loop {
         match nix::unistd::read(stream.as_raw_fd(), &mut b) {
@@ -170,5 +209,27 @@ fn serve_connection(stream: UnixStream, ctx: ListenerCtx) {
             Ok(_) => continue,
         }
     }
-    let _ = ctx.events.send(ConnEvent::FcClosed { conn });
+    let _ = events.send(ConnEvent::FcClosed { conn });
+}
+
+/// Connections get ids past `conn` from now on: it names a connection
+/// taken over from a server before this one.
+pub fn reserve_conns(conn: u64) {
+    NEXT_CONN.fetch_max(conn.saturating_add(1), Ordering::Relaxed);
+}
+
+/// Watch connection `conn` of a Firecracker client taken over from a
+/// server before this one (see `core::restart::firecracker`) for its
+/// hang-up, on a thread of its own as a new connection's is.
+pub fn watch(
+    stream: UnixStream,
+    conn: u64,
+    events: UnboundedSender<ConnEvent>,
+) -> std::io::Result<()> {
+    reserve_conns(conn);
+    stream.set_nonblocking(false)?;
+    std::thread::Builder::new()
+        .name("fc-conn".into())
+        .spawn(move || wait_hangup(&stream, conn, &events))
+        .map(drop)
 }

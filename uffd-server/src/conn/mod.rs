@@ -123,6 +123,8 @@ pub struct FcHandshake {
     pub uffd: OwnedFd,
     pub pid: u32,
     pub stream: UnixStream,
+    /// Counts the handshake as not yet taken by the core until dropped.
+    pub in_flight: InFlight,
 }
 
 /// Why a message could not be queued for a VMM.
@@ -292,4 +294,32 @@ mod tests {
         let (m, _) = msg::recv::<ServerMsg>(&theirs).unwrap();
         assert!(matches!(m, ServerMsg::Error { message } if message == "last"));
     }
+}
+
+/// Connections accepted whose handshake the core has not taken yet.
+static IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One connection accepted whose handshake the core has not taken yet
+/// (see [`in_flight_handshakes`]); dropped once it has, or once it is refused.
+#[derive(Debug)]
+pub struct InFlight(());
+
+impl InFlight {
+    pub(super) fn take() -> Self {
+        IN_FLIGHT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Connections accepted whose handshake the core has not taken yet: a
+/// handover waits, once paused, until there are none, so that every
+/// client it journals last is one the core knows.
+pub fn in_flight_handshakes() -> usize {
+    IN_FLIGHT.load(std::sync::atomic::Ordering::SeqCst)
 }

@@ -178,6 +178,12 @@ impl Registry {
         self.next_listener
     }
 
+    /// Listener `id` is taken (by a listener adopted after a restart): new
+    /// listeners get ids past it.
+    pub fn listener_id_taken(&mut self, id: u32) {
+        self.next_listener = self.next_listener.max(id);
+    }
+
     /// Pages per source kind of `table`.
     pub fn pages_by_kind(&self, table: &PageTable) -> BTreeMap<String, u64> {
         let mut pages = BTreeMap::new();

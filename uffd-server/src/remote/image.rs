@@ -30,6 +30,9 @@ pub struct RemoteImage {
     pool: Arc<ChunkPool>,
     /// Its content's identity (VMs of equal images share a base).
     id: ImageId,
+    /// The manifest it was made from (the restart journal records it, so
+    /// that a new server opens the same image again without the store).
+    pub manifest: Arc<Manifest>,
 }
 
 impl RemoteImage {
@@ -47,6 +50,7 @@ impl RemoteImage {
             id: content_id(&chunks, m.state.memory_bytes),
             chunks,
             pool,
+            manifest: Arc::new(m.clone()),
         }
     }
 

@@ -29,6 +29,7 @@ pub(crate) fn on_fc_hello(core: &Rc<Core>, hs: FcHandshake) {
         uffd,
         pid,
         stream,
+        in_flight: _in_flight,
     } = hs;
     if let Err(e) = nix::fcntl::fcntl(
         uffd.as_raw_fd(),
@@ -112,6 +113,9 @@ pub(crate) fn on_fc_hello(core: &Rc<Core>, hs: FcHandshake) {
         },
     );
     drop(reg);
+    // Its uffd and connection in the fd store, its table mirrored, before
+    // any fault is served: the client outlives a crash from now on.
+    crate::core::restart::journal::sync(core, false);
     info!("{id}: firecracker pid {pid} connected to fc-{listener}");
     tokio::task::spawn_local(serve_fc(core.clone(), id, afd, closed));
     if let Some(ws) = recorded {
@@ -150,6 +154,9 @@ pub(crate) fn on_fc_closed(core: &Core, conn: u64) {
             l.recorded = Some(Rc::new(ws));
         }
     }
+    drop(reg);
+    // Its fds leave the store.
+    crate::core::restart::journal::sync(core, false);
 }
 
 /// Drop a Firecracker VM on request: close its connection.

@@ -78,6 +78,7 @@ pub(crate) fn add_fc_listener(core: &Rc<Core>, req: CreateListener) -> Result<Li
             socket: socket.clone(),
             memory_source: req.memory_source.clone(),
             source,
+            source_len: len,
             data: Rc::new(data),
             fault_around_pages,
             readahead_pages,
@@ -92,6 +93,8 @@ pub(crate) fn add_fc_listener(core: &Rc<Core>, req: CreateListener) -> Result<Li
         socket.display()
     );
     drop(reg);
+    // In the journal, its socket in the fd store: it outlives a crash.
+    crate::core::restart::journal::sync(core, false);
     fc_listener_info(core, id)
 }
 

@@ -99,7 +99,7 @@ fn park(addr: u64, ready: Vec<oneshot::Receiver<()>>, retry: &mpsc::UnboundedSen
 /// Serve a Firecracker VM's uffd until it closes or the VM is gone; after
 /// served events the uffd is polled for the configured window (see
 /// `core/fault/serve.rs`).
-pub(super) async fn serve_fc(
+pub(crate) async fn serve_fc(
     core: Rc<Core>,
     id: VmId,
     uffd: Rc<AsyncFd<Uffd>>,

@@ -19,6 +19,8 @@ pub struct FcListener {
     /// What the listener serves, as asked.
     pub memory_source: MemorySource,
     pub source: SourceId,
+    /// The guest memory size a handshake's regions may cover.
+    pub source_len: u64,
     /// Runs of source pages holding data (the rest, a compressed image's
     /// zero frames or a snapshot image's holes, read as zero).
     pub data: Rc<Vec<(u64, u64)>>,

@@ -12,7 +12,6 @@
 //! counted as lost.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -21,6 +20,7 @@ use std::time::Instant;
 use shared::VmId;
 use tracing::{info, warn};
 
+use super::handed::Handed;
 use super::journal::{replay, sync};
 use super::record::{BaseOrigin, FileRec, IdentityRec, PinRec, SourceRec};
 use crate::bases::{Base, ImageKey, Origin};
@@ -28,39 +28,11 @@ use crate::core::base::state::OnBase;
 use crate::core::state::Core;
 use crate::core::vm::{Vm, VmParts};
 use crate::images::{Identity, ImageId, Pin, Stamp};
-use crate::memory::{GuestMemory, PageSize};
 use crate::pages::mirror::Mirror;
 use crate::pages::{
     FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, PageTable, ZstdSource,
 };
 use crate::snapshot::pageset::PageSet;
-
-/// The fds handed over, by name; each is taken once.
-struct Handed {
-    fds: HashMap<String, OwnedFd>,
-    memories: HashMap<String, Rc<GuestMemory>>,
-}
-
-impl Handed {
-    fn file(&mut self, name: &str) -> Result<File, String> {
-        self.fds
-            .remove(name)
-            .map(File::from)
-            .ok_or_else(|| format!("the fd store did not hand back {name}"))
-    }
-
-    fn memory(&mut self, name: &str, huge: bool) -> Result<Rc<GuestMemory>, String> {
-        if let Some(m) = self.memories.get(name) {
-            return Ok(Rc::clone(m));
-        }
-        let file = self.file(name)?;
-        let m = GuestMemory::adopt(file, name, PageSize::huge(huge))
-            .map_err(|e| format!("cannot map {name}: {e}"))?;
-        let m = Rc::new(m);
-        self.memories.insert(name.to_owned(), Rc::clone(&m));
-        Ok(m)
-    }
-}
 
 fn identity(i: &IdentityRec) -> Identity {
     Identity {
@@ -122,6 +94,21 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, St
                 )
                 .map_err(|e| format!("cannot read the compressed image {}: {e}", file.path))?;
             PageSource::Zstd(ZstdSource { image })
+        }
+        SourceRec::Remote { manifest } => {
+            let service = core.remote.service().map_err(|_| {
+                format!(
+                    "it reads the remote snapshot {}, and this server has no --remote",
+                    manifest.name
+                )
+            })?;
+            PageSource::Remote(crate::pages::RemoteSource {
+                image: std::sync::Arc::new(crate::remote::image::RemoteImage::new(
+                    manifest,
+                    service.url(),
+                    std::sync::Arc::clone(&service.chunks),
+                )),
+            })
         }
         SourceRec::Lost { why } => return Err(why.clone()),
     })
@@ -277,6 +264,12 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                     });
                 }
                 v.base.frozen_for = rec.frozen_for.and_then(|b| bases.get(&b).cloned());
+                if matches!(
+                    rec.state,
+                    proto::api::RunState::Running | proto::api::RunState::Paused
+                ) {
+                    super::reconcile::own_pages(&mut v);
+                }
                 Ok(v)
             })();
             match adopted_vm {
@@ -311,6 +304,9 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             }
         }
     }
+    let (fc_adopted, fc_lost) = super::firecracker::adopt(core, &mut h, &journal, &lost_sources);
+    adopted += fc_adopted;
+    lost.extend(fc_lost);
     let unused: Vec<&String> = h.fds.keys().collect();
     if !unused.is_empty() {
         info!(

@@ -5,30 +5,33 @@
 //! mirror memfd as it goes (`pages::mirror`), which the fd store keeps.
 //! The journal records the rest, which changes only when an operation
 //! changes it: the sources the tables name (ids, files, frozen memfds),
-//! the bases, and each VM (its memfds, uffd, VMM, state, base). Every fd
+//! the bases, each VM (its memfds, uffd, VMM, state, base), and the
+//! Firecracker listeners and clients (`restart::firecracker`). Every fd
 //! a record names is handed to the store before the record is written;
 //! an fd is removed from the store only after the records that stop
-//! naming it are written. [`sync`] runs after every API request and when
-//! a VMM hands over its uffd, and appends only what changed; a torn last
-//! line (a crash mid-write) is skipped when it is read back.
+//! naming it are written. [`sync`] runs before every API answer and
+//! appends only what changed (a VM still starting is not recorded: a
+//! crash before its create answers discards it); a torn last line (a
+//! crash mid-write) is skipped when it is read back.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::rc::Rc;
 
 use tracing::warn;
 
-use super::record::{BaseOrigin, BaseRec, FileRec, IdentityRec, PinRec, Record, SourceRec, VmRec};
+use super::handed::{identity_rec, pin_rec, Found, Replayed};
+use super::record::{BaseOrigin, BaseRec, FileRec, Record, SourceRec, VmRec};
 use super::state::{Log, Written};
 use crate::bases::{Base, Origin};
 use crate::core::state::Core;
 use crate::core::vm::Vm;
-use crate::images::{Identity, ImageId, Pin};
-use crate::memory::{GuestMemory, PageSize};
+use crate::images::ImageId;
+use crate::memory::PageSize;
 use crate::pages::mirror::Mirror;
-use crate::pages::{FileSource, FrozenKind, PageSource, VmPages};
+use crate::pages::{FrozenKind, PageSource, VmPages};
 
 /// Names of the listening sockets in the store; they are never removed.
 pub const API_LISTENER: &str = "api-listener";
@@ -36,53 +39,6 @@ pub const VMM_LISTENER: &str = "vmm-listener";
 
 /// Compact the journal once it grows past this.
 const COMPACT_BYTES: u64 = 16 << 20;
-
-pub(super) fn identity_rec(i: &Identity) -> IdentityRec {
-    IdentityRec {
-        dev: i.dev,
-        ino: i.ino,
-        len: i.len,
-        mtime_ns: i64::try_from(i.mtime_ns).unwrap_or(i64::MAX),
-    }
-}
-
-fn pin_rec(p: &Pin) -> PinRec {
-    match p {
-        Pin::PrivateClone => PinRec::Private,
-        Pin::Stamp(s) => {
-            let (len, sec, nsec) = s.parts();
-            PinRec::Stamp { len, sec, nsec }
-        }
-    }
-}
-
-/// What one sync found: records and the fds they name.
-#[derive(Default)]
-struct Found {
-    records: Vec<Record>,
-    fds: HashMap<String, RawFd>,
-}
-
-impl Found {
-    fn fd(&mut self, name: String, fd: RawFd) -> String {
-        self.fds.insert(name.clone(), fd);
-        name
-    }
-
-    fn memory(&mut self, m: &GuestMemory) -> String {
-        self.fd(format!("mem-{}", m.ino()), m.memfd().as_raw_fd())
-    }
-
-    fn file(&mut self, id: u32, f: &FileSource) -> FileRec {
-        FileRec {
-            path: f.path.display().to_string(),
-            fd: self.fd(format!("src-{id}"), f.file.as_raw_fd()),
-            len: f.len,
-            pin: pin_rec(&f.pin),
-            identity: f.identity.as_ref().map(identity_rec),
-        }
-    }
-}
 
 fn source_rec(found: &mut Found, id: u32, s: &PageSource) -> Option<SourceRec> {
     Some(match s {
@@ -111,11 +67,8 @@ fn source_rec(found: &mut Found, id: u32, s: &PageSource) -> Option<SourceRec> {
             },
             snapshot: z.image.snapshot.clone(),
         },
-        PageSource::Remote(r) => SourceRec::Lost {
-            why: format!(
-                "it read the remote snapshot {}, which a new server does not open again",
-                r.image.snapshot
-            ),
+        PageSource::Remote(r) => SourceRec::Remote {
+            manifest: Box::new((*r.image.manifest).clone()),
         },
     })
 }
@@ -211,6 +164,7 @@ pub(crate) fn sync(core: &Core, full: bool) {
             }
         }
     }
+    super::firecracker::attach_mirrors(&mut reg);
     let big = r
         .log
         .file
@@ -314,6 +268,8 @@ pub(crate) fn sync(core: &Core, full: bool) {
         w.vms.remove(&id);
         found.records.push(Record::VmGone { id });
     }
+    // Firecracker listeners and clients.
+    super::firecracker::records(&reg, &mut found, &mut w);
     // The fds first, then the records that name them.
     for (name, fd) in &found.fds {
         if w.stored.contains(name) {
@@ -395,15 +351,6 @@ fn write_fresh(log: &Log, records: &[Record]) {
     }
 }
 
-/// What a journal says, replayed: the last record of each key.
-#[derive(Debug, Default)]
-pub(super) struct Replayed {
-    pub sources: BTreeMap<u32, SourceRec>,
-    pub memories: HashMap<u32, (String, bool)>,
-    pub bases: BTreeMap<u32, BaseRec>,
-    pub vms: BTreeMap<u32, VmRec>,
-}
-
 /// Read the journal at `path` (a torn or unreadable line is skipped).
 pub(super) fn replay(path: &std::path::Path) -> Replayed {
     let mut out = Replayed::default();
@@ -439,6 +386,18 @@ pub(super) fn replay(path: &std::path::Path) -> Replayed {
             }
             Record::VmGone { id } => {
                 out.vms.remove(&id);
+            }
+            Record::FcListener(l) => {
+                out.fc_listeners.insert(l.id, l);
+            }
+            Record::FcListenerGone { id } => {
+                out.fc_listeners.remove(&id);
+            }
+            Record::FcVm(v) => {
+                out.fc_vms.insert(v.id, v);
+            }
+            Record::FcVmGone { id } => {
+                out.fc_vms.remove(&id);
             }
         }
     }

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!   keeper (or systemd) ── holds ──▶ api/vmm listeners, memfds, uffds,
-//!     │                              table mirrors, image fds (fd store)
+//!     │                              table mirrors, image fds, Firecracker
+//!     │                              listeners and connections (fd store)
 //!     └─ starts ─▶ uffd-server ── FDSTORE=1 ──▶ keeper
 //!                      │ journal: sources, bases, VMs (restart.journal)
 //!                      └─ dies / hands over ─▶ keeper starts the next one
@@ -17,10 +18,15 @@
 //! - [`journal`]: writing the journal and the store as the server runs
 //!   (`sync`), and reading it back.
 //! - [`adopt`]: taking VMs back at start.
+//! - [`firecracker`]: Firecracker listeners and clients, journaled and
+//!   taken back the same way.
 //! - [`upgrade`]: a graceful handover to a new binary.
 
 pub mod adopt;
+pub mod firecracker;
+pub mod handed;
 pub mod journal;
+pub mod reconcile;
 pub mod record;
 pub mod state;
 pub mod upgrade;

@@ -23,6 +23,14 @@ pub enum Record {
     Vm(VmRec),
     /// VM `id` is gone.
     VmGone { id: u32 },
+    /// A Firecracker listener, as it is now.
+    FcListener(FcListenerRec),
+    /// Listener `id` is gone (deleted).
+    FcListenerGone { id: u32 },
+    /// A Firecracker client, as it is now.
+    FcVm(FcVmRec),
+    /// Firecracker client `id` is gone (it hung up or was deleted).
+    FcVmGone { id: u32 },
 }
 
 /// An image's identity (see `images::Identity`).
@@ -78,8 +86,13 @@ pub enum SourceRec {
         file: FileRec,
         snapshot: Option<String>,
     },
-    /// A source a new server cannot open again (a remote snapshot's); the
-    /// VMs that read it are failed at adoption, with this reason.
+    /// A snapshot in the object store: its manifest, which makes the
+    /// image again (its chunks come from the cache or the store).
+    Remote {
+        manifest: Box<proto::manifest::Manifest>,
+    },
+    /// A source a new server cannot open again; the VMs that read it are
+    /// failed at adoption, with this reason.
     Lost {
         why: String,
     },
@@ -142,4 +155,63 @@ pub struct VmRec {
     /// The VM it was forked from.
     #[serde(default)]
     pub parent: Option<u32>,
+}
+
+/// A Firecracker listener (its listening socket is in the store).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FcListenerRec {
+    pub id: u32,
+    /// The socket's path (kept bound: the store holds the socket).
+    pub socket: String,
+    /// The listening socket's fd in the store.
+    pub fd: String,
+    /// What it serves, as asked.
+    pub memory_source: proto::api::MemorySource,
+    /// The arena source it serves.
+    pub source: u32,
+    /// The guest memory size a handshake's regions may cover.
+    pub source_len: u64,
+    /// Runs of source pages holding data, as `(first, pages)`.
+    pub data: Vec<(u64, u64)>,
+    pub fault_around_pages: u64,
+    pub readahead_pages: u64,
+    pub working_set: bool,
+    /// The working set its first client recorded, as runs of source pages
+    /// `(first, pages)` in the order they were given.
+    #[serde(default)]
+    pub recorded: Option<Vec<(u64, u64)>>,
+}
+
+/// One region of a Firecracker client's guest memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionRec {
+    pub base: u64,
+    pub size: u64,
+    pub offset: u64,
+    pub page_size: u64,
+}
+
+/// A Firecracker client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FcVmRec {
+    pub id: u32,
+    pub listener: u32,
+    pub conn: u64,
+    pub pid: u32,
+    pub regions: Vec<RegionRec>,
+    pub self_src: u32,
+    pub file_src: u32,
+    /// The mirror of its table.
+    pub table: String,
+    /// Its uffd.
+    pub uffd: String,
+    /// Its connection (held open, so Firecracker sees no hang-up).
+    pub stream: String,
+    pub state: proto::api::RunState,
+    #[serde(default)]
+    pub failure: Option<String>,
+    pub fault_around_pages: u64,
+    pub readahead_pages: u64,
+    #[serde(default)]
+    pub readahead_piece_pages: u64,
 }

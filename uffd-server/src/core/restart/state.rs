@@ -11,7 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
-use super::record::{BaseRec, SourceRec, VmRec};
+use super::record::{BaseRec, FcListenerRec, FcVmRec, SourceRec, VmRec};
 use crate::fdstore::FdStore;
 
 /// Why this process started.
@@ -56,6 +56,11 @@ pub(super) struct Written {
     pub memories: HashMap<u32, (String, bool)>,
     pub bases: HashMap<u32, BaseRec>,
     pub vms: HashMap<u32, VmRec>,
+    /// Firecracker listeners, each with the address of the working set
+    /// it recorded (0: none), which is turned into runs only when it
+    /// changes.
+    pub fc_listeners: HashMap<u32, (usize, FcListenerRec)>,
+    pub fc_vms: HashMap<u32, FcVmRec>,
     /// Names of the fds in the store.
     pub stored: HashSet<String>,
 }

@@ -4,7 +4,9 @@
 //! answers, and exits. Faults go on being served until the exit; those
 //! that come after it wait in their uffds until the next process serves
 //! them. API clients that connect meanwhile wait in the listener's
-//! backlog (the keeper holds it), VMMs in vmm.sock's.
+//! backlog (the keeper holds it), VMMs in vmm.sock's, Firecracker
+//! processes in their listener's (listeners stop accepting before the
+//! journal is written last).
 //!
 //! If the next binary dies before it serves, the keeper starts this one
 //! again, which takes every VM back the same way.
@@ -68,9 +70,25 @@ pub(crate) async fn upgrade(core: Rc<Core>, req: Upgrade) -> Result<UpgradeStart
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    // Firecracker listeners stop accepting (connections wait in their
+    // backlogs for the next process), and each handshake accepted already
+    // makes its client before the journal is written.
+    crate::conn::firecracker::pause(true);
+    while crate::conn::in_flight_handshakes() > 0 {
+        if t0.elapsed() > DRAIN {
+            crate::conn::firecracker::pause(false);
+            r.handing_over.set(false);
+            return Err(Error::CannotUpgrade(format!(
+                "Firecracker handshakes still under way after {} s; try again",
+                DRAIN.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     sync(&core, true);
     if store.is_keeper() {
         store.request_upgrade(&binary).map_err(|e| {
+            crate::conn::firecracker::pause(false);
             r.handing_over.set(false);
             Error::CannotUpgrade(format!("cannot reach the keeper: {e}"))
         })?;
