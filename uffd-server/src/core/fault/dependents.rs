@@ -29,6 +29,9 @@ enum PreserveError {
     Memory(#[from] MemoryError),
     #[error(transparent)]
     Resolve(#[from] ResolveError),
+    /// The writer's page could not be read out of its VMM.
+    #[error("{0}")]
+    Read(String),
 }
 
 /// Before `vm` overwrites `page`, copy its current bytes to every VM whose
@@ -69,9 +72,16 @@ pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -
             continue;
         }
         let copied = match &held {
-            None => install_copy(dep, &mem, page).map_err(|e| shared::error_chain(&e)),
-            Some(Ok(bytes)) => install_bytes(dep, page, bytes).map_err(|e| shared::error_chain(&e)),
-            Some(Err(e)) => Err(e.clone()),
+            None => install_copy(dep, &mem, page),
+            Some(Ok(bytes)) => install_bytes(dep, page, bytes),
+            Some(Err(e)) => Err(PreserveError::Read(e.clone())),
+        };
+        let copied = match copied {
+            // The server before this one copied the page and died before
+            // the table said so: the copy is there, and the writer's page
+            // has not changed since (its write is the one held now).
+            Err(PreserveError::AlreadyPresent) if dep.adopted.is_some() => Ok(()),
+            other => other.map_err(|e| shared::error_chain(&e)),
         };
         if let Err(e) = copied {
             lost.push((

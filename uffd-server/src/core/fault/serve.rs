@@ -290,7 +290,9 @@ pub(crate) fn serve_uffd(
         ));
         crate::core::base::on_uffd_ready(&mut reg, vm);
     }
-    crate::core::restart::journal::sync(core, false);
+    // Its record (with this uffd) is journaled by the sync before the
+    // answer of the request that made it: a VM still starting is not
+    // taken back after a crash (its VMM is refused when it rejoins).
     Ok(())
 }
 

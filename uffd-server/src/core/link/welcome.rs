@@ -15,7 +15,7 @@ use tracing::warn;
 use crate::conn::{Binding, QueueError, VmmWriter};
 use crate::core::error::{Error, Result};
 use crate::core::state::Core;
-use crate::core::vm::Vm;
+use crate::core::vm::{RunState, Vm};
 use volume::VolumeEngine;
 
 /// `vm`'s VMM said hello (or a pooled VMM was bound to it): send it its
@@ -118,6 +118,26 @@ pub(crate) fn rejoin(
             if let Err(e) = writer.send(ServerMsg::Request { seq, request }, fds) {
                 warn!("{vm}: cannot send a held request: {e}");
             }
+        }
+        // A crash in the middle of an operation that paused it (a fork,
+        // a snapshot) left its vCPUs paused; it was running before that
+        // operation, and runs again (a resume of running vCPUs does
+        // nothing).
+        if v.state == RunState::Running {
+            v.link.next_seq += 1;
+            let seq = v.link.next_seq;
+            if let Err(e) = writer.send(
+                ServerMsg::Request {
+                    seq,
+                    request: proto::vmm::Request::Resume,
+                },
+                Vec::new(),
+            ) {
+                warn!("{vm}: cannot resume it: {e}");
+            }
+            // Its answer is expected, and nobody waits for it.
+            let (tx, _) = tokio::sync::oneshot::channel();
+            v.link.pending.insert(seq, tx);
         }
         v.link.pid = Some(pid);
         v.link.writer = Some(writer);
