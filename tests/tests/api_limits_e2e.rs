@@ -33,7 +33,11 @@ fn request(sock: &Path, method: &str, path: &str) -> (u16, String) {
     // is accepted: the request may meet a closed socket, the answer is
     // there to read all the same.
     if let Err(e) = c.write_all(head.as_bytes()) {
-        assert_eq!(e.kind(), ErrorKind::BrokenPipe, "{method} {path}: send: {e}");
+        assert_eq!(
+            e.kind(),
+            ErrorKind::BrokenPipe,
+            "{method} {path}: send: {e}"
+        );
     }
     let mut answer = Vec::new();
     if let Err(e) = c.read_to_end(&mut answer) {
