@@ -125,32 +125,11 @@ impl GuestMemory {
             opts = opts.hugetlb(Some(memfd::HugetlbSize::Huge2MB));
         }
         let mfd = opts.create(name).map_err(MemoryError::CreateMemfd)?;
-        let memfd = Arc::new(mfd.into_file());
+        let memfd = mfd.into_file();
         memfd
             .set_len(size)
             .map_err(|e| MemoryError::SizeMemfd(size, e))?;
-        let len = usize::try_from(size)
-            .ok()
-            .filter(|l| *l > 0)
-            .ok_or(MemoryError::SizeMemfd(
-                size,
-                std::io::Error::from_raw_os_error(libc::EINVAL),
-            ))?;
-        let map = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&memfd), 0), len)
-            .map_err(MemoryError::Map)?;
-        let ino = std::os::unix::fs::MetadataExt::ino(
-            &memfd
-                .metadata()
-                .map_err(|e| MemoryError::SizeMemfd(size, e))?,
-        );
-        Ok(GuestMemory {
-            memfd,
-            map,
-            size,
-            page_size,
-            name: name.to_owned(),
-            ino,
-        })
+        Self::map(memfd, size, name, page_size)
     }
 
     /// Map `memfd` (made by a server before this one and handed back by
@@ -160,6 +139,12 @@ impl GuestMemory {
             .metadata()
             .map_err(|e| MemoryError::SizeMemfd(0, e))?
             .len();
+        Self::map(memfd, size, name, page_size)
+    }
+
+    /// Map `memfd`, already `size` bytes long, into the server: the one
+    /// step every way of making guest memory ends with.
+    fn map(memfd: File, size: u64, name: &str, page_size: PageSize) -> Result<Self> {
         let memfd = Arc::new(memfd);
         let len = usize::try_from(size)
             .ok()

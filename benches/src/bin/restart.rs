@@ -42,8 +42,6 @@
 //! counts for a quick look; the report then lacks rows). Prints JSON rows.
 
 use std::collections::HashMap;
-use std::io::{ErrorKind, Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -53,7 +51,7 @@ use std::time::{Duration, Instant, SystemTime};
 use nix::sys::signal::Signal;
 use pagefork_benches::sys::meminfo_kib;
 use pagefork_benches::{Plan, Row, Stats};
-use pagefork_tests::{new_vm, op, signal, Reply, TestServer};
+use pagefork_tests::{new_vm, op, signal, OneShot, OneShotError, Reply, Sent, TestServer};
 use proto::api::{CreateVm, ExecRequest, ForkRequest, Health};
 use serde_json::{json, Value};
 
@@ -90,147 +88,118 @@ static STUCK: AtomicU64 = AtomicU64::new(0);
 
 // ------------------------------------------------------------ the wire --
 
-/// A client of the API that survives restarts: one connection per
-/// request (the harness's client panics on a broken one).
+/// What the bench failed at.
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error("{what}: no whole answer")]
+    Request {
+        what: String,
+        #[source]
+        source: OneShotError,
+    },
+    #[error("{what}: the server answered {reply}")]
+    Answer { what: String, reply: Reply },
+    #[error("still failing after {WAIT:?}")]
+    Retries(#[source] Box<Error>),
+    #[error("cannot encode an exec request")]
+    EncodeExec(#[source] serde_json::Error),
+    #[error("GET /v1/vms answered no list of VMs: {0}")]
+    ListVms(Value),
+    #[error("no health answer with {what} within {WAIT:?}; the last: {last:?}")]
+    WaitHealth {
+        what: String,
+        last: Option<Box<Health>>,
+    },
+    #[error("the server runs without a keeper (the bench needs a state directory): {0:?}")]
+    NoKeeper(Box<Health>),
+    #[error("POST /v1/server/upgrade answered {answer}, not the serving process's pid {pid}")]
+    Upgrade { answer: Value, pid: u32 },
+    #[error("after a {kind}, the new process reports another start or lost VMs: {health:?}")]
+    Restart {
+        kind: &'static str,
+        health: Box<Health>,
+    },
+    #[error("{0} is not listed any more")]
+    Unlisted(String),
+    #[error("gave up polling GET /v1/vms after {WAIT:?}: a VM never got where it was awaited")]
+    Poll,
+}
+
+type Result<T> = std::result::Result<T, Error>;
+
+/// The API's client, retrying what a restart makes fail.
 struct Http {
-    sock: PathBuf,
+    /// One connection per request (the harness's [`pagefork_tests::Api`]
+    /// fails on a broken one).
+    raw: OneShot,
 }
 
 impl Http {
-    /// Connect and send a request; the answer is read later
-    /// ([`read_reply`]).
-    fn send(&self, method: &str, path: &str, body: Option<&Value>) -> Result<UnixStream, String> {
-        let mut s = UnixStream::connect(&self.sock).map_err(|e| format!("cannot connect: {e}"))?;
-        s.set_read_timeout(Some(WAIT))
-            .map_err(|e| format!("set_read_timeout: {e}"))?;
-        let body = body.map(Value::to_string).unwrap_or_default();
-        let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(req.as_bytes())
-            .map_err(|e| format!("cannot send: {e}"))?;
-        Ok(s)
+    fn new(sock: PathBuf) -> Self {
+        Http {
+            raw: OneShot::new(sock, WAIT),
+        }
     }
 
-    fn once(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, String> {
-        read_reply(self.send(method, path, body)?)
+    fn once(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Reply> {
+        self.raw
+            .request(method, path, body)
+            .map_err(|source| Error::Request {
+                what: format!("{method} {path}"),
+                source,
+            })
     }
 
     /// Send until the answer has status `ok`; broken connections and
     /// [`TRANSIENT`] statuses are retried for up to [`WAIT`].
-    fn call(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&Value>,
-        ok: u16,
-    ) -> Result<Value, String> {
+    fn call(&self, method: &str, path: &str, body: Option<&Value>, ok: u16) -> Result<Value> {
         let deadline = Instant::now() + WAIT;
         loop {
             let last = match self.once(method, path, body) {
                 Ok(r) if r.status == ok => return Ok(r.body),
-                Ok(r) if TRANSIENT.contains(&r.status) => r.to_string(),
-                Ok(r) => return Err(format!("{method} {path}: {r}")),
+                Ok(r) => {
+                    let transient = TRANSIENT.contains(&r.status);
+                    let e = Error::Answer {
+                        what: format!("{method} {path}"),
+                        reply: r,
+                    };
+                    if !transient {
+                        return Err(e);
+                    }
+                    e
+                }
                 Err(e) => e,
             };
             if Instant::now() > deadline {
-                return Err(format!(
-                    "{method} {path}: still failing after {WAIT:?}: {last}"
-                ));
+                return Err(Error::Retries(Box::new(last)));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
     }
 
-    fn exec(&self, id: &str, req: &ExecRequest) -> Result<Value, String> {
-        let body = serde_json::to_value(req).map_err(|e| e.to_string())?;
+    fn exec(&self, id: &str, req: &ExecRequest) -> Result<Value> {
+        let body = serde_json::to_value(req).map_err(Error::EncodeExec)?;
         self.call("POST", &format!("/v1/vms/{id}/exec"), Some(&body), 200)
     }
 
     fn health(&self) -> Option<Health> {
-        let r = self.once("GET", "/v1/health", None).ok()?;
+        let r = self.raw.request("GET", "/v1/health", None).ok()?;
         (r.status == 200)
             .then(|| serde_json::from_value(r.body).ok())
             .flatten()
     }
 }
 
-/// Send an exec without waiting for its answer.
-fn fire(http: &Http, id: &str, req: &ExecRequest) -> Result<UnixStream, String> {
-    let body = serde_json::to_value(req).map_err(|e| e.to_string())?;
-    http.send("POST", &format!("/v1/vms/{id}/exec"), Some(&body))
-}
-
-/// Read a whole answer (the server closes the connection after it).
-fn read_reply(mut s: UnixStream) -> Result<Reply, String> {
-    let mut resp = Vec::new();
-    match s.read_to_end(&mut resp) {
-        Ok(_) => {}
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-            return Err(format!("no answer within {WAIT:?}"))
-        }
-        Err(e) => return Err(format!("connection broke: {e}")),
-    }
-    parse_response(&resp).ok_or_else(|| {
-        format!(
-            "not a whole answer: {:?}",
-            String::from_utf8_lossy(&resp[..resp.len().min(200)])
-        )
-    })
-}
-
-fn parse_response(resp: &[u8]) -> Option<Reply> {
-    let split = resp.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = std::str::from_utf8(&resp[..split]).ok()?;
-    let mut body = resp[split + 4..].to_vec();
-    let mut lines = head.split("\r\n");
-    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
-    let (mut chunked, mut len) = (false, None);
-    for l in lines {
-        let (k, v) = l.split_once(':')?;
-        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
-        if k == "content-length" {
-            len = Some(v.parse::<usize>().ok()?);
-        } else if k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked") {
-            chunked = true;
-        }
-    }
-    if chunked {
-        body = dechunk(&body)?;
-    } else if len.is_some_and(|n| n != body.len()) {
-        return None;
-    }
-    let body = if body.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_slice(&body)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()))
-    };
-    Some(Reply { status, body })
-}
-
-fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let nl = b.windows(2).position(|w| w == b"\r\n")?;
-        let size = std::str::from_utf8(&b[..nl])
-            .ok()?
-            .split(';')
-            .next()?
-            .trim();
-        let size = usize::from_str_radix(size, 16).ok()?;
-        b = &b[nl + 2..];
-        if size == 0 {
-            return Some(out);
-        }
-        if b.len() < size + 2 {
-            return None;
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
+/// Send an exec (`what`: "fill", "verify") to `id` without waiting for
+/// its answer.
+fn fire(http: &Http, what: &str, id: &str, req: &ExecRequest) -> Result<Sent> {
+    let body = serde_json::to_value(req).map_err(Error::EncodeExec)?;
+    http.raw
+        .send("POST", &format!("/v1/vms/{id}/exec"), Some(&body))
+        .map_err(|source| Error::Request {
+            what: format!("{what} of {id}"),
+            source,
+        })
 }
 
 // ------------------------------------------------------------- helpers --
@@ -325,7 +294,7 @@ struct Restart {
 }
 
 /// Poll `GET /v1/health` until an answer `want` takes.
-fn wait_health(http: &Http, what: &str, want: impl Fn(&Health) -> bool) -> Result<Health, String> {
+fn wait_health(http: &Http, what: &str, want: impl Fn(&Health) -> bool) -> Result<Health> {
     let deadline = Instant::now() + WAIT;
     let mut last = None;
     loop {
@@ -336,9 +305,10 @@ fn wait_health(http: &Http, what: &str, want: impl Fn(&Health) -> bool) -> Resul
             last = Some(h);
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "no health answer with {what} within {WAIT:?}; last: {last:?}"
-            ));
+            return Err(Error::WaitHealth {
+                what: what.to_owned(),
+                last: last.map(Box::new),
+            });
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -346,10 +316,10 @@ fn wait_health(http: &Http, what: &str, want: impl Fn(&Health) -> bool) -> Resul
 
 /// SIGKILL the serving process, or ask it to hand over, and wait until
 /// the next one answers.
-fn restart(http: &Http, kind: Kind) -> Result<Restart, String> {
+fn restart(http: &Http, kind: Kind) -> Result<Restart> {
     let before = wait_health(http, "any process", |_| true)?;
     if !before.kept {
-        return Err(format!("the server runs without a keeper: {before:?}"));
+        return Err(Error::NoKeeper(Box::new(before)));
     }
     let t0 = SystemTime::now();
     let i0 = Instant::now();
@@ -358,7 +328,10 @@ fn restart(http: &Http, kind: Kind) -> Result<Restart, String> {
         Kind::Upgrade => {
             let r = http.call("POST", "/v1/server/upgrade", Some(&json!({})), 200)?;
             if r["pid"].as_u64() != Some(u64::from(before.pid)) {
-                return Err(format!("upgrade answered {r}, pid {} expected", before.pid));
+                return Err(Error::Upgrade {
+                    answer: r,
+                    pid: before.pid,
+                });
             }
         }
     }
@@ -367,7 +340,10 @@ fn restart(http: &Http, kind: Kind) -> Result<Restart, String> {
     })?;
     let health_ms = i0.elapsed().as_secs_f64() * 1e3;
     if health.start != kind.name() || !health.lost_vms.is_empty() {
-        return Err(format!("after a {}: {health:?}", kind.name()));
+        return Err(Error::Restart {
+            kind: kind.name(),
+            health: Box::new(health),
+        });
     }
     Ok(Restart {
         t0_us: unix_us(t0),
@@ -387,11 +363,11 @@ enum After {
 
 /// Every VM `GET /v1/vms` lists, by id: one request for all of them
 /// (one per VM would queue behind the faults of all the others).
-fn vms(http: &Http) -> Result<HashMap<String, Value>, String> {
+fn vms(http: &Http) -> Result<HashMap<String, Value>> {
     let r = http.call("GET", "/v1/vms", None, 200)?;
-    let list = r["vms"]
-        .as_array()
-        .ok_or_else(|| format!("GET /v1/vms: no list: {r}"))?;
+    let Some(list) = r["vms"].as_array() else {
+        return Err(Error::ListVms(r));
+    };
     Ok(list
         .iter()
         .filter_map(|v| Some((v["id"].as_str()?.to_owned(), v.clone())))
@@ -404,7 +380,7 @@ fn poll<T>(
     http: &Http,
     ids: &[String],
     f: impl Fn(usize, &Value, bool) -> Option<T>,
-) -> Result<Vec<T>, String> {
+) -> Result<Vec<T>> {
     let deadline = Instant::now() + WAIT;
     let mut out: Vec<Option<T>> = (0..ids.len()).map(|_| None).collect();
     loop {
@@ -412,9 +388,7 @@ fn poll<T>(
         let all = vms(http)?;
         for (i, id) in ids.iter().enumerate() {
             if out[i].is_none() {
-                let v = all
-                    .get(id)
-                    .ok_or_else(|| format!("{id} is not listed any more"))?;
+                let v = all.get(id).ok_or_else(|| Error::Unlisted(id.clone()))?;
                 out[i] = f(i, v, late);
             }
         }
@@ -422,7 +396,7 @@ fn poll<T>(
             return Ok(out.into_iter().flatten().collect());
         }
         if late {
-            return Err(format!("{BENCH}: poll gave up after {WAIT:?}"));
+            return Err(Error::Poll);
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -436,7 +410,7 @@ fn first_faults(
     before: &[u64],
     pages: u64,
     t0_us: u64,
-) -> Result<Vec<After>, String> {
+) -> Result<Vec<After>> {
     poll(http, ids, |i, v, late| {
         let a = &v["adopted"];
         if let (Some(ff), Some(at)) = (a["first_fault_unix_us"].as_u64(), a["at_unix_us"].as_u64())
@@ -534,11 +508,13 @@ fn make_vms(s: &TestServer, n: u32, mib: u64) -> (Vec<String>, Option<String>) {
     (ids, why)
 }
 
-fn delete_all(http: &Http, ids: &[String]) {
+fn delete_all(http: &Http, ids: &[String]) -> Result<()> {
     par_map(ids, |_, id| {
         http.call("DELETE", &format!("/v1/vms/{id}"), None, 200)
-            .unwrap_or_else(|e| panic!("{BENCH}: {e}"));
-    });
+            .map(drop)
+    })
+    .into_iter()
+    .collect()
 }
 
 /// One round: `n` fresh VMs of `pages` pages fill all of them; the
@@ -550,7 +526,7 @@ fn round(
     pages: u64,
     crash: &mut Stalls,
     upgrade: &mut Stalls,
-) -> Result<(usize, Option<String>), String> {
+) -> Result<(usize, Option<String>)> {
     let mib = pages / 256;
     let t = Instant::now();
     let (ids, why) = make_vms(s, n, mib);
@@ -559,10 +535,10 @@ fn round(
     // Every VM fills all its pages, one fault each.
     let t = Instant::now();
     let fill = op::fill(0, pages, SEED);
-    let streams: Vec<UnixStream> = ids
+    let streams = ids
         .iter()
-        .map(|id| fire(http, id, &fill).unwrap_or_else(|e| panic!("{BENCH}: fill of {id}: {e}")))
-        .collect();
+        .map(|id| fire(http, "fill", id, &fill))
+        .collect::<Result<Vec<Sent>>>()?;
     // Each has installed pages (its fill runs) before t0.
     poll(http, &ids, |i, v, late| {
         assert!(
@@ -586,17 +562,16 @@ fn round(
     upgrade.add(&u, after_u);
     // Once its fill ended, each VM reads back what it wrote.
     let verify = op::verify(0, pages, SEED);
-    let streams: Vec<(String, UnixStream)> = ids
+    let streams = ids
         .iter()
-        .map(|id| {
-            let st =
-                fire(http, id, &verify).unwrap_or_else(|e| panic!("{BENCH}: verify of {id}: {e}"));
-            (id.clone(), st)
-        })
-        .collect();
+        .map(|id| Ok((id.clone(), fire(http, "verify", id, &verify)?)))
+        .collect::<Result<Vec<(String, Sent)>>>()?;
     let mut retried = 0;
     for (id, st) in streams {
-        let r = read_reply(st).map_err(|e| format!("verify of {id}: {e}"))?;
+        let r = st.answer().map_err(|source| Error::Request {
+            what: format!("verify of {id}"),
+            source,
+        })?;
         let body = match r.status {
             200 => r.body,
             // Its VMM had not rejoined yet: again, as a client would.
@@ -604,7 +579,12 @@ fn round(
                 retried += 1;
                 http.exec(&id, &verify)?
             }
-            _ => return Err(format!("verify of {id}: {r}")),
+            _ => {
+                return Err(Error::Answer {
+                    what: format!("verify of {id}"),
+                    reply: r,
+                })
+            }
         };
         WRONG.fetch_add(
             body["result"].as_u64().unwrap_or(u64::MAX),
@@ -612,7 +592,7 @@ fn round(
         );
     }
     let done_s = t.elapsed().as_secs_f64();
-    delete_all(http, &ids);
+    delete_all(http, &ids)?;
     eprintln!(
         "  {} VMs of {mib} MiB made in {made_s:.1} s; fills running after {ramp_s:.2} s; crash: \
          health after {:.0} ms (recovery_ms {:.1}), measured by {crash_s:.2} s; upgrade: health after \
@@ -647,7 +627,7 @@ struct Probe {
 
 /// Fill `PROBE_PAGES` fresh pages from `start`: pages/s in the guest and
 /// the request's wall time, ms.
-fn probe_fill(http: &Http, id: &str, start: u64) -> Result<(f64, f64), String> {
+fn probe_fill(http: &Http, id: &str, start: u64) -> Result<(f64, f64)> {
     let t = Instant::now();
     let r = http.exec(id, &op::fill(start, PROBE_PAGES, SEED))?;
     let wall = t.elapsed().as_secs_f64() * 1e3;
@@ -655,7 +635,7 @@ fn probe_fill(http: &Http, id: &str, start: u64) -> Result<(f64, f64), String> {
     Ok((PROBE_PAGES as f64 / (us / 1e6), wall))
 }
 
-fn probe(s: &TestServer, http: &Http, plan: &Plan) -> Result<Probe, String> {
+fn probe(s: &TestServer, http: &Http, plan: &Plan) -> Result<Probe> {
     let fills = (plan.reps * 2 * 2 * PROBE_FILLS) as u64;
     let mib = (fills * PROBE_PAGES).div_ceil(256);
     let id = s.create_vm(&vm_req(mib));
@@ -686,7 +666,7 @@ fn probe(s: &TestServer, http: &Http, plan: &Plan) -> Result<Probe, String> {
         .as_u64()
         .unwrap_or(u64::MAX);
     WRONG.fetch_add(wrong, Ordering::Relaxed);
-    delete_all(http, &[id]);
+    delete_all(http, &[id])?;
     for (k, kind) in [Kind::Crash, Kind::Upgrade].into_iter().enumerate() {
         let f = |v: &[f64]| {
             v.iter()
@@ -860,7 +840,7 @@ fn counts(plan: &Plan) -> Vec<u32> {
         .unwrap_or_else(|| plan.restart_vms.clone())
 }
 
-fn run(plan: &Plan) -> Result<(), String> {
+fn run(plan: &Plan) -> Result<()> {
     let server = TestServer::start_with_args(&[
         "--memory-budget-mib",
         "100000000",
@@ -871,12 +851,10 @@ fn run(plan: &Plan) -> Result<(), String> {
         "--api-idle-timeout-ms",
         "600000",
     ]);
-    let http = Http {
-        sock: server.api_sock(),
-    };
+    let http = Http::new(server.api_sock());
     let h = wait_health(&http, "any process", |_| true)?;
     if !h.kept {
-        return Err(format!("the server runs without a keeper: {h:?}"));
+        return Err(Error::NoKeeper(Box::new(h)));
     }
     let t = Instant::now();
     let p = probe(&server, &http, plan)?;
@@ -932,7 +910,7 @@ fn main() -> ExitCode {
     }
     raise_nofile();
     if let Err(e) = run(&plan) {
-        eprintln!("{BENCH}: {e}");
+        eprintln!("{BENCH}: {}", shared::error_chain(&e));
         return ExitCode::FAILURE;
     }
     let (wrong, stuck) = (WRONG.load(Ordering::Relaxed), STUCK.load(Ordering::Relaxed));

@@ -18,6 +18,10 @@
 //! its own and returns the status and the body text; [`request_within`]
 //! is a request a client abandons after a timeout.
 //!
+//! [`OneShot`] ([`oneshot`]) is the client for a server that restarts
+//! under it: a connection per request, and a broken connection or a late
+//! answer is an error for the caller to retry, not a failed test.
+//!
 //! [`requests`] builds request bodies; the routes' methods are grouped by
 //! resource in the private modules `vms` (VMs, guest ops, fork), `debug`
 //! (sources, pages, tree, invariant, access records, maps, the trace,
@@ -27,7 +31,9 @@
 mod debug;
 mod firecracker;
 mod give_up;
+pub mod oneshot;
 mod remote;
+pub mod reply;
 pub mod requests;
 mod snapshots;
 mod vms;
@@ -44,53 +50,12 @@ use serde_json::Value;
 use uffdctl::client::Client;
 
 pub use give_up::request_within;
+pub use oneshot::{OneShot, OneShotError, Sent};
+pub use reply::Reply;
 pub use requests::*;
 
 /// How long one API call may take before the test fails instead of hanging.
 pub const API_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// An answer as the server sent it: its status and JSON body (`Null` when
-/// empty).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Reply {
-    pub status: u16,
-    pub body: Value,
-}
-
-impl Reply {
-    /// The `error` message of an error body ("" if there is none).
-    pub fn error(&self) -> &str {
-        self.body["error"].as_str().unwrap_or_default()
-    }
-}
-
-impl Reply {
-    /// Assert this is a refusal with status `want` whose `error` message
-    /// mentions `needle` (case-insensitively); `what` names the request in
-    /// the panic. Returns the message.
-    pub fn assert_error(&self, want: u16, needle: &str, what: &str) -> String {
-        assert_eq!(
-            self.status, want,
-            "{what}: expected {want}, got {}: {}",
-            self.status, self.body
-        );
-        let msg = self.body["error"]
-            .as_str()
-            .unwrap_or_else(|| panic!("{what}: error body without \"error\": {}", self.body))
-            .to_owned();
-        assert!(
-            msg.to_lowercase().contains(&needle.to_lowercase()),
-            "{what}: error message {msg:?} does not mention {needle:?}"
-        );
-        msg
-    }
-}
-
-impl std::fmt::Display for Reply {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}", self.status, self.body)
-    }
-}
 
 /// A route's typed answer, or the reply when its status is not the
 /// route's success status.
