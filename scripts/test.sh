@@ -2,11 +2,12 @@
 # Set up and run every pagefork test: unit and property tests, end-to-end
 # tests with real uffd-server and vmm processes on real KVM and
 # userfaultfd, volume tests on a loop-mounted XFS with reflink=1, and a
-# second pass of the fork, snapshot, Firecracker, core and stall tests with
-# a warm VMM pool (--vmm-pool 2), a third of the fork and snapshot tests on
-# hugepage guest RAM (--hugepages), a bounded run of every fuzz target, and a
-# smoke run of every benchmark (no timing thresholds). The remote-snapshot
-# tests run against a one-node Ceph (scripts/ceph.sh) booted for the run.
+# second pass of the fork, snapshot, Firecracker, core, stall and restart
+# tests with a warm VMM pool (--vmm-pool 2), a third of the fork, snapshot
+# and restart tests on hugepage guest RAM (--hugepages), a bounded run of
+# every fuzz target, and a smoke run of every benchmark (no timing
+# thresholds). The remote-snapshot tests run against a one-node Ceph
+# (scripts/ceph.sh) booted for the run.
 #
 # With CI=true, tests whose prerequisites (/dev/kvm, /dev/userfaultfd, the
 # XFS mount) are missing fail instead of skipping.
@@ -105,19 +106,19 @@ if $stop_ceph; then
 		AWS_REGION AWS_ALLOW_HTTP PAGEFORK_REMOTE PAGEFORK_CEPH_DIR
 fi
 
-echo "== fork, snapshot, Firecracker, core and stall tests again, with a warm VMM pool" >&2
+echo "== fork, snapshot, Firecracker, core, stall and restart tests again, with a warm VMM pool" >&2
 set +e
 PAGEFORK_VMM_POOL=2 cargo test --workspace --no-fail-fast \
 	--test fork_e2e --test snapshot_e2e --test firecracker_e2e --test core_e2e --test stalls_e2e \
-	--test based_e2e --test lineage_e2e \
+	--test based_e2e --test lineage_e2e --test restart_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e
 
-echo "== fork and snapshot tests again, on hugepage guest RAM (2 MiB hugetlb)" >&2
+echo "== fork, snapshot and restart tests again, on hugepage guest RAM (2 MiB hugetlb)" >&2
 set +e
 PAGEFORK_HUGEPAGES=true cargo test --workspace --no-fail-fast \
-	--test fork_e2e --test snapshot_e2e --test based_e2e --test lineage_e2e \
+	--test fork_e2e --test snapshot_e2e --test based_e2e --test lineage_e2e --test restart_e2e \
 	-- --test-threads=2 2>&1 | tee -a target/test.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 set -e

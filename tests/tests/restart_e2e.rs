@@ -22,22 +22,24 @@
 //! - `without_a_keeper_upgrade_is_refused`.
 //! - `a_crash_mid_fork_loses_no_vm`: the parent runs (its guest answers)
 //!   and every VM listed holds its pages.
+//! - `a_crash_mid_rollback_finishes_it_or_leaves_the_vm_as_it_was`: the
+//!   VM holds all of its pages or all of the snapshot's, and a rollback
+//!   cut after its pause is finished by the next process.
 //! - `a_crash_while_a_child_faults_in_keeps_its_table_true`: what a fork
 //!   child wrote reaches its own fork child (the table says where each
 //!   page is, also for a page the dying process was putting in).
 //!
-//! Requests are sent on connections of their own by a small client here
-//! (not the harness's [`pagefork_tests::Api`], which fails the test on a
-//! broken connection): a request the dying process had accepted can break
-//! (reset, empty answer) or be refused with 503, and right after a
-//! restart a VM's VMM may not have rejoined yet (409, 502). Those are
-//! retried, for up to [`RETRY_FOR`]; an answer that comes must be exact.
+//! Requests are sent on connections of their own ([`OneShot`], not the
+//! harness's [`pagefork_tests::Api`], which fails the test on a broken
+//! connection) by a retrying client here: a request the dying process
+//! had accepted can break (reset, empty answer) or be refused with 503,
+//! and right after a restart a VM's VMM may not have rejoined yet (409,
+//! 502). Those are retried, for up to [`RETRY_FOR`]; an answer that comes
+//! must be exact.
 
 use std::collections::BTreeMap;
-use std::io::{ErrorKind, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -46,7 +48,8 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use pagefork_tests::{
     apply_fill, compress_image, file_source, free_hugepages, new_vm, op, open_fds,
-    require_kvm_uffd, server_on_xfs, signal, uffdctl, zstd_source, RandomImage, Reply, TestServer,
+    require_kvm_uffd, server_on_xfs, signal, uffdctl, zstd_source, OneShot, OneShotError,
+    RandomImage, Reply, TestServer,
 };
 use proto::api::{CreateVm, ExecRequest, Health, MemorySource, RunState, VmInfo};
 use serde_json::{json, Value};
@@ -119,121 +122,21 @@ impl Rng {
 
 // ------------------------------------------------------------ the wire --
 
-/// A request that got no whole answer.
-#[derive(Debug)]
-enum Net {
-    /// connect(2) failed.
-    Connect(std::io::Error),
-    /// The connection broke before a whole answer came.
-    Broken(String),
-    /// No answer within [`ANSWER_WITHIN`]: never retried.
-    Timeout,
-}
-
-impl Net {
-    /// What a client must never see while the keeper holds the listener:
-    /// nothing listening, or no socket at all.
-    fn refused(&self) -> bool {
-        matches!(self, Net::Connect(e)
-            if matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound))
-    }
-}
-
-impl std::fmt::Display for Net {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Net::Connect(e) => write!(f, "cannot connect: {e}"),
-            Net::Broken(e) => write!(f, "connection broke: {e}"),
-            Net::Timeout => write!(f, "no answer within {ANSWER_WITHIN:?}"),
-        }
-    }
-}
-
-/// One HTTP request on a connection of its own.
-fn http(sock: &Path, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, Net> {
-    let mut s = UnixStream::connect(sock).map_err(Net::Connect)?;
-    s.set_read_timeout(Some(ANSWER_WITHIN))
-        .expect("set_read_timeout");
-    let body = body.map(Value::to_string).unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(head.as_bytes())
-        .map_err(|e| Net::Broken(format!("cannot send: {e}")))?;
-    let mut resp = Vec::new();
-    match s.read_to_end(&mut resp) {
-        Ok(_) => {}
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-            return Err(Net::Timeout)
-        }
-        Err(e) => return Err(Net::Broken(format!("{e} after {} bytes", resp.len()))),
-    }
-    parse_response(&resp).ok_or_else(|| {
-        let text = String::from_utf8_lossy(&resp[..resp.len().min(200)]).into_owned();
-        Net::Broken(format!(
-            "{} bytes, not a whole answer: {text:?}",
-            resp.len()
-        ))
-    })
-}
-
-fn parse_response(resp: &[u8]) -> Option<Reply> {
-    let split = resp.windows(4).position(|w| w == b"\r\n\r\n")?;
-    let head = std::str::from_utf8(&resp[..split]).ok()?;
-    let mut body = resp[split + 4..].to_vec();
-    let mut lines = head.split("\r\n");
-    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
-    let (mut chunked, mut len) = (false, None);
-    for l in lines {
-        let (k, v) = l.split_once(':')?;
-        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
-        if k == "content-length" {
-            len = Some(v.parse::<usize>().ok()?);
-        } else if k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked") {
-            chunked = true;
-        }
-    }
-    if chunked {
-        body = dechunk(&body)?;
-    } else if len.is_some_and(|n| n != body.len()) {
-        return None;
-    }
-    let body = if body.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_slice(&body)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()))
-    };
-    Some(Reply { status, body })
-}
-
-fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let nl = b.windows(2).position(|w| w == b"\r\n")?;
-        let size = std::str::from_utf8(&b[..nl])
-            .ok()?
-            .split(';')
-            .next()?
-            .trim();
-        let size = usize::from_str_radix(size, 16).ok()?;
-        b = &b[nl + 2..];
-        if size == 0 {
-            return Some(out);
-        }
-        if b.len() < size + 2 {
-            return None;
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
+/// How a request on a connection of its own ended, as the tests count
+/// outcomes.
+fn request_outcome(r: &Result<Reply, OneShotError>) -> String {
+    match r {
+        Ok(r) => format!("status {}", r.status),
+        Err(e) if e.refused() => "refused".into(),
+        Err(OneShotError::Connect(e)) => format!("connect error {}", e.kind()),
+        Err(OneShotError::Timeout(_)) => "timeout".into(),
+        Err(_) => "broken".into(),
     }
 }
 
 /// A client that retries what a restart makes fail, counting it.
 struct Client {
-    sock: PathBuf,
+    raw: OneShot,
     /// Connections that broke before a whole answer.
     broken: AtomicU64,
     /// Connections refused (ECONNREFUSED, ENOENT): never expected.
@@ -245,7 +148,7 @@ struct Client {
 impl Client {
     fn new(sock: PathBuf) -> Self {
         Client {
-            sock,
+            raw: OneShot::new(sock, ANSWER_WITHIN),
             broken: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             statuses: Mutex::default(),
@@ -266,18 +169,14 @@ impl Client {
         let deadline = Instant::now() + RETRY_FOR;
         let mut failed = 0;
         loop {
-            let last = match http(&self.sock, method, path, body.as_ref()) {
+            let last = match self.raw.request(method, path, body.as_ref()) {
                 Ok(r) if accept(&r) => return Ok((r, failed)),
                 Ok(r) if TRANSIENT.contains(&r.status) => {
                     *lock(&self.statuses).entry(r.status).or_default() += 1;
                     r.to_string()
                 }
                 Ok(r) => return Err(format!("{method} {path}: {r}")),
-                Err(Net::Timeout) => {
-                    return Err(format!(
-                        "{method} {path}: no answer within {ANSWER_WITHIN:?}"
-                    ))
-                }
+                Err(e @ OneShotError::Timeout(_)) => return Err(format!("{method} {path}: {e}")),
                 Err(e) => {
                     let n = if e.refused() {
                         &self.refused
@@ -285,7 +184,7 @@ impl Client {
                         &self.broken
                     };
                     n.fetch_add(1, Ordering::Relaxed);
-                    e.to_string()
+                    shared::error_chain(&e)
                 }
             };
             failed += 1;
@@ -400,8 +299,8 @@ impl Client {
 // -------------------------------------------------- restarts and health --
 
 /// `GET /v1/health` once, if it answers.
-fn health_once(sock: &Path) -> Option<Health> {
-    let r = http(sock, "GET", "/v1/health", None).ok()?;
+fn health_once(raw: &OneShot) -> Option<Health> {
+    let r = raw.request("GET", "/v1/health", None).ok()?;
     (r.status == 200).then(|| {
         serde_json::from_value(r.body.clone())
             .unwrap_or_else(|e| panic!("GET /v1/health: not a Health: {e}: {r}"))
@@ -414,7 +313,7 @@ fn wait_health(c: &Client, what: &str, want: impl Fn(&Health) -> bool) -> Health
     let deadline = Instant::now() + RESTART_WITHIN;
     let mut last = None;
     loop {
-        if let Some(h) = health_once(&c.sock) {
+        if let Some(h) = health_once(&c.raw) {
             if want(&h) {
                 return h;
             }
@@ -914,7 +813,7 @@ fn op_snapshot(w: &World, c: &Client, o: &str, rng: &mut Rng, n: u64) -> Result<
     let body = json!({ "name": name, "mode": mode, "compress": compress });
     let deadline = Instant::now() + RETRY_FOR;
     loop {
-        match http(&c.sock, "POST", &path, Some(&body)) {
+        match c.raw.request("POST", &path, Some(&body)) {
             Ok(r) if r.status == 201 => {
                 if let Some(s) = lock(&w.snaps).get_mut(&name) {
                     s.sure = true;
@@ -938,10 +837,8 @@ fn op_snapshot(w: &World, c: &Client, o: &str, rng: &mut Rng, n: u64) -> Result<
                 return Ok(());
             }
             Ok(r) => return Err(format!("snapshot {name} of {o}: {r}")),
-            Err(Net::Timeout) => {
-                return Err(format!(
-                    "snapshot {name} of {o}: no answer within {ANSWER_WITHIN:?}"
-                ))
+            Err(e @ OneShotError::Timeout(_)) => {
+                return Err(format!("snapshot {name} of {o}: {e}"))
             }
             Err(e) => {
                 c.broken.fetch_add(1, Ordering::Relaxed);
@@ -1517,17 +1414,11 @@ fn upgrade_never_refuses_a_connection() {
     std::thread::scope(|scope| {
         scope.spawn(|| {
             while !stop.load(Ordering::SeqCst) {
-                let key = match http(&c.sock, "GET", "/v1/health", None) {
-                    Ok(r) => format!("status {}", r.status),
-                    Err(e) if e.refused() => {
-                        lock(&refusals).push(e.to_string());
-                        "refused".into()
-                    }
-                    Err(Net::Connect(e)) => format!("connect error {}", e.kind()),
-                    Err(Net::Broken(_)) => "broken".into(),
-                    Err(Net::Timeout) => "timeout".into(),
-                };
-                *lock(&counts).entry(key).or_default() += 1;
+                let r = c.raw.request("GET", "/v1/health", None);
+                if let Some(e) = r.as_ref().err().filter(|e| e.refused()) {
+                    lock(&refusals).push(shared::error_chain(e));
+                }
+                *lock(&counts).entry(request_outcome(&r)).or_default() += 1;
             }
         });
         let main = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1662,8 +1553,10 @@ fn without_a_keeper_upgrade_is_refused() {
         json!({}),
         json!({ "binary": pagefork_tests::bin("uffd-server") }),
     ] {
-        let r = http(&c.sock, "POST", "/v1/server/upgrade", Some(&body))
-            .unwrap_or_else(|e| panic!("upgrade: {e}"));
+        let r = c
+            .raw
+            .request("POST", "/v1/server/upgrade", Some(&body))
+            .unwrap_or_else(|e| panic!("upgrade: {}", shared::error_chain(&e)));
         r.assert_error(409, "keeper", "upgrade without a keeper");
     }
     let out = uffdctl(&s, &["server", "upgrade"]);
@@ -1701,8 +1594,7 @@ fn a_crash_mid_fork_loses_no_vm() {
         let delay = rng.millis(0, 30);
         let answer = std::thread::scope(|scope| {
             let f = scope.spawn(|| {
-                http(
-                    &c.sock,
+                c.raw.request(
                     "POST",
                     &format!("/v1/vms/{parent}/fork"),
                     Some(&json!({ "count": 4 })),
@@ -1712,10 +1604,7 @@ fn a_crash_mid_fork_loses_no_vm() {
             crash(&c);
             f.join().expect("the fork thread")
         });
-        let key = match &answer {
-            Ok(r) => format!("status {}", r.status),
-            Err(e) => format!("{e}").split(':').next().unwrap_or("").to_owned(),
-        };
+        let key = request_outcome(&answer);
         *outcomes.entry(key.clone()).or_default() += 1;
         let told: Vec<String> = match &answer {
             Ok(r) if r.status == 201 => {
@@ -1783,6 +1672,111 @@ fn a_crash_mid_fork_loses_no_vm() {
         settled.is_some(),
         "vmm processes left besides the parent's (pool {pool}): {:?}",
         vmm_processes(s.state_dir())
+    );
+}
+
+/// SIGKILL the serving process 0–6 ms into a rollback, until one crash
+/// fell inside a rollback (12 to 60 rounds):
+/// the VM runs and holds all of its pages from before the rollback, or
+/// all of the snapshot's, never a mix. A crash after the rollback paused
+/// the VM (its memory may be the snapshot's already while its vCPUs are
+/// the old ones) is finished by the next process once the VMM rejoins,
+/// and its log says so.
+#[test]
+fn a_crash_mid_rollback_finishes_it_or_leaves_the_vm_as_it_was() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let seed = env_u64("PAGEFORK_RESTART_SEED").unwrap_or(11);
+    let s = TestServer::start();
+    let c = Client::new(s.api_sock());
+    let mut rng = Rng(seed);
+    let vm = s.create_vm(&new_vm(MIB));
+    let mut snap = [0; CHUNKS];
+    fill_some(&s, &vm, &mut snap, &mut rng, 10);
+    s.snapshot(&vm, "back", proto::api::SnapshotMode::Full);
+    let mut now = snap;
+    let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
+    let finishing = |log: &str| {
+        let begun = log.matches("finishing the rollback to back").count();
+        let ended = log.matches("the rollback to back is finished").count()
+            + log
+                .matches("the rollback to back a restart cut short cannot")
+                .count();
+        (begun, ended)
+    };
+    // Delays from 0 to 6 ms in steps of 250 us, round after round, until
+    // some crash fell inside a rollback (at least 12 rounds, at most 60).
+    for round in 0..60u64 {
+        if round >= 12 && finishing(&s.server_log_text()).0 > 0 {
+            break;
+        }
+        // Something to go back from: a few chunks unlike the snapshot's.
+        for _ in 0..3 {
+            let ch = rng.below(CHUNKS);
+            let sd = rng.seed();
+            c.fill(&vm, ch, sd)
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+            now[ch] = sd;
+        }
+        let delay = Duration::from_micros((round % 25) * 250);
+        let answer = std::thread::scope(|scope| {
+            let f = scope.spawn(|| {
+                c.raw.request(
+                    "POST",
+                    &format!("/v1/vms/{vm}/rollback"),
+                    Some(&json!({ "snapshot": "back" })),
+                )
+            });
+            std::thread::sleep(delay);
+            crash(&c);
+            f.join().expect("the rollback thread")
+        });
+        // A rollback being finished is waited for.
+        let settled = pagefork_tests::wait_for(RETRY_FOR, || {
+            let (begun, ended) = finishing(&s.server_log_text());
+            (begun == ended).then_some(())
+        });
+        assert!(
+            settled.is_some(),
+            "round {round}: a rollback cut short was never finished\n{}",
+            server_errors(&s)
+        );
+        let v = c
+            .vm(&vm)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .expect("the VM is listed");
+        assert_eq!(v.state, RunState::Running, "round {round}: {v:?}");
+        let outcome = if check_whole(&c, &vm, &snap, "the VM").is_ok() {
+            now = snap;
+            "rolled back"
+        } else if let Err(e) = check_whole(&c, &vm, &now, "the VM") {
+            panic!(
+                "round {round}: after a crash {delay:?} into a rollback (its answer: {:?}), \
+                 the VM holds neither its pages nor the snapshot's: {e}\n{}",
+                answer.as_ref().map(|r| r.status),
+                server_errors(&s)
+            );
+        } else {
+            "as it was"
+        };
+        *outcomes.entry(outcome).or_default() += 1;
+        eprintln!("round {round}: crash {delay:?} into the rollback: {outcome}");
+    }
+    let log = s.server_log_text();
+    let (finished, _) = finishing(&log);
+    eprintln!(
+        "rollback outcomes: {outcomes:?}; {finished} finished after a restart; {}",
+        c.hiccups()
+    );
+    assert!(
+        !log.contains("a restart cut short cannot be finished"),
+        "a cut rollback failed its VM\n{}",
+        server_errors(&s)
+    );
+    assert!(
+        finished > 0,
+        "no crash fell inside a rollback in 60 rounds: the test no longer tests that"
     );
 }
 

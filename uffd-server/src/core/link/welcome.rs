@@ -123,7 +123,20 @@ pub(crate) fn rejoin(
         // a snapshot) left its vCPUs paused; it was running before that
         // operation, and runs again (a resume of running vCPUs does
         // nothing).
-        if v.state == RunState::Running {
+        if let Some(snapshot) = v
+            .rollback
+            .under_way()
+            .filter(|_| v.state == RunState::Running)
+        {
+            // A rollback the crash cut short: finished now (it resumes
+            // the VM), with the link attached below.
+            let snapshot = snapshot.to_owned();
+            tokio::task::spawn_local(crate::core::rollback::reset::finish_cut_short(
+                core.clone(),
+                vm,
+                snapshot,
+            ));
+        } else if v.state == RunState::Running {
             v.link.next_seq += 1;
             let seq = v.link.next_seq;
             if let Err(e) = writer.send(

@@ -11,7 +11,7 @@ use proto::api::{RollbackVm, VmRolledBack};
 use proto::snapshot::StateFile;
 use proto::vmm::Request;
 use shared::{VmId, PAGE_SIZE};
-use tracing::info;
+use tracing::{info, warn};
 
 use super::discard::{discard, spawn_scrub};
 use super::fit;
@@ -20,6 +20,7 @@ use crate::core::error::{Error, Result};
 use crate::core::fault::dependents::preserve_for_dependents;
 use crate::core::link::process::stop_vmm;
 use crate::core::link::requests::request;
+use crate::core::restart::journal;
 use crate::core::snapshot::state::DirtyLog;
 use crate::core::state::Core;
 use crate::core::vm::RunState;
@@ -92,6 +93,7 @@ pub(crate) async fn rollback(core: &Rc<Core>, vm: VmId, req: RollbackVm) -> Resu
     let t_pause = Instant::now();
     let mut phases = Phases::start();
     request(core, vm, Request::Pause, core.settings.vmm_deadline).await?;
+    let _under_way = UnderWay::begin(core, vm, &target.name);
     phases.lap("pause");
     let prepared = match hand_over(core, vm, &target.name) {
         Ok(p) => p,
@@ -141,6 +143,78 @@ pub(crate) async fn rollback(core: &Rc<Core>, vm: VmId, req: RollbackVm) -> Resu
         pause_us,
         phases_us: phases.us,
     })
+}
+
+/// A rollback under way, as the journal records it: from the pause on, a
+/// server that takes the VM back after a crash finishes it
+/// ([`finish_cut_short`]). Dropped (done, or the VM failed), it is over;
+/// the sync before the answer records that.
+struct UnderWay {
+    core: Rc<Core>,
+    vm: VmId,
+}
+
+impl UnderWay {
+    fn begin(core: &Rc<Core>, vm: VmId, snapshot: &str) -> Self {
+        if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+            v.rollback.begin(snapshot);
+        }
+        journal::sync(core, false);
+        UnderWay {
+            core: core.clone(),
+            vm,
+        }
+    }
+}
+
+impl Drop for UnderWay {
+    fn drop(&mut self) {
+        if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
+            v.rollback.end();
+        }
+    }
+}
+
+/// Finish the rollback of `vm` that a crash of the server cut short (its
+/// VMM just rejoined, paused since then): the whole rollback again, from
+/// the pause (all of memory goes back: the dirty log did not survive). A
+/// failure fails the VM visibly: its memory may be the snapshot's in
+/// part.
+pub(crate) async fn finish_cut_short(core: Rc<Core>, vm: VmId, snapshot: String) {
+    info!("{vm}: finishing the rollback to {snapshot} a restart of the server cut short");
+    if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+        // Held since adoption, so nothing else paused it meanwhile.
+        v.busy = None;
+    }
+    let req = RollbackVm {
+        snapshot: snapshot.clone(),
+    };
+    match rollback(&core, vm, req).await {
+        Ok(done) => info!(
+            "{vm}: the rollback to {snapshot} is finished ({} us)",
+            done.pause_us
+        ),
+        Err(e) => {
+            let reason = format!(
+                "the rollback to {snapshot} a restart cut short cannot be finished: {}",
+                e.message()
+            );
+            warn!("{vm}: {reason}");
+            let failed = match core.reg.borrow_mut().vms.get_mut(&vm) {
+                Some(v) if v.state != RunState::Failed => {
+                    v.failure = Some(reason);
+                    v.state = RunState::Failed;
+                    v.rollback.end();
+                    true
+                }
+                _ => false,
+            };
+            if failed {
+                stop_vmm(&core, vm).await;
+            }
+        }
+    }
+    journal::sync(&core, false);
 }
 
 /// Step 0, before the pause: the snapshot must fit the VM (`fit::check`:

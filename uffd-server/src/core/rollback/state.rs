@@ -1,5 +1,6 @@
 //! What a rollback leaves per VM: the stale pages it unmapped from the VMM
-//! but left in the memfd, and whether the VMM can discard at all.
+//! but left in the memfd, whether the VMM can discard at all, and the
+//! rollback under way (which a restart of the server finishes).
 
 use crate::memory::{GuestMemory, MemoryError};
 use crate::snapshot::pageset::PageSet;
@@ -20,6 +21,11 @@ pub struct RollbackState {
     /// The VMM cannot discard (no MINOR on this kernel or memory):
     /// rollbacks punch instead.
     pub no_discard: bool,
+    /// The snapshot a rollback under way goes back to, from the VM's pause
+    /// until its answer. The journal keeps it: a server that takes the VM
+    /// back after a crash in between finishes that rollback (its memory
+    /// may be the snapshot's already, its vCPUs still the old ones).
+    under_way: Option<String>,
 }
 
 impl Default for RollbackState {
@@ -28,11 +34,27 @@ impl Default for RollbackState {
             stale: PageSet::new(0),
             discarding: false,
             no_discard: false,
+            under_way: None,
         }
     }
 }
 
 impl RollbackState {
+    /// A rollback to `snapshot` begins changing the VM (it is paused).
+    pub fn begin(&mut self, snapshot: &str) {
+        self.under_way = Some(snapshot.to_owned());
+    }
+
+    /// The rollback under way ended (done, or the VM failed).
+    pub fn end(&mut self) {
+        self.under_way = None;
+    }
+
+    /// The snapshot of a rollback under way.
+    pub fn under_way(&self) -> Option<&str> {
+        self.under_way.as_deref()
+    }
+
     /// Punch the stale pages of `[lo, hi)` out of `memory`, so that what
     /// is installed there next is whole and current. Nothing to do (and no
     /// scan) while no page is stale.
