@@ -12,6 +12,7 @@ pub mod keeper;
 pub mod memory;
 pub mod observe;
 pub mod pages;
+pub mod reclaim;
 pub mod remote;
 pub mod snapshot;
 

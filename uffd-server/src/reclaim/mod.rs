@@ -1,0 +1,6 @@
+//! What reclaim under memory pressure needs below the core: the memory
+//! limits that apply to the server ([`cgroup`]) and the store of guest
+//! pages compressed out of memory ([`store`]).
+
+pub mod cgroup;
+pub mod store;
