@@ -127,6 +127,7 @@ run fc_restore "${QUICK_ARG[@]}"
 run zstd_image "${QUICK_ARG[@]}"
 run minor_fault "${QUICK_ARG[@]}"
 run restart "${QUICK_ARG[@]}"
+run reclaim "${QUICK_ARG[@]}"
 
 # The object store of the remote-snapshot bench, RGW on this host.
 if [ -z "${AWS_ENDPOINT_URL:-}" ] || [ -z "${PAGEFORK_REMOTE:-}" ]; then

@@ -11,6 +11,15 @@ pub const FAULT_AROUND_KIB: [u64; 4] = [0, 16, 64, 256];
 /// Fork counts measured end to end.
 pub const FORK_COUNTS: [u32; 2] = [1, 10];
 
+/// Overcommits of the reclaim bench's hot-set fleet, in tenths: its guest
+/// RAM over the part of its memory limit left for guest RAM (1.0, 1.5, 2.0).
+pub const RECLAIM_OVERCOMMIT_TENTHS: [u64; 3] = [10, 15, 20];
+
+/// Key of the reclaim bench's hot-set row at overcommit `tenths` / 10.
+pub fn reclaim_hot_key(tenths: u64) -> String {
+    format!("reclaim.hot.over{}.{}", tenths / 10, tenths % 10)
+}
+
 /// What one run measures.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -48,6 +57,14 @@ pub struct Plan {
     /// Counts of busy VMs whose stall the restart bench measures over a
     /// crash and a handover of the server.
     pub restart_vms: Vec<u32>,
+    /// Guest RAM read per refault measurement of the reclaim bench, MiB.
+    pub reclaim_refault_mib: u64,
+    /// Guest RAM of each VM of the reclaim bench's hot-set fleet, MiB, and
+    /// how long the fleet is timed, seconds.
+    pub reclaim_hot_mib: u64,
+    pub reclaim_hot_secs: u64,
+    /// Guest RAM of the VM whose memory is given back at once, MiB.
+    pub reclaim_giveback_mib: u64,
 }
 
 impl Plan {
@@ -71,6 +88,10 @@ impl Plan {
                 density_ws_mib: 8,
                 lineage_mib: vec![64],
                 restart_vms: vec![1, 10],
+                reclaim_refault_mib: 16,
+                reclaim_hot_mib: 32,
+                reclaim_hot_secs: 2,
+                reclaim_giveback_mib: 64,
             }
         } else {
             Plan {
@@ -90,6 +111,10 @@ impl Plan {
                 density_ws_mib: 16,
                 lineage_mib: vec![256, 1024],
                 restart_vms: vec![1, 100, 1000],
+                reclaim_refault_mib: 64,
+                reclaim_hot_mib: 64,
+                reclaim_hot_secs: 10,
+                reclaim_giveback_mib: 256,
             }
         }
     }
@@ -277,13 +302,21 @@ impl Plan {
                 k.extend(["fault_crash", "fault_upgrade"].map(|m| format!("restart.{m}")));
                 k
             }
+            "reclaim" => {
+                let mut k: Vec<String> = ["image", "dropped", "swapped"]
+                    .map(|m| format!("reclaim.refault.{m}"))
+                    .to_vec();
+                k.extend(RECLAIM_OVERCOMMIT_TENTHS.map(reclaim_hot_key));
+                k.extend(["swapped", "dropped"].map(|m| format!("reclaim.giveback.{m}")));
+                k
+            }
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 14] = [
+pub const BENCHES: [&str; 15] = [
     "lazy_restore",
     "fork",
     "vmm_pool",
@@ -298,6 +331,7 @@ pub const BENCHES: [&str; 14] = [
     "density",
     "lineage",
     "restart",
+    "reclaim",
 ];
 
 #[cfg(test)]

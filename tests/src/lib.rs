@@ -11,6 +11,9 @@
 //!   whether a test that needs `/dev/kvm`, userfaultfd, huge pages, root or
 //!   the XFS mount runs: it skips with a printed reason on a machine
 //!   without them, but fails loudly under `CI=true` (CI must not skip).
+//! - [`Memcg`] ([`memcg`]) is a memory cgroup (v1) of a test's own, to
+//!   run a server and its VMMs under a limit; [`require_memcg_v1`] says
+//!   whether there is one to make.
 //! - [`RandomImage`] and the `expected_*` helpers ([`memory`]) build raw
 //!   memory images and compute what the guest must report, with the
 //!   reference implementations in [`shared::pattern`].
@@ -28,6 +31,7 @@ pub mod api;
 pub mod cli;
 pub mod fc;
 pub mod host;
+pub mod memcg;
 pub mod memory;
 pub mod server;
 pub mod store;
@@ -37,6 +41,7 @@ pub use api::*;
 pub use cli::*;
 pub use fc::*;
 pub use host::*;
+pub use memcg::*;
 pub use memory::*;
 pub use server::*;
 pub use store::*;

@@ -375,10 +375,11 @@ enum Op {
     Create,
     DeleteSnapshot,
     Restart,
+    Reclaim,
 }
 
 /// Operations and how often each is picked.
-const MIX: [(Op, usize); 13] = [
+const MIX: [(Op, usize); 14] = [
     (Op::Fill, 20),
     (Op::Verify, 22),
     (Op::Fork, 8),
@@ -392,6 +393,7 @@ const MIX: [(Op, usize); 13] = [
     (Op::Create, 4),
     (Op::DeleteSnapshot, 3),
     (Op::Restart, 1),
+    (Op::Reclaim, 5),
 ];
 
 impl Op {
@@ -422,6 +424,7 @@ impl Op {
             Op::Create => "create",
             Op::DeleteSnapshot => "delete snapshot",
             Op::Restart => "restart",
+            Op::Reclaim => "reclaim",
         }
     }
 }
@@ -728,6 +731,37 @@ impl Run {
             Op::Create => self.create(t, rng),
             Op::DeleteSnapshot => self.delete_snapshot(t, rng),
             Op::Restart => self.restart(t, rng),
+            Op::Reclaim => self.reclaim(t, rng),
+        }
+    }
+
+    /// Give back every page of a VM that can be given back now: its
+    /// pages leave memory (dropped to their source, or swapped) and every
+    /// later read, fork, snapshot, rollback and restart must find them as
+    /// they were. A VM that cannot be reclaimed (hugepages, a shared
+    /// base, busy) is refused with 409.
+    fn reclaim(&self, t: usize, rng: &mut Rng) -> Outcome {
+        let Some(mut c) = self.claim(rng, |v| v.life.live()) else {
+            return Outcome::Skipped;
+        };
+        let id = c.vm.id.clone();
+        match self.api.try_reclaim(&id) {
+            Ok(r) => {
+                self.note(
+                    t,
+                    &[&id],
+                    format!(
+                        "reclaim {id}: {} dropped, {} swapped, {} kept",
+                        r.dropped_pages, r.swapped_pages, r.kept_pages
+                    ),
+                );
+                Outcome::Done
+            }
+            Err(r) if r.status == 409 && r.error().contains("cannot reclaim") => {
+                self.note(t, &[&id], format!("reclaim {id}: refused: {r}"));
+                Outcome::Refused
+            }
+            Err(r) => self.refused_or_failed(t, Op::Reclaim, &mut c, &r),
         }
     }
 

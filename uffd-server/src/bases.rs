@@ -134,6 +134,39 @@ impl Base {
         Ok(done)
     }
 
+    /// Drop up to `max` pages an image base holds, from page `from` on:
+    /// the image has the same bytes, and a VM's next access to one fills
+    /// it again (the pages leave every VM's mapping with the memfd's).
+    /// Returns the pages dropped and where to go on next time (0 once the
+    /// end is reached). A template base holds bytes nothing else has, and
+    /// a hugetlb base is left whole: neither drops anything.
+    pub fn drop_clean(&self, from: u64, max: u64) -> Result<(u64, u64), MemoryError> {
+        let Origin::Image { filled, .. } = &self.origin else {
+            return Ok((0, 0));
+        };
+        if self.memory.unit_pages() != 1 {
+            return Ok((0, 0));
+        }
+        let runs = filled.borrow().runs();
+        let mut dropped = 0;
+        let mut next = 0;
+        for (first, n) in runs.into_iter().filter(|(f, n)| f + n > from) {
+            let a = first.max(from);
+            let b = (first + n).min(a + (max - dropped));
+            self.memory.punch_hole(a, b - a)?;
+            let mut f = filled.borrow_mut();
+            for p in a..b {
+                f.remove(p);
+            }
+            dropped += b - a;
+            next = b;
+            if dropped >= max {
+                break;
+            }
+        }
+        Ok((dropped, if dropped >= max { next } else { 0 }))
+    }
+
     /// Bytes of host memory the base holds.
     pub fn bytes(&self) -> u64 {
         self.memory.allocated_bytes()

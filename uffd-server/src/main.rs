@@ -109,6 +109,25 @@ struct Args {
     /// VMs at most.
     #[arg(long, default_value_t = 4096)]
     max_vms: usize,
+    /// Give memory back under pressure: `auto` keeps the VMs' memory under
+    /// a watermark below the limit that applies (the server's memory
+    /// cgroup's, or the host's memory) by dropping pages equal to their
+    /// source and compressing written ones into STATE/swap; `off` leaves
+    /// it to the kernel's OOM killer.
+    #[arg(long, value_enum, default_value = "auto")]
+    reclaim: uffd_server::core::reclaim::state::Mode,
+    /// Reclaim starts above this share of the memory limit, in percent
+    /// (it goes on until 5 points below).
+    #[arg(long, default_value_t = 85)]
+    reclaim_watermark_pct: u64,
+    /// Where reclaim's swap store of written pages lives (default
+    /// STATE/swap; a fast local disk).
+    #[arg(long)]
+    swap_dir: Option<PathBuf>,
+    /// The swap store grows to this many MiB at most (default: as far as
+    /// its filesystem allows); beyond it written pages stay in memory.
+    #[arg(long)]
+    swap_max_mib: Option<u64>,
 
     /// Keep this many `vmm` processes started, connected and holding their
     /// KVM VM, ready for the next create, fork, restore or clone (taken
@@ -578,6 +597,10 @@ fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
         shared_bases: args.shared_bases && shared_bases_work(),
         prefetch_working_set: args.prefetch_working_set,
         working_set_window: Duration::from_millis(args.working_set_window_ms),
+        reclaim: args.reclaim,
+        reclaim_watermark_pct: args.reclaim_watermark_pct,
+        swap_dir: args.swap_dir.clone(),
+        swap_max_bytes: args.swap_max_mib.map(|m| m.saturating_mul(1 << 20)),
         image_dir: match &args.image_dir {
             Some(d) => Some(std::fs::canonicalize(d).map_err(|e| {
                 StartError::BadArgument(format!("--image-dir {}: {e}", d.display()))
@@ -689,6 +712,7 @@ fn run(args: Args, since_start: std::time::Instant) -> Result<(), StartError> {
         }
         drop(vmm_listener_copy);
         uffd_server::core::restart::start(&core, handed, since_start);
+        uffd_server::core::reclaim::tick::start(&core);
         for l in fc_listeners {
             let sock = PathBuf::from(&l.socket);
             // Taken back from the process before this one, still bound.

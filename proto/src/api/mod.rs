@@ -74,6 +74,67 @@ pub struct Health {
     pub recovery_ms: Option<f64>,
 }
 
+/// `GET /v1/memory`: the memory limit the server keeps its VMs under,
+/// and what it gave back to stay there.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct MemoryStatus {
+    /// Reclaim is on (`--reclaim auto` and a limit applies).
+    pub reclaim: bool,
+    /// The limit that applies: the lower of the server's memory cgroup's
+    /// limit and the host's memory.
+    #[serde(default)]
+    pub limit_bytes: Option<u64>,
+    /// Where the limit comes from (`cgroup v1 /sys/fs/cgroup/memory/x`,
+    /// `host`).
+    pub limit_source: String,
+    /// Reclaim starts above this many bytes in use.
+    #[serde(default)]
+    pub watermark_bytes: Option<u64>,
+    /// Bytes in use now, as the limit counts them (the cgroup's anonymous
+    /// and shared memory, or the host's used memory).
+    pub usage_bytes: u64,
+    /// Resident guest memory of every VM, in bytes.
+    pub resident_bytes: u64,
+    /// Bytes given back since the server started.
+    pub given_back_bytes: u64,
+    /// Of those, pages of shared image bases dropped (the image holds the
+    /// same bytes; every VM on the base reads them again from there).
+    #[serde(default)]
+    pub base_pages_dropped: u64,
+    /// Reclaim cannot keep usage under the watermark: new VMs are refused
+    /// (503) until it can.
+    pub behind: bool,
+    /// Why, when `behind`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub behind_reason: Option<String>,
+    /// The swap store of written pages.
+    pub swap: SwapStatus,
+    /// OOM kills the kernel counted in the server's memory cgroup.
+    #[serde(default)]
+    pub oom_kills: Option<u64>,
+    /// VMs that fault back what was reclaimed from them, over and over.
+    #[serde(default)]
+    pub thrashing_vms: Vec<String>,
+}
+
+/// The swap store (`MemoryStatus::swap`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SwapStatus {
+    /// Its file.
+    pub path: String,
+    /// Pages in it.
+    pub pages: u64,
+    /// Bytes those pages take in it (compressed).
+    pub stored_bytes: u64,
+    /// Bytes of its file (live frames and garbage not compacted yet).
+    pub file_bytes: u64,
+    /// Its disk is full (or its cap reached): written pages stay in
+    /// memory; clean pages are still dropped.
+    pub full: bool,
+}
+
 /// `POST /v1/server/upgrade`: hand everything to a new server process.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

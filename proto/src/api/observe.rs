@@ -140,7 +140,9 @@ pub struct ExplainStep {
     /// compressed image: where the compressed frame holding it starts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
-    /// For a compressed image: the frame holding the page.
+    /// For a compressed image: the frame holding the page; for the swap
+    /// store: the sequence number of the page's frame (its offset is
+    /// `offset`, its file `file`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub frame: Option<u64>,
     /// For a VM on a shared base that reads the page from it: the base

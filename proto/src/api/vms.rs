@@ -51,6 +51,78 @@ pub struct CreateVm {
     /// Served, forked and snapshotted like 4 KiB memory, in 2 MiB blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hugepages: Option<bool>,
+    /// How the server may give this VM's memory back under memory
+    /// pressure; the server's default (reclaimed when it must, no limit of
+    /// its own) if absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reclaim: Option<ReclaimPolicy>,
+}
+
+/// How the server may give a VM's memory back (`CreateVm::reclaim`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ReclaimPolicy {
+    /// `false`: never reclaimed, whatever the pressure (a latency-critical
+    /// VM); its pages count against the others'.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Resident guest memory this VM may hold at most, in MiB; beyond it
+    /// its coldest pages are given back even without pressure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_mib: Option<u64>,
+}
+
+impl Default for ReclaimPolicy {
+    fn default() -> Self {
+        ReclaimPolicy {
+            enabled: true,
+            limit_mib: None,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What reclaim did to a VM (`VmInfo::reclaim`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct VmReclaim {
+    /// The server may reclaim its pages (`false`: opted out).
+    pub enabled: bool,
+    /// Its own limit of resident guest memory, in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit_bytes: Option<u64>,
+    /// Pages given back because their source holds the same bytes (zero
+    /// pages, image pages), since it was made.
+    pub dropped_pages: u64,
+    /// Pages whose bytes are in the server's swap store now.
+    pub swapped_pages: u64,
+    /// Pages it wrote that went to the swap store, since it was made.
+    pub swapped_out_total: u64,
+    /// Faults on pages reclaimed before (served again from their source
+    /// or the swap store).
+    pub refaults: u64,
+    /// It faults back the pages reclaimed from it soon after, over and
+    /// over: more memory would serve it better.
+    pub thrashing: bool,
+}
+
+/// `POST /v1/vms/{id}/reclaim` answer: what was given back now.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct VmReclaimed {
+    pub vm: String,
+    /// Pages dropped because their source holds the same bytes.
+    pub dropped_pages: u64,
+    /// Pages compressed into the swap store and dropped.
+    pub swapped_pages: u64,
+    /// Pages kept: read by other VMs, or the swap store is full.
+    pub kept_pages: u64,
+    /// Bytes of memory given back.
+    pub freed_bytes: u64,
 }
 
 fn default_vcpus() -> u8 {
@@ -198,6 +270,9 @@ pub struct VmInfo {
     /// VM's exit can take them.
     #[serde(default)]
     pub reads_from: Vec<ReadSource>,
+    /// What reclaim under memory pressure took from it.
+    #[serde(default)]
+    pub reclaim: VmReclaim,
 }
 
 /// Where a VM's guest RAM is in host memory, read from the kernel.

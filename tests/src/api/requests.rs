@@ -26,6 +26,7 @@ pub fn new_vm(memory_mib: u64) -> CreateVm {
         readahead_kib: None,
         prefetch: false,
         hugepages: None,
+        reclaim: None,
     }
 }
 

@@ -79,6 +79,24 @@ impl Api {
         d
     }
 
+    /// `POST /v1/vms/{id}/reclaim` (200): give back every page of the VM
+    /// that can be given back now.
+    pub fn try_reclaim(&self, id: &str) -> Answer<proto::api::VmReclaimed> {
+        self.call("POST", &format!("/v1/vms/{id}/reclaim"), None, 200)
+    }
+
+    /// [`Self::try_reclaim`]; panics unless 200.
+    pub fn reclaim(&self, id: &str) -> proto::api::VmReclaimed {
+        self.try_reclaim(id)
+            .unwrap_or_else(|r| panic!("reclaim {id} failed: {r}"))
+    }
+
+    /// `GET /v1/memory`; panics unless 200.
+    pub fn memory(&self) -> proto::api::MemoryStatus {
+        self.call("GET", "/v1/memory", None, 200)
+            .unwrap_or_else(|r| panic!("GET /v1/memory failed: {r}"))
+    }
+
     /// `POST /v1/vms/{id}/pause` (200).
     pub fn try_pause(&self, id: &str) -> Answer<VmInfo> {
         self.call("POST", &format!("/v1/vms/{id}/pause"), None, 200)

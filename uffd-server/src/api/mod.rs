@@ -35,6 +35,7 @@ pub mod body;
 pub mod debug;
 pub mod error;
 pub mod firecracker;
+pub mod memory;
 pub mod observe;
 pub mod openapi;
 pub mod params;
@@ -69,6 +70,7 @@ pub(crate) fn core_routes() -> OpenApiRouter<CoreHandle> {
         .merge(snapshots::routes())
         .merge(remote::routes())
         .merge(server::routes())
+        .merge(memory::routes())
 }
 
 /// The whole API, and its document at `/v1/openapi.json`. Without a

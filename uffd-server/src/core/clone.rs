@@ -130,6 +130,7 @@ pub(crate) async fn restore_all(
                     readahead_kib: None,
                     prefetch: false,
                     hugepages,
+                    reclaim: None,
                 },
             )
             .await

@@ -117,6 +117,13 @@ pub enum Error {
     #[error("the server runs {0} VMs already, its --max-vms; delete some first")]
     TooManyVms(usize),
     #[error(
+        "memory pressure: {0}; retry once VMs are deleted or idle, or give the server more \
+         memory (GET /v1/memory)"
+    )]
+    MemoryPressure(String),
+    #[error("cannot reclaim {vm}'s memory: {why}")]
+    ReclaimRefused { vm: VmId, why: String },
+    #[error(
         "cannot start {}: the server holds {in_use} of its {limit} file descriptors \
          (RLIMIT_NOFILE); {} about {need} more, and {reserve} stay free for running VMs and \
          the API; raise the limit (ulimit -n, LimitNOFILE=) or delete VMs",
@@ -256,6 +263,9 @@ impl Error {
             // Fds come back as VMs go: the server is short of them for
             // now, the request itself is fine.
             OverFdLimit { .. } => 503,
+            // Memory comes back as reclaim catches up or VMs go.
+            MemoryPressure(_) => 503,
+            ReclaimRefused { .. } => 409,
             StartTimeout { .. } => 504,
             Snapshot(e) => match e.kind() {
                 SnapshotKind::BadRequest => 400,

@@ -42,6 +42,11 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
                 pages_by_source: by_kind(&v.table),
                 frozen: v.deleted,
                 trace_listeners: v.log.tap.listeners(),
+                reclaimed_pages: {
+                    let r = v.reclaim.to_api(0);
+                    r.dropped_pages + r.swapped_out_total
+                },
+                refaults: v.reclaim.to_api(0).refaults,
             }
         })
         .collect();
@@ -55,6 +60,8 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
         pages_by_source: by_kind(&v.table),
         frozen: false,
         trace_listeners: 0,
+        reclaimed_pages: 0,
+        refaults: 0,
     }));
     Sample {
         fault_seconds: core.fault_seconds.clone(),
@@ -79,6 +86,10 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
             .collect(),
         fds: fd_sample(core),
         start: core.restart.sample(),
+        memory: {
+            drop(reg);
+            crate::core::reclaim::status(core)
+        },
     }
 }
 
@@ -209,8 +220,25 @@ fn source_step(s: &PageSource, page: u64) -> ExplainStep {
         | PageSource::Vm(_)
         | PageSource::Frozen(_)
         | PageSource::Zstd(_)
-        | PageSource::Remote(_) => (s.describe(), s.kind()),
+        | PageSource::Remote(_)
+        | PageSource::Swap(_) => (s.describe(), s.kind()),
     };
+    if let PageSource::Swap(w) = s {
+        // The swap store's file, and where the page's frame is in it.
+        let store = w.store.borrow();
+        let at_frame = store.location(w.owner(), page);
+        return ExplainStep {
+            at,
+            kind: kind.into(),
+            present: None,
+            installed: None,
+            file: Some(store.path().display().to_string()),
+            offset: at_frame.map(|l| l.offset),
+            frame: at_frame.map(|l| l.seq),
+            shared_from: None,
+            lives_in: None,
+        };
+    }
     if let Some(r) = s.remote() {
         // The chunk object holding the page, and the page's offset in
         // the chunk's bytes.

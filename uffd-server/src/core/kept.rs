@@ -59,6 +59,7 @@ pub(crate) fn lives_in(reg: &Registry, src: SourceId) -> String {
         }
         PageSource::Zstd(z) => format!("compressed image {}", z.image.path.display()),
         PageSource::Remote(r) => format!("object store (snapshot {})", r.image.snapshot),
+        PageSource::Swap(w) => format!("swap store {}", w.store.borrow().path().display()),
     }
 }
 

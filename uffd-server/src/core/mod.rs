@@ -44,6 +44,7 @@ pub mod link;
 pub mod ops;
 pub mod pool;
 pub mod ratelimit;
+pub mod reclaim;
 pub mod registry;
 pub mod remote;
 pub mod restart;

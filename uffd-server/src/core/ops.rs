@@ -57,6 +57,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
                 base: None,
             },
             reads_from: crate::core::kept::reads_from(&reg, &v.table, v.self_src, None),
+            reclaim: proto::api::VmReclaim::default(),
         });
     }
     let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
@@ -113,6 +114,16 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
             .map(crate::core::restart::state::AdoptedVm::to_api),
         memory,
         reads_from: crate::core::kept::reads_from(&reg, &v.table, v.self_src, v.base.on.as_ref()),
+        // Its pages in the swap store: its own frames, and its parent's
+        // it read since a fork.
+        reclaim: v.reclaim.to_api(
+            v.table
+                .counts()
+                .iter()
+                .filter(|(s, _)| reg.arena.get(**s).is_some_and(|s| s.kind() == "swap"))
+                .map(|(_, n)| n)
+                .sum(),
+        ),
     })
 }
 

@@ -119,7 +119,9 @@ impl Registry {
     /// the filesystem under it) open.
     pub fn release_unused_sources(&mut self) {
         let in_use = |src: SourceId| {
-            self.vms.values().any(|v| v.table.count_of(src) > 0)
+            self.vms
+                .values()
+                .any(|v| v.table.count_of(src) > 0 || v.reclaim.names(src))
                 || self.fc_vms.values().any(|v| v.table.count_of(src) > 0)
                 || self.fc_listeners.values().any(|l| l.source == src)
         };

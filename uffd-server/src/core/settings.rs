@@ -7,6 +7,17 @@ use std::time::Duration;
 use crate::core::error::{Error, Result};
 use crate::memory::PageSize;
 
+/// `--reclaim`: whether the server gives memory back under pressure
+/// (see `core/reclaim/`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReclaimMode {
+    /// Reclaim whenever a memory limit applies (the server's cgroup's, or
+    /// the host's memory).
+    Auto,
+    /// Never: the kernel's OOM killer decides under pressure.
+    Off,
+}
+
 /// Server-wide settings the core needs.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -69,6 +80,14 @@ pub struct Settings {
     /// A snapshot's first restore records its working set for this long
     /// at most (it ends sooner when the VM is deleted).
     pub working_set_window: Duration,
+    /// Give memory back under pressure (`--reclaim`).
+    pub reclaim: ReclaimMode,
+    /// Reclaim starts above this share of the memory limit, in percent.
+    pub reclaim_watermark_pct: u64,
+    /// Where the swap store lives (default `STATE/swap`).
+    pub swap_dir: Option<PathBuf>,
+    /// The swap store's file grows to this many bytes at most.
+    pub swap_max_bytes: Option<u64>,
 }
 
 impl Settings {

@@ -17,6 +17,7 @@ use tracing::info;
 use crate::conn::{ConnEvent, PendingLaunches};
 use crate::core::fd_budget::FdBudget;
 use crate::core::pool::state::VmmPool;
+use crate::core::reclaim::state::Reclaimer;
 use crate::core::registry::Registry;
 use crate::core::remote::state::RemoteState;
 use crate::core::restart::state::Restart;
@@ -51,6 +52,8 @@ pub struct Core {
     pub fds: FdBudget,
     /// What outlives this process, and what it took back at start.
     pub restart: Restart,
+    /// Reclaim under memory pressure: the limit, the swap store.
+    pub reclaim: RefCell<Reclaimer>,
     /// Log lines that report a finished request, written once its answer
     /// is out (see [`Core::log_after_answer`]).
     after_answer: RefCell<Vec<String>>,
@@ -71,6 +74,7 @@ impl Core {
     ) -> Rc<Self> {
         let reg = Registry::new(&settings.state_dir, settings.readahead_piece_pages);
         let pool = VmmPool::new(settings.vmm_pool);
+        let reclaim = Reclaimer::new(&settings);
         Rc::new(Core {
             reg: RefCell::new(reg),
             settings,
@@ -88,6 +92,7 @@ impl Core {
             worksets: RefCell::new(WorkingSets::default()),
             fds: FdBudget::default(),
             restart,
+            reclaim: RefCell::new(reclaim),
             after_answer: RefCell::new(Vec::new()),
         })
     }

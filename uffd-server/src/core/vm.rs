@@ -13,6 +13,7 @@
 //! | `base` | the shared base its guest RAM maps | `base::state::BaseState` |
 //! | `log` | page log, fault trace, phases, counters | `observe::vm::VmLog` |
 //! | `adopted` | taken back after a restart of the server | `restart::state::AdoptedVm` |
+//! | `reclaim` | memory given back under pressure | `reclaim::state::VmReclaim` |
 
 use std::rc::Rc;
 
@@ -24,6 +25,7 @@ use super::fault::state::FaultState;
 use super::fork::state::ForkState;
 use super::link::state::{ReadySender, VmmLink};
 use super::pool::state::SetAside;
+use super::reclaim::state::VmReclaim;
 use super::restart::state::AdoptedVm;
 use super::rollback::state::RollbackState;
 use super::snapshot::state::SnapshotState;
@@ -69,6 +71,7 @@ pub struct Vm {
     pub base: BaseState,
     pub log: VmLog,
     pub adopted: Option<AdoptedVm>,
+    pub reclaim: VmReclaim,
 }
 
 /// What a new VM is made of; everything else starts empty.
@@ -89,6 +92,7 @@ impl Vm {
     /// A VM in `Starting` state, waiting for its VMM.
     pub fn new(p: VmParts) -> Self {
         let log = VmLog::new(p.memory.pages());
+        let reclaim = VmReclaim::new(None, p.memory.pages(), None);
         Vm {
             id: p.id,
             state: RunState::Starting,
@@ -111,6 +115,7 @@ impl Vm {
             base: BaseState::default(),
             log,
             adopted: None,
+            reclaim,
         }
     }
 

@@ -49,6 +49,10 @@ pub struct VmSample {
     pub frozen: bool,
     /// Listeners of its live fault trace.
     pub trace_listeners: u64,
+    /// Pages reclaim gave back (dropped or swapped) since it was made.
+    pub reclaimed_pages: u64,
+    /// Faults on pages reclaimed before.
+    pub refaults: u64,
 }
 
 /// Everything a scrape reports, taken from the core at once.
@@ -69,6 +73,8 @@ pub struct Sample {
     pub fds: FdSample,
     /// How this serving process started.
     pub start: StartSample,
+    /// The memory limit, usage and what reclaim gave back.
+    pub memory: proto::api::MemoryStatus,
 }
 
 /// How the serving process started: what it took back from the one
@@ -365,6 +371,71 @@ pub fn render(sample: &Sample) -> String {
         g,
     );
 
+    let m = &sample.memory;
+    for (name, help, v) in [
+        (
+            "memory_limit_bytes",
+            "the memory limit reclaim keeps the VMs under (0: none)",
+            m.limit_bytes.unwrap_or(0),
+        ),
+        (
+            "memory_watermark_bytes",
+            "reclaim starts above this many bytes in use (0: reclaim off)",
+            if m.reclaim {
+                m.watermark_bytes.unwrap_or(0)
+            } else {
+                0
+            },
+        ),
+        (
+            "memory_usage_bytes",
+            "bytes in use as the memory limit counts them",
+            m.usage_bytes,
+        ),
+        (
+            "memory_reclaim_behind",
+            "1 while reclaim cannot keep usage under the watermark (new VMs get 503)",
+            u64::from(m.behind),
+        ),
+        ("swap_pages", "pages in the swap store", m.swap.pages),
+        (
+            "swap_stored_bytes",
+            "bytes the swap store's pages take (compressed)",
+            m.swap.stored_bytes,
+        ),
+        (
+            "swap_file_bytes",
+            "bytes of the swap store's file",
+            m.swap.file_bytes,
+        ),
+    ] {
+        let g = Gauge::<i64>::default();
+        g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        reg.register(name, help, g);
+    }
+    reg.register(
+        "memory_given_back_bytes",
+        "bytes of guest memory reclaim gave back",
+        counter(m.given_back_bytes),
+    );
+    let reclaimed = Family::<Labels, Counter>::default();
+    let refaults = Family::<Labels, Counter>::default();
+    for vm in sample.vms.iter().filter(|v| v.kind == "pagefork") {
+        let l = labels(&[("vm", &vm.id)]);
+        reclaimed.get_or_create(&l).inc_by(vm.reclaimed_pages);
+        refaults.get_or_create(&l).inc_by(vm.refaults);
+    }
+    reg.register(
+        "vm_reclaimed_pages",
+        "pages reclaim gave back from each VM (dropped to their source or swapped)",
+        reclaimed,
+    );
+    reg.register(
+        "vm_refaults",
+        "faults of each VM on pages reclaimed before",
+        refaults,
+    );
+
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = encode(&mut out, &reg);
@@ -399,6 +470,8 @@ mod tests {
                 pages_by_source: vec![("vm".into(), 40), ("uninitialized".into(), 984)],
                 frozen: false,
                 trace_listeners: 1,
+                reclaimed_pages: 0,
+                refaults: 0,
             }],
             retired: FaultStats {
                 missing: 7,
@@ -430,6 +503,13 @@ mod tests {
                 recovery_seconds: 0.004,
                 kind: 1,
             },
+            memory: proto::api::MemoryStatus {
+                reclaim: true,
+                limit_bytes: Some(512 << 20),
+                watermark_bytes: Some(435 << 20),
+                given_back_bytes: 4096,
+                ..Default::default()
+            },
         };
         let text = render(&sample);
         assert!(
@@ -437,6 +517,14 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("pagefork_faults_missing_total 12"), "{text}");
+        assert!(
+            text.contains("pagefork_memory_limit_bytes 536870912"),
+            "{text}"
+        );
+        assert!(
+            text.contains("pagefork_memory_given_back_bytes_total 4096"),
+            "{text}"
+        );
         assert!(
             text.contains(r#"pagefork_vm_faults_missing_total{vm="vm-3",kind="pagefork"} 5"#),
             "{text}"

@@ -82,6 +82,13 @@ pub enum ResolveError {
         image: std::sync::Arc<crate::remote::image::RemoteImage>,
         chunks: Range<u64>,
     },
+    #[error("cannot read page {page} of {vm} back from the swap store")]
+    Swap {
+        vm: VmId,
+        page: u64,
+        #[source]
+        source: crate::reclaim::store::StoreError,
+    },
     #[error("cannot fetch chunk {chunk} of remote snapshot {snapshot}")]
     Chunk {
         snapshot: String,
@@ -242,6 +249,24 @@ pub fn read_pages(
                 page: first,
             }),
         },
+        PageSource::Swap(w) => {
+            let store = w.store.borrow();
+            let mut page = [0u8; shared::geometry::usize_of(PAGE_SIZE)];
+            for i in 0..len as u64 / PAGE_SIZE {
+                store
+                    .get(w.owner(), first + i, &mut page)
+                    .map_err(|source| ResolveError::Swap {
+                        vm: w.vm,
+                        page: first + i,
+                        source,
+                    })?;
+                let off = usize::try_from(i * PAGE_SIZE).unwrap_or(usize::MAX);
+                dst.subslice(off, page.len())
+                    .map_err(|_| ResolveError::PartialPage { first })?
+                    .copy_from(&page[..]);
+            }
+            Ok(())
+        }
         PageSource::Frozen(f) => {
             let src = f.memory.slice(first, len as u64 / PAGE_SIZE)?;
             src.copy_to_volatile_slice(*dst);

@@ -147,6 +147,43 @@ pub struct RemoteSource {
     pub image: std::sync::Arc<crate::remote::image::RemoteImage>,
 }
 
+/// Pages a VM wrote that reclaim compressed into the server's swap store
+/// (`crate::reclaim::store`) and dropped from memory: page p's bytes are
+/// the store's frame of (this VM, p). The tables of the VM's fork
+/// children name it too; its frames go when the last table stops naming
+/// it (this source is dropped).
+pub struct SwapSource {
+    /// The VM whose pages they were.
+    pub vm: VmId,
+    /// The store's key of its pages: the arena id it was made with (ids
+    /// are not reused, so a new source never reads an old one's frames).
+    pub key: u64,
+    pub store: Rc<std::cell::RefCell<crate::reclaim::store::SwapStore>>,
+}
+
+impl SwapSource {
+    /// The store's key of this source's pages.
+    pub fn owner(&self) -> u64 {
+        self.key
+    }
+}
+
+impl std::fmt::Debug for SwapSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SwapSource").field("vm", &self.vm).finish()
+    }
+}
+
+impl Drop for SwapSource {
+    fn drop(&mut self) {
+        // Nothing names these frames any more: they become garbage (the
+        // file keeps them until compaction).
+        if let Ok(mut store) = self.store.try_borrow_mut() {
+            store.remove_owner(self.owner());
+        }
+    }
+}
+
 /// Where a page's bytes come from.
 #[derive(Debug)]
 pub enum PageSource {
@@ -166,6 +203,8 @@ pub enum PageSource {
     Zstd(ZstdSource),
     /// A snapshot in the object store, fetched chunk by chunk.
     Remote(RemoteSource),
+    /// Pages a VM wrote, compressed out of memory by reclaim.
+    Swap(SwapSource),
 }
 
 impl PageSource {
@@ -179,6 +218,7 @@ impl PageSource {
             PageSource::Image(_) => "image",
             PageSource::Zstd(_) => "zstd",
             PageSource::Remote(_) => "remote",
+            PageSource::Swap(_) => "swap",
         }
     }
 
@@ -202,7 +242,8 @@ impl PageSource {
             | PageSource::Vm(_)
             | PageSource::Frozen(_)
             | PageSource::Zstd(_)
-            | PageSource::Remote(_) => None,
+            | PageSource::Remote(_)
+            | PageSource::Swap(_) => None,
         }
     }
 
@@ -261,6 +302,7 @@ impl PageSource {
                 None => format!("zstd:{}", z.image.path.display()),
             },
             PageSource::Remote(r) => format!("remote:{}", r.image.snapshot),
+            PageSource::Swap(w) => format!("swap:{}", w.vm),
         }
     }
 }
@@ -340,6 +382,11 @@ impl SourceArena {
         }
         self.slots.push(Some(source));
         id
+    }
+
+    /// The id the next source inserted gets.
+    pub fn next_id(&self) -> SourceId {
+        SourceId::try_from(self.slots.len()).unwrap_or(SourceId::MAX)
     }
 
     /// Call `hook` with every source taken or frozen from now on.

@@ -138,6 +138,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             readahead_kib: None,
             prefetch: false,
             hugepages: None,
+            reclaim: None,
         })),
     )?;
     let parent = vm["id"].as_str().unwrap_or_default().to_owned();
@@ -341,6 +342,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             readahead_kib: None,
             prefetch: false,
             hugepages: None,
+            reclaim: None,
         })),
     )?;
     let restored = restored["id"].as_str().unwrap_or_default().to_owned();

@@ -15,6 +15,9 @@ pub enum ServerCmd {
     /// Which process serves, since when, why it started and what it took
     /// back.
     Status,
+    /// The memory limit the server keeps its VMs under, what is in use,
+    /// what reclaim gave back, and its swap store.
+    Memory,
     /// Hand every VM to a new server process (this binary again, or
     /// `--binary`), without stopping any; waits until the new one serves.
     Upgrade {
@@ -70,9 +73,65 @@ fn print_health(h: &api::Health) {
     }
 }
 
+fn print_memory(m: &api::MemoryStatus) {
+    let mib = |b: u64| b >> 20;
+    println!(
+        "reclaim    {}",
+        if m.reclaim {
+            "on"
+        } else {
+            "off (--reclaim off)"
+        }
+    );
+    match m.limit_bytes {
+        Some(l) => println!("limit      {} MiB ({})", mib(l), m.limit_source),
+        None => println!("limit      none known"),
+    }
+    if let Some(w) = m.watermark_bytes {
+        println!("watermark  {} MiB", mib(w));
+    }
+    println!("in use     {} MiB", mib(m.usage_bytes));
+    println!("resident   {} MiB of guest memory", mib(m.resident_bytes));
+    println!("given back {} MiB", mib(m.given_back_bytes));
+    println!(
+        "swap       {} pages in {} MiB ({} MiB file{}) at {}",
+        m.swap.pages,
+        mib(m.swap.stored_bytes),
+        mib(m.swap.file_bytes),
+        if m.swap.full { ", full" } else { "" },
+        m.swap.path
+    );
+    if let Some(k) = m.oom_kills {
+        println!("oom kills  {k} (in the server's cgroup)");
+    }
+    if let Some(why) = &m.behind_reason {
+        println!("behind     {why}");
+    }
+    if !m.thrashing_vms.is_empty() {
+        println!("thrashing  {}", m.thrashing_vms.join(", "));
+    }
+}
+
 /// Run `cmd` against the server behind `client`.
 pub fn run(cmd: ServerCmd, client: &Client, json: bool) -> Result<()> {
     match cmd {
+        ServerCmd::Memory => {
+            let resp = client.request("GET", "/v1/memory", None)?;
+            if !resp.ok() {
+                return Err(CliError::Api {
+                    status: resp.status,
+                    message: resp.error_text(),
+                });
+            }
+            let m: api::MemoryStatus = serde_json::from_value(resp.body)
+                .map_err(|e| CliError::Usage(format!("bad memory answer: {e}")))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&m).unwrap_or_default());
+            } else {
+                print_memory(&m);
+            }
+            Ok(())
+        }
         ServerCmd::Status => {
             let h = health(client)?;
             if json {

@@ -274,6 +274,7 @@ pub fn run(cmd: SnapshotCmd, client: &Client, as_json: bool) -> Result<()> {
                 readahead_kib: None,
                 prefetch: false,
                 hugepages: None,
+                reclaim: None,
             };
             call(client, "POST", "/v1/vms", Some(&body(&req)))?
         }

@@ -63,6 +63,12 @@ pub struct VmRates {
     pub p99_us: Option<u64>,
     /// Faults since the VM began (MISSING + WP + REMOVE).
     pub faults: u64,
+    /// Its pages in the swap store now.
+    pub swapped: u64,
+    /// Faults per second on pages reclaim gave back before.
+    pub refaults_s: f64,
+    /// Reclaim finds it thrashing.
+    pub thrashing: bool,
 }
 
 fn faults_of(v: &VmInfo) -> u64 {
@@ -121,6 +127,9 @@ pub fn rates(now: &VmInfo, before: Option<&VmInfo>, secs: f64) -> VmRates {
         p50_us: percentile_us(&delta, 500),
         p99_us: percentile_us(&delta, 990),
         faults: faults_of(now),
+        swapped: now.reclaim.swapped_pages,
+        refaults_s: per_s(now.reclaim.refaults, before.map(|b| b.reclaim.refaults)),
+        thrashing: now.reclaim.thrashing,
     }
 }
 
@@ -287,7 +296,7 @@ fn draw(
     let header = Row::new(
         [
             "VM", "STATE", "MISS/s", "WP/s", "REM/s", "INST/s", "COPY/s", "RESIDENT", "P50us",
-            "P99us", "FAULTS",
+            "P99us", "FAULTS", "SWAPPED", "REFLT/s",
         ]
         .map(Cell::from),
     )
@@ -305,6 +314,12 @@ fn draw(
             us(r.p50_us),
             us(r.p99_us),
             r.faults.to_string(),
+            r.swapped.to_string(),
+            if r.thrashing {
+                format!("{} T", rate(r.refaults_s))
+            } else {
+                rate(r.refaults_s)
+            },
         ])
     });
     let widths = [
@@ -319,6 +334,8 @@ fn draw(
         Constraint::Length(7),
         Constraint::Length(7),
         Constraint::Length(10),
+        Constraint::Length(9),
+        Constraint::Length(9),
     ];
     f.render_widget(
         Table::new(lines, widths)

@@ -38,6 +38,14 @@ pub enum VmCmd {
         /// for 4 KiB pages); the server's default if absent.
         #[arg(long, num_args = 0..=1, default_missing_value = "true")]
         hugepages: Option<bool>,
+        /// Never give this VM's memory back under pressure (a
+        /// latency-critical VM).
+        #[arg(long)]
+        no_reclaim: bool,
+        /// Resident guest memory this VM may hold at most, in MiB; its
+        /// coldest pages beyond it are given back even without pressure.
+        #[arg(long)]
+        memory_limit_mib: Option<u64>,
     },
     /// List VMs.
     List,
@@ -59,6 +67,10 @@ pub enum VmCmd {
         #[arg(long, default_value_t = 1)]
         count: u32,
     },
+    /// Give back every page of a VM that can be given back now (pages
+    /// equal to their source are dropped, written pages compressed into
+    /// the swap store); each comes back at its next access.
+    Reclaim { id: String },
     /// Roll a running VM back in place to one of its snapshots.
     Rollback { id: String, snapshot: String },
     /// Clone a running VM COUNT times (all or none), through one snapshot.
@@ -191,6 +203,8 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
             fault_around_kib,
             prefetch,
             hugepages,
+            no_reclaim,
+            memory_limit_mib,
         } => {
             let req = api::CreateVm {
                 memory_mib,
@@ -206,6 +220,10 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                 readahead_kib: None,
                 prefetch,
                 hugepages,
+                reclaim: (no_reclaim || memory_limit_mib.is_some()).then_some(api::ReclaimPolicy {
+                    enabled: !no_reclaim,
+                    limit_mib: memory_limit_mib,
+                }),
             };
             call(client, "POST", "/v1/vms", Some(&body(&req)))?
         }
@@ -257,6 +275,21 @@ pub fn run(cmd: VmCmd, client: &Client, as_json: bool) -> Result<()> {
                         .unwrap_or_default(),
                     v["pause_us"],
                     v["fork_us"]
+                );
+                return Ok(());
+            }
+            v
+        }
+        VmCmd::Reclaim { id } => {
+            let v = call(client, "POST", &format!("/v1/vms/{id}/reclaim"), None)?;
+            if !as_json {
+                println!(
+                    "{id}: {} MiB given back ({} pages dropped to their source, {} swapped; {} \
+                     kept)",
+                    v["freed_bytes"].as_u64().unwrap_or(0) >> 20,
+                    v["dropped_pages"],
+                    v["swapped_pages"],
+                    v["kept_pages"]
                 );
                 return Ok(());
             }

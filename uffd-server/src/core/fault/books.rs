@@ -96,6 +96,7 @@ impl Books for OurBooks<'_> {
 /// Record pages `[lo, lo + n)` of `v` as present, installed as `how` says.
 pub(crate) fn mark_present(v: &mut Vm, lo: u64, n: u64, how: How) {
     let me = v.self_src;
+    v.reclaim.installed(lo, n, how.from);
     v.table.set_range(lo, n, me);
     v.log.stats.pages_installed += n;
     v.log

@@ -11,6 +11,7 @@ use crate::core::error::{Error, Result};
 use crate::core::launch::delete::discard_vms;
 use crate::core::link::process::stop_vmm;
 use crate::core::pool::take::new_guest_memory;
+use crate::core::reclaim::state::VmReclaim;
 use crate::core::state::Core;
 use crate::core::vm::{Vm, VmParts};
 
@@ -38,6 +39,8 @@ pub(crate) fn create_children(
         .vms
         .get(&parent)
         .map_or(0, |p| p.faults.readahead.max_pages);
+    // Children are reclaimed as their parent is.
+    let reclaim = reg.vms.get(&parent).map(|p| p.reclaim.policy());
     // A paused parent forks as a template (its memfd frozen as the
     // children's base, or its own base passed on).
     let template = reg
@@ -78,6 +81,7 @@ pub(crate) fn create_children(
         vm.start_state = Some(state.clone());
         vm.pooled = pooled;
         vm.base.on = on_base.clone();
+        vm.reclaim = VmReclaim::new(reclaim.as_ref(), vm.memory.pages(), Some(&vm.table));
         crate::core::launch::make::enlist(&mut reg, vm);
         out.push((id, rx));
     }

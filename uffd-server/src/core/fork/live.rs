@@ -134,6 +134,7 @@ fn check(core: &Core, parent: VmId, count: u32) -> Result<bool> {
     }
     let reg = core.reg.borrow();
     let size = reg.vms.get(&parent).map_or(0, |v| v.memory.size());
+    crate::core::reclaim::admit(core)?;
     reg.admit(&core.settings, u64::from(count), size)?;
     Ok(template)
 }

@@ -238,6 +238,7 @@ fn prepare_vm(core: &Core, req: &CreateVm) -> Result<(VmId, oneshot::Receiver<Re
         // holds it in its own memfd: pages of a base would still fault
         // once each, to be mapped.
         shared_base: !req.prefetch,
+        reclaim: req.reclaim.clone(),
     };
     let mut reg = core.reg.borrow_mut();
     let id = reserve(core, &mut reg, size)?;

@@ -12,6 +12,7 @@ use tokio::sync::oneshot;
 
 use crate::core::error::{Error, Result};
 use crate::core::pool::take::new_guest_memory;
+use crate::core::reclaim::state::VmReclaim;
 use crate::core::registry::Registry;
 use crate::core::state::Core;
 use crate::core::vm::{Vm, VmParts};
@@ -46,10 +47,13 @@ pub(crate) struct VmSpec {
     /// Map the origin's clean pages from a shared base (one copy per
     /// host) instead of copying them in.
     pub shared_base: bool,
+    /// How its memory may be given back under pressure.
+    pub reclaim: Option<proto::api::ReclaimPolicy>,
 }
 
 /// Admit a VM of `size` bytes against the budget and give it an id.
 pub(crate) fn reserve(core: &Core, reg: &mut Registry, size: u64) -> Result<VmId> {
+    crate::core::reclaim::admit(core)?;
     reg.admit(&core.settings, 1, size)?;
     Ok(reg.alloc_id(&core.settings.state_dir))
 }
@@ -100,6 +104,7 @@ pub(crate) fn make(
         vm.owns_volume = owns;
     }
     vm.pooled = pooled;
+    vm.reclaim = VmReclaim::new(spec.reclaim.as_ref(), pages, Some(&vm.table));
     enlist(reg, vm);
     if let Some(src) = src.filter(|_| spec.shared_base && core.settings.shared_bases) {
         crate::core::base::attach_image(reg, id, src);

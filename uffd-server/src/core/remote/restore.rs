@@ -164,6 +164,7 @@ fn register(
         // filled from the chunks as VMs fault: N restores hold the
         // memory once.
         shared_base: true,
+        reclaim: req.reclaim.clone(),
     };
     let mut reg = core.reg.borrow_mut();
     let id = reserve(core, &mut reg, size)?;

@@ -95,6 +95,24 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, St
                 .map_err(|e| format!("cannot read the compressed image {}: {e}", file.path))?;
             PageSource::Zstd(ZstdSource { image })
         }
+        SourceRec::Swap { vm, key } => {
+            let store = core
+                .reclaim
+                .borrow()
+                .store_for_reading()
+                .cloned()
+                .ok_or_else(|| {
+                    format!(
+                    "pages of vm-{vm} are in the swap store, and this server has none (it runs \
+                     with --reclaim off, or cannot open it)"
+                )
+                })?;
+            PageSource::Swap(crate::pages::source::SwapSource {
+                vm: VmId(*vm),
+                key: *key,
+                store,
+            })
+        }
         SourceRec::Remote { manifest } => {
             let service = core.remote.service().map_err(|_| {
                 format!(
@@ -253,6 +271,19 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                 v.link.pid = rec.pid;
                 v.faults.vmm_base = rec.vmm_base;
                 v.fork.parent = rec.parent.map(VmId);
+                v.reclaim = crate::core::reclaim::state::VmReclaim::new(
+                    rec.reclaim.as_ref(),
+                    v.memory.pages(),
+                    None,
+                );
+                if let Some(snapshot) = &rec.rollback_to {
+                    if rec.state == proto::api::RunState::Running {
+                        // Finished once its VMM rejoins; nothing else may
+                        // pause it before.
+                        v.rollback.begin(snapshot);
+                        v.busy = Some("a rollback a restart cut short");
+                    }
+                }
                 v.adopted = Some(crate::core::restart::state::AdoptedVm::now());
                 if let Some((b, src)) = rec.on_base {
                     let base = bases

@@ -70,6 +70,10 @@ fn source_rec(found: &mut Found, id: u32, s: &PageSource) -> Option<SourceRec> {
         PageSource::Remote(r) => SourceRec::Remote {
             manifest: Box::new((*r.image.manifest).clone()),
         },
+        PageSource::Swap(w) => SourceRec::Swap {
+            vm: w.vm.0,
+            key: w.key,
+        },
     })
 }
 
@@ -134,6 +138,8 @@ fn vm_rec(found: &mut Found, v: &Vm) -> VmRec {
         fault_around_pages: v.faults.fault_around_pages,
         readahead_pages: v.faults.readahead.max_pages,
         parent: v.fork.parent.map(|p| p.0),
+        rollback_to: v.rollback.under_way().map(str::to_owned),
+        reclaim: Some(v.reclaim.policy()).filter(|p| *p != proto::api::ReclaimPolicy::default()),
     }
 }
 

@@ -91,6 +91,11 @@ pub enum SourceRec {
     Remote {
         manifest: Box<proto::manifest::Manifest>,
     },
+    /// Pages of VM `vm` in the swap store, under `key`.
+    Swap {
+        vm: u32,
+        key: u64,
+    },
     /// A source a new server cannot open again; the VMs that read it are
     /// failed at adoption, with this reason.
     Lost {
@@ -155,6 +160,13 @@ pub struct VmRec {
     /// The VM it was forked from.
     #[serde(default)]
     pub parent: Option<u32>,
+    /// The snapshot of a rollback under way (paused; its memory may be
+    /// the snapshot's in part): a server that takes it back finishes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback_to: Option<String>,
+    /// How its memory may be given back (the default if absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reclaim: Option<proto::api::ReclaimPolicy>,
 }
 
 /// A Firecracker listener (its listening socket is in the store).

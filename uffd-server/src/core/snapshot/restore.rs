@@ -98,6 +98,7 @@ pub(crate) fn prepare_restore(
         volume: volume.clone().map(|v| (v, true)),
         restores: Some(name.to_owned()),
         shared_base: true,
+        reclaim: req.reclaim.clone(),
     };
     let ready_rx = match make(core, &mut reg, id, spec) {
         Ok(r) => r,

@@ -1,0 +1,317 @@
+//! Reclaim's pages, one VM at a time, through the real path (KVM, the
+//! VMM's uffd, the swap store's file): `POST /v1/vms/{id}/reclaim` gives
+//! back every page it can, and every later read, fork, snapshot, restore,
+//! rollback and restart of the server finds the VM's bytes as they were
+//! (`digest`, every byte). And the bad cases: a swap store whose disk is
+//! full, a damaged frame, a server SIGKILLed with pages swapped out.
+//!
+//! - `a_reclaimed_vm_reads_its_bytes_back_through_every_operation`
+//! - `a_crash_with_pages_swapped_out_serves_them_after_the_restart`
+//! - `a_damaged_swap_frame_fails_only_its_vm_with_the_reason`
+//! - `a_full_swap_disk_keeps_written_pages_and_still_drops_clean_ones`
+//! - `an_opted_out_vm_is_never_reclaimed`
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use pagefork_tests::{new_vm, require_kvm_uffd, signal, wait_for, TestServer};
+use proto::api::{CreateVm, ReclaimPolicy, RunState, SnapshotMode};
+
+/// Guest RAM of the VMs here.
+const MIB: u64 = 32;
+const PAGES: u64 = MIB * 256;
+/// The first half is written (swapped when reclaimed), the second read
+/// only (zero pages: dropped).
+const WRITTEN: u64 = PAGES / 2;
+
+/// A VM whose first half holds `seed`'s pattern and whose second half
+/// was read (zero pages present); returns its id and whole digest.
+fn half_written(s: &TestServer, seed: u64) -> (String, u64) {
+    let vm = s.create_vm(&new_vm(MIB));
+    s.fill(&vm, 0, WRITTEN, seed);
+    s.touch(&vm, WRITTEN, PAGES - WRITTEN, false);
+    let d = s.digest(&vm, 0, PAGES);
+    (vm, d)
+}
+
+/// Reclaim `vm` and check it gave back both kinds of page.
+fn reclaim_all(s: &TestServer, vm: &str) {
+    let r = s.reclaim(vm);
+    assert!(
+        r.swapped_pages >= WRITTEN * 9 / 10,
+        "{vm}: the written half was not swapped: {r:?}"
+    );
+    assert!(
+        r.dropped_pages >= (PAGES - WRITTEN) * 9 / 10,
+        "{vm}: the zero half was not dropped: {r:?}"
+    );
+    let v = s.vm(vm);
+    assert!(
+        v.resident_pages < PAGES / 10,
+        "{vm}: {} pages still resident after reclaim",
+        v.resident_pages
+    );
+    assert_eq!(v.reclaim.swapped_pages, r.swapped_pages, "{v:?}");
+}
+
+/// The swap store's file of the server on `state`.
+fn store_file(state: &Path) -> PathBuf {
+    state.join("swap").join("pages")
+}
+
+#[test]
+fn a_reclaimed_vm_reads_its_bytes_back_through_every_operation() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let (vm, d) = half_written(&s, 0x51);
+    s.snapshot(&vm, "before", SnapshotMode::Full);
+    reclaim_all(&s, &vm);
+
+    // Explain names the page's place in the store.
+    let info = s.explain(&vm, 3);
+    let last = info
+        .explain
+        .as_ref()
+        .and_then(|e| e.chain.last().cloned())
+        .expect("a chain");
+    assert_eq!(last.kind, "swap", "{info:?}");
+    assert!(
+        last.file
+            .as_deref()
+            .is_some_and(|f| f.ends_with("swap/pages")),
+        "{info:?}"
+    );
+    assert!(last.offset.is_some(), "{info:?}");
+    let m = s.memory();
+    assert!(m.reclaim, "{m:?}");
+    assert!(m.swap.pages >= WRITTEN * 9 / 10, "{m:?}");
+    assert!(m.given_back_bytes >= (PAGES * 9 / 10) * 4096, "{m:?}");
+
+    // A fork shares the swapped pages; a snapshot reads them from the
+    // store; both see every byte.
+    let child = s.fork_one(&vm);
+    assert_eq!(
+        s.digest(&child, 0, PAGES),
+        d,
+        "the fork child of a reclaimed VM"
+    );
+    s.snapshot(&vm, "after", SnapshotMode::Full);
+    let restored = s.restore("after");
+    assert_eq!(
+        s.digest(&restored, 0, PAGES),
+        d,
+        "a restore of its snapshot"
+    );
+    // The VM itself, and after its pages came back.
+    assert_eq!(s.digest(&vm, 0, PAGES), d, "the reclaimed VM");
+    assert_eq!(s.verify(&vm, 0, WRITTEN, 0x51), 0);
+    assert!(s.vm(&vm).reclaim.refaults > 0);
+    // Reclaimed again, then written over, then rolled back.
+    s.reclaim(&vm);
+    s.fill(&vm, 0, 64, 0x52);
+    s.reclaim(&vm);
+    assert_eq!(s.verify(&vm, 0, 64, 0x52), 0);
+    s.rollback(&vm, "before");
+    assert_eq!(
+        s.digest(&vm, 0, PAGES),
+        d,
+        "rolled back to before the reclaim"
+    );
+    // The child still reads the frames its parent no longer names.
+    s.reclaim(&child);
+    assert_eq!(
+        s.digest(&child, 0, PAGES),
+        d,
+        "the child after its own reclaim"
+    );
+    for id in [&child, &restored, &vm] {
+        s.delete_vm(id);
+    }
+    // Nothing names a frame any more: the store lets them go (within a
+    // window of the reclaim loop).
+    let emptied = wait_for(Duration::from_secs(10), || {
+        (s.memory().swap.pages == 0).then_some(())
+    });
+    assert!(emptied.is_some(), "frames left: {:?}", s.memory().swap);
+    s.assert_healthy();
+}
+
+#[test]
+fn a_crash_with_pages_swapped_out_serves_them_after_the_restart() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let (vm, d) = half_written(&s, 0x61);
+    reclaim_all(&s, &vm);
+    // A child made after the reclaim reads its parent's frames.
+    let child = s.fork_one(&vm);
+    assert!(s.vm(&child).reclaim.swapped_pages >= WRITTEN * 9 / 10);
+    let before = s.pid();
+    signal(before, Signal::SIGKILL);
+    let restarted = wait_for(Duration::from_secs(30), || {
+        s.health_now().filter(|h| h.pid != before)
+    });
+    assert!(
+        restarted.is_some(),
+        "no new serving process after a SIGKILL"
+    );
+    for id in [&vm, &child] {
+        let digest = wait_for(Duration::from_secs(30), || {
+            s.try_exec(id, &pagefork_tests::op::digest(0, PAGES)).ok()
+        })
+        .unwrap_or_else(|| panic!("{id} never answered after the restart"));
+        assert_eq!(
+            digest.result, d,
+            "{id} after a crash with its pages swapped"
+        );
+        assert_eq!(s.vm(id).state, RunState::Running);
+    }
+    // The store still serves them after a second reclaim, in the new
+    // process.
+    s.fill(&vm, 0, 16, 0x62);
+    s.reclaim(&vm);
+    assert_eq!(s.verify(&vm, 0, 16, 0x62), 0);
+    assert_eq!(s.verify(&vm, 16, WRITTEN - 16, 0x61), 0);
+}
+
+#[test]
+fn a_damaged_swap_frame_fails_only_its_vm_with_the_reason() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let (a, _) = half_written(&s, 0x71);
+    let (b, db) = half_written(&s, 0x72);
+    reclaim_all(&s, &a);
+    reclaim_all(&s, &b);
+    // Damage the payload of a's page 5 in the store's file (its frame's
+    // header is 56 bytes; the compressed page is a few dozen more).
+    let info = s.explain(&a, 5);
+    let offset = info
+        .explain
+        .as_ref()
+        .and_then(|e| e.chain.last())
+        .and_then(|l| l.offset)
+        .expect("the frame's offset");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(store_file(s.state_dir()))
+        .expect("the swap store's file");
+    let at = offset + 56 + 6;
+    let mut byte = [0u8; 1];
+    f.read_exact_at(&mut byte, at).expect("read the frame");
+    byte[0] ^= 0xff;
+    f.write_all_at(&byte, at).expect("damage the frame");
+    drop(f);
+
+    let r = s.try_exec(&a, &pagefork_tests::op::verify(5, 1, 0x71));
+    assert!(r.is_err(), "a read a damaged page: {r:?}");
+    let v = s.vm(&a);
+    assert_eq!(v.state, RunState::Failed, "{v:?}");
+    let why = v.failure.unwrap_or_default();
+    assert!(
+        why.contains("swap store") && why.contains("damaged"),
+        "the failure does not say why: {why}"
+    );
+    // b, which shares the store, is whole.
+    assert_eq!(s.digest(&b, 0, PAGES), db);
+    s.delete_vm(&a);
+    s.delete_vm(&b);
+}
+
+#[test]
+fn a_full_swap_disk_keeps_written_pages_and_still_drops_clean_ones() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    // A real full disk: the store on a 64 KiB tmpfs (a page of the
+    // guest's fill pattern compresses to a frame of under 100 bytes).
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        .arg(dir.path())
+        .status()
+        .is_ok_and(|st| st.success());
+    if !mounted {
+        assert!(
+            std::env::var("CI").map_or(true, |v| v != "true"),
+            "CI=true but a tmpfs cannot be mounted (the test needs root)"
+        );
+        eprintln!("skipping: cannot mount a tmpfs (not root?)");
+        return;
+    }
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(dir.path().to_owned());
+    let swap = dir.path().display().to_string();
+    let s = TestServer::start_with_args(&["--swap-dir", &swap]);
+    let (vm, d) = half_written(&s, 0x81);
+    let r = s.reclaim(&vm);
+    // At most what fits in 64 KiB went to the store; the zero half was
+    // dropped all the same; the rest stays in memory.
+    assert!(r.swapped_pages < WRITTEN / 2, "{r:?}");
+    assert!(r.kept_pages > WRITTEN / 2, "{r:?}");
+    assert!(r.dropped_pages >= (PAGES - WRITTEN) * 9 / 10, "{r:?}");
+    assert!(s.memory().swap.full, "{:?}", s.memory());
+    assert_eq!(
+        s.digest(&vm, 0, PAGES),
+        d,
+        "a VM reclaimed with its store full"
+    );
+    s.delete_vm(&vm);
+}
+
+#[test]
+fn an_opted_out_vm_is_never_reclaimed() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let vm = s.create_vm(&CreateVm {
+        reclaim: Some(ReclaimPolicy {
+            enabled: false,
+            limit_mib: None,
+        }),
+        ..new_vm(MIB)
+    });
+    s.fill(&vm, 0, 256, 0x91);
+    let r = s
+        .try_reclaim(&vm)
+        .expect_err("reclaim of an opted-out VM answered");
+    r.assert_error(409, "opted out", "reclaim of an opted-out VM");
+    let v = s.vm(&vm);
+    assert!(!v.reclaim.enabled, "{v:?}");
+    assert_eq!(v.reclaim.swapped_pages, 0);
+    // A VM with its own limit gives back what it holds beyond it, without
+    // any pressure on the host.
+    let capped = s.create_vm(&CreateVm {
+        reclaim: Some(ReclaimPolicy {
+            enabled: true,
+            limit_mib: Some(4),
+        }),
+        ..new_vm(MIB)
+    });
+    s.fill(&capped, 0, WRITTEN, 0x92);
+    let under = wait_for(Duration::from_secs(20), || {
+        let v = s.vm(&capped);
+        (v.resident_pages <= 4 * 256 + 256).then_some(v)
+    });
+    assert!(
+        under.is_some(),
+        "a VM limited to 4 MiB still holds {} pages",
+        s.vm(&capped).resident_pages
+    );
+    assert_eq!(s.verify(&capped, 0, WRITTEN, 0x92), 0);
+    s.delete_vm(&vm);
+    s.delete_vm(&capped);
+}

@@ -1,0 +1,112 @@
+//! Reclaim under memory pressure: the server keeps the VMs' resident
+//! memory under a watermark below the limit that applies to it (its
+//! memory cgroup's, or the host's memory), by giving back pages the VMs
+//! hold: first pages whose source holds the same bytes (zeroes, an
+//! image, a frozen template), dropped and served again on their next
+//! fault; then pages a VM wrote, compressed into the swap store under the
+//! state directory (`crate::reclaim::store`) and served back from it like
+//! a compressed image.
+//!
+//! - [`state`]: the server's reclaim state ([`state::Reclaimer`]) and each
+//!   VM's ([`state::VmReclaim`]).
+//! - [`pass`]: one pass over one VM (how a page is taken safely while the
+//!   guest runs).
+//! - [`tick`]: the loop that decides when and from whom.
+//!
+//! Invariants: a page is taken only while write-protected and mapped in
+//! its VMM, and its table entry names where its bytes are before it
+//! leaves memory; a page another VM still reads from this one is never
+//! taken; a frame of the swap store lives while some table names it.
+//! Which pages are cold: the server sees faults, not accesses (no idle
+//! page tracking on these hosts, and KVM's accessed bits are not
+//! visible to it). VMs whose faults stopped longest ago go first; within
+//! a VM a clock hand walks its pages; a page faulted back soon after it
+//! was taken is hot and skipped for the next two windows.
+
+pub mod pass;
+pub mod state;
+pub mod tick;
+
+use std::rc::Rc;
+
+use shared::VmId;
+
+use crate::core::error::{Error, Result};
+use crate::core::state::Core;
+
+/// Pages one step of `reclaim_now` takes at most before it yields.
+const STEP_PAGES: u64 = 4096;
+
+/// `POST /v1/vms/{id}/reclaim`: give back every page of `vm` that can be
+/// given back now, hot or not.
+pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api::VmReclaimed> {
+    {
+        let reg = core.reg.borrow();
+        let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+        if !core.reclaim.borrow().on() {
+            return Err(Error::ReclaimRefused {
+                vm,
+                why: "reclaim is off (--reclaim off)".to_owned(),
+            });
+        }
+        if let Some(why) = pass::ineligible(v) {
+            return Err(Error::ReclaimRefused {
+                vm,
+                why: why.to_owned(),
+            });
+        }
+    }
+    let pages = {
+        let mut reg = core.reg.borrow_mut();
+        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+        v.reclaim.hand = 0;
+        v.memory.pages()
+    };
+    let mut total = pass::Took::default();
+    while total.examined < pages {
+        let took = {
+            let mut reg = core.reg.borrow_mut();
+            let mut rc = core.reclaim.borrow_mut();
+            pass::reclaim_vm(&mut reg, &mut rc, vm, STEP_PAGES, true)
+        };
+        if took.examined == 0 {
+            break;
+        }
+        total.examined += took.examined;
+        total.dropped += took.dropped;
+        total.swapped += took.swapped;
+        total.kept += took.kept;
+        tokio::task::yield_now().await;
+    }
+    Ok(proto::api::VmReclaimed {
+        vm: vm.to_string(),
+        dropped_pages: total.dropped,
+        swapped_pages: total.swapped,
+        kept_pages: total.kept,
+        freed_bytes: total.freed() * shared::PAGE_SIZE,
+    })
+}
+
+/// Refuse a new VM while reclaim cannot keep up (503, with why).
+pub(crate) fn admit(core: &Core) -> Result<()> {
+    match core.reclaim.borrow().behind() {
+        Some(why) => Err(Error::MemoryPressure(why.to_owned())),
+        None => Ok(()),
+    }
+}
+
+/// `GET /v1/memory`.
+pub(crate) fn status(core: &Core) -> proto::api::MemoryStatus {
+    let reg = core.reg.borrow();
+    let resident: u64 = reg.vms.values().map(|v| v.memory.allocated_bytes()).sum();
+    let thrashing = reg
+        .vms
+        .values()
+        .filter(|v| v.reclaim.thrashing())
+        .map(|v| v.id.to_string())
+        .collect();
+    drop(reg);
+    let mut rc = core.reclaim.borrow_mut();
+    rc.read();
+    rc.to_api(resident, thrashing)
+}
