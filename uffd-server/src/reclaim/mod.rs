@@ -3,4 +3,5 @@
 //! pages compressed out of memory ([`store`]).
 
 pub mod cgroup;
-pub mod store;
+/// The swap store (its own crate, so the fuzzer builds it alone).
+pub use swapstore as store;

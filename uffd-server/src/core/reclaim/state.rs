@@ -210,9 +210,9 @@ impl Reclaimer {
     /// [`HEADROOM`] under it (a small limit leaves the kernel's own needs
     /// and a burst of faults room).
     pub fn watermark(&self) -> Option<u64> {
-        self.last.limit.map(|l| {
-            (l / 100 * self.watermark_pct).min(l.saturating_sub(HEADROOM))
-        })
+        self.last
+            .limit
+            .map(|l| (l / 100 * self.watermark_pct).min(l.saturating_sub(HEADROOM)))
     }
 
     /// Reclaim goes on until usage is under this: 5 points of the limit

@@ -91,7 +91,7 @@ const SEQUENTIAL_BUFFER: usize = 1 << 20;
 pub enum StoreError {
     #[error("a swapped page is {PAGE_SIZE} bytes, not {len}")]
     PageSize { len: usize },
-    #[error("cannot {what} {}{}", path.display(), crate::fd_hint(source))]
+    #[error("cannot {what} {}{}", path.display(), fd_hint(source))]
     Io {
         what: &'static str,
         path: PathBuf,
@@ -160,6 +160,16 @@ pub enum StoreError {
     },
     #[error("bad swap frame header: {reason}")]
     BadHeader { reason: String },
+}
+
+/// A hint to append to an I/O error that means the process ran out of
+/// file descriptors; empty otherwise.
+fn fd_hint(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EMFILE) => "; the server is out of file descriptors: raise its limit",
+        Some(libc::ENFILE) => "; the system is out of file descriptors (fs.file-max)",
+        _ => "",
+    }
 }
 
 /// Result alias of this module.
