@@ -138,6 +138,7 @@ fn a_reclaimed_vm_reads_its_bytes_back_through_every_operation() {
     });
     assert!(emptied.is_some(), "frames left: {:?}", s.memory().swap);
     s.assert_healthy();
+    assert_first_process(&s);
 }
 
 #[test]
@@ -314,4 +315,12 @@ fn an_opted_out_vm_is_never_reclaimed() {
     assert_eq!(s.verify(&capped, 0, WRITTEN, 0x92), 0);
     s.delete_vm(&vm);
     s.delete_vm(&capped);
+    assert_first_process(&s);
+}
+
+/// The serving process is the one that started: reclaim never crashed it
+/// (its keeper would have started another, hiding the crash).
+fn assert_first_process(s: &TestServer) {
+    let h = s.health_now().expect("a health answer");
+    assert_eq!(h.start, "first", "the serving process was restarted: {h:?}");
 }

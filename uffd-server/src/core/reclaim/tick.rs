@@ -190,7 +190,7 @@ fn over_own_limit(core: &Core) -> Vec<(VmId, u64)> {
         .filter_map(|v| {
             let limit = v.reclaim.limit_pages()?;
             let held = v.memory.allocated_bytes() / PAGE_SIZE;
-            (held > limit && pass::ineligible(v).is_none()).then_some((v.id, held - limit))
+            (held > limit && pass::ineligible(v).is_none()).then(|| (v.id, held - limit))
         })
         .collect()
 }
