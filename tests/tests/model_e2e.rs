@@ -65,7 +65,8 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use pagefork_tests::{
     apply_fill, expected_digest, file_source, from_snapshot, new_vm, op, require_hugepages,
-    server_on_xfs, vm_num, wait_for, zstd_source, Api, Holdings, RandomImage, Reply, TestServer,
+    server_on_xfs, vm_num, wait_for, zstd_source, Api, Holdings, RandomImage, Reply, Rng,
+    TestServer,
 };
 use proto::api::{
     CloneVm, CreateSnapshot, CreateVm, ForkRequest, MemorySource, RunState, SnapshotMode,
@@ -107,42 +108,6 @@ fn env_u64(name: &str, default: u64) -> u64 {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-// ------------------------------------------------------------------ rng --
-
-/// SplitMix64: small, deterministic, good enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % n as u64).expect("below n fits")
-    }
-
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-
-    /// A fill seed: never 0, which the model keeps for zeroes.
-    fn seed(&mut self) -> u64 {
-        self.next() | 1
-    }
-
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
 }
 
 // ---------------------------------------------------------------- model --

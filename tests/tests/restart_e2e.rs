@@ -49,7 +49,7 @@ use nix::sys::signal::Signal;
 use pagefork_tests::{
     apply_fill, compress_image, file_source, free_hugepages, new_vm, op, open_fds,
     require_kvm_uffd, server_on_xfs, signal, uffdctl, zstd_source, OneShot, OneShotError,
-    RandomImage, Reply, TestServer,
+    RandomImage, Reply, Rng, TestServer,
 };
 use proto::api::{CreateVm, ExecRequest, Health, MemorySource, RunState, VmInfo};
 use serde_json::{json, Value};
@@ -82,42 +82,6 @@ fn env_u64(name: &str) -> Option<u64> {
             .parse()
             .unwrap_or_else(|e| panic!("{name}={v:?} is not a number: {e}"))
     })
-}
-
-// ------------------------------------------------------------------ rng --
-
-/// SplitMix64: small, deterministic, good enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % n as u64).expect("below n fits")
-    }
-
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-
-    /// A fill seed: never 0, which the model keeps for zeroes.
-    fn seed(&mut self) -> u64 {
-        self.next() | 1
-    }
-
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-
-    fn millis(&mut self, lo: u64, hi: u64) -> Duration {
-        Duration::from_millis(lo + self.next() % (hi - lo + 1))
-    }
 }
 
 // ------------------------------------------------------------ the wire --

@@ -57,7 +57,7 @@ use pagefork_benches::plan::{reclaim_hot_key, RECLAIM_OVERCOMMIT_TENTHS};
 use pagefork_benches::{Plan, Row};
 use pagefork_tests::{
     apply_fill, body, new_vm, op, pages_of, realistic_memory, require_memcg_v1, set_oom_score_adj,
-    Memcg, OneShot, RandomImage, TestServer,
+    Memcg, OneShot, OneShotError, RandomImage, Reply, Rng, TestServer,
 };
 use proto::api::{
     CreateVm, ExecRequest, ExecResponse, MemorySource, MemoryStatus, RunState, VmInfo, VmReclaimed,
@@ -405,20 +405,6 @@ fn emit_give_back(mib: u64, g: &GiveBack) {
 
 // ----------------------------------------------------------- 2. hot set --
 
-/// A seeded PRNG (splitmix64): the same cold reads in every run.
-#[derive(Debug)]
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
-
 /// Requests to a fleet's server once its limit is set: the OOM killer may
 /// take the serving process (its keeper starts another), so a request
 /// that gets no answer is an outcome of the run, not a failed bench.
@@ -431,6 +417,26 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 /// to get under its watermark before their next tenth.
 const PACE_WAIT: Duration = Duration::from_secs(10);
 
+/// Why a request of the hot-set run got no usable answer (an outcome
+/// of the run under pressure, reported, not a failed bench).
+#[derive(Debug, thiserror::Error)]
+enum ClientError {
+    #[error("{what}: no answer")]
+    Request {
+        what: String,
+        #[source]
+        source: OneShotError,
+    },
+    #[error("{what}: the server answered {reply}")]
+    Status { what: String, reply: Reply },
+    #[error("{what}: not the answer's type")]
+    Decode {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
 impl Client {
     fn call<T: DeserializeOwned>(
         &self,
@@ -438,26 +444,36 @@ impl Client {
         path: &str,
         req: Option<Value>,
         ok: u16,
-    ) -> std::result::Result<T, String> {
+    ) -> std::result::Result<T, ClientError> {
+        let what = || format!("{method} {path}");
         let r = self
             .0
             .request(method, path, req.as_ref())
-            .map_err(|e| format!("{method} {path}: {e}"))?;
+            .map_err(|source| ClientError::Request {
+                what: what(),
+                source,
+            })?;
         if r.status != ok {
-            return Err(format!("{method} {path}: {r}"));
+            return Err(ClientError::Status {
+                what: what(),
+                reply: r,
+            });
         }
-        serde_json::from_value(r.body).map_err(|e| format!("{method} {path}: {e}"))
+        serde_json::from_value(r.body).map_err(|source| ClientError::Decode {
+            what: what(),
+            source,
+        })
     }
 
-    fn exec(&self, id: &str, req: &ExecRequest) -> std::result::Result<ExecResponse, String> {
+    fn exec(&self, id: &str, req: &ExecRequest) -> std::result::Result<ExecResponse, ClientError> {
         self.call("POST", &format!("/v1/vms/{id}/exec"), Some(body(req)), 200)
     }
 
-    fn vm(&self, id: &str) -> std::result::Result<VmInfo, String> {
+    fn vm(&self, id: &str) -> std::result::Result<VmInfo, ClientError> {
         self.call("GET", &format!("/v1/vms/{id}"), None, 200)
     }
 
-    fn memory(&self) -> std::result::Result<MemoryStatus, String> {
+    fn memory(&self) -> std::result::Result<MemoryStatus, ClientError> {
         self.call("GET", "/v1/memory", None, 200)
     }
 
@@ -548,7 +564,7 @@ fn start_fleet(mib: u64, image: &RandomImage, over: Option<u64>) -> Fleet {
         for (start, n) in tenths(pages_of(mib)) {
             api.under_watermark(PACE_WAIT);
             if let Err(e) = api.exec(id, &op::fill(start, n, SEED + i)) {
-                eprintln!("  fill of {id}: {e}");
+                eprintln!("  fill of {id}: {}", shared::error_chain(&e));
                 break;
             }
         }
@@ -572,7 +588,12 @@ fn tenths(pages: u64) -> impl Iterator<Item = (u64, u64)> {
 
 /// Pages of VM `id` whose fill words differ from `seed`'s, read a tenth
 /// at a time as the fill wrote them; or why they could not be read.
-fn read_back(api: &Client, id: &str, pages: u64, seed: u64) -> std::result::Result<u64, String> {
+fn read_back(
+    api: &Client,
+    id: &str,
+    pages: u64,
+    seed: u64,
+) -> std::result::Result<u64, ClientError> {
     let mut bad = 0;
     for (start, n) in tenths(pages) {
         api.under_watermark(PACE_WAIT);
@@ -590,7 +611,7 @@ struct Loop {
 
 /// VM `id` reads its hot tenth `HOT_READS` times, then a cold tenth from
 /// `rng`, over and over until `until`.
-fn hot_loop(api: &Client, id: &str, pages: u64, until: Instant, mut rng: SplitMix) -> Loop {
+fn hot_loop(api: &Client, id: &str, pages: u64, until: Instant, mut rng: Rng) -> Loop {
     let tenth = pages / 10;
     let mut done = Loop::default();
     for k in 0u64.. {
@@ -605,7 +626,7 @@ fn hot_loop(api: &Client, id: &str, pages: u64, until: Instant, mut rng: SplitMi
         match api.exec(id, &op::touch(start, tenth, false)) {
             Ok(_) => done.pages += tenth,
             Err(e) => {
-                done.failed = Some(e);
+                done.failed = Some(shared::error_chain(&e));
                 break;
             }
         }
@@ -654,7 +675,7 @@ fn run_fleet(f: &Fleet, mib: u64, secs: u64, rep: usize, what: &str) -> Result<H
             .iter()
             .zip(0u64..)
             .map(|(id, i)| {
-                let rng = SplitMix(SEED ^ (i << 32) ^ rep as u64);
+                let rng = Rng(SEED ^ (i << 32) ^ rep as u64);
                 sc.spawn(move || hot_loop(&f.api, id, pages, until, rng))
             })
             .collect();
@@ -684,7 +705,10 @@ fn run_fleet(f: &Fleet, mib: u64, secs: u64, rep: usize, what: &str) -> Result<H
                     run: what.to_owned(),
                 })
             }
-            Err(e) => eprintln!("  {what}: read-back check of {id}: {e}"),
+            Err(e) => eprintln!(
+                "  {what}: read-back check of {id}: {}",
+                shared::error_chain(&e)
+            ),
         }
     }
     Ok(HotRun {
