@@ -10,13 +10,14 @@
 //! - `a_damaged_swap_frame_fails_only_its_vm_with_the_reason`
 //! - `a_full_swap_disk_keeps_written_pages_and_still_drops_clean_ones`
 //! - `an_opted_out_vm_is_never_reclaimed`
+//! - `a_vm_on_a_shared_base_gives_back_the_pages_it_wrote`
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use pagefork_tests::{new_vm, require_kvm_uffd, signal, wait_for, TestServer};
+use pagefork_tests::{new_vm, require_kvm_uffd, signal, wait_for, RandomImage, TestServer};
 use proto::api::{CreateVm, ReclaimPolicy, RunState, SnapshotMode};
 
 /// Guest RAM of the VMs here.
@@ -316,6 +317,99 @@ fn an_opted_out_vm_is_never_reclaimed() {
     s.delete_vm(&vm);
     s.delete_vm(&capped);
     assert_first_process(&s);
+}
+
+#[test]
+fn a_vm_on_a_shared_base_gives_back_the_pages_it_wrote() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    // A VM from an image maps the image's shared base; what its guest
+    // writes lives in its VMM's private pages, which the server cannot
+    // punch: the VMM drops them (paused) once they are saved.
+    let image = RandomImage::new(MIB, 0x5eed_0b5e);
+    let vm = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        ..new_vm(MIB)
+    });
+    assert!(
+        s.vm(&vm).memory.base.is_some(),
+        "an image VM is not on a shared base: {:?}",
+        s.vm(&vm).memory
+    );
+    s.fill(&vm, 0, WRITTEN, 0x71);
+    s.touch(&vm, WRITTEN, PAGES - WRITTEN, false);
+    let d = s.digest(&vm, 0, PAGES);
+    let own = s.vm(&vm).memory.own_bytes;
+    assert!(own >= WRITTEN * 4096 * 9 / 10, "{:?}", s.vm(&vm).memory);
+    s.snapshot(&vm, "before", SnapshotMode::Full);
+
+    let r = s.reclaim(&vm);
+    assert!(
+        r.swapped_pages >= WRITTEN * 9 / 10,
+        "the written half was not swapped: {r:?}"
+    );
+    let after = s.vm(&vm);
+    assert!(
+        after.memory.own_bytes < own / 10,
+        "its VMM still holds {} of {own} bytes after the reclaim",
+        after.memory.own_bytes
+    );
+    assert_eq!(after.state, RunState::Running, "{after:?}");
+    let last = s
+        .explain(&vm, 3)
+        .explain
+        .and_then(|e| e.chain.last().cloned())
+        .expect("a chain");
+    assert_eq!(last.kind, "swap", "{last:?}");
+
+    // Read back from the store; the image's half from the base.
+    assert_eq!(s.digest(&vm, 0, PAGES), d, "the reclaimed VM");
+    assert_eq!(s.verify(&vm, 0, WRITTEN, 0x71), 0);
+    assert!(s.vm(&vm).reclaim.refaults > 0);
+    // Written over, reclaimed again, forked, snapshotted, restored.
+    s.reclaim(&vm);
+    s.fill(&vm, 0, 64, 0x72);
+    s.reclaim(&vm);
+    assert_eq!(s.verify(&vm, 0, 64, 0x72), 0);
+    let d2 = s.digest(&vm, 0, PAGES);
+    s.reclaim(&vm);
+    let child = s.fork_one(&vm);
+    assert_eq!(s.digest(&child, 0, PAGES), d2, "its fork child");
+    s.snapshot(&vm, "after", SnapshotMode::Full);
+    let restored = s.restore("after");
+    assert_eq!(s.digest(&restored, 0, PAGES), d2, "a restore of it");
+    s.rollback(&vm, "before");
+    assert_eq!(s.digest(&vm, 0, PAGES), d, "rolled back past the reclaims");
+    s.assert_healthy();
+    assert_first_process(&s);
+
+    // A crash with its pages swapped out: served after the restart.
+    s.reclaim(&vm);
+    let before = s.pid();
+    signal(before, Signal::SIGKILL);
+    let restarted = wait_for(Duration::from_secs(30), || {
+        s.health_now().filter(|h| h.pid != before)
+    });
+    assert!(
+        restarted.is_some(),
+        "no new serving process after a SIGKILL"
+    );
+    for (id, want) in [(&vm, d), (&child, d2), (&restored, d2)] {
+        let digest = wait_for(Duration::from_secs(30), || {
+            s.try_exec(id, &pagefork_tests::op::digest(0, PAGES)).ok()
+        })
+        .unwrap_or_else(|| panic!("{id} never answered after the restart"));
+        assert_eq!(digest.result, want, "{id} after a crash");
+    }
+    for id in [&child, &restored, &vm] {
+        s.delete_vm(id);
+    }
+    let emptied = wait_for(Duration::from_secs(10), || {
+        (s.memory().swap.pages == 0).then_some(())
+    });
+    assert!(emptied.is_some(), "frames left: {:?}", s.memory().swap);
 }
 
 /// The serving process is the one that started: reclaim never crashed it

@@ -11,6 +11,8 @@
 //!   VM's ([`state::VmReclaim`]).
 //! - [`pass`]: one pass over one VM (how a page is taken safely while the
 //!   guest runs).
+//! - [`based`]: the same over a VM on a shared base, whose own pages its
+//!   VMM holds (paused, read out, dropped by the VMM).
 //! - [`tick`]: the loop that decides when and from whom.
 //!
 //! Invariants: a page is taken only while write-protected and mapped in
@@ -23,6 +25,7 @@
 //! a VM a clock hand walks its pages; a page faulted back soon after it
 //! was taken is hot and skipped for the next two windows.
 
+pub mod based;
 pub mod pass;
 pub mod state;
 pub mod tick;
@@ -64,11 +67,7 @@ pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api:
     };
     let mut total = pass::Took::default();
     while total.examined < pages {
-        let took = {
-            let mut reg = core.reg.borrow_mut();
-            let mut rc = core.reclaim.borrow_mut();
-            pass::reclaim_vm(&mut reg, &mut rc, vm, STEP_PAGES, true)
-        };
+        let took = step(core, vm, STEP_PAGES, true).await;
         if took.examined == 0 {
             break;
         }
@@ -87,6 +86,31 @@ pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api:
     })
 }
 
+/// One pass over `vm`: up to `max` pages from its clock hand on (hot ones
+/// too if `all`). Its `Swap` source is made, and written to the journal,
+/// before a table can name it.
+pub(crate) async fn step(core: &Rc<Core>, vm: VmId, max: u64, all: bool) -> pass::Took {
+    let made = {
+        let mut reg = core.reg.borrow_mut();
+        pass::swap_source(&mut reg, &core.reclaim.borrow(), vm)
+    };
+    if made {
+        crate::core::restart::journal::sync(core, false);
+    }
+    let based = core
+        .reg
+        .borrow()
+        .vms
+        .get(&vm)
+        .is_some_and(|v| v.base.is_based());
+    if based {
+        return based::reclaim_based(core, vm, max, all).await;
+    }
+    let mut reg = core.reg.borrow_mut();
+    let mut rc = core.reclaim.borrow_mut();
+    pass::reclaim_vm(&mut reg, &mut rc, vm, max, all)
+}
+
 /// Refuse a new VM while reclaim cannot keep up (503, with why).
 pub(crate) fn admit(core: &Core) -> Result<()> {
     match core.reclaim.borrow().behind() {
@@ -98,7 +122,7 @@ pub(crate) fn admit(core: &Core) -> Result<()> {
 /// `GET /v1/memory`.
 pub(crate) fn status(core: &Core) -> proto::api::MemoryStatus {
     let reg = core.reg.borrow();
-    let resident: u64 = reg.vms.values().map(|v| v.memory.allocated_bytes()).sum();
+    let resident: u64 = reg.vms.values().map(|v| pass::held_bytes(&reg, v)).sum();
     let thrashing = reg
         .vms
         .values()

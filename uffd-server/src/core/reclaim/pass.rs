@@ -57,6 +57,20 @@ impl Took {
     }
 }
 
+/// Bytes of guest RAM `v` holds as its own: its memfd's pages, or, on a
+/// shared base, the pages its VMM holds privately (`PAGEMAP_SCAN`).
+pub(crate) fn held_bytes(reg: &Registry, v: &Vm) -> u64 {
+    if !v.base.is_based() {
+        return v.memory.allocated_bytes();
+    }
+    match reg.arena.memory_of(v.id) {
+        Some(crate::pages::VmPages::Process(p)) => p
+            .private_runs(v.memory.pages())
+            .map_or(0, |r| r.iter().map(|(_, n)| n * PAGE_SIZE).sum()),
+        _ => 0,
+    }
+}
+
 /// Why `v` cannot be reclaimed now, if it cannot.
 pub fn ineligible(v: &Vm) -> Option<&'static str> {
     if !v.reclaim.enabled() {
@@ -68,8 +82,11 @@ pub fn ineligible(v: &Vm) -> Option<&'static str> {
     if v.busy.is_some() {
         return Some("an operation pauses it");
     }
-    if v.base.is_based() {
-        return Some("its pages are its VMM's (a shared base)");
+    if v.base.is_based() && v.rollback.no_discard {
+        return Some("it is on a shared base and its VMM cannot discard pages");
+    }
+    if v.fork.layering.is_some() {
+        return Some("a fork's layer is being filled from it");
     }
     if v.memory.unit_pages() != 1 {
         return Some("its memory is hugepages");
@@ -90,6 +107,10 @@ pub fn ineligible(v: &Vm) -> Option<&'static str> {
 /// too, if `all`).
 pub fn reclaim_vm(reg: &mut Registry, rc: &mut Reclaimer, vm: VmId, max: u64, all: bool) -> Took {
     let mut took = Took::default();
+    if reg.vms.get(&vm).is_none_or(|v| v.base.is_based()) {
+        // Its own pages are its VMM's: see `based`.
+        return took;
+    }
     let Some(pages) = candidates(reg, vm, max, all, &mut took) else {
         return took;
     };
@@ -119,21 +140,7 @@ pub fn reclaim_vm(reg: &mut Registry, rc: &mut Reclaimer, vm: VmId, max: u64, al
             took.kept += 1;
             continue;
         }
-        let to = if buf.iter().all(|b| *b == 0) {
-            Some(UNINITIALIZED)
-        } else if let Some(o) = v
-            .reclaim
-            .origin_of(p)
-            .filter(|o| *o != me && *o != UNINITIALIZED)
-            .filter(|o| same_as_origin(arena, *o, p, &buf, &mut origin_buf))
-        {
-            Some(o)
-        } else if rc.can_swap() {
-            swap_out(arena, rc, v, p, &buf)
-        } else {
-            None
-        };
-        match to {
+        match destination(arena, rc, v, p, &buf, &mut origin_buf) {
             Some(src) => gone.push((p, src)),
             None => took.kept += 1,
         }
@@ -157,7 +164,45 @@ pub fn reclaim_vm(reg: &mut Registry, rc: &mut Reclaimer, vm: VmId, max: u64, al
             gone.retain(|(p, _)| !(first..first + n).contains(p));
         }
     }
-    for &(p, src) in &gone {
+    account(rc, v, &gone, &mut took);
+    took
+}
+
+/// Where page `p` of `v` (`bytes`) goes: nowhere if all zero
+/// (`Uninitialized`), back to where it came from if that holds the same
+/// bytes and never changes, else into the swap store (if the VM has its
+/// `Swap` source, see [`swap_source`], and the store has room). None:
+/// it stays.
+pub(super) fn destination(
+    arena: &crate::pages::SourceArena,
+    rc: &mut Reclaimer,
+    v: &Vm,
+    p: u64,
+    bytes: &[u8],
+    scratch: &mut [u8],
+) -> Option<SourceId> {
+    let me = v.self_src;
+    if bytes.iter().all(|b| *b == 0) {
+        Some(UNINITIALIZED)
+    } else if let Some(o) = v
+        .reclaim
+        .origin_of(p)
+        .filter(|o| *o != me && *o != UNINITIALIZED)
+        .filter(|o| same_as_origin(arena, *o, p, bytes, scratch))
+    {
+        Some(o)
+    } else if rc.can_swap() {
+        swap_out(arena, rc, v, p, bytes)
+    } else {
+        None
+    }
+}
+
+/// Count the pages `gone` (page, where its entry points now) as given
+/// back by `v`.
+pub(super) fn account(rc: &mut Reclaimer, v: &mut Vm, gone: &[(u64, SourceId)], took: &mut Took) {
+    let before = took.freed();
+    for &(p, src) in gone {
         let swapped = v.reclaim.swap_src == Some(src);
         v.reclaim.reclaimed(p, swapped);
         if swapped {
@@ -167,8 +212,7 @@ pub fn reclaim_vm(reg: &mut Registry, rc: &mut Reclaimer, vm: VmId, max: u64, al
         }
         v.log.pages.dropped(p, 1);
     }
-    rc.gave_back(took.freed() * PAGE_SIZE);
-    took
+    rc.gave_back((took.freed() - before) * PAGE_SIZE);
 }
 
 /// Up to `max` pages of `vm` to reclaim, from its clock hand on (moved
@@ -185,6 +229,25 @@ fn candidates(
     if ineligible(v).is_some() {
         return None;
     }
+    let present = v.memory.present_ranges()?;
+    Some(candidates_in(reg, vm, &present, max, all, took))
+}
+
+/// Up to `max` pages of `vm` in the runs `present` (`(first, n)`,
+/// ascending: the pages it holds) to reclaim, from its clock hand on
+/// (moved past them): its own, not hot (unless `all`), and read by no
+/// other VM.
+pub(super) fn candidates_in(
+    reg: &mut Registry,
+    vm: VmId,
+    present: &[(u64, u64)],
+    max: u64,
+    all: bool,
+    took: &mut Took,
+) -> Vec<u64> {
+    let Some(v) = reg.vms.get(&vm) else {
+        return Vec::new();
+    };
     let me = v.self_src;
     let readers: Vec<&crate::pages::PageTable> = reg
         .vms
@@ -192,7 +255,6 @@ fn candidates(
         .filter(|o| o.id != vm && o.table.count_of(me) > 0)
         .map(|o| &o.table)
         .collect();
-    let present = v.memory.present_ranges()?;
     let total = v.memory.pages();
     let start = v.reclaim.hand % total.max(1);
     let mut out = Vec::new();
@@ -229,11 +291,11 @@ fn candidates(
     if let Some(v) = reg.vms.get_mut(&vm) {
         v.reclaim.hand = next;
     }
-    Some(out)
+    out
 }
 
 /// `pages` as runs `(first, n)`; `pages` ascending.
-fn runs_of(pages: &[u64]) -> Vec<(u64, u64)> {
+pub(super) fn runs_of(pages: &[u64]) -> Vec<(u64, u64)> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
     for &p in pages {
         match runs.last_mut() {
@@ -303,29 +365,42 @@ fn same_as_origin(
     read_pages(&source, p, &dst, &|_| None).is_ok() && scratch == bytes
 }
 
+/// `vm`'s `Swap` source, made now if it has none: the source its
+/// swapped pages' entries name. Returns whether one was made (the caller
+/// writes it to the journal before any table names it, so a crash after
+/// a pass finds it).
+pub(crate) fn swap_source(reg: &mut Registry, rc: &Reclaimer, vm: VmId) -> bool {
+    let Some(store) = rc.store() else {
+        return false;
+    };
+    let Registry { vms, arena, .. } = reg;
+    let Some(v) = vms.get_mut(&vm) else {
+        return false;
+    };
+    if v.reclaim.swap_src.is_some_and(|s| arena.get(s).is_some()) {
+        return false;
+    }
+    let key = arena.next_id();
+    let s = arena.insert(PageSource::Swap(SwapSource {
+        vm,
+        key: u64::from(key),
+        store: Rc::clone(store),
+    }));
+    v.reclaim.swap_src = Some(s);
+    true
+}
+
 /// Put page `p` of `v` (`bytes`) into the swap store; the source its entry
-/// names then (the VM's `Swap` source, made at its first page).
+/// names then (the VM's `Swap` source, see [`swap_source`]).
 fn swap_out(
-    arena: &mut crate::pages::SourceArena,
+    arena: &crate::pages::SourceArena,
     rc: &mut Reclaimer,
-    v: &mut Vm,
+    v: &Vm,
     p: u64,
     bytes: &[u8],
 ) -> Option<SourceId> {
     let store = Rc::clone(rc.store()?);
-    let src = match v.reclaim.swap_src {
-        Some(s) if arena.get(s).is_some() => s,
-        _ => {
-            let key = arena.next_id();
-            let s = arena.insert(PageSource::Swap(SwapSource {
-                vm: v.id,
-                key: u64::from(key),
-                store: Rc::clone(&store),
-            }));
-            v.reclaim.swap_src = Some(s);
-            s
-        }
-    };
+    let src = v.reclaim.swap_src.filter(|s| arena.get(*s).is_some())?;
     let key = match arena.get(src).map(|s| &**s) {
         Some(PageSource::Swap(w)) => w.owner(),
         _ => return None,

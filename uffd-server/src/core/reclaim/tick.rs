@@ -124,11 +124,7 @@ pub async fn reclaim_steps(core: &Rc<Core>, vm: VmId, want: u64, urgent: bool) -
         .map_or(0, |v| v.memory.pages());
     while total.freed() < want && looked < pages {
         let step = (want - total.freed()).min(STEP_PAGES);
-        let took = {
-            let mut reg = core.reg.borrow_mut();
-            let mut rc = core.reclaim.borrow_mut();
-            pass::reclaim_vm(&mut reg, &mut rc, vm, step, false)
-        };
+        let took = super::step(core, vm, step, false).await;
         if took.examined == 0 {
             break;
         }
@@ -176,7 +172,7 @@ fn victims(core: &Core) -> Vec<VmId> {
         .vms
         .values()
         .filter(|v| pass::ineligible(v).is_none())
-        .map(|v| (v.reclaim.idle_ticks, v.memory.allocated_bytes(), v.id))
+        .map(|v| (v.reclaim.idle_ticks, pass::held_bytes(&reg, v), v.id))
         .collect();
     vms.sort_by_key(|v| std::cmp::Reverse((v.0, v.1)));
     vms.into_iter().map(|(_, _, id)| id).collect()
@@ -189,7 +185,7 @@ fn over_own_limit(core: &Core) -> Vec<(VmId, u64)> {
         .values()
         .filter_map(|v| {
             let limit = v.reclaim.limit_pages()?;
-            let held = v.memory.allocated_bytes() / PAGE_SIZE;
+            let held = pass::held_bytes(&reg, v) / PAGE_SIZE;
             (held > limit && pass::ineligible(v).is_none()).then(|| (v.id, held - limit))
         })
         .collect()
@@ -215,7 +211,7 @@ fn behind_reason(core: &Core, usage: u64, high: u64) -> String {
     let mut held: HashMap<&'static str, u64> = HashMap::new();
     for v in reg.vms.values() {
         if let Some(why) = pass::ineligible(v) {
-            *held.entry(why).or_default() += v.memory.allocated_bytes();
+            *held.entry(why).or_default() += pass::held_bytes(&reg, v);
         }
     }
     let mut why = format!(
