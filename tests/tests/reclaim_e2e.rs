@@ -19,8 +19,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pagefork_tests::{
-    expected_digest, new_vm, op, pages_of, require_memcg_v1, set_oom_score_adj, status_kib,
-    wait_for, Memcg, RandomImage, TestServer,
+    apply_fill, expected_digest, new_vm, op, pages_of, require_memcg_v1, set_oom_score_adj,
+    status_kib, wait_for, Memcg, RandomImage, TestServer,
 };
 use proto::api::{CreateVm, ExecRequest, MemoryStatus, RunState};
 use shared::pattern::{digest_page, fill_page};
@@ -339,7 +339,6 @@ fn reclaim_drops_clean_pages_and_swaps_written_ones_in_a_mixed_fleet() {
     const TEMPLATE_SEED: u64 = 0x7e3;
     let image = RandomImage::new(IMAGE_MIB, 0x5eed_0c01);
     let image_pages = pages_of(IMAGE_MIB);
-    let image_digest = expected_digest(&image.bytes, 0, image_pages);
     let pages = pages_of(TEMPLATE_MIB);
     let half = pages / 2;
     let f = Fleet::start("mixed", LIMIT, &[]);
@@ -356,12 +355,19 @@ fn reclaim_drops_clean_pages_and_swaps_written_ones_in_a_mixed_fleet() {
     let forks = f.fork(&template, 3);
     f.report("3 image VMs, a template and 3 forks created");
 
-    // Act: the image VMs read all their memory (clean pages); each fork
-    // rewrites the second half of its own (written pages).
-    for vm in &imaged {
+    // Act: the image VMs read all their memory (clean pages) and write
+    // their first quarter (private pages of their VMMs, over the base);
+    // each fork rewrites the second half of its own (written pages).
+    let quarter = image_pages / 4;
+    let mut image_digests = Vec::new();
+    for (vm, i) in imaged.iter().zip(0..) {
         f.exec(vm, &op::touch(0, image_pages, false));
+        assert_eq!(f.exec(vm, &op::fill(0, quarter, seed(10 + i))), 0);
+        let mut bytes = image.bytes.clone();
+        apply_fill(&mut bytes, 0, quarter, seed(10 + i));
+        image_digests.push(expected_digest(&bytes, 0, image_pages));
     }
-    f.report("image VMs read");
+    f.report("image VMs read and written");
     for (c, i) in forks.iter().zip(0..) {
         assert_eq!(f.exec(c, &op::fill(half, pages - half, seed(i))), 0);
     }
@@ -369,8 +375,8 @@ fn reclaim_drops_clean_pages_and_swaps_written_ones_in_a_mixed_fleet() {
 
     // Assert: every VM is exact, nothing was killed, and the server says
     // it dropped pages and swapped pages.
-    for vm in &imaged {
-        f.expect(vm, "image", op::digest(0, image_pages), image_digest);
+    for (vm, want) in imaged.iter().zip(&image_digests) {
+        f.expect(vm, "image VM", op::digest(0, image_pages), *want);
     }
     f.expect(
         &template,
@@ -418,6 +424,12 @@ fn reclaim_drops_clean_pages_and_swaps_written_ones_in_a_mixed_fleet() {
         "no clean page was dropped: {seen:?}, {base_dropped} base pages"
     );
     assert!(seen.swapped > 0, "no written page was swapped: {seen:?}");
+    // What the image VMs wrote over their base was given back too.
+    let on_base = Reclaimed::of(&f.s, &imaged);
+    assert!(
+        on_base.swapped > 0,
+        "no page an image VM wrote over its base was swapped: {on_base:?}"
+    );
     assert_reclaimed_under(&f, LIMIT);
     f.s.assert_healthy();
 }

@@ -40,6 +40,9 @@ pub struct Registry {
     pub readahead_piece_pages: u64,
     /// The shared bases VMs map.
     pub bases: crate::bases::Bases,
+    /// How many more pages faults may install before reclaim looks at
+    /// memory again (`core::reclaim::gate`).
+    pub gate: crate::core::reclaim::gate::FaultGate,
 }
 
 impl Registry {

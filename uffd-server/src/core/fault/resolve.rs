@@ -62,6 +62,17 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
         before_write(reg, vm, page);
     }
     let based = reg.vms.get(&vm).is_some_and(|v| v.base.is_based());
+    if kind == FaultKind::Missing || kind == FaultKind::Minor && based {
+        // Memory is near its limit and reclaim has not caught up: the
+        // fault waits for it (`core::reclaim::gate`), then is retried.
+        if let Some(ready) = reg.gate.hold(reg.installed) {
+            return Handled::Wait {
+                page,
+                ready: vec![ready],
+                write_protect: false,
+            };
+        }
+    }
     match kind {
         FaultKind::Missing => resolve_missing(reg, vm, page),
         FaultKind::WriteProtected => resolve_write_protect(reg, vm, page),

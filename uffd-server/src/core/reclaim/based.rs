@@ -54,6 +54,8 @@ pub(crate) async fn reclaim_based(core: &Rc<Core>, vm: VmId, max: u64, all: bool
         return took;
     };
     if running {
+        // None of its threads may wait at the fault gate while it pauses.
+        core.reg.borrow_mut().gate.release();
         if let Err(e) = request(core, vm, Request::Pause, core.settings.vmm_deadline).await {
             warn!("{vm}: cannot pause it to reclaim its pages: {e}");
             return took;

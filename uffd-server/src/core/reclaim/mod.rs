@@ -14,6 +14,7 @@
 //! - [`based`]: the same over a VM on a shared base, whose own pages its
 //!   VMM holds (paused, read out, dropped by the VMM).
 //! - [`tick`]: the loop that decides when and from whom.
+//! - [`gate`]: the page budget that holds faults while reclaim catches up.
 //!
 //! Invariants: a page is taken only while write-protected and mapped in
 //! its VMM, and its table entry names where its bytes are before it
@@ -26,6 +27,7 @@
 //! was taken is hot and skipped for the next two windows.
 
 pub mod based;
+pub mod gate;
 pub mod pass;
 pub mod state;
 pub mod tick;
@@ -87,16 +89,10 @@ pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api:
 }
 
 /// One pass over `vm`: up to `max` pages from its clock hand on (hot ones
-/// too if `all`). Its `Swap` source is made, and written to the journal,
-/// before a table can name it.
+/// too if `all`). Its `Swap` source is made first (the arena's hook
+/// journals it before a table can name it).
 pub(crate) async fn step(core: &Rc<Core>, vm: VmId, max: u64, all: bool) -> pass::Took {
-    let made = {
-        let mut reg = core.reg.borrow_mut();
-        pass::swap_source(&mut reg, &core.reclaim.borrow(), vm)
-    };
-    if made {
-        crate::core::restart::journal::sync(core, false);
-    }
+    pass::swap_source(&mut core.reg.borrow_mut(), &core.reclaim.borrow(), vm);
     let based = core
         .reg
         .borrow()

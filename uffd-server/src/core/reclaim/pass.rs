@@ -365,10 +365,9 @@ fn same_as_origin(
     read_pages(&source, p, &dst, &|_| None).is_ok() && scratch == bytes
 }
 
-/// `vm`'s `Swap` source, made now if it has none: the source its
-/// swapped pages' entries name. Returns whether one was made (the caller
-/// writes it to the journal before any table names it, so a crash after
-/// a pass finds it).
+/// `vm`'s `Swap` source, made now if it has none (and the server has a
+/// store): the source its swapped pages' entries name. Returns whether
+/// one was made.
 pub(crate) fn swap_source(reg: &mut Registry, rc: &Reclaimer, vm: VmId) -> bool {
     let Some(store) = rc.store() else {
         return false;

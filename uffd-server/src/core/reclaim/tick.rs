@@ -56,13 +56,36 @@ pub fn start(core: &Rc<Core>) {
 async fn run(core: Rc<Core>) {
     let mut window = Instant::now();
     let mut over_since: Option<Instant> = None;
+    let kick = core.reg.borrow().gate.kick();
     loop {
         let busy = tick(&core, &mut over_since).await;
         if window.elapsed() >= WINDOW {
             window = Instant::now();
             end_window(&core);
         }
-        tokio::time::sleep(if busy { BUSY_TICK } else { IDLE_TICK }).await;
+        // The next tick, or at once when a fault finds the gate's budget
+        // spent.
+        tokio::select! {
+            () = tokio::time::sleep(if busy { BUSY_TICK } else { IDLE_TICK }) => {}
+            () = kick.notified() => {}
+        }
+    }
+}
+
+/// Open the fault gate for what is left under the watermark `high` at
+/// `usage` (at least a step), or, over it, for a step if reclaim gave
+/// something back (`progress`), else wide: nothing left to give back,
+/// the kernel decides.
+fn open_gate(core: &Core, usage: u64, high: u64, progress: bool) {
+    let mut reg = core.reg.borrow_mut();
+    let installed = reg.installed;
+    if usage <= high {
+        let room = ((high - usage) / PAGE_SIZE).max(STEP_PAGES);
+        reg.gate.open_for(installed, room);
+    } else if progress {
+        reg.gate.open_for(installed, STEP_PAGES);
+    } else {
+        reg.gate.open_wide();
     }
 }
 
@@ -79,16 +102,19 @@ async fn tick(core: &Rc<Core>, over_since: &mut Option<Instant>) -> bool {
         (usage, rc.watermark(), rc.low_watermark())
     };
     let (Some(high), Some(low)) = (high, low) else {
+        core.reg.borrow_mut().gate.open_wide();
         return false;
     };
     if usage <= high {
         *over_since = None;
         core.reclaim.borrow_mut().set_behind(None);
+        open_gate(core, usage, high, true);
         return usage > high / 10 * 8;
     }
     let mut need = (usage - low).div_ceil(PAGE_SIZE);
     // Cheapest first: image bases' pages (clean, counted once for all
     // their VMs), then each VM's.
+    let wanted = need;
     need = need.saturating_sub(drop_base_pages(core, need));
     for vm in victims(core) {
         if need == 0 {
@@ -97,6 +123,8 @@ async fn tick(core: &Rc<Core>, over_since: &mut Option<Instant>) -> bool {
         let took = reclaim_steps(core, vm, need, true).await;
         need = need.saturating_sub(took.freed());
     }
+    let now = core.reclaim.borrow_mut().read().usage;
+    open_gate(core, now, high, need < wanted);
     if need == 0 {
         *over_since = None;
         return true;
