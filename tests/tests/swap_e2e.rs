@@ -11,6 +11,7 @@
 //! - `a_full_swap_disk_keeps_written_pages_and_still_drops_clean_ones`
 //! - `an_opted_out_vm_is_never_reclaimed`
 //! - `a_vm_on_a_shared_base_gives_back_the_pages_it_wrote`
+//! - `a_fork_child_keeps_the_frames_its_parent_swaps_again`
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -410,6 +411,46 @@ fn a_vm_on_a_shared_base_gives_back_the_pages_it_wrote() {
         (s.memory().swap.pages == 0).then_some(())
     });
     assert!(emptied.is_some(), "frames left: {:?}", s.memory().swap);
+}
+
+#[test]
+fn a_fork_child_keeps_the_frames_its_parent_swaps_again() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    // The child copies its parent's entries, which name the parent's
+    // swapped frames; the parent then rewrites those pages and swaps
+    // them again: the child must still read the bytes it was forked
+    // with, not the parent's new ones.
+    let (vm, d) = half_written(&s, 0x81);
+    reclaim_all(&s, &vm);
+    let child = s.fork_one(&vm);
+    s.fill(&vm, 0, WRITTEN, 0x82);
+    let r = s.reclaim(&vm);
+    assert!(r.swapped_pages >= WRITTEN * 9 / 10, "{r:?}");
+    assert_eq!(
+        s.digest(&child, 0, PAGES),
+        d,
+        "the child after its parent swapped again"
+    );
+    assert_eq!(s.verify(&vm, 0, WRITTEN, 0x82), 0, "the parent's new bytes");
+    // The same over a shared base.
+    let image = RandomImage::new(MIB, 0x5eed_0b5f);
+    let based = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        ..new_vm(MIB)
+    });
+    s.fill(&based, 0, WRITTEN, 0x83);
+    let d = s.digest(&based, 0, PAGES);
+    s.reclaim(&based);
+    let child = s.fork_one(&based);
+    s.fill(&based, 0, WRITTEN, 0x84);
+    s.reclaim(&based);
+    assert_eq!(s.digest(&child, 0, PAGES), d, "the child of a VM on a base");
+    assert_eq!(s.verify(&based, 0, WRITTEN, 0x84), 0);
+    s.assert_healthy();
+    assert_first_process(&s);
 }
 
 /// The serving process is the one that started: reclaim never crashed it

@@ -368,17 +368,28 @@ fn same_as_origin(
 /// `vm`'s `Swap` source, made now if it has none (and the server has a
 /// store): the source its swapped pages' entries name. Returns whether
 /// one was made.
+///
+/// A source another table names too (a fork child copied its parent's
+/// entries) is left to them and a new one made: a frame is found by its
+/// source's key and page, the newest first, so a page swapped again
+/// under the shared key would change what the child reads.
 pub(crate) fn swap_source(reg: &mut Registry, rc: &Reclaimer, vm: VmId) -> bool {
     let Some(store) = rc.store() else {
         return false;
     };
     let Registry { vms, arena, .. } = reg;
+    let mine = vms.get(&vm).and_then(|v| v.reclaim.swap_src);
+    if let Some(s) = mine.filter(|s| arena.get(*s).is_some()) {
+        let shared = vms
+            .values()
+            .any(|o| o.id != vm && (o.table.count_of(s) > 0 || o.reclaim.names(s)));
+        if !shared {
+            return false;
+        }
+    }
     let Some(v) = vms.get_mut(&vm) else {
         return false;
     };
-    if v.reclaim.swap_src.is_some_and(|s| arena.get(s).is_some()) {
-        return false;
-    }
     let key = arena.next_id();
     let s = arena.insert(PageSource::Swap(SwapSource {
         vm,
