@@ -113,16 +113,12 @@ pub(crate) fn rejoin(
         warn!("{vm}: cannot answer the rejoin: {e}");
     }
     if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
-        // Requests made while it was away go out now, in order.
-        for (seq, request, fds) in v.link.held.drain(..) {
-            if let Err(e) = writer.send(ServerMsg::Request { seq, request }, fds) {
-                warn!("{vm}: cannot send a held request: {e}");
-            }
-        }
         // A crash in the middle of an operation that paused it (a fork,
         // a snapshot) left its vCPUs paused; it was running before that
         // operation, and runs again (a resume of running vCPUs does
-        // nothing).
+        // nothing). First: a request held for it below may be the pause
+        // of an operation this process began since, which this resume
+        // must not undo.
         if let Some(snapshot) = v
             .rollback
             .under_way()
@@ -151,6 +147,12 @@ pub(crate) fn rejoin(
             // Its answer is expected, and nobody waits for it.
             let (tx, _) = tokio::sync::oneshot::channel();
             v.link.pending.insert(seq, tx);
+        }
+        // Requests made while it was away go out now, in order.
+        for (seq, request, fds) in v.link.held.drain(..) {
+            if let Err(e) = writer.send(ServerMsg::Request { seq, request }, fds) {
+                warn!("{vm}: cannot send a held request: {e}");
+            }
         }
         v.link.pid = Some(pid);
         v.link.writer = Some(writer);
