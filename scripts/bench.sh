@@ -17,6 +17,16 @@
 # afterwards. The remote-snapshot bench needs an S3 store on this host: the
 # one of AWS_ENDPOINT_URL/PAGEFORK_REMOTE if set, else a one-node Ceph
 # booted with scripts/ceph.sh for the run and stopped afterwards.
+#
+# The fault-path A/B (issue 45, bench fault_ab) runs this build's
+# uffd-server and vmm against those of the commit before the restart work,
+# $PAGEFORK_AB_BASE (default ecc19e4), alternating per repetition in this
+# run. The base is checked out with `git worktree add --detach` under
+# $CARGO_TARGET_DIR/ab-base/src-<rev> and built there (release, its own
+# target dir $CARGO_TARGET_DIR/ab-base/target): both are kept between runs,
+# so only the first run builds; the worktree is unregistered afterwards.
+# --quick builds no base: fault_ab runs both sides on this build (a smoke
+# run of the bench).
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -63,7 +73,11 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/pagefork-bench.XXXXXX")"
 XFS_DIR="${PAGEFORK_XFS_DIR:-}"
 XFS_OURS=""
 CEPH_OURS=""
+AB_SRC=""
 cleanup() {
+	if [ -n "$AB_SRC" ]; then
+		ab_unregister "$AB_SRC"
+	fi
 	if [ -n "$CEPH_OURS" ]; then
 		"$ROOT/scripts/ceph.sh" stop "$CEPH_OURS" >/dev/null 2>&1 || echo "bench.sh: could not stop Ceph in $CEPH_OURS" >&2
 	fi
@@ -127,6 +141,56 @@ run fc_restore "${QUICK_ARG[@]}"
 run zstd_image "${QUICK_ARG[@]}"
 run minor_fault "${QUICK_ARG[@]}"
 run restart "${QUICK_ARG[@]}"
+
+# build_ab_base: check out $PAGEFORK_AB_BASE (default ecc19e4) in a worktree
+# under TARGET_DIR/ab-base and build its uffd-server and vmm (release) into
+# AB_BIN, its short hash in AB_NAME. The checkout is reused if a run before
+# left it there (a stamp names its commit), and so is the build.
+build_ab_base() {
+	local want="${PAGEFORK_AB_BASE:-ecc19e4}" rev dir
+	rev="$(git rev-parse --verify --quiet "$want^{commit}")" || {
+		echo "no commit $want in this repository" >&2
+		return 1
+	}
+	dir="$(mkdir -p "$TARGET_DIR/ab-base" && cd "$TARGET_DIR/ab-base" && pwd -P)" || return 1
+	AB_NAME="$(git rev-parse --short "$rev")"
+	AB_SRC="$dir/src-$AB_NAME"
+	if [ "$(cat "$AB_SRC/.ab-rev" 2>/dev/null)" != "$rev" ]; then
+		rm -rf "$AB_SRC"
+		git worktree prune
+		git worktree add --detach "$AB_SRC" "$rev" || return 1
+		echo "$rev" >"$AB_SRC/.ab-rev"
+	fi
+	(cd "$AB_SRC" && CARGO_TARGET_DIR="$dir/target" cargo build --release -p uffd-server -p vmm) || return 1
+	AB_BIN="$dir/target/release"
+}
+
+# ab_unregister DIR: forget the worktree DIR in this repository's git
+# metadata but keep its files (and the build from them) for the next run.
+ab_unregister() {
+	rm -f "$1/.git"
+	git worktree prune
+}
+
+if [ "$QUICK" = 1 ]; then
+	run fault_ab --quick
+else
+	echo "== fault_ab: building the base ${PAGEFORK_AB_BASE:-ecc19e4}" >&2
+	t0=$SECONDS
+	build_ab_base > >(tee "$WORK/fault_ab.build.log" >&2) 2>&1
+	built=$?
+	wait
+	if [ -n "$AB_SRC" ]; then
+		ab_unregister "$AB_SRC"
+		AB_SRC=""
+	fi
+	if [ $built -eq 0 ]; then
+		echo "== fault_ab: base $AB_NAME built in $((SECONDS - t0)) s" >&2
+		PAGEFORK_AB_BASE_BIN="$AB_BIN" PAGEFORK_AB_BASE="$AB_NAME" run fault_ab
+	else
+		echo "cannot build the base ${PAGEFORK_AB_BASE:-ecc19e4} (git worktree add, then cargo build --release -p uffd-server -p vmm under $TARGET_DIR/ab-base): $(tail -5 "$WORK/fault_ab.build.log" | tr '\n' ' ')" >"$WORK/fault_ab.status"
+	fi
+fi
 run reclaim "${QUICK_ARG[@]}"
 
 # The object store of the remote-snapshot bench, RGW on this host.

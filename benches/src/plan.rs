@@ -65,6 +65,11 @@ pub struct Plan {
     pub reclaim_hot_secs: u64,
     /// Guest RAM of the VM whose memory is given back at once, MiB.
     pub reclaim_giveback_mib: u64,
+    /// Repetitions of the fault-path A/B against the commit before (each a
+    /// fresh server of either side), and the memory its one-page-per-fault
+    /// VMs write, MiB.
+    pub ab_reps: usize,
+    pub ab_fault_mib: u64,
 }
 
 impl Plan {
@@ -92,6 +97,8 @@ impl Plan {
                 reclaim_hot_mib: 32,
                 reclaim_hot_secs: 2,
                 reclaim_giveback_mib: 64,
+                ab_reps: 2,
+                ab_fault_mib: 8,
             }
         } else {
             Plan {
@@ -115,6 +122,8 @@ impl Plan {
                 reclaim_hot_mib: 64,
                 reclaim_hot_secs: 10,
                 reclaim_giveback_mib: 256,
+                ab_reps: 20,
+                ab_fault_mib: 64,
             }
         }
     }
@@ -310,13 +319,16 @@ impl Plan {
                 k.extend(["swapped", "dropped"].map(|m| format!("reclaim.giveback.{m}")));
                 k
             }
+            "fault_ab" => ["fault_rtt", "lazy_restore", "fork_child"]
+                .map(|m| format!("ab.{m}"))
+                .to_vec(),
             _ => Vec::new(),
         }
     }
 }
 
 /// The benches the report expects, in report order.
-pub const BENCHES: [&str; 15] = [
+pub const BENCHES: [&str; 16] = [
     "lazy_restore",
     "fork",
     "vmm_pool",
@@ -331,6 +343,7 @@ pub const BENCHES: [&str; 15] = [
     "density",
     "lineage",
     "restart",
+    "fault_ab",
     "reclaim",
 ];
 
