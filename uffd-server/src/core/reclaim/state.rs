@@ -50,6 +50,10 @@ pub struct Reclaimer {
     last: Reading,
     /// Where the next drop of each image base's pages starts.
     base_hands: std::collections::HashMap<u32, u64>,
+    /// The kernel reported memory stalls (a PSI trigger fired) since the
+    /// last tick, and how many times ever.
+    stalled: bool,
+    stalls: u64,
 }
 
 impl Reclaimer {
@@ -105,7 +109,39 @@ impl Reclaimer {
             behind: None,
             last: Reading::default(),
             base_hands: std::collections::HashMap::new(),
+            stalled: false,
+            stalls: 0,
         }
+    }
+
+    /// A trigger on the memory stalls of the server's cgroup (its own
+    /// pressure file on v2, the host's on v1 or without a cgroup): tasks
+    /// stalled 100 ms in a 1 s window (2 s where the kernel gives a
+    /// process without `CAP_SYS_RESOURCE` no shorter one).
+    pub fn pressure_trigger(&self) -> cgroup::Result<cgroup::PressureTrigger> {
+        use cgroup::{PressureTrigger, Stall};
+        let stall = std::time::Duration::from_millis(100);
+        let make = |window| match &self.cgroup {
+            Some(c) => PressureTrigger::for_cgroup(c, Stall::Some, stall, window),
+            None => PressureTrigger::host(Stall::Some, stall, window),
+        };
+        make(std::time::Duration::from_secs(1)).or_else(|_| make(cgroup::UNPRIVILEGED_WINDOW))
+    }
+
+    /// The kernel reported memory stalls.
+    pub fn stalled(&mut self) {
+        self.stalled = true;
+        self.stalls += 1;
+    }
+
+    /// Whether the kernel reported stalls since the last call.
+    pub fn take_stalled(&mut self) -> bool {
+        std::mem::take(&mut self.stalled)
+    }
+
+    /// Stall reports so far.
+    pub fn stalls(&self) -> u64 {
+        self.stalls
     }
 
     /// Reclaim may run.

@@ -50,7 +50,56 @@ pub fn start(core: &Rc<Core>) {
         r.source,
         core.reclaim.borrow().watermark().unwrap_or(0) >> 20
     );
+    watch_pressure(core);
     tokio::task::spawn_local(run(core.clone()));
+}
+
+/// Wake the loop when the kernel reports memory stalls (a PSI trigger):
+/// then it gives back down to the low watermark even under the high one.
+/// Without a trigger (no PSI in this kernel, or refused) the loop polls.
+fn watch_pressure(core: &Rc<Core>) {
+    let trigger = core.reclaim.borrow().pressure_trigger();
+    let trigger = match trigger {
+        Ok(t) => t,
+        Err(e) => {
+            info!("no memory pressure trigger ({e}); reclaim polls usage only");
+            return;
+        }
+    };
+    let path = trigger.path().display().to_string();
+    // SAFETY: the trigger owns its fd, which stays open and unchanged
+    // until the trigger (moved into the AsyncFd) is dropped.
+    let afd = match unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(trigger, tokio::io::Interest::PRIORITY)
+    } {
+        Ok(a) => a,
+        Err(e) => {
+            warn!("cannot wait on the memory pressure trigger {path}: {e}");
+            return;
+        }
+    };
+    info!("reclaim wakes on memory stalls ({path})");
+    let kick = core.reg.borrow().gate.kick();
+    let core = Rc::clone(core);
+    tokio::task::spawn_local(async move {
+        loop {
+            match afd.ready(tokio::io::Interest::PRIORITY).await {
+                Ok(mut ready) => {
+                    ready.clear_ready();
+                    if afd.get_ref().fired().is_err() {
+                        warn!("the memory pressure trigger {path} is gone");
+                        return;
+                    }
+                    core.reclaim.borrow_mut().stalled();
+                    kick.notify_one();
+                }
+                Err(e) => {
+                    warn!("cannot wait on the memory pressure trigger {path}: {e}");
+                    return;
+                }
+            }
+        }
+    });
 }
 
 async fn run(core: Rc<Core>) {
@@ -105,7 +154,10 @@ async fn tick(core: &Rc<Core>, over_since: &mut Option<Instant>) -> bool {
         core.reg.borrow_mut().gate.open_wide();
         return false;
     };
-    if usage <= high {
+    // The kernel stalls on memory: give back down to the low watermark
+    // even under the high one.
+    let stalled = core.reclaim.borrow_mut().take_stalled() && usage > low;
+    if usage <= high && !stalled {
         *over_since = None;
         core.reclaim.borrow_mut().set_behind(None);
         open_gate(core, usage, high, true);
