@@ -289,7 +289,7 @@ fn lower_oom_score() {
     if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-500") {
         warn!(
             "cannot lower the server's oom_score_adj: {e} (it needs CAP_SYS_RESOURCE); \
-             the OOM killer will weigh the server like any other process"
+             its VMMs' are raised instead, so the OOM killer still picks a VMM first"
         );
     }
 }

@@ -102,10 +102,13 @@ pub(crate) fn launch_process(
             source,
         })?;
     let pid = child.id().unwrap_or(0);
-    // The server lowered its own OOM score; a VMM is an ordinary
-    // process the OOM killer may pick before the server.
-    if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), "0") {
-        warn!("{id}: cannot reset the vmm's oom_score_adj: {e}");
+    // The OOM killer must pick a VMM before the server, which holds
+    // every VM's memory: a server that could lower its own score gives
+    // its VMMs the default back; one that could not (no
+    // CAP_SYS_RESOURCE) raises theirs instead, which needs no privilege.
+    let adj = vmm_oom_score_adj();
+    if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), adj) {
+        warn!("{id}: cannot set the vmm's oom_score_adj to {adj}: {e}");
     }
     pending.insert(
         token.clone(),
@@ -207,4 +210,18 @@ fn create_log(path: &std::path::Path) -> std::io::Result<File> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
+}
+
+/// The `oom_score_adj` a VMM gets: the default if the server's own is
+/// lowered, else one that makes the OOM killer prefer the VMM.
+fn vmm_oom_score_adj() -> &'static str {
+    let own = std::fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .unwrap_or(0);
+    if own < 0 {
+        "0"
+    } else {
+        "500"
+    }
 }
