@@ -303,6 +303,9 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                 }
                 Ok(v)
             })();
+            // Its id stays taken, adopted or lost: the id file may lag
+            // behind the journal.
+            reg.vm_id_taken(vm.0);
             match adopted_vm {
                 Ok(v) => {
                     let live = matches!(
