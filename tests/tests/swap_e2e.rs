@@ -154,26 +154,7 @@ fn a_crash_with_pages_swapped_out_serves_them_after_the_restart() {
     // A child made after the reclaim reads its parent's frames.
     let child = s.fork_one(&vm);
     assert!(s.vm(&child).reclaim.swapped_pages >= WRITTEN * 9 / 10);
-    let before = s.pid();
-    signal(before, Signal::SIGKILL);
-    let restarted = wait_for(Duration::from_secs(30), || {
-        s.health_now().filter(|h| h.pid != before)
-    });
-    assert!(
-        restarted.is_some(),
-        "no new serving process after a SIGKILL"
-    );
-    for id in [&vm, &child] {
-        let digest = wait_for(Duration::from_secs(30), || {
-            s.try_exec(id, &pagefork_tests::op::digest(0, PAGES)).ok()
-        })
-        .unwrap_or_else(|| panic!("{id} never answered after the restart"));
-        assert_eq!(
-            digest.result, d,
-            "{id} after a crash with its pages swapped"
-        );
-        assert_eq!(s.vm(id).state, RunState::Running);
-    }
+    crash_and_expect(&s, &[(&vm, d), (&child, d)]);
     // The store still serves them after a second reclaim, in the new
     // process.
     s.fill(&vm, 0, 16, 0x62);
@@ -388,22 +369,7 @@ fn a_vm_on_a_shared_base_gives_back_the_pages_it_wrote() {
 
     // A crash with its pages swapped out: served after the restart.
     s.reclaim(&vm);
-    let before = s.pid();
-    signal(before, Signal::SIGKILL);
-    let restarted = wait_for(Duration::from_secs(30), || {
-        s.health_now().filter(|h| h.pid != before)
-    });
-    assert!(
-        restarted.is_some(),
-        "no new serving process after a SIGKILL"
-    );
-    for (id, want) in [(&vm, d), (&child, d2), (&restored, d2)] {
-        let digest = wait_for(Duration::from_secs(30), || {
-            s.try_exec(id, &pagefork_tests::op::digest(0, PAGES)).ok()
-        })
-        .unwrap_or_else(|| panic!("{id} never answered after the restart"));
-        assert_eq!(digest.result, want, "{id} after a crash");
-    }
+    crash_and_expect(&s, &[(&vm, d), (&child, d2), (&restored, d2)]);
     for id in [&child, &restored, &vm] {
         s.delete_vm(id);
     }
@@ -451,6 +417,31 @@ fn a_fork_child_keeps_the_frames_its_parent_swaps_again() {
     assert_eq!(s.verify(&based, 0, WRITTEN, 0x84), 0);
     s.assert_healthy();
     assert_first_process(&s);
+}
+
+/// SIGKILL the serving process; once the next one serves, each VM of
+/// `want` answers its whole `digest` as expected, running.
+fn crash_and_expect(s: &TestServer, want: &[(&String, u64)]) {
+    let before = s.pid();
+    signal(before, Signal::SIGKILL);
+    let restarted = wait_for(Duration::from_secs(30), || {
+        s.health_now().filter(|h| h.pid != before)
+    });
+    assert!(
+        restarted.is_some(),
+        "no new serving process after a SIGKILL"
+    );
+    for (id, d) in want {
+        let digest = wait_for(Duration::from_secs(30), || {
+            s.try_exec(id, &pagefork_tests::op::digest(0, PAGES)).ok()
+        })
+        .unwrap_or_else(|| panic!("{id} never answered after the restart"));
+        assert_eq!(
+            digest.result, *d,
+            "{id} after a crash with its pages swapped"
+        );
+        assert_eq!(s.vm(id).state, RunState::Running);
+    }
 }
 
 /// The serving process is the one that started: reclaim never crashed it

@@ -150,6 +150,11 @@ impl Registry {
         VmId(self.next_id)
     }
 
+    /// Whether VM `vm` maps a shared base (its own pages are its VMM's).
+    pub fn is_based(&self, vm: VmId) -> bool {
+        self.vms.get(&vm).is_some_and(|v| v.base.is_based())
+    }
+
     /// VM `id` exists (taken back after a restart): new VMs get ids past
     /// it.
     pub fn vm_id_taken(&mut self, id: u32) {

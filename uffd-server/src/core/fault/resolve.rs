@@ -61,7 +61,7 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
         // this page see it first.
         before_write(reg, vm, page);
     }
-    let based = reg.vms.get(&vm).is_some_and(|v| v.base.is_based());
+    let based = reg.is_based(vm);
     if kind == FaultKind::Missing || kind == FaultKind::Minor && based {
         // Memory is near its limit and reclaim has not caught up: the
         // fault waits for it (`core::reclaim::gate`), then is retried.

@@ -414,7 +414,7 @@ fn freezes(core: &Core, vm: VmId) -> bool {
 /// own pages. Returns how many.
 fn protect_written_since(core: &Core, vm: VmId) -> Result<u64> {
     let mut reg = core.reg.borrow_mut();
-    if !reg.vms.get(&vm).is_some_and(|v| v.base.is_based()) {
+    if !reg.is_based(vm) {
         return Ok(0);
     }
     let new = crate::core::base::sync_private_runs(&mut reg, vm)?;

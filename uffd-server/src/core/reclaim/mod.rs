@@ -93,13 +93,7 @@ pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api:
 /// journals it before a table can name it).
 pub(crate) async fn step(core: &Rc<Core>, vm: VmId, max: u64, all: bool) -> pass::Took {
     pass::swap_source(&mut core.reg.borrow_mut(), &core.reclaim.borrow(), vm);
-    let based = core
-        .reg
-        .borrow()
-        .vms
-        .get(&vm)
-        .is_some_and(|v| v.base.is_based());
-    if based {
+    if core.reg.borrow().is_based(vm) {
         return based::reclaim_based(core, vm, max, all).await;
     }
     let mut reg = core.reg.borrow_mut();

@@ -119,12 +119,7 @@ pub(crate) async fn rollback(core: &Rc<Core>, vm: VmId, req: RollbackVm) -> Resu
     restore_state(core, vm, &name, &state, volume.as_deref(), &mut phases).await?;
     request(core, vm, Request::Resume, core.settings.vmm_deadline).await?;
     phases.lap("resume");
-    let based = core
-        .reg
-        .borrow()
-        .vms
-        .get(&vm)
-        .is_some_and(|v| v.base.is_based());
+    let based = core.reg.borrow().is_based(vm);
     if discarded && !based {
         spawn_scrub(core, vm);
     }
