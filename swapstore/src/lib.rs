@@ -341,7 +341,9 @@ impl FrameHeader {
 /// Decodes and checks the frame header at the start of `bytes`
 /// ([`StoreError::BadHeader`] says what is wrong).
 pub fn parse_header(bytes: &[u8]) -> Result<FrameHeader> {
-    check_header(bytes).map_err(|reason| StoreError::BadHeader { reason })
+    check_header(bytes).map_err(|e| StoreError::BadHeader {
+        reason: e.to_string(),
+    })
 }
 
 fn le_u64(b: &[u8; FRAME_HEADER_LEN], at: usize) -> u64 {
@@ -350,32 +352,45 @@ fn le_u64(b: &[u8; FRAME_HEADER_LEN], at: usize) -> u64 {
     u64::from_le_bytes(v)
 }
 
+/// What is wrong with a frame header.
+#[derive(Debug, thiserror::Error)]
+enum HeaderError {
+    #[error("only {0} bytes, a header is {FRAME_HEADER_LEN}")]
+    Short(usize),
+    #[error("it does not start with the magic PFSW")]
+    Magic,
+    #[error("format version {0}, this server reads {FORMAT_VERSION}")]
+    Version(u8),
+    #[error("its checksum does not match (torn or overwritten)")]
+    Checksum,
+    #[error("unknown flags {0:#04x}")]
+    Flags(u8),
+    #[error("its reserved bytes are not zero")]
+    Reserved,
+    #[error("a payload of {0} bytes (a raw page is {PAGE_SIZE}, a compressed one less)")]
+    PayloadLen(u32),
+}
+
 /// [`parse_header`], with the reason a human reads.
-fn check_header(bytes: &[u8]) -> std::result::Result<FrameHeader, String> {
+fn check_header(bytes: &[u8]) -> std::result::Result<FrameHeader, HeaderError> {
     let Some(b) = bytes.first_chunk::<FRAME_HEADER_LEN>() else {
-        return Err(format!(
-            "only {} bytes, a header is {FRAME_HEADER_LEN}",
-            bytes.len()
-        ));
+        return Err(HeaderError::Short(bytes.len()));
     };
     if b[..4] != FRAME_MAGIC {
-        return Err("it does not start with the magic PFSW".to_owned());
+        return Err(HeaderError::Magic);
     }
     if b[4] != FORMAT_VERSION {
-        return Err(format!(
-            "format version {}, this server reads {FORMAT_VERSION}",
-            b[4]
-        ));
+        return Err(HeaderError::Version(b[4]));
     }
     if xxh3_64(&b[..HEADER_HASHED]) != le_u64(b, HEADER_HASHED) {
-        return Err("its checksum does not match (torn or overwritten)".to_owned());
+        return Err(HeaderError::Checksum);
     }
     let flags = b[5];
     if flags & !FLAG_ZSTD != 0 {
-        return Err(format!("unknown flags {flags:#04x}"));
+        return Err(HeaderError::Flags(flags));
     }
     if b[6..8] != [0; 2] || b[36..40] != [0; 4] {
-        return Err("its reserved bytes are not zero".to_owned());
+        return Err(HeaderError::Reserved);
     }
     let mut len = [0u8; 4];
     len.copy_from_slice(&b[32..36]);
@@ -387,9 +402,7 @@ fn check_header(bytes: &[u8]) -> std::result::Result<FrameHeader, String> {
         u64::from(payload_len) == PAGE_SIZE
     };
     if !fits {
-        return Err(format!(
-            "a payload of {payload_len} bytes (a raw page is {PAGE_SIZE}, a compressed one less)"
-        ));
+        return Err(HeaderError::PayloadLen(payload_len));
     }
     Ok(FrameHeader {
         owner: le_u64(b, 8),
