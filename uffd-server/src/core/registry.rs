@@ -143,12 +143,27 @@ impl Registry {
         if self.next_id > self.id_mark {
             self.id_mark = self.next_id.saturating_add(ID_BLOCK);
             let path = state_dir.join(ID_FILE);
-            if let Err(e) = std::fs::write(&path, format!("{}\n", self.id_mark)) {
+            if let Err(e) = write_id_file(&path, self.id_mark) {
                 warn!("cannot record VM ids in {}: {e}", path.display());
             }
         }
         VmId(self.next_id)
     }
+
+    /// VM `id` exists (taken back after a restart): new VMs get ids past
+    /// it.
+    pub fn vm_id_taken(&mut self, id: u32) {
+        self.next_id = self.next_id.max(id);
+    }
+}
+
+/// Record `mark` in the id file `path`: written beside it, then renamed
+/// over it, so a crash in between leaves the old mark, never an empty
+/// file (which would hand out ids from 1 again).
+fn write_id_file(path: &Path, mark: u32) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{mark}\n"))?;
+    std::fs::rename(&tmp, path)
 }
 
 /// Ids reserved at a time in the state directory's id file.

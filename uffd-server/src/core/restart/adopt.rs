@@ -28,7 +28,6 @@ use crate::core::base::state::OnBase;
 use crate::core::state::Core;
 use crate::core::vm::{Vm, VmParts};
 use crate::images::{Identity, ImageId, Pin, Stamp};
-use crate::pages::mirror::Mirror;
 use crate::pages::{
     FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, PageTable, ZstdSource,
 };
@@ -149,6 +148,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
     let mut h = Handed {
         fds: fds.into_iter().collect(),
         memories: HashMap::new(),
+        unders: HashMap::new(),
     };
     let mut lost_sources: HashMap<u32, String> = HashMap::new();
     let mut serve = Vec::new();
@@ -233,8 +233,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             let vm = VmId(*id);
             let adopted_vm = (|| -> Result<Vm, String> {
                 let memory = h.memory(&rec.memory, rec.huge)?;
-                let mirror =
-                    Mirror::open(h.file(&rec.table)?, memory.pages()).map_err(|e| e.to_string())?;
+                let mirror = h.mirror(&rec.table, rec.table_over.as_ref(), memory.pages())?;
                 let table = PageTable::from_mirror(mirror);
                 for src in table.counts().keys() {
                     if let Some(why) = lost_sources.get(src) {
@@ -303,6 +302,9 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                 }
                 Ok(v)
             })();
+            // Its id stays taken, adopted or lost: the id file may lag
+            // behind the journal.
+            reg.vm_id_taken(vm.0);
             match adopted_vm {
                 Ok(v) => {
                     let live = matches!(
