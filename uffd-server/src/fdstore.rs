@@ -5,7 +5,15 @@
 //!
 //! The keeper is either systemd itself (`FileDescriptorStoreMax=`,
 //! `NotifyAccess=main`) or our own [`crate::keeper`] process, which sets
-//! `PAGEFORK_KEEPER=1` and also understands `X_PAGEFORK_UPGRADE=`.
+//! `PAGEFORK_KEEPER=1` and also understands `X_PAGEFORK_UPGRADE=` and
+//! (when it sets `PAGEFORK_KEEPER_FDNAMES=1`) `X_PAGEFORK_FDNAMES=`:
+//! several fds, each with its own name, in one datagram
+//! ([`FdStore::store_all`], [`FdStore::remove_all`]; systemd gives every
+//! fd of a datagram the same name, so under it, or under a keeper too old
+//! to set the variable, each fd goes in a datagram of its own). A fork of
+//! 1,000 VMs hands over 3,000 fds: one datagram each, each waiting for the
+//! keeper to take one off its queue (`net.unix.max_dgram_qlen`, 10 by
+//! default), cost 150 ms.
 //!
 //! Every message is one datagram sent with one synchronous `sendmsg`: once
 //! `sendmsg` returns, the datagram (and the fds in it) sits in the
@@ -44,6 +52,16 @@ use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
 pub const NOTIFY_SOCKET: &str = "NOTIFY_SOCKET";
 /// Set to `1` by our own keeper (absent under systemd).
 pub const KEEPER_ENV: &str = "PAGEFORK_KEEPER";
+/// Set to `1` by a keeper that reads [`FDNAMES_KEY`].
+pub const FDNAMES_ENV: &str = "PAGEFORK_KEEPER_FDNAMES";
+/// Our keeper's extension, with `FDSTORE=1` or `FDSTOREREMOVE=1`: the
+/// names of the fds of the datagram, in order, `:`-separated (no
+/// `FDNAME=`).
+pub const FDNAMES_KEY: &str = "X_PAGEFORK_FDNAMES";
+/// The most fds in one datagram (the kernel takes 253).
+const BATCH_FDS: usize = 128;
+/// The most bytes of names in one datagram (the keeper reads 16 KiB).
+const BATCH_BYTES: usize = 8 * 1024;
 /// Why the keeper started this process: `first`, `crash` or `upgrade`.
 pub const START_ENV: &str = "PAGEFORK_START";
 /// Our keeper's extension: start this binary instead of the same one when
@@ -57,6 +75,11 @@ pub const FDNAME_DEFAULT: &str = "stored";
 /// Whether this process runs under our own keeper (`PAGEFORK_KEEPER=1`).
 pub fn is_kept() -> bool {
     std::env::var_os(KEEPER_ENV).is_some_and(|v| v == "1")
+}
+
+/// Whether our keeper reads several named fds in one datagram.
+fn keeper_takes_fdnames() -> bool {
+    is_kept() && std::env::var_os(FDNAMES_ENV).is_some_and(|v| v == "1")
 }
 
 /// Why the keeper started this process (`PAGEFORK_START`).
@@ -141,6 +164,8 @@ pub struct FdStore {
     sock: UnixDatagram,
     addr: UnixAddr,
     keeper: bool,
+    /// The keeper reads [`FDNAMES_KEY`].
+    fdnames: bool,
 }
 
 impl FdStore {
@@ -153,7 +178,7 @@ impl FdStore {
         let address = std::env::var_os(NOTIFY_SOCKET)?;
         std::env::remove_var(NOTIFY_SOCKET);
         match FdStore::connect(&address, is_kept()) {
-            Ok(store) => Some(store),
+            Ok(store) => Some(store.with_fdnames(keeper_takes_fdnames())),
             Err(e) => {
                 tracing::warn!("NOTIFY_SOCKET={address:?} is unusable, no fd store: {e}");
                 None
@@ -179,7 +204,15 @@ impl FdStore {
             sock: UnixDatagram::unbound()?,
             addr,
             keeper: is_keeper,
+            fdnames: false,
         })
+    }
+
+    /// Whether the keeper reads several named fds in one datagram
+    /// ([`FDNAMES_KEY`]; only ours does, when it says so).
+    pub fn with_fdnames(mut self, on: bool) -> Self {
+        self.fdnames = on && self.keeper;
+        self
     }
 
     /// Sends one datagram: `msg` with `fds` in SCM_RIGHTS.
@@ -223,6 +256,54 @@ impl FdStore {
     pub fn remove(&self, name: &str) -> io::Result<()> {
         check_name(name)?;
         self.send(&format!("FDSTOREREMOVE=1\nFDNAME={name}\n"), &[])
+    }
+
+    /// [`FdStore::store`] each of `fds`, several in one datagram where the
+    /// keeper allows it. On an error, how many of them (the first ones)
+    /// were stored. A datagram is stored whole or not at all.
+    pub fn store_all(&self, fds: &[(&str, BorrowedFd<'_>)]) -> Result<(), (usize, io::Error)> {
+        if !self.fdnames {
+            for (i, (name, fd)) in fds.iter().enumerate() {
+                self.store(name, *fd).map_err(|e| (i, e))?;
+            }
+            return Ok(());
+        }
+        let mut done = 0;
+        for batch in batches(fds.iter().map(|(n, _)| *n)) {
+            let part = &fds[done..done + batch.len()];
+            let raw: Vec<RawFd> = part.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+            self.send_named("FDSTORE=1", &batch, &raw)
+                .map_err(|e| (done, e))?;
+            done += part.len();
+        }
+        Ok(())
+    }
+
+    /// [`FdStore::remove`] each of `names`, several in one datagram where
+    /// the keeper allows it. On an error, how many (the first ones) were
+    /// removed.
+    pub fn remove_all(&self, names: &[&str]) -> Result<(), (usize, io::Error)> {
+        if !self.fdnames {
+            for (i, name) in names.iter().enumerate() {
+                self.remove(name).map_err(|e| (i, e))?;
+            }
+            return Ok(());
+        }
+        let mut done = 0;
+        for batch in batches(names.iter().copied()) {
+            self.send_named("FDSTOREREMOVE=1", &batch, &[])
+                .map_err(|e| (done, e))?;
+            done += batch.len();
+        }
+        Ok(())
+    }
+
+    /// One datagram: `what` for the fds named `names` (checked), in order.
+    fn send_named(&self, what: &str, names: &[&str], fds: &[RawFd]) -> io::Result<()> {
+        for name in names {
+            check_name(name)?;
+        }
+        self.send(&format!("{what}\n{FDNAMES_KEY}={}\n", names.join(":")), fds)
     }
 
     /// Tell the keeper this process is serving.
@@ -301,6 +382,26 @@ impl FdStore {
     pub fn is_keeper(&self) -> bool {
         self.keeper
     }
+}
+
+/// `names` in runs that fit one datagram each.
+fn batches<'a>(names: impl Iterator<Item = &'a str>) -> Vec<Vec<&'a str>> {
+    let mut out: Vec<Vec<&str>> = Vec::new();
+    let mut bytes = 0;
+    for name in names {
+        let fits = out
+            .last()
+            .is_some_and(|b| b.len() < BATCH_FDS && bytes + name.len() < BATCH_BYTES);
+        if !fits {
+            out.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += name.len() + 1;
+        if let Some(b) = out.last_mut() {
+            b.push(name);
+        }
+    }
+    out
 }
 
 /// The fds this process was started with, by name: `LISTEN_PID` (must equal
@@ -483,6 +584,82 @@ pub(crate) mod tests {
         // Nobody listening: the error is the caller's to see.
         let gone = FdStore::connect(OsStr::new("/nonexistent/notify.sock"), false).unwrap();
         assert!(gone.status("x").is_err());
+    }
+
+    #[test]
+    fn several_fds_in_one_datagram_only_for_a_keeper_that_reads_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify.sock");
+        let server = UnixDatagram::bind(&path).unwrap();
+        let mems: Vec<std::fs::File> = (0..3)
+            .map(|i| {
+                memfd::MemfdOptions::new()
+                    .create(format!("m{i}"))
+                    .unwrap()
+                    .into_file()
+            })
+            .collect();
+        let fds: Vec<(&str, BorrowedFd<'_>)> = ["a", "b", "c"]
+            .into_iter()
+            .zip(mems.iter().map(|m| m.as_fd()))
+            .collect();
+        use std::os::unix::fs::MetadataExt;
+        let ino = |f: &OwnedFd| nix::sys::stat::fstat(f.as_raw_fd()).unwrap().st_ino;
+
+        let batched = FdStore::connect(path.as_os_str(), true)
+            .unwrap()
+            .with_fdnames(true);
+        batched.store_all(&fds).unwrap();
+        let (text, got) = recv(&server);
+        assert_eq!(text, "FDSTORE=1\nX_PAGEFORK_FDNAMES=a:b:c\n");
+        assert_eq!(got.len(), 3);
+        for (g, m) in got.iter().zip(&mems) {
+            assert_eq!(ino(g), m.metadata().unwrap().ino());
+        }
+        batched.remove_all(&["c", "a"]).unwrap();
+        assert_eq!(recv(&server).0, "FDSTOREREMOVE=1\nX_PAGEFORK_FDNAMES=c:a\n");
+        // A bad name is refused before anything is sent.
+        let e = batched
+            .store_all(&[("ok", mems[0].as_fd()), ("no:pe", mems[1].as_fd())])
+            .unwrap_err();
+        assert_eq!((e.0, e.1.kind()), (0, io::ErrorKind::InvalidInput));
+
+        // systemd (or a keeper that does not say it reads them): one each.
+        for plain in [
+            FdStore::connect(path.as_os_str(), false)
+                .unwrap()
+                .with_fdnames(true),
+            FdStore::connect(path.as_os_str(), true).unwrap(),
+        ] {
+            plain.store_all(&fds).unwrap();
+            for (name, m) in ["a", "b", "c"].iter().zip(&mems) {
+                let (text, got) = recv(&server);
+                assert_eq!(text, format!("FDSTORE=1\nFDNAME={name}\n"));
+                assert_eq!(got.len(), 1);
+                assert_eq!(ino(&got[0]), m.metadata().unwrap().ino());
+            }
+            plain.remove_all(&["b", "c"]).unwrap();
+            assert_eq!(recv(&server).0, "FDSTOREREMOVE=1\nFDNAME=b\n");
+            assert_eq!(recv(&server).0, "FDSTOREREMOVE=1\nFDNAME=c\n");
+        }
+    }
+
+    #[test]
+    fn batches_stay_within_a_datagram() {
+        let names: Vec<String> = (0..300).map(|i| format!("n{i}")).collect();
+        let b = batches(names.iter().map(String::as_str));
+        assert_eq!(
+            b.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![BATCH_FDS, BATCH_FDS, 300 - 2 * BATCH_FDS]
+        );
+        let long: Vec<String> = (0..100).map(|i| format!("{i:0>200}")).collect();
+        let b = batches(long.iter().map(String::as_str));
+        assert!(b.len() > 1);
+        for part in &b {
+            assert!(part.iter().map(|n| n.len() + 1).sum::<usize>() <= BATCH_BYTES);
+        }
+        assert_eq!(b.iter().map(Vec::len).sum::<usize>(), 100);
+        assert!(batches(std::iter::empty()).is_empty());
     }
 
     /// `listen_fds` in a process started the way the keeper starts one: the

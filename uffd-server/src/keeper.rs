@@ -10,9 +10,14 @@
 //! - the serving process sends `sd_notify` datagrams to `NOTIFY_SOCKET`
 //!   (`<state_dir>/keeper.sock`): `FDSTORE=1`+`FDNAME=` with fds,
 //!   `FDSTOREREMOVE=1`, `READY=1`, `STATUS=`, and our extension
-//!   `X_PAGEFORK_UPGRADE=<binary>` (see [`crate::fdstore`]);
+//!   `X_PAGEFORK_UPGRADE=<binary>`, and `X_PAGEFORK_FDNAMES=a:b:...`,
+//!   which names each of several fds sent (or removed) in one datagram
+//!   (see [`crate::fdstore`]);
 //! - each start gets the stored fds on 3, 4, ... with `LISTEN_PID`,
-//!   `LISTEN_FDS`, `LISTEN_FDNAMES`, plus `PAGEFORK_KEEPER=1` and
+//!   `LISTEN_FDS`, `LISTEN_FDNAMES`, plus `PAGEFORK_KEEPER=1`,
+//!   `PAGEFORK_KEEPER_FDNAMES=1` (this keeper reads `X_PAGEFORK_FDNAMES=`:
+//!   a keeper of an older binary, which an upgrade leaves running, does
+//!   not set it, and is sent one fd per datagram) and
 //!   `PAGEFORK_START=first|crash|upgrade`.
 //!
 //! The keeper is single-threaded: one poll loop over the notification
@@ -73,9 +78,10 @@ const MAX_DATAGRAM: usize = 16 * 1024;
 const SCM_MAX_FD: usize = 253;
 /// The environment variables the keeper sets for (or takes away from) the
 /// serving process.
-const OUR_ENV: [&str; 6] = [
+const OUR_ENV: [&str; 7] = [
     fdstore::NOTIFY_SOCKET,
     fdstore::KEEPER_ENV,
+    fdstore::FDNAMES_ENV,
     fdstore::START_ENV,
     "LISTEN_PID",
     "LISTEN_FDS",
@@ -261,6 +267,7 @@ impl Keeper {
                 self.sock_path.as_os_str().as_bytes().to_vec(),
             ),
             (fdstore::KEEPER_ENV, b"1".to_vec()),
+            (fdstore::FDNAMES_ENV, b"1".to_vec()),
             (fdstore::START_ENV, reason.as_str().as_bytes().to_vec()),
         ];
         if !fds.is_empty() {
@@ -536,6 +543,7 @@ impl Keeper {
     fn handle_message(&mut self, data: &[u8], fds: Vec<OwnedFd>) {
         let (mut store, mut remove, mut ready) = (false, false, false);
         let (mut name, mut status, mut upgrade) = (None, None, None);
+        let mut names = None;
         for line in data.split(|b| *b == b'\n') {
             let Some(eq) = line.iter().position(|b| *b == b'=') else {
                 continue;
@@ -548,6 +556,7 @@ impl Keeper {
                 b"READY" => ready = value == b"1",
                 b"STATUS" => status = Some(value),
                 k if k == fdstore::UPGRADE_KEY.as_bytes() => upgrade = Some(value),
+                k if k == fdstore::FDNAMES_KEY.as_bytes() => names = Some(value),
                 _ => {}
             }
         }
@@ -559,24 +568,28 @@ impl Keeper {
                 .map(str::to_owned),
         };
 
-        if remove {
-            match &name {
-                Some(name) => {
-                    if let Some(old) = self.stored.remove(name) {
-                        self.nfds -= old.fds.len();
-                        debug!("removed {name} ({} fds)", old.fds.len());
+        if let Some(names) = names {
+            self.handle_named(store, remove, names, fds);
+        } else {
+            if remove {
+                match &name {
+                    Some(name) => {
+                        if let Some(old) = self.stored.remove(name) {
+                            self.nfds -= old.fds.len();
+                            debug!("removed {name} ({} fds)", old.fds.len());
+                        }
                     }
+                    None => warn!("FDSTOREREMOVE with an invalid FDNAME; ignored"),
                 }
-                None => warn!("FDSTOREREMOVE with an invalid FDNAME; ignored"),
             }
-        }
-        if store {
-            match name {
-                Some(name) => self.store(name, fds),
-                None => warn!("FDSTORE with an invalid FDNAME; {} fds closed", fds.len()),
+            if store {
+                match name {
+                    Some(name) => self.store(name, fds),
+                    None => warn!("FDSTORE with an invalid FDNAME; {} fds closed", fds.len()),
+                }
+            } else if !fds.is_empty() {
+                debug!("closing {} fds sent without FDSTORE=1", fds.len());
             }
-        } else if !fds.is_empty() {
-            debug!("closing {} fds sent without FDSTORE=1", fds.len());
         }
         if let Some(status) = status {
             debug!("status: {}", String::from_utf8_lossy(status));
@@ -608,6 +621,51 @@ impl Keeper {
                 self.failures = 0;
                 self.fallback = None;
             }
+        }
+    }
+
+    /// `FDSTORE=1` or `FDSTOREREMOVE=1` of the fds named in `names`
+    /// (`:`-separated, each fd sent with its own name, in order). Nothing
+    /// is stored unless every name is valid and there is one per fd.
+    fn handle_named(&mut self, store: bool, remove: bool, names: &[u8], fds: Vec<OwnedFd>) {
+        let names: Option<Vec<String>> = names
+            .split(|b| *b == b':')
+            .map(|n| {
+                std::str::from_utf8(n)
+                    .ok()
+                    .filter(|n| fdstore::fdname_is_valid(n))
+                    .map(str::to_owned)
+            })
+            .collect();
+        let Some(names) = names else {
+            warn!(
+                "{} with an invalid name; {} fds closed",
+                fdstore::FDNAMES_KEY,
+                fds.len()
+            );
+            return;
+        };
+        if store {
+            if names.len() != fds.len() {
+                warn!(
+                    "FDSTORE=1 naming {} fds with {} fds; closed",
+                    names.len(),
+                    fds.len()
+                );
+                return;
+            }
+            for (name, fd) in names.into_iter().zip(fds) {
+                self.store(name, vec![fd]);
+            }
+        } else if remove {
+            for name in &names {
+                if let Some(old) = self.stored.remove(name) {
+                    self.nfds -= old.fds.len();
+                    debug!("removed {name} ({} fds)", old.fds.len());
+                }
+            }
+        } else if !fds.is_empty() {
+            debug!("closing {} fds sent without FDSTORE=1", fds.len());
         }
     }
 
@@ -994,6 +1052,8 @@ def fail(why):
 addr = os.environ.get("NOTIFY_SOCKET") or fail("no NOTIFY_SOCKET")
 if os.environ.get("PAGEFORK_KEEPER") != "1":
     fail("no PAGEFORK_KEEPER")
+if os.environ.get("PAGEFORK_KEEPER_FDNAMES") != "1":
+    fail("no PAGEFORK_KEEPER_FDNAMES")
 
 def notify(text, fds=()):
     if fds:
@@ -1055,6 +1115,15 @@ if scenario == "main":
         notify("FDSTORE=1\nFDNAME=tmp\n", [memfd("tmp", "x")])
         notify("FDSTOREREMOVE=1\nFDNAME=tmp\n")
         notify("FDSTORE=1\nFDNAME=late\n", [memfd("late", "two")])
+        # Several fds, each named, in one datagram; then two of them
+        # removed in one; a count that does not match stores nothing.
+        notify("FDSTORE=1\nX_PAGEFORK_FDNAMES=b1:b2:b3\n",
+               [memfd("b1", "three"), memfd("b2", "y"), memfd("b3", "z")])
+        notify("FDSTOREREMOVE=1\nX_PAGEFORK_FDNAMES=b3:b2\n")
+        notify("FDSTORE=1\nX_PAGEFORK_FDNAMES=c1:c2\n", [memfd("c1", "w")])
+        notify("FDSTORE=1\nX_PAGEFORK_FDNAMES=d:e:f\n", [memfd("d", "w")] * 3)
+        notify("FDSTOREREMOVE=1\nX_PAGEFORK_FDNAMES=d:e\n")
+        notify("FDSTORE=1\nX_PAGEFORK_FDNAMES=g1::g2\n", [memfd("g", "w")] * 3)
         # Dies right after the sends: the keeper must still see them.
         os.kill(pid, signal.SIGKILL)
     elif me == "v1.py" and start == "crash":
@@ -1270,12 +1339,12 @@ elif scenario == "badargs":
         let pid2 = pid_of(&second, "pid");
         // Its last sends were not lost: the third start has them.
         let third = k.event("v1.py crash start", 1);
-        assert_eq!(third["fds"], "late=two,mem=one");
+        assert_eq!(third["fds"], "b1=three,f=w,late=two,mem=one");
         let pid3 = pid_of(&third, "pid");
         k.event("v1.py crash upgrading", 0);
         // The upgrade request starts the other binary, with the same fds.
         let v2 = k.event("v2.py upgrade start", 0);
-        assert_eq!(v2["fds"], "late=two,mem=one");
+        assert_eq!(v2["fds"], "b1=three,f=w,late=two,mem=one");
         let pid4 = pid_of(&v2, "pid");
         k.event("v2.py upgrade ready", 0);
         k.logged(&format!("serving (pid {pid4})"));
@@ -1292,7 +1361,7 @@ elif scenario == "badargs":
         );
         assert!(
             log.contains(&format!(
-                "serving process {pid2} died (signal 9); restarting with 2 stored fds in 100ms"
+                "serving process {pid2} died (signal 9); restarting with 4 stored fds in 100ms"
             )),
             "{log}"
         );

@@ -8,9 +8,10 @@
 //! answered without a scan.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::rc::Rc;
 
-use super::mirror::Mirror;
+use super::mirror::{Mirror, MirrorError, OVER_UNINITIALIZED};
 use super::source::{SourceId, UNINITIALIZED};
 
 /// Pages per chunk: 4096 entries, 16 KiB, covering 16 MiB of guest RAM.
@@ -33,6 +34,63 @@ pub struct PageTable {
     /// Where every entry set is written too, to outlive the server (see
     /// [`super::mirror`]); a copy of the table has none of its own.
     mirror: Option<Mirror>,
+    /// The under `mirror` is an overlay of, if it is one.
+    under: Option<Rc<Under>>,
+}
+
+/// A table's entries as they were when it was made, shared by the
+/// overlays of its copies (a fork's children): a dense mirror, never
+/// written again, and the same entries in memory.
+#[derive(Debug)]
+pub struct Under {
+    file: File,
+    ino: u64,
+    /// The entries (its chunks shared with the table it was made of, so
+    /// that a copy's chunks left alone compare by address).
+    table: PageTable,
+}
+
+impl Under {
+    /// A mirror of `table` as it is now, for its copies to overlay.
+    pub fn of(table: &PageTable) -> Result<Rc<Under>, MirrorError> {
+        let mirror = Mirror::create(table.pages())?;
+        table.write_dense(&mirror);
+        let (file, ino) = mirror.into_file();
+        Ok(Rc::new(Under {
+            file,
+            ino,
+            table: table.clone(),
+        }))
+    }
+
+    /// The under in `file` (handed back by the fd store) of tables of
+    /// `pages` pages.
+    pub fn open(file: File, pages: u64) -> Result<Rc<Under>, MirrorError> {
+        let mirror = Mirror::open(file, pages)?;
+        let table = PageTable::read_mirror(&mirror, None);
+        let (file, ino) = mirror.into_file();
+        Ok(Rc::new(Under { file, ino, table }))
+    }
+
+    /// The memfd, for the fd store.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.file)
+    }
+
+    /// The memfd's inode number.
+    pub fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    /// Number of entries.
+    pub fn pages(&self) -> u64 {
+        self.table.pages()
+    }
+
+    /// Its entries.
+    pub fn table(&self) -> &PageTable {
+        &self.table
+    }
 }
 
 impl Clone for PageTable {
@@ -43,6 +101,7 @@ impl Clone for PageTable {
             pages: self.pages,
             counts: self.counts.clone(),
             mirror: None,
+            under: None,
         }
     }
 }
@@ -61,41 +120,113 @@ impl PageTable {
             pages,
             counts,
             mirror: None,
+            under: None,
         }
     }
 
-    /// Write every entry into `mirror` from now on, starting with all of
-    /// them as they are.
+    /// Write every entry into `mirror`, a dense one, from now on,
+    /// starting with all of them as they are.
     pub fn attach_mirror(&mut self, mirror: Mirror) {
+        debug_assert!(!mirror.is_over());
         // A fresh mirror reads `Uninitialized` everywhere: only the other
-        // runs are stored (a VM restored from an image with holes, or
-        // made on zeroes, allocates nothing for them).
-        for e in self.extents() {
-            mirror.set_range(e.start, e.start + e.pages, e.source);
-        }
+        // runs are stored (a VM restored from an image with holes, or made
+        // on zeroes, allocates nothing for them).
+        self.write_dense(&mirror);
         mirror.written();
         self.mirror = Some(mirror);
+        self.under = None;
+    }
+
+    /// Write every entry from now on into a new overlay of `under`,
+    /// starting with those that differ from it.
+    pub fn attach_overlay(&mut self, under: Rc<Under>) -> Result<(), MirrorError> {
+        let mirror = Mirror::create_over(under.pages())?;
+        self.write_over(&mirror, under.table());
+        mirror.written();
+        self.mirror = Some(mirror);
+        self.under = Some(under);
+        Ok(())
+    }
+
+    /// Store every entry in `mirror`, a dense one (0s skipped while it is
+    /// fresh), a run of equal entries at a time.
+    pub(super) fn write_dense(&self, mirror: &Mirror) {
+        for (c, chunk) in self.chunks.iter().enumerate() {
+            let base = (c * CHUNK_PAGES) as u64;
+            let n = shared::geometry::usize_of((self.pages - base).min(CHUNK_PAGES as u64));
+            let mut p = base;
+            for run in chunk[..n].chunk_by(|a, b| a == b) {
+                let end = p + run.len() as u64;
+                mirror.set_range(p, end, run[0]);
+                p = end;
+            }
+        }
+    }
+
+    /// Store in `mirror`, an overlay of `under`, what differs from it: 0
+    /// where this table reads as `under` does. Chunks still shared with
+    /// `under` (a fork's child left alone) are skipped while the mirror
+    /// is fresh.
+    fn write_over(&self, mirror: &Mirror, under: &PageTable) {
+        let fresh = mirror.is_fresh();
+        for (c, chunk) in self.chunks.iter().enumerate() {
+            let base = (c * CHUNK_PAGES) as u64;
+            let n = shared::geometry::usize_of((self.pages - base).min(CHUNK_PAGES as u64));
+            let theirs = under.chunks.get(c);
+            if fresh && theirs.is_some_and(|t| Rc::ptr_eq(t, chunk) || t[..n] == chunk[..n]) {
+                continue;
+            }
+            for (i, &s) in chunk[..n].iter().enumerate() {
+                let same = theirs.is_some_and(|t| t[i] == s);
+                let raw = match s {
+                    _ if same => 0,
+                    UNINITIALIZED => OVER_UNINITIALIZED,
+                    s => s,
+                };
+                if raw != 0 || !fresh {
+                    mirror.set_raw(base + i as u64, raw);
+                }
+            }
+        }
+    }
+
+    /// The table `mirror`, an overlay of `under` if that is given,
+    /// holds (not writing into it).
+    fn read_mirror(mirror: &Mirror, under: Option<&Under>) -> Self {
+        let mut t = match under {
+            Some(u) => u.table().clone(),
+            None => PageTable::new(mirror.pages(), UNINITIALIZED),
+        };
+        // Only what is stored differs from that start: a hole reads 0.
+        for (first, raw) in mirror.stored_runs() {
+            let mut p = first;
+            for run in raw.chunk_by(|a, b| a == b) {
+                let n = run.len() as u64;
+                if let Some(s) = mirror.decode_stored(run[0]) {
+                    t.set_range(p, n, s);
+                }
+                p += n;
+            }
+        }
+        t
     }
 
     /// The table `mirror` holds (a server's table, read back after it
     /// died), writing into it from now on.
     pub fn from_mirror(mirror: Mirror) -> Self {
-        let pages = mirror.pages();
-        let mut t = PageTable::new(pages, UNINITIALIZED);
-        let mut p = 0;
-        while p < pages {
-            let s = mirror.get(p);
-            let mut q = p + 1;
-            while q < pages && mirror.get(q) == s {
-                q += 1;
-            }
-            if s != UNINITIALIZED {
-                t.set_range(p, q - p, s);
-            }
-            p = q;
-        }
+        let mut t = Self::read_mirror(&mirror, None);
         t.mirror = Some(mirror);
         t
+    }
+
+    /// The table the overlay of `under` in `file` (handed back by the fd
+    /// store) holds, writing into it from now on.
+    pub fn from_overlay(file: File, under: Rc<Under>) -> Result<Self, MirrorError> {
+        let mirror = Mirror::open_over(file, under.pages())?;
+        let mut t = Self::read_mirror(&mirror, Some(&under));
+        t.mirror = Some(mirror);
+        t.under = Some(under);
+        Ok(t)
     }
 
     /// The mirror this table writes into, if any.
@@ -103,12 +234,25 @@ impl PageTable {
         self.mirror.as_ref()
     }
 
+    /// The under its mirror is an overlay of, if it is one.
+    pub fn under(&self) -> Option<&Rc<Under>> {
+        self.under.as_ref()
+    }
+
     /// Take `new`'s entries, keeping (and rewriting) this table's mirror.
     pub fn replace(&mut self, new: PageTable) {
         let mirror = self.mirror.take();
+        let under = self.under.take();
         *self = new;
         if let Some(m) = mirror {
-            self.attach_mirror(m);
+            match under {
+                Some(u) => {
+                    self.write_over(&m, u.table());
+                    self.mirror = Some(m);
+                    self.under = Some(u);
+                }
+                None => self.attach_mirror(m),
+            }
         }
     }
 
@@ -320,7 +464,94 @@ mod tests {
         assert_eq!(back.counts(), t.counts());
         let mut t2 = t;
         t2.replace(PageTable::new(n, 0));
-        assert_eq!(t2.mirror().map(|m| m.get(5)), Some(0));
+        assert_eq!(t2.mirror().map(|m| m.stored(5)), Some(0));
+    }
+
+    fn reopen(m: &Mirror) -> std::fs::File {
+        use std::os::fd::AsFd;
+        std::fs::File::from(m.fd().as_fd().try_clone_to_owned().expect("dup"))
+    }
+
+    #[test]
+    fn overlays_store_only_what_differs_from_their_under() {
+        let n = 3 * CHUNK_PAGES as u64 + 7;
+        let mut parent = PageTable::new(n, 0);
+        parent.set_range(0, CHUNK_PAGES as u64 + 10, 3);
+        parent.set(2 * CHUNK_PAGES as u64 + 1, 4);
+        let under = Under::of(&parent).expect("under");
+        assert_eq!(under.pages(), n);
+        let mut kids: Vec<PageTable> = (0..3).map(|_| parent.fork()).collect();
+        for k in &mut kids {
+            k.attach_overlay(Rc::clone(&under)).expect("overlay");
+        }
+        // A child left alone stores nothing: its memfd is all holes.
+        let m = kids[0].mirror().expect("mirror");
+        assert!(m.stored_runs().is_empty(), "{:?}", m.stored_runs().len());
+        // Entries set after: a source, back to Uninitialized, and the
+        // under's own value.
+        kids[1].set(5, 9);
+        kids[1].set(6, 0);
+        kids[1].set_range(CHUNK_PAGES as u64, 20, 0);
+        kids[1].set(2 * CHUNK_PAGES as u64 + 1, 4);
+        kids[2].set(n - 1, 7);
+        for k in &kids {
+            let m = k.mirror().expect("mirror");
+            let back = PageTable::from_overlay(reopen(m), Rc::clone(&under)).expect("open");
+            for p in 0..n {
+                assert_eq!(back.get(p), k.get(p), "page {p}");
+            }
+            assert_eq!(back.counts(), k.counts());
+        }
+        // The under reads back as the parent was.
+        let u2 = Under::open(reopen_under(&under), n).expect("open under");
+        for p in 0..n {
+            assert_eq!(u2.table().get(p), parent.get(p), "page {p}");
+        }
+        // A table made before its overlay differs where it was written.
+        let mut late = parent.fork();
+        late.set(1, 0);
+        late.set(CHUNK_PAGES as u64 * 3, 5);
+        late.attach_overlay(Rc::clone(&under)).expect("overlay");
+        let back = PageTable::from_overlay(reopen(late.mirror().expect("m")), Rc::clone(&under))
+            .expect("open");
+        for p in 0..n {
+            assert_eq!(back.get(p), late.get(p), "page {p}");
+        }
+        // Replaced whole: every entry rewritten.
+        let mut whole = late;
+        let mut new = PageTable::new(n, 0);
+        new.set_range(10, 3, 8);
+        whole.replace(new.clone());
+        let back = PageTable::from_overlay(reopen(whole.mirror().expect("m")), Rc::clone(&under))
+            .expect("open");
+        for p in 0..n {
+            assert_eq!(back.get(p), new.get(p), "page {p}");
+        }
+    }
+
+    fn reopen_under(u: &Under) -> std::fs::File {
+        use std::os::fd::AsFd;
+        std::fs::File::from(u.fd().as_fd().try_clone_to_owned().expect("dup"))
+    }
+
+    #[test]
+    fn a_dense_mirror_reads_back_from_its_data_only() {
+        let n = 5 * CHUNK_PAGES as u64;
+        let mut t = PageTable::new(n, 0);
+        t.attach_mirror(Mirror::create(n).expect("mirror"));
+        assert!(t.mirror().expect("m").stored_runs().is_empty());
+        t.set(4 * CHUNK_PAGES as u64 + 3, 2);
+        t.set_range(100, 5000, 6);
+        let runs = t.mirror().expect("m").stored_runs();
+        assert!(!runs.is_empty());
+        let stored: u64 = runs.iter().map(|(_, r)| r.len() as u64).sum();
+        assert!(stored < n, "holes are not read: {stored} of {n}");
+        let back =
+            PageTable::from_mirror(Mirror::open(reopen(t.mirror().expect("m")), n).expect("open"));
+        for p in 0..n {
+            assert_eq!(back.get(p), t.get(p), "page {p}");
+        }
+        assert_eq!(back.counts(), t.counts());
     }
 
     #[test]

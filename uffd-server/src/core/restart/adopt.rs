@@ -28,10 +28,7 @@ use crate::core::base::state::OnBase;
 use crate::core::state::Core;
 use crate::core::vm::{Vm, VmParts};
 use crate::images::{Identity, ImageId, Pin, Stamp};
-use crate::pages::mirror::Mirror;
-use crate::pages::{
-    FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, PageTable, ZstdSource,
-};
+use crate::pages::{FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, ZstdSource};
 use crate::snapshot::pageset::PageSet;
 
 fn identity(i: &IdentityRec) -> Identity {
@@ -149,6 +146,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
     let mut h = Handed {
         fds: fds.into_iter().collect(),
         memories: HashMap::new(),
+        unders: HashMap::new(),
     };
     let mut lost_sources: HashMap<u32, String> = HashMap::new();
     let mut serve = Vec::new();
@@ -233,9 +231,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             let vm = VmId(*id);
             let adopted_vm = (|| -> Result<Vm, String> {
                 let memory = h.memory(&rec.memory, rec.huge)?;
-                let mirror =
-                    Mirror::open(h.file(&rec.table)?, memory.pages()).map_err(|e| e.to_string())?;
-                let table = PageTable::from_mirror(mirror);
+                let table = h.table(&rec.table, rec.table_over.as_ref(), memory.pages())?;
                 for src in table.counts().keys() {
                     if let Some(why) = lost_sources.get(src) {
                         return Err(why.clone());

@@ -47,7 +47,7 @@ use crate::core::registry::Registry;
 use crate::core::state::Core;
 use crate::observe::stats::FaultStats;
 use crate::pages::mirror::Mirror;
-use crate::pages::{PageTable, Readahead};
+use crate::pages::Readahead;
 
 /// Give every client's table a mirror (a new client's gets one here).
 pub(super) fn attach_mirrors(reg: &mut Registry) {
@@ -141,7 +141,7 @@ pub(super) fn records(reg: &Registry, found: &mut Found, w: &mut Written) {
         let rec = listener_rec(found, l, recorded);
         if w.fc_listeners.get(&l.id).is_none_or(|(_, old)| *old != rec) {
             found.records.push(Record::FcListener(rec.clone()));
-            w.fc_listeners.insert(l.id, (key, rec));
+            w.names.put(&mut w.fc_listeners, l.id, (key, rec));
         }
     }
     let gone: Vec<u32> = w
@@ -151,7 +151,7 @@ pub(super) fn records(reg: &Registry, found: &mut Found, w: &mut Written) {
         .copied()
         .collect();
     for id in gone {
-        w.fc_listeners.remove(&id);
+        w.names.drop(&mut w.fc_listeners, &id);
         found.records.push(Record::FcListenerGone { id });
     }
     let mut ids = HashSet::new();
@@ -160,7 +160,7 @@ pub(super) fn records(reg: &Registry, found: &mut Found, w: &mut Written) {
         let rec = vm_rec(found, v);
         if w.fc_vms.get(&v.id.0) != Some(&rec) {
             found.records.push(Record::FcVm(rec.clone()));
-            w.fc_vms.insert(v.id.0, rec);
+            w.names.put(&mut w.fc_vms, v.id.0, rec);
         }
     }
     let gone: Vec<u32> = w
@@ -170,7 +170,7 @@ pub(super) fn records(reg: &Registry, found: &mut Found, w: &mut Written) {
         .copied()
         .collect();
     for id in gone {
-        w.fc_vms.remove(&id);
+        w.names.drop(&mut w.fc_vms, &id);
         found.records.push(Record::FcVmGone { id });
     }
 }
@@ -289,8 +289,7 @@ fn client(
         .map(|r| (r.offset + r.size) / PAGE_SIZE)
         .max()
         .unwrap_or(0);
-    let mirror = Mirror::open(h.file(&rec.table)?, pages).map_err(|e| e.to_string())?;
-    let table = PageTable::from_mirror(mirror);
+    let table = h.table(&rec.table, None, pages)?;
     for src in table.counts().keys() {
         if let Some(why) = lost_sources.get(src) {
             return Err(why.clone());

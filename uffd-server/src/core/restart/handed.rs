@@ -9,10 +9,13 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 
 use super::record::{
-    BaseRec, FcListenerRec, FcVmRec, FileRec, IdentityRec, PinRec, Record, SourceRec, VmRec,
+    BaseRec, FcListenerRec, FcVmRec, FileRec, IdentityRec, PinRec, Record, SourceRec, TableOver,
+    VmRec,
 };
 use crate::images::{Identity, Pin};
 use crate::memory::{GuestMemory, PageSize};
+use crate::pages::mirror::Mirror;
+use crate::pages::table::{PageTable, Under};
 use crate::pages::FileSource;
 
 pub(super) fn identity_rec(i: &Identity) -> IdentityRec {
@@ -34,6 +37,31 @@ pub(super) fn pin_rec(p: &Pin) -> PinRec {
     }
 }
 
+/// The name in the fd store of a VM's fd (made by the server, named by
+/// its inode number where a VM can have another one later).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FdName {
+    /// A memfd of guest memory (a VM's, a frozen source's, a base's).
+    Mem(u64),
+    /// The mirror of VM `.0`'s table.
+    Table(u32, u64),
+    /// An under its children's mirrors overlay.
+    Under(u64),
+    /// VM `.0`'s uffd.
+    Uffd(u32),
+}
+
+impl std::fmt::Display for FdName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FdName::Mem(ino) => write!(f, "mem-{ino}"),
+            FdName::Table(vm, ino) => write!(f, "table-{vm}-{ino}"),
+            FdName::Under(ino) => write!(f, "under-{ino}"),
+            FdName::Uffd(vm) => write!(f, "uffd-{vm}"),
+        }
+    }
+}
+
 /// What one sync found: records and the fds they name.
 #[derive(Default)]
 pub(super) struct Found {
@@ -49,7 +77,7 @@ impl Found {
     }
 
     pub(super) fn memory(&mut self, m: &GuestMemory) -> String {
-        self.fd(format!("mem-{}", m.ino()), m.memfd().as_raw_fd())
+        self.fd(FdName::Mem(m.ino()).to_string(), m.memfd().as_raw_fd())
     }
 
     pub(super) fn file(&mut self, id: u32, f: &FileSource) -> FileRec {
@@ -78,6 +106,7 @@ pub(super) struct Replayed {
 pub(super) struct Handed {
     pub(super) fds: HashMap<String, OwnedFd>,
     pub(super) memories: HashMap<String, Rc<GuestMemory>>,
+    pub(super) unders: HashMap<String, Rc<Under>>,
 }
 
 impl Handed {
@@ -102,5 +131,63 @@ impl Handed {
         let m = Rc::new(m);
         self.memories.insert(name.to_owned(), Rc::clone(&m));
         Ok(m)
+    }
+
+    /// Under `name`, of tables of `pages` pages (read once, shared by
+    /// the overlays that name it).
+    pub(super) fn under(&mut self, name: &str, pages: u64) -> Result<Rc<Under>, String> {
+        if let Some(u) = self.unders.get(name) {
+            if u.pages() != pages {
+                return Err(format!(
+                    "its table's under {name} has {} pages, not {pages}",
+                    u.pages()
+                ));
+            }
+            return Ok(Rc::clone(u));
+        }
+        let file = self.file(name)?;
+        let u = Under::open(file, pages).map_err(|e| format!("cannot read {name}: {e}"))?;
+        self.unders.insert(name.to_owned(), Rc::clone(&u));
+        Ok(u)
+    }
+
+    /// The table of `pages` pages its mirror holds, writing into it from
+    /// now on: the mirror `table`, or the overlay `over` of its under.
+    pub(super) fn table(
+        &mut self,
+        table: &str,
+        over: Option<&TableOver>,
+        pages: u64,
+    ) -> Result<PageTable, String> {
+        match over {
+            None => Mirror::open(self.file(table)?, pages).map(PageTable::from_mirror),
+            Some(o) => {
+                let under = self.under(&o.under, pages)?;
+                PageTable::from_overlay(self.file(&o.table)?, under)
+            }
+        }
+        .map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FdName;
+
+    #[test]
+    fn fd_names_are_those_of_earlier_journals() {
+        // The names journals of the previous binaries name fds by.
+        assert_eq!(FdName::Mem(5).to_string(), "mem-5");
+        assert_eq!(FdName::Table(7, 12345).to_string(), "table-7-12345");
+        assert_eq!(FdName::Uffd(3).to_string(), "uffd-3");
+        assert_eq!(FdName::Under(9).to_string(), "under-9");
+        for n in [
+            FdName::Mem(u64::MAX),
+            FdName::Table(u32::MAX, u64::MAX),
+            FdName::Under(u64::MAX),
+            FdName::Uffd(u32::MAX),
+        ] {
+            assert!(crate::fdstore::fdname_is_valid(&n.to_string()), "{n}");
+        }
     }
 }

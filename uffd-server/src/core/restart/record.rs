@@ -140,8 +140,14 @@ pub struct VmRec {
     pub memory: String,
     pub huge: bool,
     pub self_src: u32,
-    /// The mirror of its table.
+    /// The mirror of its table; empty when it has none or it is an
+    /// overlay (`table_over`: a server that cannot read overlays then
+    /// fails to adopt the VM rather than reading its table wrong).
     pub table: String,
+    /// The mirror of its table as an overlay of one shared with others
+    /// (see `pages::mirror`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table_over: Option<TableOver>,
     /// Its VMM's uffd, once the VMM sent it.
     pub uffd: Option<String>,
     pub vmm_base: u64,
@@ -167,6 +173,16 @@ pub struct VmRec {
     /// How its memory may be given back (the default if absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reclaim: Option<proto::api::ReclaimPolicy>,
+}
+
+/// A table's mirror that is an overlay: its own entries where they differ
+/// from the under's, which it shares with others.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableOver {
+    /// The overlay's memfd in the store.
+    pub table: String,
+    /// The under's memfd in the store.
+    pub under: String,
 }
 
 /// A Firecracker listener (its listening socket is in the store).
@@ -226,4 +242,103 @@ pub struct FcVmRec {
     pub readahead_pages: u64,
     #[serde(default)]
     pub readahead_piece_pages: u64,
+}
+
+/// The names (in the fd store) of the fds a record names.
+pub(super) trait Fds {
+    fn fds(&self) -> impl Iterator<Item = &str>;
+}
+
+fn names<const N: usize>(names: [Option<&str>; N]) -> impl Iterator<Item = &str> {
+    names.into_iter().flatten().filter(|n| !n.is_empty())
+}
+
+impl Fds for SourceRec {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        names([match self {
+            SourceRec::Frozen { fd, .. } => Some(fd.as_str()),
+            SourceRec::File { file }
+            | SourceRec::Image { file, .. }
+            | SourceRec::Zstd { file, .. } => Some(file.fd.as_str()),
+            SourceRec::Vm { .. }
+            | SourceRec::Remote { .. }
+            | SourceRec::Swap { .. }
+            | SourceRec::Lost { .. } => None,
+        }])
+    }
+}
+
+impl Fds for BaseRec {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        names([Some(self.fd.as_str())])
+    }
+}
+
+impl Fds for VmRec {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        let over = self.table_over.as_ref();
+        names([
+            Some(self.memory.as_str()),
+            Some(self.table.as_str()),
+            over.map(|o| o.table.as_str()),
+            over.map(|o| o.under.as_str()),
+            self.uffd.as_deref(),
+        ])
+    }
+}
+
+impl Fds for FcListenerRec {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        names([Some(self.fd.as_str())])
+    }
+}
+
+impl Fds for FcVmRec {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        names([
+            Some(self.table.as_str()),
+            Some(self.uffd.as_str()),
+            Some(self.stream.as_str()),
+        ])
+    }
+}
+
+/// A VM's memory: `(fd name, huge)`.
+impl Fds for (String, bool) {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        names([Some(self.0.as_str())])
+    }
+}
+
+/// A record with the address it was made from.
+impl<T: Fds> Fds for (usize, T) {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        self.1.fds()
+    }
+}
+
+/// A record with the inode number of the file it names.
+impl<T: Fds> Fds for (u64, T) {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        self.1.fds()
+    }
+}
+
+/// What a VM's record names, by number: compared with the VM as it is
+/// without reading (or making) names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct VmFds {
+    /// Its memory's inode number.
+    pub memory: u64,
+    /// Its table's mirror's inode number, and the under's if it is an
+    /// overlay.
+    pub table: Option<(u64, Option<u64>)>,
+    /// Whether its uffd is named.
+    pub uffd: bool,
+}
+
+impl Fds for (VmFds, VmRec) {
+    fn fds(&self) -> impl Iterator<Item = &str> {
+        self.1.fds()
+    }
 }

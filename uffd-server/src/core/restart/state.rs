@@ -4,15 +4,16 @@
 //! handover) with what it adopted.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
-use super::record::{BaseRec, FcListenerRec, FcVmRec, SourceRec, VmRec};
+use super::record::{BaseRec, FcListenerRec, FcVmRec, Fds, SourceRec, VmFds, VmRec};
 use crate::fdstore::FdStore;
+use crate::pages::table::Under;
 
 /// Why this process started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -49,20 +50,82 @@ impl StartKind {
 }
 
 /// What has been written to the journal, by key, so that only changes
-/// are appended.
+/// are appended. In key order, as the registry and the arena hold them,
+/// so that a sync walks both side by side.
 #[derive(Debug, Default)]
 pub(super) struct Written {
-    pub sources: HashMap<u32, (usize, SourceRec)>,
-    pub memories: HashMap<u32, (String, bool)>,
-    pub bases: HashMap<u32, BaseRec>,
-    pub vms: HashMap<u32, VmRec>,
+    /// Sources, each with the address of the `Rc` it was made of.
+    pub sources: BTreeMap<u32, (usize, SourceRec)>,
+    /// VMs' memories, each with its memfd's inode number.
+    pub memories: BTreeMap<u32, (u64, (String, bool))>,
+    pub bases: BTreeMap<u32, BaseRec>,
+    pub vms: BTreeMap<u32, (VmFds, VmRec)>,
     /// Firecracker listeners, each with the address of the working set
     /// it recorded (0: none), which is turned into runs only when it
     /// changes.
-    pub fc_listeners: HashMap<u32, (usize, FcListenerRec)>,
-    pub fc_vms: HashMap<u32, FcVmRec>,
+    pub fc_listeners: BTreeMap<u32, (usize, FcListenerRec)>,
+    pub fc_vms: BTreeMap<u32, FcVmRec>,
     /// Names of the fds in the store.
     pub stored: HashSet<String>,
+    /// Which fds the records above name.
+    pub names: Names,
+    /// An fd could not be handed to the store: the next sync writes the
+    /// journal afresh, handing every fd it names again.
+    pub retry: bool,
+}
+
+/// How many written records name each fd in the store.
+#[derive(Debug, Default)]
+pub(super) struct Names {
+    /// The count of each fd named, by its name.
+    pub named: HashMap<String, u32>,
+    /// Names no record names any more since the last sync: out of the
+    /// store once the records that stopped naming them are written
+    /// (unless named again by then).
+    pub unnamed: Vec<String>,
+}
+
+impl Names {
+    /// `rec` is written under `key` of `map`, replacing what was there:
+    /// the fds it names are named once more, those the old one named
+    /// once less.
+    pub fn put<K: Ord, V: Fds>(&mut self, map: &mut BTreeMap<K, V>, key: K, rec: V) {
+        for n in rec.fds() {
+            match self.named.get_mut(n) {
+                Some(c) => *c += 1,
+                None => {
+                    self.named.insert(n.to_owned(), 1);
+                }
+            }
+        }
+        if let Some(old) = map.insert(key, rec) {
+            self.unname(&old);
+        }
+    }
+
+    /// The record under `key` of `map` is gone.
+    pub fn drop<K: Ord, V: Fds>(&mut self, map: &mut BTreeMap<K, V>, key: &K) {
+        if let Some(old) = map.remove(key) {
+            self.unname(&old);
+        }
+    }
+
+    fn unname(&mut self, old: &impl Fds) {
+        for n in old.fds() {
+            if let Some(c) = self.named.get_mut(n) {
+                *c -= 1;
+                if *c == 0 {
+                    self.named.remove(n);
+                    self.unnamed.push(n.to_owned());
+                }
+            }
+        }
+    }
+
+    /// Whether a record names `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.named.contains_key(name)
+    }
 }
 
 /// The journal and the fd store: shared with the arena's hook, which
@@ -92,6 +155,10 @@ pub struct Restart {
     /// The binary a handover starts by default: the one this process was
     /// started as.
     pub(super) binary: PathBuf,
+    /// The under each VM's children made last overlay (see
+    /// `pages::mirror`), by parent: the children of its next fork share
+    /// it while its table has not changed much.
+    pub(super) unders: RefCell<HashMap<shared::VmId, std::rc::Rc<Under>>>,
 }
 
 impl Restart {
@@ -113,6 +180,7 @@ impl Restart {
             handing_over: Cell::new(false),
             jobs: Cell::new(0),
             binary: std::env::current_exe().unwrap_or_default(),
+            unders: RefCell::new(HashMap::new()),
         }
     }
 
@@ -255,5 +323,98 @@ impl AdoptedVm {
             at_unix_us: us(self.at),
             first_fault_unix_us: self.first_fault.map(us),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::restart::record::{SourceRec, TableOver};
+
+    fn vm(id: u32, memory: &str, table: &str, over: Option<(&str, &str)>) -> (VmFds, VmRec) {
+        let fds = VmFds {
+            memory: 0,
+            table: None,
+            uffd: false,
+        };
+        let rec = VmRec {
+            id,
+            vcpus: 1,
+            memory: memory.into(),
+            huge: false,
+            self_src: 1,
+            table: table.into(),
+            table_over: over.map(|(t, u)| TableOver {
+                table: t.into(),
+                under: u.into(),
+            }),
+            uffd: None,
+            vmm_base: 0,
+            pid: None,
+            state: proto::api::RunState::Running,
+            failure: None,
+            volume: None,
+            owns_volume: false,
+            deleted: false,
+            on_base: None,
+            frozen_for: None,
+            fault_around_pages: 0,
+            readahead_pages: 0,
+            parent: None,
+            rollback_to: None,
+            reclaim: None,
+        };
+        (fds, rec)
+    }
+
+    #[test]
+    fn a_name_is_unnamed_when_its_last_record_goes() {
+        let mut w = Written::default();
+        let n = &mut w.names;
+        n.put(
+            &mut w.vms,
+            1,
+            vm(1, "mem-1", "", Some(("table-1-5", "under-9"))),
+        );
+        n.put(
+            &mut w.vms,
+            2,
+            vm(2, "mem-2", "", Some(("table-2-6", "under-9"))),
+        );
+        n.put(
+            &mut w.sources,
+            3,
+            (
+                0,
+                SourceRec::Frozen {
+                    vm: 1,
+                    layer: false,
+                    fd: "mem-1".into(),
+                    huge: false,
+                },
+            ),
+        );
+        assert_eq!(n.named.get("under-9"), Some(&2));
+        assert_eq!(n.named.get("mem-1"), Some(&2));
+        assert!(!n.contains(""));
+        n.drop(&mut w.vms, &1);
+        assert_eq!(n.unnamed, vec!["table-1-5".to_owned()]);
+        assert!(n.contains("mem-1") && n.contains("under-9"));
+        // Replaced: the new record's names first, so a name kept is never
+        // unnamed.
+        n.put(&mut w.vms, 2, vm(2, "mem-2", "table-2-7", None));
+        assert!(n.contains("mem-2") && !n.contains("under-9"));
+        assert_eq!(
+            n.unnamed,
+            vec![
+                "table-1-5".to_owned(),
+                "table-2-6".to_owned(),
+                "under-9".to_owned()
+            ]
+        );
+        n.drop(&mut w.sources, &3);
+        assert!(!n.contains("mem-1"));
+        n.drop(&mut w.vms, &2);
+        assert!(n.named.is_empty(), "{:?}", n.named);
     }
 }
