@@ -581,17 +581,6 @@ fn emit(plan: &Plan, sizes: &Sizes, base: &str, has_base: bool, a: &Samples, b: 
     .emit();
 }
 
-/// An error and its sources, `: `-separated.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(&format!(": {c}"));
-        cur = c.source();
-    }
-    s
-}
-
 fn main() -> ExitCode {
     let plan = Plan::from_args();
     if !pagefork_tests::require_kvm_uffd() {
@@ -601,7 +590,7 @@ fn main() -> ExitCode {
     match run(&plan) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{BENCH}: {}", chain(&e));
+            eprintln!("{BENCH}: {}", shared::error_chain(&e));
             ExitCode::FAILURE
         }
     }

@@ -106,13 +106,13 @@ fn in_process(plan: &Plan, mib: u64) -> InProcess {
     drop((src, dst));
 
     let len = usize::try_from(mib << 20).expect("size fits in usize");
-    let floor =
-        WpFloor::new(len, bytes).unwrap_or_else(|e| panic!("write-protect floor: {}", chain(&e)));
+    let floor = WpFloor::new(len, bytes)
+        .unwrap_or_else(|e| panic!("write-protect floor: {}", shared::error_chain(&e)));
     let wp_us = (0..plan.reps.max(5))
         .map(|_| {
             floor
                 .measure()
-                .unwrap_or_else(|e| panic!("write-protect floor: {}", chain(&e)))
+                .unwrap_or_else(|e| panic!("write-protect floor: {}", shared::error_chain(&e)))
                 .as_secs_f64()
                 * 1e6
         })
@@ -122,12 +122,14 @@ fn in_process(plan: &Plan, mib: u64) -> InProcess {
     let huge_pages = (bytes as u64).div_ceil(2 << 20);
     let wp_huge_us = if pagefork_benches::wp_floor::reserve_hugepages(huge_pages) {
         let floor = WpFloor::new_hugetlb(len, bytes)
-            .unwrap_or_else(|e| panic!("hugetlb write-protect floor: {}", chain(&e)));
+            .unwrap_or_else(|e| panic!("hugetlb write-protect floor: {}", shared::error_chain(&e)));
         (0..plan.reps.max(5))
             .map(|_| {
                 floor
                     .measure()
-                    .unwrap_or_else(|e| panic!("hugetlb write-protect floor: {}", chain(&e)))
+                    .unwrap_or_else(|e| {
+                        panic!("hugetlb write-protect floor: {}", shared::error_chain(&e))
+                    })
                     .as_secs_f64()
                     * 1e6
             })
@@ -143,16 +145,6 @@ fn in_process(plan: &Plan, mib: u64) -> InProcess {
         wp_us,
         wp_huge_us,
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(&format!(": {c}"));
-        cur = c.source();
-    }
-    s
 }
 
 fn median(v: &[f64]) -> f64 {

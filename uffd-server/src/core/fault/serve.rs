@@ -230,9 +230,20 @@ pub(crate) fn on_uffd_ready(core: &Rc<Core>, vm: VmId, bases: Vec<u64>, mut fds:
         );
     }
     let fd = fds.remove(0);
-    if let Err(reason) = serve_uffd(core, vm, fd, bases[0], false) {
-        protocol_error(core, vm, &reason);
+    if let Err(e) = serve_uffd(core, vm, fd, bases[0], false) {
+        protocol_error(core, vm, &shared::error_chain(&e));
     }
+}
+
+/// Why a VM's uffd cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ServeUffdError {
+    #[error("cannot make the uffd non-blocking")]
+    NonBlocking(#[source] nix::Error),
+    #[error("cannot poll the uffd")]
+    Poll(#[source] std::io::Error),
+    #[error("uffd-ready sent twice")]
+    SentTwice,
 }
 
 /// Serve `vm`'s uffd `fd` (its VMM maps guest RAM at `vmm_base`) from
@@ -245,13 +256,12 @@ pub(crate) fn serve_uffd(
     fd: OwnedFd,
     vmm_base: u64,
     adopted: bool,
-) -> Result<(), String> {
-    if let Err(e) = nix::fcntl::fcntl(
+) -> Result<(), ServeUffdError> {
+    nix::fcntl::fcntl(
         fd.as_raw_fd(),
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
-    ) {
-        return Err(format!("cannot make the uffd non-blocking: {e}"));
-    }
+    )
+    .map_err(ServeUffdError::NonBlocking)?;
     // SAFETY: `fd` is owned here; ownership moves into the Uffd, which
     // closes it on drop.
     let uffd = unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) };
@@ -260,7 +270,7 @@ pub(crate) fn serve_uffd(
     let afd = match unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) }
     {
         Ok(a) => Rc::new(a),
-        Err(e) => return Err(format!("cannot poll the uffd: {e}")),
+        Err(e) => return Err(ServeUffdError::Poll(e.into_parts().1)),
     };
     {
         let mut reg = core.reg.borrow_mut();
@@ -268,7 +278,7 @@ pub(crate) fn serve_uffd(
             return Ok(());
         };
         if v.faults.uffd.is_some() {
-            return Err("uffd-ready sent twice".into());
+            return Err(ServeUffdError::SentTwice);
         }
         v.faults.vmm_base = vmm_base;
         v.faults.uffd = Some(afd.clone());

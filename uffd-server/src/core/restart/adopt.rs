@@ -20,6 +20,7 @@ use std::time::Instant;
 use shared::VmId;
 use tracing::{info, warn};
 
+use super::error::{AdoptError, Result};
 use super::handed::Handed;
 use super::journal::{replay, sync};
 use super::record::{BaseOrigin, FileRec, IdentityRec, PinRec, SourceRec};
@@ -47,7 +48,7 @@ fn pin(p: PinRec) -> Pin {
     }
 }
 
-fn file_source(h: &mut Handed, f: &FileRec) -> Result<FileSource, String> {
+fn file_source(h: &mut Handed, f: &FileRec) -> Result<FileSource> {
     let file = h.file(&f.fd)?;
     let mut s = FileSource::new(PathBuf::from(&f.path), file, f.len, pin(f.pin));
     if let Some(i) = &f.identity {
@@ -56,7 +57,7 @@ fn file_source(h: &mut Handed, f: &FileRec) -> Result<FileSource, String> {
     Ok(s)
 }
 
-fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, String> {
+fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource> {
     Ok(match rec {
         SourceRec::Vm { vm } => PageSource::Vm(VmId(*vm)),
         SourceRec::Frozen {
@@ -89,7 +90,7 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, St
                     snapshot.clone(),
                     file.identity.as_ref().map(identity),
                 )
-                .map_err(|e| format!("cannot read the compressed image {}: {e}", file.path))?;
+                .map_err(|e| AdoptError::OpenZstd(file.path.clone(), e))?;
             PageSource::Zstd(ZstdSource { image })
         }
         SourceRec::Swap { vm, key } => {
@@ -98,12 +99,7 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, St
                 .borrow()
                 .store_for_reading()
                 .cloned()
-                .ok_or_else(|| {
-                    format!(
-                    "pages of vm-{vm} are in the swap store, and this server has none (it runs \
-                     with --reclaim off, or cannot open it)"
-                )
-                })?;
+                .ok_or(AdoptError::NoSwapStore(*vm))?;
             PageSource::Swap(crate::pages::source::SwapSource {
                 vm: VmId(*vm),
                 key: *key,
@@ -111,12 +107,10 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, St
             })
         }
         SourceRec::Remote { manifest } => {
-            let service = core.remote.service().map_err(|_| {
-                format!(
-                    "it reads the remote snapshot {}, and this server has no --remote",
-                    manifest.name
-                )
-            })?;
+            let service = core
+                .remote
+                .service()
+                .map_err(|_| AdoptError::NoRemote(manifest.name.clone()))?;
             PageSource::Remote(crate::pages::RemoteSource {
                 image: std::sync::Arc::new(crate::remote::image::RemoteImage::new(
                     manifest,
@@ -125,7 +119,7 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource, St
                 )),
             })
         }
-        SourceRec::Lost { why } => return Err(why.clone()),
+        SourceRec::Lost { why } => return Err(AdoptError::SourceLost(why.clone())),
     })
 }
 
@@ -158,7 +152,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             match source(core, &mut h, rec) {
                 Ok(s) => reg.arena.adopt(*id, s),
                 Err(why) => {
-                    lost_sources.insert(*id, why);
+                    lost_sources.insert(*id, shared::error_chain(&why));
                 }
             }
         }
@@ -174,7 +168,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             }
             match h.memory(fd, *huge) {
                 Ok(m) => reg.arena.adopt_memory(VmId(*vm), m),
-                Err(e) => warn!("vm-{vm}: {e}"),
+                Err(e) => warn!("vm-{vm}: {}", shared::error_chain(&e)),
             }
         }
         let mut bases: HashMap<u32, Rc<Base>> = HashMap::new();
@@ -182,7 +176,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             let memory = match h.memory(&b.fd, b.huge) {
                 Ok(m) => m,
                 Err(e) => {
-                    warn!("base-{id}: {e}");
+                    warn!("base-{id}: {}", shared::error_chain(&e));
                     continue;
                 }
             };
@@ -229,18 +223,15 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
         }
         for (id, rec) in &journal.vms {
             let vm = VmId(*id);
-            let adopted_vm = (|| -> Result<Vm, String> {
+            let adopted_vm = (|| -> Result<Vm> {
                 let memory = h.memory(&rec.memory, rec.huge)?;
                 let table = h.table(&rec.table, rec.table_over.as_ref(), memory.pages())?;
                 for src in table.counts().keys() {
                     if let Some(why) = lost_sources.get(src) {
-                        return Err(why.clone());
+                        return Err(AdoptError::SourceLost(why.clone()));
                     }
                     if reg.arena.get(*src).is_none() {
-                        return Err(format!(
-                            "its table names source {src}, which the journal lacks: an \
-                             operation on it was cut short by the crash"
-                        ));
+                        return Err(AdoptError::UnknownSource(*src));
                     }
                 }
                 // Its newest `Vm(id)` source: a fork the crash cut short
@@ -282,9 +273,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                 }
                 v.adopted = Some(crate::core::restart::state::AdoptedVm::now());
                 if let Some((b, src)) = rec.on_base {
-                    let base = bases
-                        .get(&b)
-                        .ok_or_else(|| format!("its base base-{b} was not handed back"))?;
+                    let base = bases.get(&b).ok_or(AdoptError::NoBase(b))?;
                     v.base.on = Some(OnBase {
                         base: Rc::clone(base),
                         src,
@@ -321,6 +310,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                     adopted += 1;
                 }
                 Err(why) => {
+                    let why = shared::error_chain(&why);
                     warn!("{vm}: cannot be taken back: {why}");
                     lost.push(format!("{vm}: {why}"));
                     if let Some(pid) = rec.pid {

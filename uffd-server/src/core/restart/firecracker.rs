@@ -37,6 +37,7 @@ use tokio::io::unix::AsyncFd;
 use tracing::{info, warn};
 use userfaultfd::Uffd;
 
+use super::error::{AdoptError, Result};
 use super::handed::{Found, Handed, Replayed};
 use super::record::{FcListenerRec, FcVmRec, Record, RegionRec};
 use super::state::Written;
@@ -204,20 +205,17 @@ fn listener(
     h: &mut Handed,
     rec: &FcListenerRec,
     lost_sources: &HashMap<u32, String>,
-) -> Result<FcListener, String> {
+) -> Result<FcListener> {
     if let Some(why) = lost_sources.get(&rec.source) {
-        return Err(why.clone());
+        return Err(AdoptError::SourceLost(why.clone()));
     }
     if reg.arena.get(rec.source).is_none() {
-        return Err(format!(
-            "the source it serves ({}) is not in the journal",
-            rec.source
-        ));
+        return Err(AdoptError::ListenerSourceMissing(rec.source));
     }
     let sock = UnixListener::from(h.fd(&rec.fd)?);
     sock.set_nonblocking(false)
-        .map_err(|e| format!("its socket: {e}"))?;
-    let accept = sock.try_clone().map_err(|e| format!("its socket: {e}"))?;
+        .map_err(AdoptError::ListenerSocket)?;
+    let accept = sock.try_clone().map_err(AdoptError::ListenerSocket)?;
     let socket = PathBuf::from(&rec.socket);
     let stats = Arc::new(ListenerStats::default());
     let ctx = ListenerCtx {
@@ -230,7 +228,7 @@ fn listener(
     std::thread::Builder::new()
         .name("fc-accept".into())
         .spawn(move || crate::conn::firecracker::accept_loop(accept, ctx))
-        .map_err(|e| format!("cannot start its accept thread: {e}"))?;
+        .map_err(AdoptError::StartAcceptThread)?;
     let recorded = rec.recorded.as_ref().map(|runs| {
         Rc::new(
             runs.iter()
@@ -268,7 +266,7 @@ fn client(
     h: &mut Handed,
     rec: &FcVmRec,
     lost_sources: &HashMap<u32, String>,
-) -> Result<Taken, String> {
+) -> Result<Taken> {
     let vm = VmId(rec.id);
     let stream = UnixStream::from(h.fd(&rec.stream)?);
     if hung_up(&stream) || !alive(rec.pid) {
@@ -292,12 +290,10 @@ fn client(
     let table = h.table(&rec.table, None, pages)?;
     for src in table.counts().keys() {
         if let Some(why) = lost_sources.get(src) {
-            return Err(why.clone());
+            return Err(AdoptError::SourceLost(why.clone()));
         }
         if reg.arena.get(*src).is_none() {
-            return Err(format!(
-                "its table names source {src}, which the journal lacks"
-            ));
+            return Err(AdoptError::UnknownSource(*src));
         }
     }
     let uffd = h.fd(&rec.uffd)?;
@@ -305,16 +301,14 @@ fn client(
         uffd.as_raw_fd(),
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
     )
-    .map_err(|e| format!("cannot make its uffd non-blocking: {e}"))?;
+    .map_err(AdoptError::UffdNonBlocking)?;
     // SAFETY: `uffd` is owned here; ownership moves into the Uffd, which
     // closes it on drop.
     let uffd = unsafe { Uffd::from_raw_fd(uffd.into_raw_fd()) };
     // SAFETY: the Uffd owns its fd until the AsyncFd drops it.
     let uffd = unsafe { AsyncFd::register_with_interest(uffd, tokio::io::Interest::READABLE) }
-        .map_err(|e| format!("cannot poll its uffd: {e}"))?;
-    let watched = stream
-        .try_clone()
-        .map_err(|e| format!("its connection: {e}"))?;
+        .map_err(|e| AdoptError::PollUffd(e.into_parts().1))?;
+    let watched = stream.try_clone().map_err(AdoptError::WatchConnection)?;
     let self_src = reg.arena.vm(vm);
     Ok(Taken::Adopted(
         Box::new(FcVm {
@@ -374,7 +368,11 @@ pub(super) fn adopt(
                 reg.fc_listeners.insert(l.id, l);
             }
             Err(why) => {
-                warn!("fc-{}: cannot be taken back: {why}", rec.id);
+                warn!(
+                    "fc-{}: cannot be taken back: {}",
+                    rec.id,
+                    shared::error_chain(&why)
+                );
                 let path = std::path::Path::new(&rec.socket);
                 if std::fs::symlink_metadata(path)
                     .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
@@ -413,6 +411,7 @@ pub(super) fn adopt(
                 gone = true;
             }
             Err(why) => {
+                let why = shared::error_chain(&why);
                 warn!("{vm}: cannot be taken back: {why}");
                 lost.push(format!("{vm}: {why}"));
                 if let Some(src) = reg.arena.vm_id(vm) {

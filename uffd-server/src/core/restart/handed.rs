@@ -8,6 +8,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 
+use super::error::{AdoptError, Result};
 use super::record::{
     BaseRec, FcListenerRec, FcVmRec, FileRec, IdentityRec, PinRec, Record, SourceRec, TableOver,
     VmRec,
@@ -111,23 +112,23 @@ pub(super) struct Handed {
 
 impl Handed {
     /// Fd `name`, taken.
-    pub(super) fn fd(&mut self, name: &str) -> Result<OwnedFd, String> {
+    pub(super) fn fd(&mut self, name: &str) -> Result<OwnedFd> {
         self.fds
             .remove(name)
-            .ok_or_else(|| format!("the fd store did not hand back {name}"))
+            .ok_or_else(|| AdoptError::NotHandedBack(name.to_owned()))
     }
 
-    pub(super) fn file(&mut self, name: &str) -> Result<File, String> {
+    pub(super) fn file(&mut self, name: &str) -> Result<File> {
         self.fd(name).map(File::from)
     }
 
-    pub(super) fn memory(&mut self, name: &str, huge: bool) -> Result<Rc<GuestMemory>, String> {
+    pub(super) fn memory(&mut self, name: &str, huge: bool) -> Result<Rc<GuestMemory>> {
         if let Some(m) = self.memories.get(name) {
             return Ok(Rc::clone(m));
         }
         let file = self.file(name)?;
         let m = GuestMemory::adopt(file, name, PageSize::huge(huge))
-            .map_err(|e| format!("cannot map {name}: {e}"))?;
+            .map_err(|e| AdoptError::MapMemory(name.to_owned(), e))?;
         let m = Rc::new(m);
         self.memories.insert(name.to_owned(), Rc::clone(&m));
         Ok(m)
@@ -135,18 +136,19 @@ impl Handed {
 
     /// Under `name`, of tables of `pages` pages (read once, shared by
     /// the overlays that name it).
-    pub(super) fn under(&mut self, name: &str, pages: u64) -> Result<Rc<Under>, String> {
+    pub(super) fn under(&mut self, name: &str, pages: u64) -> Result<Rc<Under>> {
         if let Some(u) = self.unders.get(name) {
             if u.pages() != pages {
-                return Err(format!(
-                    "its table's under {name} has {} pages, not {pages}",
-                    u.pages()
-                ));
+                return Err(AdoptError::UnderSize {
+                    name: name.to_owned(),
+                    have: u.pages(),
+                    want: pages,
+                });
             }
             return Ok(Rc::clone(u));
         }
         let file = self.file(name)?;
-        let u = Under::open(file, pages).map_err(|e| format!("cannot read {name}: {e}"))?;
+        let u = Under::open(file, pages).map_err(|e| AdoptError::ReadMirror(name.to_owned(), e))?;
         self.unders.insert(name.to_owned(), Rc::clone(&u));
         Ok(u)
     }
@@ -158,15 +160,17 @@ impl Handed {
         table: &str,
         over: Option<&TableOver>,
         pages: u64,
-    ) -> Result<PageTable, String> {
+    ) -> Result<PageTable> {
         match over {
-            None => Mirror::open(self.file(table)?, pages).map(PageTable::from_mirror),
+            None => Mirror::open(self.file(table)?, pages)
+                .map(PageTable::from_mirror)
+                .map_err(|e| AdoptError::ReadMirror(table.to_owned(), e)),
             Some(o) => {
                 let under = self.under(&o.under, pages)?;
                 PageTable::from_overlay(self.file(&o.table)?, under)
+                    .map_err(|e| AdoptError::ReadMirror(o.table.clone(), e))
             }
         }
-        .map_err(|e| e.to_string())
     }
 }
 

@@ -23,6 +23,7 @@
 //! - [`upgrade`]: a graceful handover to a new binary.
 
 pub mod adopt;
+pub mod error;
 pub mod firecracker;
 pub mod handed;
 pub mod journal;
@@ -58,7 +59,10 @@ pub fn start(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>, since_start: std::tim
 fn adopt_all(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>, since_start: std::time::Instant) {
     for (vm, uffd, base) in adopt::adopt(core, fds) {
         if let Err(e) = crate::core::fault::serve::serve_uffd(core, vm, uffd, base, true) {
-            warn!("{vm}: cannot serve its uffd again: {e}");
+            warn!(
+                "{vm}: cannot serve its uffd again: {}",
+                shared::error_chain(&e)
+            );
         }
     }
     // VMs whose VMM died while no server ran.
