@@ -50,8 +50,7 @@ pub(crate) async fn reclaim_based(core: &Rc<Core>, vm: VmId, max: u64, all: bool
             _ => return took,
         }
     };
-    let Some(_busy) = busy::begin_reclaim(core, vm) else {
-        took.busy = true;
+    let Ok(_busy) = busy::begin(core, vm, "reclaim", "a reclaim") else {
         return took;
     };
     if running {
