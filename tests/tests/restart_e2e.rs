@@ -28,6 +28,9 @@
 //! - `a_crash_while_a_child_faults_in_keeps_its_table_true`: what a fork
 //!   child wrote reaches its own fork child (the table says where each
 //!   page is, also for a page the dying process was putting in).
+//! - `a_crash_while_children_start_leaves_nothing_of_theirs`: the
+//!   memories of fork children a crash cut while they started (in the fd
+//!   store already, never recorded as VMs) leave the store and the server.
 //!
 //! Requests are sent on connections of their own ([`OneShot`], not the
 //! harness's [`pagefork_tests::Api`], which fails the test on a broken
@@ -1814,4 +1817,114 @@ fn a_crash_while_a_child_faults_in_keeps_its_table_true() {
         c.delete_vm(&child).unwrap_or_else(|e| panic!("{e}"));
     }
     check_whole(&c, &parent, &seeds, "the parent").unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The memfds of VMs other than `keep` that process `pid` holds.
+fn vm_memfds_but(pid: u32, keep: &str) -> Vec<String> {
+    let kept = format!("/memfd:pagefork-{keep} ");
+    open_fds(pid)
+        .iter()
+        .map(|p| p.display().to_string())
+        .filter(|p| p.starts_with("/memfd:pagefork-vm-") && !p.starts_with(&kept))
+        .collect()
+}
+
+/// SIGKILL the serving process while a fork's children start, once their
+/// memories are in the fd store (a request answered meanwhile put them
+/// there) and before the fork answers: the children were never recorded,
+/// so the next process does not take them back, and nothing of theirs
+/// stays. Once only the parent is left, neither the keeper nor the
+/// serving process holds the memory of another VM.
+#[test]
+fn a_crash_while_children_start_leaves_nothing_of_theirs() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let c = Client::new(s.api_sock());
+    let keeper = s.keeper_pid();
+    let parent = s.create_vm(&new_vm(MIB));
+    let parent_pid = s.vmm_pid(&parent);
+    let mut cut = 0;
+    for round in 0..20 {
+        if cut == 3 {
+            break;
+        }
+        let serving = wait_health(&c, "any process", |_| true).pid;
+        let stop = AtomicBool::new(false);
+        let (answer, killed) = std::thread::scope(|scope| {
+            let fork = scope.spawn(|| {
+                c.raw.request(
+                    "POST",
+                    &format!("/v1/vms/{parent}/fork"),
+                    Some(&json!({ "count": 6 })),
+                )
+            });
+            // Every answer syncs the journal, and so hands the memories
+            // of the children made so far to the store.
+            scope.spawn(|| {
+                while !stop.load(Ordering::SeqCst) {
+                    let _ = c.raw.request("GET", "/v1/vms", None);
+                }
+            });
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let killed = loop {
+                if !vm_memfds_but(keeper, &parent).is_empty() {
+                    signal(serving, Signal::SIGKILL);
+                    break true;
+                }
+                if fork.is_finished() || Instant::now() > deadline {
+                    break false;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            let answer = fork.join().expect("the fork thread");
+            stop.store(true, Ordering::SeqCst);
+            (answer, killed)
+        });
+        let outcome = request_outcome(&answer);
+        let answered = matches!(&answer, Ok(r) if r.status == 201);
+        let now = if killed {
+            wait_health(&c, &format!("a pid other than {serving}"), |h| {
+                h.pid != serving
+            })
+            .pid
+        } else {
+            serving
+        };
+        if killed && !answered {
+            cut += 1;
+        }
+        let p = c
+            .vm(&parent)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .expect("the parent is listed");
+        assert_eq!(p.pid, Some(parent_pid), "round {round}: {p:?}");
+        for v in c.vms().unwrap_or_else(|e| panic!("{e}")) {
+            if v.id != parent {
+                c.delete_vm(&v.id).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+        let clean = pagefork_tests::wait_for(Duration::from_secs(10), || {
+            (vm_memfds_but(keeper, &parent).is_empty() && vm_memfds_but(now, &parent).is_empty())
+                .then_some(())
+        });
+        assert!(
+            clean.is_some(),
+            "round {round} (killed {killed}, the fork's answer {outcome}): with only {parent} \
+             left, memories of other VMs are held by the keeper: {:?}, by the serving process: \
+             {:?}\n{}",
+            vm_memfds_but(keeper, &parent),
+            vm_memfds_but(now, &parent),
+            server_errors(&s)
+        );
+        eprintln!(
+            "round {}: killed {killed}, the fork's answer {outcome}",
+            round + 1
+        );
+    }
+    assert!(
+        cut > 0,
+        "no crash fell while a fork's children started: the test proved nothing"
+    );
 }

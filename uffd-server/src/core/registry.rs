@@ -134,6 +134,40 @@ impl Registry {
         }
     }
 
+    /// After a restart: release the own sources (`Vm`, `Swap`) of VMs
+    /// that were not taken back and that no table reads. The journal
+    /// records a VM's `Vm` source, and the memory it names, the moment an
+    /// operation makes them, but the VM only once it has started: a crash
+    /// while a create or a fork starts its VMMs leaves sources of VMs that
+    /// never were (and a VM that could not be adopted leaves its own).
+    /// Nothing else releases them, since only [`Self::forget`] releases a
+    /// VM's own source, and their memfds would stay in this process and
+    /// in the fd store for good. Returns how many it released.
+    pub fn release_sources_of_absent_vms(&mut self) -> usize {
+        let absent: Vec<SourceId> = self
+            .arena
+            .iter()
+            .filter_map(|(id, s)| {
+                let vm = match &**s {
+                    crate::pages::PageSource::Vm(vm) => *vm,
+                    crate::pages::PageSource::Swap(w) => w.vm,
+                    _ => return None,
+                };
+                let here = self.vms.contains_key(&vm) || self.fc_vms.contains_key(&vm);
+                let read = self
+                    .vms
+                    .values()
+                    .any(|v| v.table.count_of(id) > 0 || v.reclaim.names(id))
+                    || self.fc_vms.values().any(|v| v.table.count_of(id) > 0);
+                (!here && !read).then_some(id)
+            })
+            .collect();
+        for src in &absent {
+            self.arena.release(*src);
+        }
+        absent.len()
+    }
+
     /// A new VM id. Ids never repeat on one state directory: the highest
     /// id handed out is recorded in `next-vm-id` in blocks of
     /// `ID_BLOCK`, so a restarted server starts past every id it may

@@ -327,6 +327,16 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
     let (fc_adopted, fc_lost) = super::firecracker::adopt(core, &mut h, &journal, &lost_sources);
     adopted += fc_adopted;
     lost.extend(fc_lost);
+    {
+        // What an operation the crash cut made for VMs that never started
+        // (their memories, the images they were to read) goes now.
+        let mut reg = core.reg.borrow_mut();
+        let orphans = reg.release_sources_of_absent_vms();
+        if orphans > 0 {
+            info!("{orphans} source(s) of VMs that were not taken back released");
+        }
+        reg.release_unused_sources();
+    }
     let unused: Vec<&String> = h.fds.keys().collect();
     if !unused.is_empty() {
         info!(
