@@ -419,8 +419,12 @@ fn documented_refusal(r: &Reply) -> bool {
     match r.status {
         // Admission (memory budget, VM limit) or no space; a full queue.
         503 | 507 => true,
-        // Another pausing operation under way; a snapshot VMs still read.
-        409 => r.error().contains("while it runs") || r.error().contains("is in use by"),
+        // Another pausing operation under way (a reclaim pass is waited
+        // for, never a refusal); a snapshot VMs still read.
+        409 => {
+            (r.error().contains("while it runs") && !r.error().contains("while it runs a reclaim"))
+                || r.error().contains("is in use by")
+        }
         _ => false,
     }
 }

@@ -12,13 +12,16 @@
 //! - `an_opted_out_vm_is_never_reclaimed`
 //! - `a_vm_on_a_shared_base_gives_back_the_pages_it_wrote`
 //! - `a_fork_child_keeps_the_frames_its_parent_swaps_again`
+//! - `operations_wait_for_a_reclaim_pass_over_a_vm_on_a_shared_base`
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use pagefork_tests::{new_vm, require_kvm_uffd, signal, wait_for, RandomImage, TestServer};
+use pagefork_tests::{
+    new_vm, require_kvm_uffd, signal, wait_for, OneShot, RandomImage, TestServer,
+};
 use proto::api::{CreateVm, ReclaimPolicy, RunState, SnapshotMode};
 
 /// Guest RAM of the VMs here.
@@ -421,6 +424,81 @@ fn a_fork_child_keeps_the_frames_its_parent_swaps_again() {
 
 /// SIGKILL the serving process; once the next one serves, each VM of
 /// `want` answers its whole `digest` as expected, running.
+/// A pass over a VM on a shared base pauses it while it saves what the
+/// VM wrote: a snapshot, pause and resume sent meanwhile wait for the
+/// pass to end (never 409), and the reclaim goes on after them.
+#[test]
+fn operations_wait_for_a_reclaim_pass_over_a_vm_on_a_shared_base() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    let s = TestServer::start();
+    let image = RandomImage::new(MIB, 0x5eed_0b5f);
+    let vm = s.create_vm(&CreateVm {
+        memory_source: Some(image.source()),
+        ..new_vm(MIB)
+    });
+    assert!(s.vm(&vm).memory.base.is_some(), "{:?}", s.vm(&vm).memory);
+    let client = OneShot::new(s.api_sock(), Duration::from_secs(60));
+    let mut overlapped = 0;
+    for round in 0..4u64 {
+        s.fill(&vm, 0, WRITTEN, 0x80 + round);
+        let d = s.digest(&vm, 0, PAGES);
+        let name = format!("during-{round}");
+        let (reclaimed, asked, answered, sent) = std::thread::scope(|scope| {
+            let reclaim = scope.spawn(|| {
+                let t0 = Instant::now();
+                let r = s.reclaim(&vm);
+                (r, t0, Instant::now())
+            });
+            // Into the pass: it pauses the VM while it reads, compresses
+            // and stores its 16 MiB.
+            std::thread::sleep(Duration::from_millis(20));
+            let sent = Instant::now();
+            for (method, path, body) in [
+                (
+                    "POST",
+                    format!("/v1/vms/{vm}/snapshots"),
+                    Some(serde_json::json!({ "name": name, "mode": "full" })),
+                ),
+                ("POST", format!("/v1/vms/{vm}/pause"), None),
+                ("POST", format!("/v1/vms/{vm}/resume"), None),
+            ] {
+                let r = client
+                    .request(method, &path, body.as_ref())
+                    .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+                assert!(
+                    (200..300).contains(&r.status),
+                    "{method} {path} during a reclaim pass: {r}"
+                );
+            }
+            let (r, t0, t1) = reclaim.join().expect("the reclaim thread");
+            (r, t0, t1, sent)
+        });
+        if sent > asked && sent < answered {
+            overlapped += 1;
+        }
+        assert!(
+            reclaimed.swapped_pages >= WRITTEN * 9 / 10,
+            "round {round}: the reclaim did not go on after the operations: {reclaimed:?}"
+        );
+        assert_eq!(s.digest(&vm, 0, PAGES), d, "round {round}: the VM");
+        let restored = s.restore(&name);
+        assert_eq!(
+            s.digest(&restored, 0, PAGES),
+            d,
+            "round {round}: its snapshot"
+        );
+        s.delete_vm(&restored);
+    }
+    assert!(
+        overlapped > 0,
+        "no operation was sent while a reclaim ran: the test proved nothing"
+    );
+    assert_eq!(s.vm(&vm).state, RunState::Running);
+    s.assert_healthy();
+}
+
 fn crash_and_expect(s: &TestServer, want: &[(&String, u64)]) {
     let before = s.pid();
     signal(before, Signal::SIGKILL);

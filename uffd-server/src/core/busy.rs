@@ -4,14 +4,95 @@
 //! operation are refused meanwhile (guest ops may run: a pause stops the
 //! vCPUs at an instruction boundary). And the state checks every action
 //! starts with.
+//!
+//! A reclaim pass over a VM on a shared base (`core::reclaim::based`) is
+//! such an operation too, but one the server starts on its own, for one
+//! step of a few milliseconds: an operation that finds one waits for it
+//! to end ([`wait_out_reclaim`]) instead of being refused, and no new pass
+//! begins on that VM while it waits ([`begin_reclaim`]).
 
 use std::rc::Rc;
+use std::time::{Duration, Instant};
 
 use shared::VmId;
 
 use crate::core::error::{Error, Result};
 use crate::core::state::Core;
 use crate::core::vm::RunState;
+
+/// What a reclaim pass marks its VM busy with.
+pub(crate) const RECLAIM: &str = "a reclaim";
+
+/// How often an operation waiting for a reclaim pass looks again.
+pub(crate) const RECLAIM_POLL: Duration = Duration::from_millis(1);
+
+/// Wait while a reclaim pass runs on `vm`. A pass pauses and resumes its
+/// VM within a step; one that outlasts twice the VMM deadline (its VMM
+/// not answering) gets `action` refused as busy.
+pub(crate) async fn wait_out_reclaim(
+    core: &Rc<Core>,
+    vm: VmId,
+    action: &'static str,
+) -> Result<()> {
+    let _waiting = Waiting::new(core, vm);
+    let give_up = Instant::now() + 2 * core.settings.vmm_deadline;
+    loop {
+        let busy = match core.reg.borrow().vms.get(&vm) {
+            Some(v) => v.busy,
+            None => return Err(Error::NoSuchVm(vm)),
+        };
+        if busy != Some(RECLAIM) {
+            return Ok(());
+        }
+        if Instant::now() >= give_up {
+            return Err(Error::Busy {
+                vm,
+                action,
+                running: RECLAIM,
+            });
+        }
+        tokio::time::sleep(RECLAIM_POLL).await;
+    }
+}
+
+/// Mark `vm` busy with a reclaim pass, unless it is busy already or an
+/// operation waits for it (`None`: the pass leaves it alone this time).
+pub(crate) fn begin_reclaim(core: &Rc<Core>, vm: VmId) -> Option<BusyGuard> {
+    {
+        let reg = core.reg.borrow();
+        let v = reg.vms.get(&vm)?;
+        if v.busy.is_some() || v.busy_waiters > 0 {
+            return None;
+        }
+    }
+    begin(core, vm, "reclaim", RECLAIM).ok()
+}
+
+/// Counts an operation among `vm`'s `busy_waiters` while alive.
+struct Waiting {
+    core: Rc<Core>,
+    vm: VmId,
+}
+
+impl Waiting {
+    fn new(core: &Rc<Core>, vm: VmId) -> Self {
+        if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
+            v.busy_waiters += 1;
+        }
+        Waiting {
+            core: Rc::clone(core),
+            vm,
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
+            v.busy_waiters = v.busy_waiters.saturating_sub(1);
+        }
+    }
+}
 
 /// Mark `vm` as running `running` (a fork, a snapshot, a rollback:
 /// operations that pause and resume the VM themselves) until the guard

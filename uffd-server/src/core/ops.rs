@@ -7,7 +7,7 @@ use proto::api::{ExecRequest, ExecResponse, FaultCounters, VmInfo, VmKind, VmLis
 use proto::vmm::{Reply, Request};
 use shared::{VmId, PAGE_SIZE};
 
-use crate::core::busy::{expect_state, refuse_while_busy};
+use crate::core::busy::{expect_state, refuse_while_busy, wait_out_reclaim};
 use crate::core::error::{Error, Result};
 use crate::core::link::error::LinkError;
 use crate::core::link::requests::{await_reply, request, send_request};
@@ -194,6 +194,7 @@ async fn pause_or_resume(core: &Rc<Core>, id: VmId, pause: bool) -> Result<()> {
 
 /// `POST /v1/vms/{id}/pause`.
 pub(crate) async fn pause(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
+    wait_out_reclaim(&core, id, "pause").await?;
     refuse_while_busy(&core, id, "pause")?;
     expect_state(&core, id, RunState::Running, "pause")?;
     pause_or_resume(&core, id, true).await?;
@@ -202,6 +203,7 @@ pub(crate) async fn pause(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
 
 /// `POST /v1/vms/{id}/resume`.
 pub(crate) async fn resume(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
+    wait_out_reclaim(&core, id, "resume").await?;
     refuse_while_busy(&core, id, "resume")?;
     expect_state(&core, id, RunState::Paused, "resume")?;
     {

@@ -60,6 +60,9 @@ pub struct Vm {
     /// fork, a snapshot, a rollback) is under way: pause, resume and
     /// another such operation wait their turn.
     pub busy: Option<&'static str>,
+    /// Operations waiting for a reclaim pass over it to end (no new pass
+    /// begins meanwhile; see `core::busy`).
+    pub busy_waiters: u32,
     pub link: VmmLink,
     pub faults: FaultState,
     pub fork: ForkState,
@@ -106,6 +109,7 @@ impl Vm {
             failure: None,
             deleted: false,
             busy: None,
+            busy_waiters: 0,
             link: VmmLink::new(p.ready),
             faults: FaultState::new(p.fault_around_pages, p.readahead_pages),
             fork: ForkState::default(),

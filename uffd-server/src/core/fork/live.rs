@@ -32,6 +32,7 @@ fn us(t: Instant) -> u64 {
 
 /// Fork `parent` into `count` children.
 pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<ForkResponse> {
+    busy::wait_out_reclaim(core, parent, "fork").await?;
     let template = check(core, parent, count)?;
     // The children's fds are promised to the fork until they have started.
     let _fds = core.fds.admit(FdKind::ForkChild, u64::from(count))?;

@@ -50,7 +50,8 @@ pub(crate) async fn reclaim_based(core: &Rc<Core>, vm: VmId, max: u64, all: bool
             _ => return took,
         }
     };
-    let Ok(_busy) = busy::begin(core, vm, "reclaim", "a reclaim") else {
+    let Some(_busy) = busy::begin_reclaim(core, vm) else {
+        took.busy = true;
         return took;
     };
     if running {

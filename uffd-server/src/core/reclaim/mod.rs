@@ -68,8 +68,21 @@ pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api:
         v.memory.pages()
     };
     let mut total = pass::Took::default();
+    let mut busy_since = None;
     while total.examined < pages {
         let took = step(core, vm, STEP_PAGES, true).await;
+        if took.busy {
+            // An operation runs on it, or waits to: it goes first, and
+            // the reclaim goes on after it (for as long as a pass would
+            // wait for one).
+            let since = *busy_since.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() >= 2 * core.settings.vmm_deadline {
+                break;
+            }
+            tokio::time::sleep(crate::core::busy::RECLAIM_POLL).await;
+            continue;
+        }
+        busy_since = None;
         if took.examined == 0 {
             break;
         }

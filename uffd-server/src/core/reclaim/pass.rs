@@ -48,6 +48,9 @@ pub struct Took {
     pub swapped: u64,
     /// Pages it could not take (read by other VMs, the store full).
     pub kept: u64,
+    /// Nothing was looked at: the VM was busy with an operation, or one
+    /// waited for it.
+    pub busy: bool,
 }
 
 impl Took {

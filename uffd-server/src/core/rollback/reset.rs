@@ -87,6 +87,7 @@ struct Prepared {
 
 /// Roll `vm` back to snapshot `req.snapshot`.
 pub(crate) async fn rollback(core: &Rc<Core>, vm: VmId, req: RollbackVm) -> Result<VmRolledBack> {
+    busy::wait_out_reclaim(core, vm, "roll back").await?;
     expect_state(core, vm, RunState::Running, "roll back")?;
     let _busy = busy::begin(core, vm, "roll back", "a rollback")?;
     let target = open_target(core, vm, req.snapshot)?;

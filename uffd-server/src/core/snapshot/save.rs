@@ -34,6 +34,7 @@ pub(crate) async fn snapshot(
     req: CreateSnapshot,
 ) -> Result<SnapshotCreated> {
     let t0 = Instant::now();
+    busy::wait_out_reclaim(core, vm, "snapshot").await?;
     let paused = check(core, vm)?;
     let _busy = busy::begin(core, vm, "snapshot", "a snapshot")?;
     let disk = volume_snapshot_name(core, vm, &req.name);
