@@ -104,8 +104,10 @@ pub struct GuestMemory {
     page_size: PageSize,
     /// The memfd's name.
     name: String,
-    /// The memfd's inode number, unique among live memfds.
-    ino: u64,
+    /// The memfd's file: device and inode number, unique among the
+    /// files alive (an inode number alone is not: hugetlbfs and shmem
+    /// number their inodes each on their own).
+    file_id: (u64, u64),
 }
 
 impl GuestMemory {
@@ -155,10 +157,12 @@ impl GuestMemory {
             ))?;
         let map = MmapRegion::from_file(FileOffset::from_arc(Arc::clone(&memfd), 0), len)
             .map_err(MemoryError::Map)?;
-        let ino = std::os::unix::fs::MetadataExt::ino(
-            &memfd
-                .metadata()
-                .map_err(|e| MemoryError::SizeMemfd(size, e))?,
+        let meta = memfd
+            .metadata()
+            .map_err(|e| MemoryError::SizeMemfd(size, e))?;
+        let file_id = (
+            std::os::unix::fs::MetadataExt::dev(&meta),
+            std::os::unix::fs::MetadataExt::ino(&meta),
         );
         Ok(GuestMemory {
             memfd,
@@ -166,13 +170,14 @@ impl GuestMemory {
             size,
             page_size,
             name: name.to_owned(),
-            ino,
+            file_id,
         })
     }
 
-    /// The memfd's inode number, unique among the memfds alive.
-    pub fn ino(&self) -> u64 {
-        self.ino
+    /// The memfd's device and inode number, unique among the files alive
+    /// (a hugetlb memfd and a shmem one can have the same inode number).
+    pub fn file_id(&self) -> (u64, u64) {
+        self.file_id
     }
 
     /// The memfd's name, as `/proc/<pid>/fd` and `maps` show it

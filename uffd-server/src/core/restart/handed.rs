@@ -42,8 +42,11 @@ pub(super) fn pin_rec(p: &Pin) -> PinRec {
 /// its inode number where a VM can have another one later).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum FdName {
-    /// A memfd of guest memory (a VM's, a frozen source's, a base's).
-    Mem(u64),
+    /// A memfd of guest memory (a VM's, a frozen source's, a base's), by
+    /// device and inode number: hugetlbfs and shmem number their inodes
+    /// each on their own, so that a hugetlb memfd and a 4 KiB one alive at
+    /// once can share an inode number.
+    Mem(u64, u64),
     /// The mirror of VM `.0`'s table.
     Table(u32, u64),
     /// An under its children's mirrors overlay.
@@ -55,7 +58,7 @@ pub(super) enum FdName {
 impl std::fmt::Display for FdName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            FdName::Mem(ino) => write!(f, "mem-{ino}"),
+            FdName::Mem(dev, ino) => write!(f, "mem-{dev:x}-{ino}"),
             FdName::Table(vm, ino) => write!(f, "table-{vm}-{ino}"),
             FdName::Under(ino) => write!(f, "under-{ino}"),
             FdName::Uffd(vm) => write!(f, "uffd-{vm}"),
@@ -78,7 +81,8 @@ impl Found {
     }
 
     pub(super) fn memory(&mut self, m: &GuestMemory) -> String {
-        self.fd(FdName::Mem(m.ino()).to_string(), m.memfd().as_raw_fd())
+        let (dev, ino) = m.file_id();
+        self.fd(FdName::Mem(dev, ino).to_string(), m.memfd().as_raw_fd())
     }
 
     pub(super) fn file(&mut self, id: u32, f: &FileSource) -> FileRec {
@@ -179,14 +183,21 @@ mod tests {
     use super::FdName;
 
     #[test]
-    fn fd_names_are_those_of_earlier_journals() {
-        // The names journals of the previous binaries name fds by.
-        assert_eq!(FdName::Mem(5).to_string(), "mem-5");
+    fn fd_names_are_valid_and_tell_memories_on_two_filesystems_apart() {
+        // A journal names each fd in its records, and adoption takes the
+        // names from there: those of earlier journals (`mem-5`, memories
+        // by inode number alone) are read as they are.
+        assert_eq!(FdName::Mem(0x10, 5).to_string(), "mem-10-5");
+        assert_ne!(
+            FdName::Mem(0x10, 5).to_string(),
+            FdName::Mem(0x1, 5).to_string(),
+            "a hugetlb memfd and a shmem one with one inode number"
+        );
         assert_eq!(FdName::Table(7, 12345).to_string(), "table-7-12345");
         assert_eq!(FdName::Uffd(3).to_string(), "uffd-3");
         assert_eq!(FdName::Under(9).to_string(), "under-9");
         for n in [
-            FdName::Mem(u64::MAX),
+            FdName::Mem(u64::MAX, u64::MAX),
             FdName::Table(u32::MAX, u64::MAX),
             FdName::Under(u64::MAX),
             FdName::Uffd(u32::MAX),

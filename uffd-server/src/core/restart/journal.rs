@@ -119,7 +119,7 @@ fn base_rec(found: &mut Found, b: &Base) -> BaseRec {
 /// What `v`'s record names, by number.
 fn vm_fds(v: &Vm) -> VmFds {
     VmFds {
-        memory: v.memory.ino(),
+        memory: v.memory.file_id(),
         table: v
             .table
             .mirror()
@@ -364,7 +364,7 @@ pub(crate) fn sync(core: &Core, full: bool) {
         let huge = m.page_size() == PageSize::Huge2M;
         if w.memories
             .get(&vm.0)
-            .is_some_and(|(ino, (_, h))| *h == huge && *ino == m.ino())
+            .is_some_and(|(id, (_, h))| *h == huge && *id == m.file_id())
         {
             continue;
         }
@@ -374,7 +374,8 @@ pub(crate) fn sync(core: &Core, full: bool) {
             fd: fd.clone(),
             huge,
         });
-        w.names.put(&mut w.memories, vm.0, (m.ino(), (fd, huge)));
+        w.names
+            .put(&mut w.memories, vm.0, (m.file_id(), (fd, huge)));
     }
     if kept < w.memories.len() {
         // What the arena no longer has is not recorded as gone (a

@@ -317,8 +317,8 @@ impl<T: Fds> Fds for (usize, T) {
     }
 }
 
-/// A record with the inode number of the file it names.
-impl<T: Fds> Fds for (u64, T) {
+/// A record with the device and inode number of the file it names.
+impl<T: Fds> Fds for ((u64, u64), T) {
     fn fds(&self) -> impl Iterator<Item = &str> {
         self.1.fds()
     }
@@ -328,8 +328,8 @@ impl<T: Fds> Fds for (u64, T) {
 /// without reading (or making) names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct VmFds {
-    /// Its memory's inode number.
-    pub memory: u64,
+    /// Its memory's device and inode number.
+    pub memory: (u64, u64),
     /// Its table's mirror's inode number, and the under's if it is an
     /// overlay.
     pub table: Option<(u64, Option<u64>)>,

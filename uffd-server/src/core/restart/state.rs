@@ -56,8 +56,8 @@ impl StartKind {
 pub(super) struct Written {
     /// Sources, each with the address of the `Rc` it was made of.
     pub sources: BTreeMap<u32, (usize, SourceRec)>,
-    /// VMs' memories, each with its memfd's inode number.
-    pub memories: BTreeMap<u32, (u64, (String, bool))>,
+    /// VMs' memories, each with its memfd's device and inode number.
+    pub memories: BTreeMap<u32, ((u64, u64), (String, bool))>,
     pub bases: BTreeMap<u32, BaseRec>,
     pub vms: BTreeMap<u32, (VmFds, VmRec)>,
     /// Firecracker listeners, each with the address of the working set
@@ -333,7 +333,7 @@ mod tests {
 
     fn vm(id: u32, memory: &str, table: &str, over: Option<(&str, &str)>) -> (VmFds, VmRec) {
         let fds = VmFds {
-            memory: 0,
+            memory: (0, 0),
             table: None,
             uffd: false,
         };
