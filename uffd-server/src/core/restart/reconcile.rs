@@ -14,9 +14,11 @@
 //! stale pages (its discard unmapped them; the next access faults MINOR
 //! and replaces them), or a pre-write copy cut short (the next write of
 //! the VM it was copied from finds it there; see `fault::dependents`).
-//! A VM on a base (its own pages are its VMM's, not in a memfd) and a
-//! hugepage VM (SEEK_DATA sees every block of a hugetlb memfd) are left
-//! as they are.
+//! A hugepage VM is looked at block by block: SEEK_DATA sees every block
+//! of a hugetlb memfd as data, so every block whose pages are not all its
+//! own is looked up, by its first page (the kernel installs and maps a
+//! block whole), and a block mapped becomes its own whole. A VM on a base
+//! (its own pages are its VMM's, not in a memfd) is left as it is.
 
 use std::os::unix::fs::FileExt;
 
@@ -34,15 +36,27 @@ pub(super) fn own_pages(v: &mut Vm) -> u64 {
     let Some(pid) = v.link.pid else {
         return 0;
     };
-    let Some(ranges) = v.memory.present_ranges() else {
-        return 0;
-    };
     let me = v.self_src;
-    let candidates: Vec<u64> = ranges
-        .iter()
-        .flat_map(|&(first, n)| first..first + n)
-        .filter(|p| v.table.get(*p) != me)
-        .collect();
+    let unit = v.memory.unit_pages();
+    // Runs `(first, n)` to look up by their first page, each set whole.
+    let candidates: Vec<(u64, u64)> = if unit > 1 {
+        let pages = v.memory.pages();
+        (0..pages)
+            .step_by(shared::geometry::usize_of(unit))
+            .map(|lo| (lo, unit.min(pages - lo)))
+            .filter(|&(lo, n)| (lo..lo + n).any(|p| v.table.get(p) != me))
+            .collect()
+    } else {
+        let Some(ranges) = v.memory.present_ranges() else {
+            return 0;
+        };
+        ranges
+            .iter()
+            .flat_map(|&(first, n)| first..first + n)
+            .filter(|p| v.table.get(*p) != me)
+            .map(|p| (p, 1))
+            .collect()
+    };
     if candidates.is_empty() {
         return 0;
     }
@@ -51,14 +65,14 @@ pub(super) fn own_pages(v: &mut Vm) -> u64 {
     };
     let first_vpn = v.faults.vmm_base / shared::PAGE_SIZE;
     let mut set = 0;
-    for p in candidates {
+    for (p, n) in candidates {
         let mut entry = [0u8; 8];
         if map.read_exact_at(&mut entry, (first_vpn + p) * 8).is_err() {
             continue;
         }
         if u64::from_ne_bytes(entry) & PRESENT != 0 {
-            v.table.set(p, me);
-            set += 1;
+            set += (p..p + n).filter(|q| v.table.get(*q) != me).count() as u64;
+            v.table.set_range(p, n, me);
         }
     }
     if set > 0 {
