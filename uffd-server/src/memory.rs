@@ -90,6 +90,9 @@ impl PageSize {
     }
 }
 
+/// A file's device and inode number: which file it is, among those alive.
+pub type FileId = (u64, u64);
+
 /// A VM's guest RAM: a memfd and the server's shared mapping of it.
 #[derive(Debug)]
 pub struct GuestMemory {
@@ -107,7 +110,7 @@ pub struct GuestMemory {
     /// The memfd's file: device and inode number, unique among the
     /// files alive (an inode number alone is not: hugetlbfs and shmem
     /// number their inodes each on their own).
-    file_id: (u64, u64),
+    file_id: FileId,
 }
 
 impl GuestMemory {
@@ -176,7 +179,7 @@ impl GuestMemory {
 
     /// The memfd's device and inode number, unique among the files alive
     /// (a hugetlb memfd and a shmem one can have the same inode number).
-    pub fn file_id(&self) -> (u64, u64) {
+    pub fn file_id(&self) -> FileId {
         self.file_id
     }
 

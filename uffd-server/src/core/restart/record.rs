@@ -318,7 +318,7 @@ impl<T: Fds> Fds for (usize, T) {
 }
 
 /// A record with the device and inode number of the file it names.
-impl<T: Fds> Fds for ((u64, u64), T) {
+impl<T: Fds> Fds for (crate::memory::FileId, T) {
     fn fds(&self) -> impl Iterator<Item = &str> {
         self.1.fds()
     }
@@ -329,7 +329,7 @@ impl<T: Fds> Fds for ((u64, u64), T) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct VmFds {
     /// Its memory's device and inode number.
-    pub memory: (u64, u64),
+    pub memory: crate::memory::FileId,
     /// Its table's mirror's inode number, and the under's if it is an
     /// overlay.
     pub table: Option<(u64, Option<u64>)>,

@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::record::{BaseRec, FcListenerRec, FcVmRec, Fds, SourceRec, VmFds, VmRec};
 use crate::fdstore::FdStore;
+use crate::memory::FileId;
 use crate::pages::table::Under;
 
 /// Why this process started.
@@ -57,7 +58,7 @@ pub(super) struct Written {
     /// Sources, each with the address of the `Rc` it was made of.
     pub sources: BTreeMap<u32, (usize, SourceRec)>,
     /// VMs' memories, each with its memfd's device and inode number.
-    pub memories: BTreeMap<u32, ((u64, u64), (String, bool))>,
+    pub memories: BTreeMap<u32, (FileId, (String, bool))>,
     pub bases: BTreeMap<u32, BaseRec>,
     pub vms: BTreeMap<u32, (VmFds, VmRec)>,
     /// Firecracker listeners, each with the address of the working set
