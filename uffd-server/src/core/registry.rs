@@ -153,13 +153,15 @@ impl Registry {
                     crate::pages::PageSource::Swap(w) => w.vm,
                     _ => return None,
                 };
-                let here = self.vms.contains_key(&vm) || self.fc_vms.contains_key(&vm);
+                if self.vms.contains_key(&vm) || self.fc_vms.contains_key(&vm) {
+                    return None;
+                }
                 let read = self
                     .vms
                     .values()
                     .any(|v| v.table.count_of(id) > 0 || v.reclaim.names(id))
                     || self.fc_vms.values().any(|v| v.table.count_of(id) > 0);
-                (!here && !read).then_some(id)
+                (!read).then_some(id)
             })
             .collect();
         for src in &absent {
