@@ -117,18 +117,25 @@ impl Registry {
         }
     }
 
+    /// Whether a table, a VM's reclaim origin or a listener refers to
+    /// `src`.
+    fn source_in_use(&self, src: SourceId) -> bool {
+        self.vms
+            .values()
+            .any(|v| v.table.count_of(src) > 0 || v.reclaim.names(src))
+            || self.fc_vms.values().any(|v| v.table.count_of(src) > 0)
+            || self.fc_listeners.values().any(|l| l.source == src)
+    }
+
     /// Release image sources that no table and no listener refers to any
     /// more: their files close, so a deleted VM never keeps an image (or
     /// the filesystem under it) open.
     pub fn release_unused_sources(&mut self) {
-        let in_use = |src: SourceId| {
-            self.vms
-                .values()
-                .any(|v| v.table.count_of(src) > 0 || v.reclaim.names(src))
-                || self.fc_vms.values().any(|v| v.table.count_of(src) > 0)
-                || self.fc_listeners.values().any(|l| l.source == src)
-        };
-        let unused: Vec<SourceId> = self.arena.image_ids().filter(|src| !in_use(*src)).collect();
+        let unused: Vec<SourceId> = self
+            .arena
+            .image_ids()
+            .filter(|src| !self.source_in_use(*src))
+            .collect();
         for src in unused {
             self.arena.release(src);
         }
@@ -156,12 +163,7 @@ impl Registry {
                 if self.vms.contains_key(&vm) || self.fc_vms.contains_key(&vm) {
                     return None;
                 }
-                let read = self
-                    .vms
-                    .values()
-                    .any(|v| v.table.count_of(id) > 0 || v.reclaim.names(id))
-                    || self.fc_vms.values().any(|v| v.table.count_of(id) > 0);
-                (!read).then_some(id)
+                (!self.source_in_use(id)).then_some(id)
             })
             .collect();
         for src in &absent {
