@@ -43,6 +43,10 @@ pub const COPY_MODE_WP: u64 = 1 << 1;
 pub const CONTINUE_MODE_WP: u64 = 1 << 1;
 /// `UFFDIO_WRITEPROTECT_MODE_WP`: protect (without it: unprotect and wake).
 pub const WRITEPROTECT_MODE_WP: u64 = 1 << 0;
+/// `UFFDIO_ZEROPAGE_MODE_DONTWAKE`: map the zero page without waking the
+/// faulting threads (UFFDIO_ZEROPAGE has no write-protect mode: a caller
+/// that must protect the page protects it first, then wakes).
+pub const ZEROPAGE_MODE_DONTWAKE: u64 = 1 << 0;
 
 // The crate agrees with the kernel on the bits it knows, and the bits above
 // that it lacks are really missing from it (else use the crate's names).

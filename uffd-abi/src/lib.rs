@@ -23,10 +23,10 @@ pub mod pagemap;
 pub use abi::{
     CONTINUE_MODE_WP, COPY_MODE_WP, UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_HUGETLBFS,
     UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_POISON, UFFD_FEATURE_WP_HUGETLBFS_SHMEM,
-    UFFD_FEATURE_WP_UNPOPULATED, WRITEPROTECT_MODE_WP,
+    UFFD_FEATURE_WP_UNPOPULATED, WRITEPROTECT_MODE_WP, ZEROPAGE_MODE_DONTWAKE,
 };
 pub use nix::errno::Errno;
 pub use ops::{
     continue_range, copy, poison, wake, write_protect, write_protect_runs, writeprotect, zeropage,
-    Install,
+    zeropage_protected, Install,
 };

@@ -13,7 +13,7 @@ use nix::errno::Errno;
 use crate::abi::{
     UffdioContinue, UffdioCopy, UffdioPoison, UffdioRange, UffdioWriteprotect, UffdioZeropage,
     UFFDIO_CONTINUE, UFFDIO_COPY, UFFDIO_POISON, UFFDIO_WAKE, UFFDIO_WRITEPROTECT, UFFDIO_ZEROPAGE,
-    WRITEPROTECT_MODE_WP,
+    WRITEPROTECT_MODE_WP, ZEROPAGE_MODE_DONTWAKE,
 };
 
 /// What an install ioctl (COPY, ZEROPAGE, CONTINUE, POISON) did.
@@ -81,6 +81,44 @@ pub fn zeropage(uffd: impl AsFd, dst: u64, len: u64) -> Install {
     // size; the kernel only maps zero pages into the registered range.
     let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_ZEROPAGE, &mut arg) };
     outcome(ret, arg.zeropage, len)
+}
+
+/// UFFDIO_ZEROPAGE over `len` bytes at `dst`, write-protected: the zero
+/// page goes in without waking the faulting threads, the range it filled
+/// is protected, and only then are the threads woken. (A write to a zero
+/// page mapped unprotected is a copy on write the kernel does without a
+/// userfaultfd event; a thread woken before the protection could make
+/// one.) The outcome is the zeropage's.
+pub fn zeropage_protected(uffd: impl AsFd, dst: u64, len: u64) -> Install {
+    let mut arg = UffdioZeropage {
+        range: UffdioRange { start: dst, len },
+        mode: ZEROPAGE_MODE_DONTWAKE,
+        zeropage: 0,
+    };
+    // SAFETY: as in `zeropage`.
+    let ret = unsafe { libc::ioctl(uffd.as_fd().as_raw_fd(), UFFDIO_ZEROPAGE, &mut arg) };
+    let res = outcome(ret, arg.zeropage, len);
+    let filled = match res {
+        Install::Done => len,
+        Install::Exists { copied } | Install::Again { copied } => copied,
+        Install::Gone | Install::Failed(_) => 0,
+    };
+    if filled > 0 {
+        if let Err(e) = write_protect(&uffd, dst, filled, true) {
+            return if e == Errno::ESRCH {
+                Install::Gone
+            } else {
+                Install::Failed(e)
+            };
+        }
+    }
+    // The faulting thread sleeps until this wake, whatever happened above
+    // (a partial fill ends at a page present or an event pending: it must
+    // retry its access either way).
+    match wake(&uffd, dst, len) {
+        Err(Errno::ESRCH) => Install::Gone,
+        _ => res,
+    }
 }
 
 /// UFFDIO_CONTINUE over `len` bytes at `dst`: map the pages the backing

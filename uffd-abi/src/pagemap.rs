@@ -110,6 +110,20 @@ impl Pagemap {
         self.scan(start, end, PAGE_IS_PRESENT | PAGE_IS_FILE, 0)
     }
 
+    /// The runs of `[start, end)` mapped to pages the process shares: a
+    /// file's (a base's page cache) or the zero page. A write to one is a
+    /// copy on write, which raises no userfaultfd event unless the page is
+    /// write-protected.
+    pub fn shared_runs(&self, start: u64, end: u64) -> Result<Vec<(u64, u64)>, Errno> {
+        self.scan_any(start, end, PAGE_IS_FILE | PAGE_IS_PFNZERO)
+    }
+
+    /// The runs of present pages of `[start, end)` with any of the
+    /// categories `any`.
+    fn scan_any(&self, start: u64, end: u64, any: u64) -> Result<Vec<(u64, u64)>, Errno> {
+        self.scan_with(start, end, PAGE_IS_PRESENT, 0, any)
+    }
+
     /// The runs of pages of `[start, end)` whose categories, with
     /// `inverted` flipped, include all of `mask`.
     fn scan(
@@ -118,6 +132,18 @@ impl Pagemap {
         end: u64,
         mask: u64,
         inverted: u64,
+    ) -> Result<Vec<(u64, u64)>, Errno> {
+        self.scan_with(start, end, mask, inverted, 0)
+    }
+
+    /// [`Self::scan`], and with any of `any` too (0: no such condition).
+    fn scan_with(
+        &self,
+        start: u64,
+        end: u64,
+        mask: u64,
+        inverted: u64,
+        any: u64,
     ) -> Result<Vec<(u64, u64)>, Errno> {
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mut regions = vec![PageRegion::default(); REGIONS_PER_CALL];
@@ -131,6 +157,7 @@ impl Pagemap {
                 vec_len: REGIONS_PER_CALL as u64,
                 category_mask: mask,
                 category_inverted: inverted,
+                category_anyof_mask: any,
                 return_mask: PAGE_IS_PRESENT,
                 ..PmScanArg::default()
             };
@@ -199,6 +226,15 @@ mod tests {
         assert_eq!(
             runs,
             vec![(base + 3 * 4096, 2 * 4096), (base + 9 * 4096, 4096)]
+        );
+        // What it did not write it shares with the file.
+        assert_eq!(
+            pm.shared_runs(base, base + 16 * 4096).unwrap(),
+            vec![
+                (base, 3 * 4096),
+                (base + 5 * 4096, 4 * 4096),
+                (base + 10 * 4096, 6 * 4096)
+            ]
         );
         // SAFETY: the mapping made above, no longer used.
         unsafe { libc::munmap(p, 16 * 4096) };

@@ -48,6 +48,8 @@ pub enum MemoryError {
     Allocate(#[source] nix::Error),
     #[error("cannot read guest memory")]
     Read(#[source] std::io::Error),
+    #[error("cannot write guest memory")]
+    Write(#[source] std::io::Error),
 }
 
 /// Result alias of this module.

@@ -592,12 +592,17 @@ fn based_violations(reg: &Registry, v: &Vm, out: &mut Vec<Violation>) {
         if out.len() >= 32 {
             break;
         }
-        if v.table.get(p as u64) == v.self_src && !held {
+        let src = v.table.get(p as u64);
+        let says = src == v.self_src;
+        // A page it holds as one of its layers does is named by the layer
+        // (see `fork::layer`); any other page it holds must be named its
+        // own: every first write to a page it maps shared faults.
+        if says != *held && !(*held && crate::core::base::is_own_layer(reg, v.id, src)) {
             out.push(Violation {
                 id: v.id.to_string(),
                 page: p as u64,
-                table_says_present: true,
-                present: false,
+                table_says_present: says,
+                present: *held,
             });
         }
     }

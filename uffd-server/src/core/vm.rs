@@ -167,6 +167,18 @@ impl Vm {
         }
     }
 
+    /// A VM on a base is about to write `page`, which it maps from the
+    /// base (or maps as the zero page): the write copies it into its VMM's
+    /// memory, so its kernel page (the whole block on hugetlb) is the VM's
+    /// own from now on.
+    pub fn own_written(&mut self, page: u64) {
+        let (lo, hi) = self.memory.unit_range(page, page + 1);
+        let me = self.self_src;
+        if (lo..hi).any(|p| self.table.get(p) != me) {
+            self.table.set_range(lo, hi - lo, me);
+        }
+    }
+
     /// Punch the stale pages of `[lo, hi)` a rollback left in the memfd
     /// (see [`RollbackState::scrub`]).
     pub fn scrub(&mut self, lo: u64, hi: u64) -> Result<(), MemoryError> {

@@ -131,14 +131,28 @@ impl ProcessPages {
     /// own (`(first, n)` in pages): written by the guest or copied in, not
     /// mapped from a base (see [`Pagemap::private_runs`]).
     pub fn private_runs(&self, pages: u64) -> Result<Vec<(u64, u64)>, ProcessReadError> {
+        self.runs(pages, Pagemap::private_runs)
+    }
+
+    /// The runs of the first `pages` guest pages the process maps shared:
+    /// from its base, or the zero page (see [`Pagemap::shared_runs`]).
+    pub fn shared_runs(&self, pages: u64) -> Result<Vec<(u64, u64)>, ProcessReadError> {
+        self.runs(pages, Pagemap::shared_runs)
+    }
+
+    /// The runs `scan` finds in the first `pages` guest pages, in pages.
+    fn runs(
+        &self,
+        pages: u64,
+        scan: impl Fn(&Pagemap, u64, u64) -> Result<Vec<(u64, u64)>, nix::errno::Errno>,
+    ) -> Result<Vec<(u64, u64)>, ProcessReadError> {
         let pid = self.pid;
-        let runs = self
-            .pagemap
-            .private_runs(self.base, self.base + pages * PAGE_SIZE)
-            .map_err(|e| ProcessReadError::Pagemap {
+        let runs = scan(&self.pagemap, self.base, self.base + pages * PAGE_SIZE).map_err(|e| {
+            ProcessReadError::Pagemap {
                 pid,
                 source: std::io::Error::from(e),
-            })?;
+            }
+        })?;
         Ok(runs
             .into_iter()
             .map(|(a, n)| ((a - self.base) / PAGE_SIZE, n / PAGE_SIZE))

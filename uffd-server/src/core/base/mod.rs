@@ -10,11 +10,16 @@
 //! - The children of a running VM on its own memfd copy what they read,
 //!   as before: its memfd keeps changing under them.
 //!
-//! A VM on a base writes private pages of its VMM, with no fault the
-//! server sees when the page was mapped from the base before: its table
-//! learns of them from the kernel when it must be exact
-//! ([`sync_private`]: before a fork captures it, a snapshot saves it, a
-//! view shows it).
+//! A VM on a base writes private pages of its VMM. Every page it maps
+//! from the base (and every zero page) is mapped write-protected, so its
+//! first write to one faults and its table names the page as its own from
+//! then on (`fault::install::Target::map_from_base`): the table is exact
+//! without asking the kernel, and a fork's pause scans nothing. What the
+//! kernel says ([`sync_private`], `PAGEMAP_SCAN`) stays the check where a
+//! table may lag: after a restart (a page installed, or a protection
+//! lifted, just before the crash; pages a server of an older version
+//! mapped unprotected, see [`protect_shared`]), and before a snapshot
+//! saves, a rollback drops or a view shows a VM.
 
 pub mod state;
 
@@ -32,7 +37,7 @@ use crate::core::registry::Registry;
 use crate::core::state::Core;
 use crate::memory::GuestMemory;
 use crate::pages::process::ProcessPages;
-use crate::pages::{SourceId, VmPages};
+use crate::pages::{FrozenKind, PageSource, SourceId, VmPages};
 
 /// Put `vm`, being made with a table that reads the image source `src`,
 /// on that image's base (made empty if it is the first VM of it). A
@@ -149,10 +154,13 @@ pub(crate) async fn move_onto_base(core: &Rc<Core>, vm: VmId) -> Result<()> {
     Ok(())
 }
 
-/// Mark in `vm`'s table the pages its VMM holds as its own (the guest
-/// wrote a page mapped from the base, which raises no fault): the kernel
-/// says which (`PAGEMAP_SCAN`). Returns how many pages were new to the
-/// table. Nothing to do for a VM on its own memfd, or before its VMM runs.
+/// Mark in `vm`'s table the pages its VMM holds as its own, as the
+/// kernel says (`PAGEMAP_SCAN`): a check, since every first write to a
+/// page mapped from the base faults (see the module doc). Pages its
+/// table names by one of its own layers stay so: it holds them as the
+/// layer does until it writes them, which faults. Returns how many pages
+/// were new to the table. Nothing to do for a VM on its own memfd, or
+/// before its VMM runs.
 pub(crate) fn sync_private(reg: &mut Registry, vm: VmId) -> Result<u64> {
     Ok(sync_private_runs(reg, vm)?.iter().map(|r| r.1).sum())
 }
@@ -160,6 +168,47 @@ pub(crate) fn sync_private(reg: &mut Registry, vm: VmId) -> Result<u64> {
 /// [`sync_private`], returning the runs `(first, n)` of pages that were
 /// new to the table.
 pub(crate) fn sync_private_runs(reg: &mut Registry, vm: VmId) -> Result<Vec<(u64, u64)>> {
+    sync_private_with(reg, vm, true)
+}
+
+/// After a restart: every page `vm`'s VMM maps shared is protected
+/// ([`protect_shared`]), then every page it holds is its own, its layers'
+/// included (a write whose protection was lifted just before the crash
+/// may have left the journal naming the layer for a page it changed
+/// since). In that order: a write after the protection faults, one before
+/// it made its page private before the scan. Returns how many pages were
+/// new to the table.
+pub(crate) fn sync_after_restart(reg: &mut Registry, vm: VmId) -> Result<u64> {
+    protect_shared(reg, vm)?;
+    Ok(sync_private_with(reg, vm, false)?.iter().map(|r| r.1).sum())
+}
+
+/// Write-protect every page `vm` maps from its base (or as the zero page)
+/// now, as the fault path maps them: a server of an older version mapped
+/// them unprotected. Returns how many pages.
+fn protect_shared(reg: &Registry, vm: VmId) -> Result<u64> {
+    let Some(VmPages::Process(p)) = reg.arena.memory_of(vm) else {
+        return Ok(0);
+    };
+    let Some(v) = reg.vms.get(&vm) else {
+        return Ok(0);
+    };
+    if !v.base.is_based() || v.faults.uffd.is_none() {
+        return Ok(0);
+    }
+    let runs = p
+        .shared_runs(v.memory.pages())
+        .map_err(|source| Error::BaseSync {
+            vm,
+            source: crate::pages::ResolveError::Process(source),
+        })?;
+    crate::core::snapshot::arm::protect(v, &runs)?;
+    Ok(runs.iter().map(|r| r.1).sum())
+}
+
+/// [`sync_private`]; `keep_layers`: pages named by one of the VM's own
+/// layers stay so.
+fn sync_private_with(reg: &mut Registry, vm: VmId, keep_layers: bool) -> Result<Vec<(u64, u64)>> {
     let Some(VmPages::Process(p)) = reg.arena.memory_of(vm) else {
         return Ok(Vec::new());
     };
@@ -182,14 +231,15 @@ pub(crate) fn sync_private_runs(reg: &mut Registry, vm: VmId) -> Result<Vec<(u64
             source: crate::pages::ResolveError::Process(source),
         })?;
     let me = v.self_src;
-    // A paused template's pages its kept layer holds are named by the
-    // layer until it runs (see `fork::layer`).
-    let kept = v.fork.kept_layer;
+    // Pages it holds as one of its layers does are named by the layer
+    // until it writes them (see `fork::layer`).
+    let arena = &reg.arena;
+    let own_layer = |src| keep_layers && layer_of(arena, vm, src);
     let mut new: Vec<(u64, u64)> = Vec::new();
     for (first, n) in runs {
         for page in first..first + n {
             let now = v.table.get(page);
-            if now != me && Some(now) != kept {
+            if now != me && !own_layer(now) {
                 v.table.set(page, me);
                 match new.last_mut() {
                     Some((f, k)) if *f + *k == page => *k += 1,
@@ -199,6 +249,17 @@ pub(crate) fn sync_private_runs(reg: &mut Registry, vm: VmId) -> Result<Vec<(u64
         }
     }
     Ok(new)
+}
+
+/// Whether `src` is a layer of `vm`'s pages (see `fork::layer`).
+pub(crate) fn is_own_layer(reg: &Registry, vm: VmId, src: SourceId) -> bool {
+    layer_of(&reg.arena, vm, src)
+}
+
+fn layer_of(arena: &crate::pages::SourceArena, vm: VmId, src: SourceId) -> bool {
+    arena.get(src).is_some_and(
+        |s| matches!(&**s, PageSource::Frozen(f) if f.vm == vm && f.kind == FrozenKind::Layer),
+    )
 }
 
 /// Which of `vm`'s pages its VMM holds privately now, one flag per page,

@@ -104,6 +104,7 @@ pub(crate) fn install_ahead(reg: &mut Registry, vm: VmId, page: u64) -> Ahead {
         piece: 0,
         zero_pages: on.is_some() && v.memory.unit_pages() == 1,
         blocks_ahead: false,
+        write: false,
     };
     let mut books = OurBooks { v, installed };
     match install::serve_missing(&mut books, arena, &t, &req) {

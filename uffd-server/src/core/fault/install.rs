@@ -104,15 +104,31 @@ impl Target<'_> {
     }
 
     /// UFFDIO_CONTINUE `[page, page + n)`: map the base's pages there,
-    /// write-protected while the client's writes are tracked (a plain
-    /// CONTINUE would drop the protection of a page never mapped).
+    /// write-protected. A base page mapped unprotected takes the guest's
+    /// first write as a copy on write the kernel makes without a
+    /// userfaultfd event, and the table would go on naming the base for a
+    /// page the VM holds; protected, that write faults and the table learns
+    /// it (`fault::resolve`), so a VM's table is exact without asking the
+    /// kernel (a plain CONTINUE would also drop the protection of a page
+    /// never mapped, which tracked memory carries).
     pub fn map_from_base(&self, page: u64, n: u64) -> Install {
-        let mode = if self.mode & uffd_abi::COPY_MODE_WP != 0 {
-            uffd_abi::CONTINUE_MODE_WP
-        } else {
-            0
-        };
-        uffd_abi::continue_range(self.uffd, self.addr(page), n * PAGE_SIZE, mode)
+        uffd_abi::continue_range(
+            self.uffd,
+            self.addr(page),
+            n * PAGE_SIZE,
+            uffd_abi::CONTINUE_MODE_WP,
+        )
+    }
+
+    /// UFFDIO_COPY `[page, page + n)` out of the server's mapping of the
+    /// base `base` (filled there): a write's pages, the client's own from
+    /// now on, as the kernel would have copied them on the write.
+    pub fn copy_from_base(&self, base: &Base, page: u64, n: u64) -> Result<Install, ResolveError> {
+        base.memory.slice(page, n).map_err(ResolveError::Memory)?;
+        let from = base.memory.page_ptr(page).map_err(ResolveError::Memory)?;
+        // SAFETY: `[page, page + n)` is inside the server's mapping of the
+        // base (checked above), which lives as long as `base`.
+        Ok(unsafe { self.copy(from, page, n * PAGE_SIZE) })
     }
 
     /// Wake the threads faulting on the units of `[page, page + n)`.
@@ -213,6 +229,9 @@ pub struct Request {
     /// On hugetlb, a sequential reader's next blocks go in behind the
     /// faulting one (`block_ahead`).
     pub blocks_ahead: bool,
+    /// The fault is a write: over a shared base, the faulting page is the
+    /// client's own from now on.
+    pub write: bool,
 }
 
 /// How a fault was served.
@@ -429,6 +448,23 @@ fn install_run(
     if let Some(on) = t.shared.filter(|on| on.src == plan.src) {
         return map_run(b, t, req, &plan, on);
     }
+    if t.shared.is_some() && req.write && plan.src == UNINITIALIZED {
+        // A write to a never-written page over a base: that page alone,
+        // copied (zero), is the VM's own. Its neighbours stay unmapped: the
+        // zero page would have to go in protected, for faults they may
+        // never take.
+        let how = How {
+            fault: page,
+            by: By::Missing,
+            from: plan.src,
+        };
+        b.before_install(page, page + 1)?;
+        let one = Request {
+            zero_pages: false,
+            ..req.clone()
+        };
+        return install_one(b, arena, t, &one, how);
+    }
     let Plan {
         src,
         lo,
@@ -456,8 +492,8 @@ fn install_run(
     };
     if t.shared.is_some() && zero_page {
         // The zero page is no page of the VM's own: it stays zero in the
-        // table until the guest writes it (which the kernel tells, see
-        // `core::base::sync_private`).
+        // table until the guest writes it (a write-protect fault, see
+        // `fault::resolve`).
         b.mapped_shared(lo, installed, how);
     } else {
         b.mark(lo, installed, how);
@@ -558,7 +594,15 @@ fn map_run(
     on.base.fill(&plan.source, lo, first_end)?;
     drop_decoded(on.base, &plan.source, lo, first_end);
     phases::lap(Phase::Resolve);
-    let res = t.map_from_base(page, first_end - page);
+    // A write's page goes in alone, copied, as the VM's own (the table
+    // never names as its own a page it maps shared), and the rest of its
+    // piece behind it, mapped.
+    let head = if req.write { page + 1 } else { first_end };
+    let res = if req.write {
+        t.copy_from_base(on.base, page, 1)?
+    } else {
+        t.map_from_base(page, first_end - page)
+    };
     phases::lap(Phase::Install);
     let at = match res {
         Install::Done => Page::Woken,
@@ -568,19 +612,34 @@ fn map_run(
         Install::Gone => return Ok(Page::Gone),
         Install::Failed(errno) => return Err(ResolveError::Install { first: page, errno }),
     };
-    let mapped = match res {
-        Install::Done => first_end - page,
+    let mut mapped = match res {
+        Install::Done => head - page,
         Install::Exists { copied } => copied / PAGE_SIZE,
         _ => 0,
     };
-    b.mapped_shared(page, mapped, how);
+    if req.write {
+        if mapped > 0 {
+            b.mark(page, 1, how);
+        }
+        if matches!(res, Install::Done) && head < first_end {
+            let rest = match t.map_from_base(head, first_end - head) {
+                Install::Done => first_end - head,
+                Install::Exists { copied } | Install::Again { copied } => copied / PAGE_SIZE,
+                Install::Gone | Install::Failed(_) => 0,
+            };
+            b.mapped_shared(head, rest, how);
+            mapped += rest;
+        }
+    } else {
+        b.mapped_shared(page, mapped, how);
+    }
     // The pages before the faulting one, and the rest of a readahead
     // window, behind the woken thread.
     if lo < page && matches!(t.map_from_base(lo, page - lo), Install::Done) {
         b.mapped_shared(lo, page - lo, how);
     }
     let mut end = page + mapped;
-    if matches!(res, Install::Done) && first_end < hi {
+    if matches!(res, Install::Done) && end == first_end && first_end < hi {
         let piece = req.piece.max(1);
         let mut at = first_end;
         while at < hi {
@@ -666,7 +725,14 @@ fn copy_or_zero(
     let tracked = t.mode & uffd_abi::COPY_MODE_WP != 0;
     if req.zero_pages && !tracked && src == UNINITIALIZED {
         phases::lap(Phase::Resolve);
-        let res = uffd_abi::zeropage(t.uffd, t.addr(lo), (hi - lo) * PAGE_SIZE);
+        let (at, len) = (t.addr(lo), (hi - lo) * PAGE_SIZE);
+        // Over a base the zero page goes in protected (see
+        // `Target::map_from_base`): the guest's first write faults.
+        let res = if t.shared.is_some() {
+            uffd_abi::zeropage_protected(t.uffd, at, len)
+        } else {
+            uffd_abi::zeropage(t.uffd, at, len)
+        };
         phases::lap(Phase::Install);
         if !matches!(res, Install::Exists { copied: 0 }) {
             return Ok((res, true));
@@ -722,7 +788,7 @@ fn install_block(
         .shared
         .filter(|on| (lo..hi).all(|p| b.table().get(p) == on.src))
     {
-        return map_block(b, arena, t, on, page, lo, hi);
+        return map_block(b, arena, t, on, (page, req.write), lo, hi);
     }
     b.before_install(lo, hi)?;
     let res = copy_block(arena, b.table(), t, lo, hi)?;
@@ -774,13 +840,14 @@ fn drop_decoded(base: &Base, source: &PageSource, lo: u64, hi: u64) {
 }
 
 /// Map the hugetlb block `[lo, hi)`, all of it pages of the client's
-/// shared base, from the base (filled first if it lacks it).
+/// shared base, from the base (filled first if it lacks it), for a fault
+/// on `page`; a `write`'s block is copied, the client's own from now on.
 fn map_block(
     b: &mut impl Books,
     arena: &SourceArena,
     t: &Target<'_>,
     on: OnBase<'_>,
-    page: u64,
+    (page, write): (u64, bool),
     lo: u64,
     hi: u64,
 ) -> Result<Page, ResolveError> {
@@ -799,7 +866,11 @@ fn map_block(
     }
     drop_decoded(on.base, &source, lo, hi);
     phases::lap(Phase::Resolve);
-    let res = t.map_from_base(lo, hi - lo);
+    let res = if write {
+        t.copy_from_base(on.base, lo, hi - lo)?
+    } else {
+        t.map_from_base(lo, hi - lo)
+    };
     phases::lap(Phase::Install);
     let how = How {
         fault: page,
@@ -807,9 +878,17 @@ fn map_block(
         from: on.src,
     };
     match res {
+        Install::Done if write => {
+            b.mark(lo, hi - lo, how);
+            Ok(Page::Woken)
+        }
         Install::Done => {
             b.mapped_shared(lo, hi - lo, how);
             Ok(Page::Woken)
+        }
+        // No page to copy it into (see `hugepages_exhausted`).
+        Install::Exists { .. } if write && crate::memory::hugepages_exhausted() => {
+            Err(ResolveError::HugePagesExhausted { first: lo })
         }
         Install::Exists { .. } => Ok(Page::Present),
         Install::Again { .. } => Ok(Page::Again),
@@ -863,7 +942,7 @@ fn block_ahead(
             .shared
             .filter(|on| (at..end).all(|p| b.table().get(p) == on.src))
         {
-            match map_block(b, arena, t, on, lo, at, end) {
+            match map_block(b, arena, t, on, (lo, false), at, end) {
                 Ok(Page::Woken) => {
                     b.readahead_mut().next = end;
                     continue;

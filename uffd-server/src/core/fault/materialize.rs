@@ -38,6 +38,7 @@ pub fn materialize(
         piece: 0,
         zero_pages: false,
         blocks_ahead: false,
+        write: false,
     };
     let Some(plan) = install::plan(
         &v.table,
@@ -94,6 +95,7 @@ fn fill_base(
         piece: 0,
         zero_pages: false,
         blocks_ahead: false,
+        write: false,
     };
     let Some(plan) = install::plan(
         &v.table,

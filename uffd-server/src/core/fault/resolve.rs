@@ -74,14 +74,14 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
         }
     }
     match kind {
-        FaultKind::Missing => resolve_missing(reg, vm, page),
+        FaultKind::Missing => resolve_missing(reg, vm, page, write),
         FaultKind::WriteProtected => resolve_write_protect(reg, vm, page),
         // Over a base, MINOR is how a page the base holds faults first.
         FaultKind::Minor if based => {
             if let Some(v) = reg.vms.get_mut(&vm) {
                 v.log.stats.minor += 1;
             }
-            resolve_missing(reg, vm, page)
+            resolve_missing(reg, vm, page, write)
         }
         FaultKind::Minor => resolve_minor(reg, vm, page),
     }
@@ -90,8 +90,11 @@ fn handle_fault(reg: &mut Registry, vm: VmId, kind: FaultKind, write: bool, addr
 /// Make `page` (and the run planned around it) present in `vm`'s memory
 /// from its source, and wake the faulting thread (see
 /// [`install::serve_missing`]). A VM whose VMM is gone (a fault retried
-/// after it exited) gets the page through the server's mapping.
-pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
+/// after it exited) gets the page through the server's mapping. `write`:
+/// the fault is a write (over a base, the page is the VM's own from now
+/// on; a retried fault whose kind is forgotten passes `false`, and its
+/// write then faults once more, write-protected).
+pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64, write: bool) -> Handled {
     let Some(uffd) = reg.vms.get(&vm).and_then(|v| v.faults.uffd.clone()) else {
         return super::materialize::without_vmm(reg, vm, page);
     };
@@ -121,6 +124,7 @@ pub(crate) fn resolve_missing(reg: &mut Registry, vm: VmId, page: u64) -> Handle
         // guest writes it); in a memfd of its own it must be allocated.
         zero_pages: on.is_some() && v.memory.unit_pages() == 1,
         blocks_ahead: true,
+        write,
     };
     let mut books = OurBooks { v, installed };
     let served = install::serve_missing(&mut books, arena, &t, &req);
@@ -153,7 +157,7 @@ fn resolve_minor(reg: &mut Registry, vm: VmId, page: u64) -> Handled {
         if let Err(e) = v.memory.punch_hole(page, 1) {
             return unservable(reg, vm, page, &ResolveError::Memory(e));
         }
-        return resolve_missing(reg, vm, page);
+        return resolve_missing(reg, vm, page, false);
     }
     let Some(uffd) = v.faults.uffd.clone() else {
         return Handled::Ok;
@@ -197,10 +201,17 @@ pub(crate) fn resolve_write_protect(reg: &mut Registry, vm: VmId, page: u64) -> 
         };
     }
     super::dependents::preserve_for_dependents(reg, vm, page);
+    let based = reg.is_based(vm);
     let Some(v) = reg.vms.get_mut(&vm) else {
         return Handled::Ok;
     };
     v.log.stats.write_protect += 1;
+    if based {
+        // A page mapped from the base (or the zero page), protected when
+        // it was mapped: the write the protection lifts for copies it into
+        // the VMM's own memory (see `Target::map_from_base`).
+        v.own_written(page);
+    }
     let Some(uffd) = v.faults.uffd.clone() else {
         return Handled::Ok;
     };

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use shared::VmId;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
-use tracing::warn;
+use tracing::{info, warn};
 use userfaultfd::{Event, EventBuffer, Uffd};
 
 use super::books::Handled;
@@ -130,7 +130,7 @@ async fn serve_faults(
                     before_write(&mut reg, vm, page);
                     fault::resolve_write_protect(&mut reg, vm, page)
                 } else {
-                    fault::resolve_missing(&mut reg, vm, page)
+                    fault::resolve_missing(&mut reg, vm, page, false)
                 };
                 drop(reg);
                 if !after_fault(&core, vm, outcome, &retry_tx) {
@@ -299,6 +299,15 @@ pub(crate) fn serve_uffd(
             v.log.tap.clone(),
         ));
         crate::core::base::on_uffd_ready(&mut reg, vm);
+        if adopted {
+            // Before any of its faults is served (they are, on the task
+            // spawned above, once this returns).
+            match crate::core::base::sync_after_restart(&mut reg, vm) {
+                Ok(0) => {}
+                Ok(n) => info!("{vm}: {n} page(s) its VMM holds recorded as its own"),
+                Err(e) => warn!("{vm}: cannot check its pages: {}", e.message()),
+            }
+        }
     }
     // Its record (with this uffd) is journaled by the sync before the
     // answer of the request that made it: a VM still starting is not

@@ -187,6 +187,7 @@ impl FcVm {
             piece,
             zero_pages: r.page_size == PAGE_SIZE,
             blocks_ahead: false,
+            write: false,
         };
         let mut books = FcBooks { v: self, record };
         match install::serve_missing(&mut books, arena, &t, &req) {

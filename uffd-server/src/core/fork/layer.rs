@@ -22,10 +22,13 @@
 //!    dies before, the fork fails and its children are discarded: no VM
 //!    ever reads a page the layer lacks.
 //!
-//! A paused template forked again before it runs reuses its layer: its
-//! table keeps naming the layer for the pages it holds unchanged, so the
-//! next children share it, and nothing is copied twice
-//! ([`Layering`]'s `kept`, cleared when it runs or changes).
+//! The parent's table goes on naming the layer for the pages it holds
+//! unchanged: it holds them as the layer does until it writes one, and
+//! that write faults (the fork protected them) and names the page its own
+//! again (`Vm::own_written`). So a further fork, of a paused template or
+//! of a running VM, copies only what the parent wrote since the fork
+//! before, and its children share the earlier layers for the rest:
+//! nothing is copied twice.
 
 use std::rc::Rc;
 
@@ -47,11 +50,12 @@ const STEP_PAGES: u64 = 1024;
 /// Step 1, in the fork's pause, after the children's tables were forked
 /// and before anything awaits: if `parent` is a VM on a base holding
 /// pages of its own, freeze them into a new (empty) layer and give the
-/// parent a new source for them. `None`: nothing to copy (a VM on its own
-/// memfd, whose memfd the server owns already; a VM on a base that wrote
-/// nothing; a template whose layer is kept). Returns whether a layer is
+/// parent a new source for the pages it writes from now on; its table
+/// names the layer for the pages it holds. Nothing to copy: a VM on its
+/// own memfd (whose memfd the server owns already), or a VM on a base
+/// that wrote nothing since it last forked. Returns whether a layer is
 /// to be filled.
-pub(crate) fn begin(reg: &mut Registry, parent: VmId, template: bool) -> Result<bool> {
+pub(crate) fn begin(reg: &mut Registry, parent: VmId) -> Result<bool> {
     let Some(VmPages::Process(process)) = reg.arena.memory_of(parent) else {
         return Ok(false);
     };
@@ -83,19 +87,7 @@ pub(crate) fn begin(reg: &mut Registry, parent: VmId, template: bool) -> Result<
     let Some(frozen) = arena.freeze_to_layer(parent, Rc::clone(&layer)) else {
         return Ok(false);
     };
-    let me = arena.vm(parent);
-    v.self_src = me;
-    if template {
-        // It does not run before its next fork: its table keeps naming
-        // the layer, which that fork's children then share.
-        v.fork.kept_layer = Some(frozen);
-    } else {
-        // The parent's own pages: the same pages, under its new source
-        // (its table's chunks part from the children's here).
-        for &(first, n) in &runs {
-            v.table.set_range(first, n, me);
-        }
-    }
+    v.self_src = arena.vm(parent);
     v.fork.layering = Some(Layering::new(parent, frozen, layer, process, pending, unit));
     info!("{parent}: {pages} pages it wrote are frozen into a layer for its children");
     Ok(true)
@@ -136,9 +128,9 @@ pub(crate) async fn fill(core: &Rc<Core>, parent: VmId) -> Result<u64> {
 }
 
 /// The layering of `parent` is over: filled, or failed (`filled` false:
-/// its fork fails and discards the children; a template's table, which
-/// named the unfilled layer for the pages it holds, names them as its
-/// own again). Later writes need no saving. Returns the pages copied.
+/// its fork fails and discards the children, and its table, which named
+/// the unfilled layer for the pages it holds, names them as its own
+/// again). Later writes need no saving. Returns the pages copied.
 pub(crate) fn end(core: &Core, parent: VmId, filled: bool) -> u64 {
     let mut reg = core.reg.borrow_mut();
     let Some(v) = reg.vms.get_mut(&parent) else {
@@ -147,8 +139,7 @@ pub(crate) fn end(core: &Core, parent: VmId, filled: bool) -> u64 {
     let Some(l) = v.fork.layering.take() else {
         return 0;
     };
-    if !filled && v.fork.kept_layer == Some(l.frozen()) {
-        v.fork.kept_layer = None;
+    if !filled {
         let me = v.self_src;
         for (first, n) in v.table.ranges_of(l.frozen()) {
             v.table.set_range(first, n, me);

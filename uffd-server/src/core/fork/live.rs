@@ -47,7 +47,7 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     let created = created.and_then(|c| fork_volumes(core, parent, c));
     let volume_us = us(t_vol);
     let t_begin = Instant::now();
-    let (created, layered) = begin_layer(core, parent, template, &protected, created);
+    let (created, layered) = begin_layer(core, parent, &protected, created);
     let layer_begin_us = if layered { us(t_begin) } else { 0 };
     let early = if layered {
         // The children read the layer, which is whole only after the
@@ -165,9 +165,8 @@ struct Stopped<'a> {
 /// parent is resumed.
 async fn stop_parent(core: &Rc<Core>, parent: VmId, template: bool) -> Result<Stopped<'_>> {
     let timeout = core.settings.vmm_deadline;
-    // A parent on a base learns which pages its guest made its own
-    // first: those are what its children read from it.
-    crate::core::base::sync_private(&mut core.reg.borrow_mut(), parent)?;
+    // A parent on a base needs no look at its VMM's pages: its table
+    // names every page it wrote (see `core::base`).
     let armed = if template {
         None
     } else {
@@ -259,9 +258,7 @@ fn protect_at_fork(
     let t_wp = Instant::now();
     let frozen = template && freezes(core, parent);
     let protected = if let (Some(a), Some(p)) = (&stopped.armed, stopped.reprotected.take()) {
-        let p = p
-            .and_then(|n| a.finish().map(|(late, _)| n + late))
-            .and_then(|n| Ok(n + protect_written_since(core, parent)?));
+        let p = p.and_then(|n| a.finish().map(|(late, _)| n + late));
         stopped.late_protect_us = us(t_wp);
         p
     } else if protected_paused(core, parent) || frozen {
@@ -269,9 +266,7 @@ fn protect_at_fork(
         // onto it, as its children's base, before it runs.
         Ok(0)
     } else {
-        // (The registry's borrow ends with the sync, before the protect.)
-        let synced = crate::core::base::sync_private(&mut core.reg.borrow_mut(), parent);
-        let p = synced.and_then(|_| write_protect_materialized(core, parent));
+        let p = write_protect_materialized(core, parent);
         stopped.write_protect_us = us(t_wp);
         p
     };
@@ -290,14 +285,13 @@ fn protect_at_fork(
 fn begin_layer(
     core: &Core,
     parent: VmId,
-    template: bool,
     protected: &Result<u64>,
     created: Result<Vec<(VmId, Ready)>>,
 ) -> (Result<Vec<(VmId, Ready)>>, bool) {
     let (Ok(_), Ok(children)) = (protected, created.as_ref()) else {
         return (created, false);
     };
-    let begun = layer::begin(&mut core.reg.borrow_mut(), parent, template);
+    let begun = layer::begin(&mut core.reg.borrow_mut(), parent);
     match begun {
         Ok(begun) => (created, begun),
         Err(e) => {
@@ -407,23 +401,6 @@ fn freezes(core: &Core, vm: VmId) -> bool {
             .vms
             .get(&vm)
             .is_some_and(|v| !v.base.is_based())
-}
-
-/// A running parent on a base, paused: the pages its guest made its own
-/// since the protection was armed (copies on write of pages it had mapped
-/// from the base raise no fault) are protected now, like the rest of its
-/// own pages. Returns how many.
-fn protect_written_since(core: &Core, vm: VmId) -> Result<u64> {
-    let mut reg = core.reg.borrow_mut();
-    if !reg.is_based(vm) {
-        return Ok(0);
-    }
-    let new = crate::core::base::sync_private_runs(&mut reg, vm)?;
-    if new.is_empty() {
-        return Ok(0);
-    }
-    protect(reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?, &new)?;
-    Ok(new.iter().map(|r| r.1).sum())
 }
 
 /// Whether `vm` is a paused template whose pages are all protected.

@@ -7,7 +7,6 @@ use std::rc::Rc;
 use shared::VmId;
 
 use super::layering::Layering;
-use crate::pages::SourceId;
 
 /// One VM's fork state.
 #[derive(Debug, Default)]
@@ -24,10 +23,6 @@ pub struct ForkState {
     pub paused_state: Option<Rc<shared::VmState>>,
     /// A layer a fork of this VM is filling (see `fork::layer`).
     pub layering: Option<Layering>,
-    /// A paused template's layer, which its table still names for the
-    /// pages it holds unchanged (cleared with `protected_paused`): a
-    /// further fork shares it instead of copying them again.
-    pub kept_layer: Option<SourceId>,
 }
 
 impl ForkState {
@@ -36,7 +31,6 @@ impl ForkState {
     pub fn forget_template(&mut self) {
         self.protected_paused = false;
         self.paused_state = None;
-        self.kept_layer = None;
     }
 
     /// Before `page` is written or discarded: a layer being filled from
