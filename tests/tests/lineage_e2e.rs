@@ -448,3 +448,72 @@ fn a_plain_vms_orphan_snapshots_rolls_back_and_clones_exactly() {
 fn a_restores_orphan_snapshots_rolls_back_and_clones_exactly() {
     orphan_snapshots_rolls_back_and_clones_exactly(Lineage::Restore);
 }
+
+/// A running parent of `lineage` forked again and again: a fork with
+/// nothing written since the one before copies nothing (its children
+/// share the earlier layer), one after more writes copies only those, and
+/// every child holds exactly what the parent held at its fork after the
+/// parent's VMM is killed.
+fn forks_again_share_what_earlier_forks_keep(lineage: Lineage) {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let p = parent(&s, lineage);
+    let mut children: Vec<(String, u64, Vec<Fill>)> = Vec::new();
+    let mut holds = p.holds.clone();
+    let mut fork = |s: &TestServer, holds: &[Fill], what: &str| {
+        let at_fork = all_ram(s, &p.id, what);
+        let f = s.fork(&p.id, 1);
+        children.push((f.children[0].clone(), at_fork, holds.to_vec()));
+        f.phases.layer_pages
+    };
+    let first = fork(&s, &holds, "the parent before its first fork");
+    assert!(
+        first >= QUARTER.pages,
+        "the first fork copies what the parent wrote ({} pages): {first}",
+        QUARTER.pages
+    );
+    for i in 2..=4 {
+        let again = fork(&s, &holds, "the parent before a fork again");
+        assert_eq!(
+            again, 0,
+            "fork {i}, nothing written since the one before, copies nothing"
+        );
+    }
+    // MORE overwrites the quarter's upper half: what is left of it is
+    // its lower half.
+    holds.retain(|f| f.seed != QUARTER.seed);
+    holds.push(Fill {
+        pages: QUARTER.pages / 2,
+        ..QUARTER
+    });
+    for f in MORE {
+        fill(&s, &p.id, f);
+        holds.push(f);
+    }
+    let more: u64 = MORE.iter().map(|f| f.pages).sum();
+    let after = fork(&s, &holds, "the parent after more writes");
+    assert!(
+        after >= more && after < QUARTER.pages + more,
+        "a fork after {more} pages more copies those alone, not the quarter again: {after}"
+    );
+    s.assert_invariant("after forks again of a running parent");
+    go(&s, &p.id, Gone::Killed, lineage, &children[0].0);
+    for (i, (child, at_fork, holds)) in children.iter().enumerate() {
+        let what = format!(
+            "child {} of {} forks after its parent's VMM was killed",
+            i + 1,
+            children.len()
+        );
+        assert_holds(&s, child, *at_fork, holds, &what);
+    }
+    s.assert_invariant("after the children of forks again read their pages");
+}
+
+#[test]
+fn a_running_restore_forked_again_copies_only_what_it_wrote_since() {
+    forks_again_share_what_earlier_forks_keep(Lineage::Restore);
+}
+
+#[test]
+fn a_running_templates_child_forked_again_copies_only_what_it_wrote_since() {
+    forks_again_share_what_earlier_forks_keep(Lineage::TemplateChild);
+}

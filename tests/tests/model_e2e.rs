@@ -23,7 +23,8 @@
 //! **The operations**, picked at random by 3 client threads: fill a chunk
 //! with a new seed; verify a chunk (the guest's `verify`/`checksum`, or the
 //! VMM's `digest` against the digest the model predicts); fork a running VM
-//! or a paused one (1 or 2 children); pause or resume; delete; snapshot
+//! or a paused one (1 or 2 children; one fork of a running VM in four has
+//! its parent's VMM SIGKILLed the moment it answers); pause or resume; delete; snapshot
 //! (full, dirty or incremental, compressed or not); restore one of the
 //! snapshots taken (on the other kind of RAM one time in four); roll back
 //! to a snapshot (of the same VM or the one it came from, any one a time
@@ -950,8 +951,26 @@ impl Run {
         let req = ForkRequest {
             count: u32::try_from(count).expect("fits"),
         };
+        // Now and then the parent's VMM is killed the moment the fork
+        // answers: its children must keep what it held (its pid is read
+        // first, so the kill follows the answer at once).
+        let kill_after = (how == "running" && rng.one_in(4) && lock(&self.world).live() > MIN_VMS)
+            .then(|| self.api.try_vm(&id).ok().and_then(|v| v.pid))
+            .flatten()
+            .and_then(|p| i32::try_from(p).ok());
         match self.api.try_fork(&id, &req) {
             Ok(f) => {
+                if let Some(pid) = kill_after {
+                    if let Err(e) = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL) {
+                        self.fail_vm(
+                            t,
+                            &c.vm,
+                            format!("its VMM {pid} was gone before the kill: {e}"),
+                        );
+                        c.vm.life = Life::Broken;
+                        return Outcome::Failed;
+                    }
+                }
                 if f.children.len() != count {
                     self.fail_vm(t, &c.vm, format!("fork into {count} made {:?}", f.children));
                 }
@@ -962,7 +981,10 @@ impl Run {
                 let mut about = vec![id.as_str()];
                 about.extend(f.children.iter().map(String::as_str));
                 self.note(t, &about, format!("fork {id} ({how}) -> {:?}", f.children));
-                Outcome::Done
+                match kill_after {
+                    Some(pid) => self.kill_vmm(t, &mut c, pid, true),
+                    None => Outcome::Done,
+                }
             }
             Err(r) => self.refused_or_failed(t, Op::Fork, &mut c, &r),
         }
@@ -1207,8 +1229,20 @@ impl Run {
             c.vm.life = Life::Broken;
             return Outcome::Failed;
         };
+        self.kill_vmm(t, &mut c, pid, false)
+    }
+
+    /// SIGKILL `pid`, the VMM of the claimed VM (unless `sent` already),
+    /// and wait for the server to see it go.
+    fn kill_vmm(&self, t: usize, c: &mut Claim<'_>, pid: i32, sent: bool) -> Outcome {
+        let id = c.vm.id.clone();
         let was = c.vm.life;
-        if let Err(e) = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL) {
+        let killed = if sent {
+            Ok(())
+        } else {
+            nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL)
+        };
+        if let Err(e) = killed {
             self.fail_vm(
                 t,
                 &c.vm,

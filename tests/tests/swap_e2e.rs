@@ -249,7 +249,13 @@ fn a_full_swap_disk_keeps_written_pages_and_still_drops_clean_ones() {
     assert!(r.swapped_pages < WRITTEN / 2, "{r:?}");
     assert!(r.kept_pages > WRITTEN / 2, "{r:?}");
     assert!(r.dropped_pages >= (PAGES - WRITTEN) * 9 / 10, "{r:?}");
-    assert!(s.memory().swap.full, "{:?}", s.memory());
+    // The store says it is full, or it has just been told to try again
+    // (once per thrashing window), and then its file fills the disk.
+    let m = s.memory();
+    assert!(
+        m.swap.full || m.swap.file_bytes + 4096 > 64 * 1024,
+        "the store on a full 64 KiB disk: {m:?}"
+    );
     assert_eq!(
         s.digest(&vm, 0, PAGES),
         d,

@@ -28,6 +28,10 @@
 //!    paused; the first size) forked 10 times, one child each: the layer
 //!    pages its first fork copies, and its later forks (none: the template
 //!    keeps its layer while it stays paused).
+//! 6. A running restore that wrote a quarter (the first size) forked 10
+//!    times with nothing written in between, its children alive: the
+//!    memory the first, second and tenth fork add (the later ones share
+//!    the first one's layer).
 //!
 //! Before every fork of 1–3 the parent rewrites its quarter (untimed), so
 //! each fork captures, and on a base copies, a quarter written since the
@@ -179,8 +183,8 @@ struct Forks {
     protect_us: Vec<f64>,
     table_us: Vec<f64>,
     resume_us: Vec<f64>,
-    /// After the capture: the late re-protect (on a base, a pagemap scan
-    /// for pages written with no fault), and the layer's set-up.
+    /// After the capture: the late re-protect (of pages a late fault
+    /// lifted), and the layer's set-up.
     late_protect_us: Vec<f64>,
     layer_begin_us: Vec<f64>,
     /// The pause less its timed phases.
@@ -383,7 +387,7 @@ fn fork_rows(sz: &Size, on_base: &Forks, on_own: &Forks, floor: &[f64]) {
     .goal("≤ 1.1: the layer is filled after the resume, not in the pause")
     .note(format!(
         "medians on a base / on its own memfd: the pause's stop and capture {}, re-protect {}, late \
-         re-protect (on a base: the pagemap scan for pages written with no fault) {}, table fork {}, the \
+         re-protect (pages a late fault lifted) {}, table fork {}, the \
          layer's set-up (an empty memfd, the pages frozen over it) {}, resume {}, the rest (not timed by \
          phase) {}; the write-protect armed before it, the parent running, {} µs",
         pair(&on_base.capture_us, &on_own.capture_us),
@@ -633,6 +637,83 @@ fn template_rows(s: &TestServer, plan: &Plan, sz: &Size, seed: &mut u64) {
     .emit();
 }
 
+/// Memory each of [`TEMPLATE_FORKS`] forks of one running parent on a
+/// base adds, nothing written between them, every child kept alive.
+#[derive(Default)]
+struct AgainForks {
+    /// Per fork, in order: the server's memfds grown by it (exact, KiB).
+    memfd_kib: Vec<Vec<f64>>,
+    /// Per fork: the layer pages it copied.
+    pages: Vec<Vec<f64>>,
+}
+
+/// A restore writes its quarter and is forked [`TEMPLATE_FORKS`] times
+/// while it runs, one child each, nothing written in between; every child
+/// reads the quarter back, and all stay until the last fork.
+fn forks_again(s: &TestServer, sz: &Size, seed: u64, f: &mut AgainForks) {
+    let p = parent(s, sz, Kind::Based);
+    s.fill(&p, 0, sz.quarter, seed);
+    let spid = s.pid();
+    f.memfd_kib.resize(TEMPLATE_FORKS, Vec::new());
+    f.pages.resize(TEMPLATE_FORKS, Vec::new());
+    let mut children = Vec::new();
+    for i in 0..TEMPLATE_FORKS {
+        let memfd0 = held(&[spid]).memfd_kib;
+        let v = s.fork(&p, 1);
+        let child = v.children[0].clone();
+        s.identity(&child);
+        f.memfd_kib[i].push(held(&[spid]).memfd_kib as f64 - memfd0 as f64);
+        f.pages[i].push(v.phases.layer_pages as f64);
+        check(s.verify(&child, 0, sz.quarter, seed));
+        children.push(child);
+    }
+    for c in &children {
+        s.delete_vm(c);
+    }
+    s.delete_vm(&p);
+}
+
+fn again_rows(s: &TestServer, plan: &Plan, sz: &Size, seed: &mut u64) {
+    let (label, written) = (sz.label(), sz.written());
+    let t = Instant::now();
+    let mut f = AgainForks::default();
+    for _ in 0..plan.reps {
+        *seed += 1;
+        forks_again(s, sz, *seed, &mut f);
+    }
+    eprintln!(
+        "{BENCH}: {} running parents of {label}, {TEMPLATE_FORKS} forks each: {:.1} s",
+        plan.reps,
+        t.elapsed().as_secs_f64()
+    );
+    let quarter = [sz.quarter_kib()];
+    for (i, name) in [(0, "first"), (1, "second"), (TEMPLATE_FORKS - 1, "tenth")] {
+        let goal = if i == 0 {
+            "≤ 1.0: one copy of what it wrote"
+        } else {
+            "≤ 0.05: it shares what the earlier forks keep"
+        };
+        Row::new(
+            BENCH,
+            &format!("lineage.again.{}.{}", i + 1, sz.mib),
+            T_MEM,
+            &format!(
+                "running {label} VM on a base, {written} written, forked {TEMPLATE_FORKS} times with nothing                  written between (its children alive): the server's memfds the {name} fork adds"
+            ),
+            "KiB",
+            &f.memfd_kib[i],
+            &format!("the {written} written"),
+            &quarter,
+        )
+        .goal(goal)
+        .note(format!(
+            "exact (the server's memfds, before the fork and once its child answered); layer pages it copied:              median {:.0}",
+            median(&f.pages[i])
+        ))
+        .emit();
+    }
+}
+
 fn main() -> ExitCode {
     let plan = Plan::from_args();
     if let Err(code) = pagefork_benches::sys::start_on_xfs(BENCH) {
@@ -651,6 +732,7 @@ fn main() -> ExitCode {
     }
     let first = sizes.remove(0);
     template_rows(&server, &plan, &first, &mut seed);
+    again_rows(&server, &plan, &first, &mut seed);
     server.assert_healthy();
     let wrong = WRONG.load(Ordering::Relaxed);
     if wrong > 0 {

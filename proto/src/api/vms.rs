@@ -738,8 +738,7 @@ pub struct ForkPhases {
     #[serde(default)]
     pub layer_begin_us: u64,
     /// In the pause, after the capture (a running parent): protecting
-    /// what a late fault lifted and, on a base, the pages its guest wrote
-    /// with no fault (found by a pagemap scan).
+    /// what a late fault lifted.
     #[serde(default)]
     pub late_protect_us: u64,
 }
