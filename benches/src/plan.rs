@@ -300,6 +300,9 @@ impl Plan {
                     })
                     .collect();
                 k.extend(["template_first", "template_later"].map(|m| format!("lineage.{m}")));
+                if let Some(first) = self.lineage_mib.first() {
+                    k.extend([1, 2, 10].map(|n| format!("lineage.again.{n}.{first}")));
+                }
                 k
             }
             "restart" => {

@@ -982,7 +982,11 @@ impl Run {
                 about.extend(f.children.iter().map(String::as_str));
                 self.note(t, &about, format!("fork {id} ({how}) -> {:?}", f.children));
                 match kill_after {
-                    Some(pid) => self.kill_vmm(t, &mut c, pid, true),
+                    Some(pid) => {
+                        let killed = self.kill_vmm(t, &mut c, pid, true);
+                        self.count("fork, its parent killed at once", killed);
+                        killed
+                    }
                     None => Outcome::Done,
                 }
             }
