@@ -210,8 +210,19 @@ pub(crate) fn resolve_write_protect(reg: &mut Registry, vm: VmId, page: u64) -> 
         // A page mapped from the base (or the zero page), protected when
         // it was mapped: the write the protection lifts for copies it into
         // the VMM's own memory (see `Target::map_from_base`).
+        let was = v.table.get(page);
         v.own_written(page);
+        let emptied = was != v.self_src && v.table.count_of(was) == 0;
+        if emptied && crate::core::base::is_own_layer(reg, vm, was) {
+            // The last page this VM held as a layer holds it (see
+            // `fork::layer`): the layer goes now if no other table reads
+            // it (once per VM and layer, not per page).
+            reg.release_unused_sources();
+        }
     }
+    let Some(v) = reg.vms.get_mut(&vm) else {
+        return Handled::Ok;
+    };
     let Some(uffd) = v.faults.uffd.clone() else {
         return Handled::Ok;
     };

@@ -47,6 +47,29 @@ use crate::snapshot::PageSet;
 /// Pages copied into a layer in one step of [`fill`] (4 MiB).
 const STEP_PAGES: u64 = 1024;
 
+/// Before the fork's pause: the memfd a layer of `parent` would be
+/// filled into, made while the parent still runs (making it costs a few
+/// hundred µs here, which the pause need not pay). `None` for a VM that
+/// needs no layer (on its own memfd, or holding nothing of its own yet:
+/// its writes before the pause fault, and `begin` makes the memfd), or a
+/// memfd that cannot be made (then
+/// `begin` tries again and says why).
+pub(crate) fn prepare(reg: &Registry, parent: VmId) -> Option<Rc<GuestMemory>> {
+    let v = reg.vms.get(&parent)?;
+    // Nothing of its own (a template forked again, a VM that wrote
+    // nothing since its last fork): no layer to make.
+    if !v.base.is_based() || v.table.count_of(v.self_src) == 0 {
+        return None;
+    }
+    GuestMemory::create_with(
+        &format!("pagefork-{parent}-layer"),
+        v.memory.size(),
+        v.memory.page_size(),
+    )
+    .ok()
+    .map(Rc::new)
+}
+
 /// Step 1, in the fork's pause, after the children's tables were forked
 /// and before anything awaits: if `parent` is a VM on a base holding
 /// pages of its own, freeze them into a new (empty) layer and give the
@@ -54,8 +77,12 @@ const STEP_PAGES: u64 = 1024;
 /// names the layer for the pages it holds. Nothing to copy: a VM on its
 /// own memfd (whose memfd the server owns already), or a VM on a base
 /// that wrote nothing since it last forked. Returns whether a layer is
-/// to be filled.
-pub(crate) fn begin(reg: &mut Registry, parent: VmId) -> Result<bool> {
+/// to be filled. `made` is the memfd [`prepare`] made, if any.
+pub(crate) fn begin(
+    reg: &mut Registry,
+    parent: VmId,
+    made: Option<Rc<GuestMemory>>,
+) -> Result<bool> {
     let Some(VmPages::Process(process)) = reg.arena.memory_of(parent) else {
         return Ok(false);
     };
@@ -77,13 +104,17 @@ pub(crate) fn begin(reg: &mut Registry, parent: VmId) -> Result<bool> {
         pending.insert_range(lo, hi - lo);
     }
     let pages = pending.len();
-    let layer = GuestMemory::create_with(
-        &format!("pagefork-{parent}-layer"),
-        v.memory.size(),
-        v.memory.page_size(),
-    )
-    .map_err(|source| Error::Layer(LayerError::Create { vm: parent, source }))?;
-    let layer = Rc::new(layer);
+    let layer = match made {
+        Some(m) => m,
+        None => Rc::new(
+            GuestMemory::create_with(
+                &format!("pagefork-{parent}-layer"),
+                v.memory.size(),
+                v.memory.page_size(),
+            )
+            .map_err(|source| Error::Layer(LayerError::Create { vm: parent, source }))?,
+        ),
+    };
     let Some(frozen) = arena.freeze_to_layer(parent, Rc::clone(&layer)) else {
         return Ok(false);
     };

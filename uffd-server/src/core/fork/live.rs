@@ -47,7 +47,7 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     let created = created.and_then(|c| fork_volumes(core, parent, c));
     let volume_us = us(t_vol);
     let t_begin = Instant::now();
-    let (created, layered) = begin_layer(core, parent, &protected, created);
+    let (created, layered) = begin_layer(core, parent, &protected, created, stopped.layer.take());
     let layer_begin_us = if layered { us(t_begin) } else { 0 };
     let early = if layered {
         // The children read the layer, which is whole only after the
@@ -154,6 +154,8 @@ struct Stopped<'a> {
     write_protect_us: u64,
     /// After the capture (a running parent): see `ForkPhases`.
     late_protect_us: u64,
+    /// A parent on a base: the memfd of its layer, made before the pause.
+    layer: Option<Rc<crate::memory::GuestMemory>>,
 }
 
 /// Steps 1 and 2: a running parent's materialized pages are
@@ -166,7 +168,9 @@ struct Stopped<'a> {
 async fn stop_parent(core: &Rc<Core>, parent: VmId, template: bool) -> Result<Stopped<'_>> {
     let timeout = core.settings.vmm_deadline;
     // A parent on a base needs no look at its VMM's pages: its table
-    // names every page it wrote (see `core::base`).
+    // names every page it wrote (see `core::base`). Its layer's memfd is
+    // made now, while it runs.
+    let layer = layer::prepare(&core.reg.borrow(), parent);
     let armed = if template {
         None
     } else {
@@ -222,6 +226,7 @@ async fn stop_parent(core: &Rc<Core>, parent: VmId, template: bool) -> Result<St
             pause_and_capture_us,
             write_protect_us,
             late_protect_us: 0,
+            layer,
         }),
         (p, c) => {
             // The pause may still land later (a VMM that stopped
@@ -287,11 +292,12 @@ fn begin_layer(
     parent: VmId,
     protected: &Result<u64>,
     created: Result<Vec<(VmId, Ready)>>,
+    made: Option<Rc<crate::memory::GuestMemory>>,
 ) -> (Result<Vec<(VmId, Ready)>>, bool) {
     let (Ok(_), Ok(children)) = (protected, created.as_ref()) else {
         return (created, false);
     };
-    let begun = layer::begin(&mut core.reg.borrow_mut(), parent);
+    let begun = layer::begin(&mut core.reg.borrow_mut(), parent, made);
     match begun {
         Ok(begun) => (created, begun),
         Err(e) => {
