@@ -443,8 +443,8 @@ fn fork_rows(sz: &Size, on_base: &Forks, on_own: &Forks, floor: &[f64]) {
     )
     .goal("report (1 = the floor)")
     .note(
-        "the server reads the parent's VMM with process_vm_readv into its mapping of the layer, 4 MiB a step, \
-         serving its other work between steps",
+        "the server reads the parent's VMM with process_vm_readv into a buffer and writes the layer with \
+         pwrite, 4 MiB a step, serving its other work between steps",
     )
     .emit();
 }
@@ -489,7 +489,7 @@ fn memory_rows(sz: &Size, on_base: &Forks, on_own: &Forks) {
         &format!("the {written} written"),
         &quarter,
     )
-    .goal("≈ 1: the server maps the layer it fills")
+    .goal("report: the server writes the layer (pwrite) without mapping it")
     .note(format!(
         "right after the fork returns; the same fork of a VM on its own memfd: median {:.0} KiB",
         median(&on_own.rss_kib)
