@@ -88,8 +88,11 @@ pub fn zeropage(uffd: impl AsFd, dst: u64, len: u64) -> Install {
 /// is protected, and only then are the threads woken. (A write to a zero
 /// page mapped unprotected is a copy on write the kernel does without a
 /// userfaultfd event; a thread woken before the protection could make
-/// one.) The outcome is the zeropage's.
-pub fn zeropage_protected(uffd: impl AsFd, dst: u64, len: u64) -> Install {
+/// one.) Returns the zeropage's outcome, and whether what it filled is
+/// protected: `false` when the protection failed (the address space
+/// changing under it, say), and the caller must then count those pages as
+/// the process's own, since a write to them raises nothing.
+pub fn zeropage_protected(uffd: impl AsFd, dst: u64, len: u64) -> (Install, bool) {
     let mut arg = UffdioZeropage {
         range: UffdioRange { start: dst, len },
         mode: ZEROPAGE_MODE_DONTWAKE,
@@ -103,21 +106,13 @@ pub fn zeropage_protected(uffd: impl AsFd, dst: u64, len: u64) -> Install {
         Install::Exists { copied } | Install::Again { copied } => copied,
         Install::Gone | Install::Failed(_) => 0,
     };
-    if filled > 0 {
-        if let Err(e) = write_protect(&uffd, dst, filled, true) {
-            return if e == Errno::ESRCH {
-                Install::Gone
-            } else {
-                Install::Failed(e)
-            };
-        }
-    }
+    let protected = filled == 0 || write_protect(&uffd, dst, filled, true).is_ok();
     // The faulting thread sleeps until this wake, whatever happened above
     // (a partial fill ends at a page present or an event pending: it must
     // retry its access either way).
     match wake(&uffd, dst, len) {
-        Err(Errno::ESRCH) => Install::Gone,
-        _ => res,
+        Err(Errno::ESRCH) => (Install::Gone, protected),
+        _ => (res, protected),
     }
 }
 

@@ -708,7 +708,9 @@ fn stream_rest(
 }
 
 /// UFFDIO_ZEROPAGE `[lo, hi)` when the client takes zero pages and `src`
-/// is never-written memory, else [`copy_pages`].
+/// is never-written memory, else [`copy_pages`]. Returns the outcome and
+/// whether the pages went in as the shared zero page (not the client's
+/// own: a write to them faults).
 fn copy_or_zero(
     arena: &SourceArena,
     t: &Target<'_>,
@@ -728,14 +730,16 @@ fn copy_or_zero(
         let (at, len) = (t.addr(lo), (hi - lo) * PAGE_SIZE);
         // Over a base the zero page goes in protected (see
         // `Target::map_from_base`): the guest's first write faults.
-        let res = if t.shared.is_some() {
+        let (res, protected) = if t.shared.is_some() {
             uffd_abi::zeropage_protected(t.uffd, at, len)
         } else {
-            uffd_abi::zeropage(t.uffd, at, len)
+            (uffd_abi::zeropage(t.uffd, at, len), true)
         };
         phases::lap(Phase::Install);
         if !matches!(res, Install::Exists { copied: 0 }) {
-            return Ok((res, true));
+            // Zero pages that could not be protected take a write unseen:
+            // they are counted the client's own (as copies would be).
+            return Ok((res, protected));
         }
     }
     Ok((copy_pages(arena, t, source, lo, hi)?, false))
