@@ -93,9 +93,52 @@ fn the_demo_runs_a_vm_a_fork_and_a_snapshot_end_to_end() {
         "same as parent",
         "0 mismatches",
         "[6] snapshot",
+        "[8] 8 restores of one snapshot",
+        "host memory added: ",
+        "[9] fork a running restore",
+        "VMM (pid ",
+        "[10] kill -9 the serving process",
+        "started: crash",
+        "recovery   ",
+        "VMs: every byte as before the kill",
+        "[11] ",
+        "figures:",
+        "host memory added by 8 restores",
         "demo done",
     ] {
         assert!(text.contains(want), "demo output lacks {want:?}:\n{text}");
     }
     assert!(!text.contains("DIFFERENT"), "{text}");
+    // The cgroup step runs where a memory cgroup controller is, and says
+    // why not elsewhere.
+    assert!(
+        text.contains("OOM kills 0") || text.contains("    skipped: "),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_demo_fails_when_restores_do_not_share_a_base() {
+    if !require_kvm_uffd() {
+        return;
+    }
+    // Without shared bases each restore reads into memory of its own: the
+    // shared-base step's figure is wrong and must fail the demo.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(bin("uffdctl"))
+        .args(["demo", "--memory-mib", "64", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--server-bin")
+        .arg(bin("uffd-server"))
+        .env("PAGEFORK_SHARED_BASES", "false")
+        .output()
+        .expect("cannot run uffdctl demo");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "the demo passed:\n{text}");
+    assert!(
+        err.contains("demo check failed") && err.contains("do not share one base"),
+        "{err}\n{text}"
+    );
+    assert!(!text.contains("demo done"), "{text}");
 }
