@@ -2,6 +2,7 @@
 //! demo (the README's main job) from start to finish.
 
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 
 use pagefork_tests::{
     bin, ok_stdout, require_kvm_uffd, uffdctl, uffdctl_json, uffdctl_ok, TestServer,
@@ -13,6 +14,7 @@ fn uffdctl_drives_a_vm_through_create_exec_fork_and_inspection() {
     if !require_kvm_uffd() {
         return;
     }
+    let _one = one_demo();
     let s = TestServer::start();
     let vm: VmInfo = uffdctl_json(&s, &["vm", "create", "--memory-mib", "64"]);
     let id = vm.id;
@@ -72,11 +74,22 @@ fn uffdctl_without_a_server_says_how_to_fix_it() {
     assert!(err.contains("is uffd-server running"), "{err}");
 }
 
+/// One test with VMs at a time: the demo measures the host memory its
+/// restores add, which the VMs of another test would add to.
+static ONE_DEMO: Mutex<()> = Mutex::new(());
+
+fn one_demo() -> MutexGuard<'static, ()> {
+    ONE_DEMO
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 #[test]
 fn the_demo_runs_a_vm_a_fork_and_a_snapshot_end_to_end() {
     if !require_kvm_uffd() {
         return;
     }
+    let _one = one_demo();
     let dir = tempfile::tempdir().expect("tempdir");
     let out = Command::new(bin("uffdctl"))
         .args(["demo", "--memory-mib", "64", "--state-dir"])
@@ -103,7 +116,7 @@ fn the_demo_runs_a_vm_a_fork_and_a_snapshot_end_to_end() {
         "VMs: every byte as before the kill",
         "[11] ",
         "figures:",
-        "host memory added by 8 restores",
+        "host memory added by the restores",
         "demo done",
     ] {
         assert!(text.contains(want), "demo output lacks {want:?}:\n{text}");
@@ -122,6 +135,7 @@ fn the_demo_fails_when_restores_do_not_share_a_base() {
     if !require_kvm_uffd() {
         return;
     }
+    let _one = one_demo();
     // Without shared bases each restore reads into memory of its own: the
     // shared-base step's figure is wrong and must fail the demo.
     let dir = tempfile::tempdir().expect("tempdir");
