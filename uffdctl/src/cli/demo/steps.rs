@@ -194,7 +194,7 @@ pub fn restores(
         .transpose()?
         .and_then(|v| v.memory.base)
         .unwrap_or_else(|| "none".into());
-    let private = RESTORES * read_mib << 20;
+    let private = (RESTORES * read_mib) << 20;
     // Private copies would add `private`; one shared copy adds a
     // `read_mib`, plus each VMM's own few MiB. Half of `private` separates
     // the two with room for the host's noise.
