@@ -55,5 +55,5 @@ status=0
 "$TARGET/debug/uffdctl" demo --state-dir "$STATE" --server-bin "$TARGET/debug/uffd-server" "$@" || status=$?
 T_RUN=$((SECONDS - T2))
 echo
-echo "demo: setup ${T_SETUP} s, build ${T_BUILD} s, run ${T_RUN} s (first step after $((T2 - T0)) s)"
+echo "demo: setup ${T_SETUP} s, build ${T_BUILD} s, run ${T_RUN} s (the demo started $((T2 - T0)) s after the script)"
 exit "$status"

@@ -134,11 +134,9 @@ fn host_used_bytes() -> Result<u64> {
     Ok(total.saturating_sub(available) << 10)
 }
 
+/// `bytes` in MiB, for display.
 fn mib(bytes: u64) -> f64 {
-    // Display only: MiB with a fraction.
-    #[allow(clippy::cast_precision_loss)]
-    let f = bytes as f64;
-    f / f64::from(1u32 << 20)
+    bytes as f64 / 1048576.0
 }
 
 /// Step: snapshot `parent`, start [`RESTORES`] VMs from it, each reading
