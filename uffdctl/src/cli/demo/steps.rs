@@ -135,8 +135,8 @@ fn host_used_bytes() -> Result<u64> {
 }
 
 /// `bytes` in MiB, for display.
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / 1048576.0
+fn mib(bytes: impl Into<i128>) -> f64 {
+    bytes.into() as f64 / 1048576.0
 }
 
 /// Step: snapshot `parent`, start [`RESTORES`] VMs from it, each reading
@@ -185,7 +185,9 @@ pub fn restores(
         )?;
         ids.push(id);
     }
-    let added = host_used_bytes()?.saturating_sub(before);
+    // Signed: the rest of the host may give back more than the restores
+    // take meanwhile.
+    let added = i128::from(host_used_bytes()?) - i128::from(before);
     let base = ids
         .first()
         .map(|id| vm_info(c, id))
@@ -207,7 +209,7 @@ pub fn restores(
         mib(private),
         mib(bound)
     );
-    check(added < bound, || {
+    check(added < i128::from(bound), || {
         format!(
             "{RESTORES} restores reading {read_mib} MiB each added {:.1} MiB of host memory, not under {:.0} MiB: they do not share one base",
             mib(added),
