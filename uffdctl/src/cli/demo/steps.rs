@@ -282,6 +282,7 @@ pub fn orphan(
         value: "equal".into(),
         check: "every byte equal".into(),
     });
+    // The parent is dead; the server may have let it go already.
     let _ = call(c, "DELETE", &format!("/v1/vms/{parent}"), None);
     Ok(child)
 }
@@ -488,55 +489,33 @@ pub fn memcg(
             vms * args.memory_mib
         ),
     );
-    if let Some(why) = memcg_missing() {
-        println!("    skipped: {why}");
-        figures.push(Figure {
-            step: n,
-            what: "OOM kills writing 2x the limit",
-            value: "skipped".into(),
-            check: why,
-        });
-        return Ok(());
-    }
-    let group = Memcg::new(limit_mib << 20)?;
+    let group = match memcg_missing() {
+        None => Memcg::new(limit_mib << 20).map_err(|e| chain(&e)),
+        Some(why) => Err(why),
+    };
+    let group = match group {
+        Ok(g) => g,
+        Err(why) => return skip_memcg(n, why, figures),
+    };
     let server = group.spawn_inside(|| start(&dir.join("memcg")))?;
     let c = Client::new(server.dir.join("api.sock"));
-    let pages = args.memory_mib * 256;
-    let mut ids = Vec::new();
-    for i in 0..vms {
-        let id = create(&c, args.memory_mib, None, Some(false))?;
-        exec(
-            &c,
-            &id,
-            api::ExecRequest::Fill {
-                start_page: None,
-                pages: None,
-                seed: 100 + i,
-            },
-        )?;
-        ids.push(id);
-    }
-    let mut wrong = 0;
-    for (id, i) in ids.iter().zip(0..) {
-        wrong += exec(
-            &c,
-            id,
-            api::ExecRequest::Verify {
-                start_page: Some(0),
-                pages: Some(pages),
-                seed: 100 + i,
-            },
-        )?;
-    }
+    let written = write_and_read_back(&c, args.memory_mib, vms);
+    // An OOM kill shows first as a VM that stopped answering: say so.
     let oom = group.oom_kills()?;
+    check(oom == 0, || {
+        let what = written
+            .as_ref()
+            .err()
+            .map(|e| format!(" ({e})"))
+            .unwrap_or_default();
+        format!("the kernel OOM-killed {oom} process(es) under the {limit_mib} MiB limit{what}")
+    })?;
+    let (ids, wrong) = written?;
     let m: api::MemoryStatus = answer("GET /v1/memory", call(&c, "GET", "/v1/memory", None)?)?;
     println!(
         "    {vms} VMs written and read back: {wrong} mismatches; given back {:.0} MiB; OOM kills {oom}",
         mib(m.given_back_bytes)
     );
-    check(oom == 0, || {
-        format!("the kernel OOM-killed {oom} process(es) under the {limit_mib} MiB limit")
-    })?;
     check(wrong == 0, || {
         format!("{wrong} pages read back wrong after reclaim")
     })?;
@@ -561,6 +540,63 @@ pub fn memcg(
     drop(server);
     drop(group);
     Ok(())
+}
+
+/// Start `vms` VMs of `memory_mib` (4 KiB pages: hugetlb pages are not
+/// charged like a memfd's), each filling all its memory with a seed of its
+/// own, then read each back; returns their ids and the pages that were
+/// wrong.
+fn write_and_read_back(c: &Client, memory_mib: u64, vms: u64) -> Result<(Vec<String>, u64)> {
+    let mut ids = Vec::new();
+    for i in 0..vms {
+        let id = create(c, memory_mib, None, Some(false))?;
+        exec(
+            c,
+            &id,
+            api::ExecRequest::Fill {
+                start_page: None,
+                pages: None,
+                seed: 100 + i,
+            },
+        )?;
+        ids.push(id);
+    }
+    let mut wrong = 0;
+    for (id, i) in ids.iter().zip(0..) {
+        wrong += exec(
+            c,
+            id,
+            api::ExecRequest::Verify {
+                start_page: Some(0),
+                pages: Some(memory_mib * 256),
+                seed: 100 + i,
+            },
+        )?;
+    }
+    Ok((ids, wrong))
+}
+
+/// The memcg step cannot run here, for `why`.
+fn skip_memcg(n: u32, why: String, figures: &mut Vec<Figure>) -> Result<()> {
+    println!("    skipped: {why}");
+    figures.push(Figure {
+        step: n,
+        what: "OOM kills writing 2x the limit",
+        value: "skipped".into(),
+        check: why,
+    });
+    Ok(())
+}
+
+/// `e` and its sources, on one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
 }
 
 /// Print the figures as a table.
