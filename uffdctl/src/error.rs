@@ -29,6 +29,9 @@ pub enum CliError {
     /// Work the server does in the background failed (a push).
     #[error("{0}")]
     Background(String),
+    /// A figure the demo measured is not what pagefork promises.
+    #[error("demo check failed: {0}")]
+    Check(String),
     /// The demo's server did not come up.
     #[error("the server did not come up at {0}")]
     NoServer(String),

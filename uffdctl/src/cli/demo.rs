@@ -2,7 +2,9 @@
 //! through the main job: create a VM, write its memory, fork it, show that
 //! parent and child diverge, show where pages come from, snapshot the
 //! parent's memory and start a VM from it, and snapshot a
-//! disk volume.
+//! disk volume; then what a page server on shared bases and under a
+//! keeper adds (see [`steps`]), each step's figure checked, and a table
+//! of the figures.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -11,6 +13,8 @@ use std::time::{Duration, Instant};
 use proto::api;
 
 use super::body;
+
+mod steps;
 
 use super::vm::call;
 use crate::client::Client;
@@ -61,6 +65,18 @@ fn exec(c: &Client, id: &str, req: api::ExecRequest) -> Result<u64> {
         .ok_or_else(|| CliError::Answer(format!("no result in {v}")))
 }
 
+fn server_bin(args: &DemoArgs) -> Result<PathBuf> {
+    match &args.server_bin {
+        Some(b) => Ok(b.clone()),
+        None => std::env::current_exe()
+            .map(|p| p.with_file_name("uffd-server"))
+            .map_err(|source| CliError::Local {
+                what: "find uffdctl's own binary".into(),
+                source,
+            }),
+    }
+}
+
 fn start_server(args: &DemoArgs) -> Result<Server> {
     let (dir, temp) = match &args.state_dir {
         Some(d) => (d.clone(), false),
@@ -71,17 +87,23 @@ fn start_server(args: &DemoArgs) -> Result<Server> {
     };
     let local = |what: String| move |source| CliError::Local { what, source };
     std::fs::create_dir_all(&dir).map_err(local(format!("create {}", dir.display())))?;
-    let bin = match &args.server_bin {
-        Some(b) => b.clone(),
-        None => std::env::current_exe()
-            .map_err(local("find uffdctl's own binary".into()))?
-            .with_file_name("uffd-server"),
-    };
+    let bin = server_bin(args)?;
+    spawn_server(&bin, dir, temp)
+}
+
+/// Start `bin` on state directory `dir` under its keeper (the default; a
+/// `PAGEFORK_NO_KEEPER` or `NOTIFY_SOCKET` of the caller's is not passed
+/// on) and wait until it answers.
+fn spawn_server(bin: &Path, dir: PathBuf, temp: bool) -> Result<Server> {
+    let local = |what: String| move |source| CliError::Local { what, source };
+    std::fs::create_dir_all(&dir).map_err(local(format!("create {}", dir.display())))?;
     let log = std::fs::File::create(dir.join("server.log"))
         .map_err(local(format!("create {}/server.log", dir.display())))?;
-    let child = Command::new(&bin)
+    let child = Command::new(bin)
         .arg("--state-dir")
         .arg(&dir)
+        .env_remove("PAGEFORK_NO_KEEPER")
+        .env_remove("NOTIFY_SOCKET")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::from(log))
@@ -209,6 +231,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
             "DIFFERENT"
         };
         println!("    {first}: checksum of all RAM {s:#018x} ({same})");
+        if s != sum {
+            return Err(CliError::Check(format!(
+                "{first}'s checksum {s:#018x} is not its parent's {sum:#018x}"
+            )));
+        }
     }
     if let Some(second) = children.get(1) {
         let part = exec(
@@ -233,6 +260,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
             "DIFFERENT"
         };
         println!("    {second}: checksum of its first 1024 pages {part:#018x} ({same}); the rest stays unread");
+        if part != want {
+            return Err(CliError::Check(format!(
+                "{second}'s first 1024 pages: checksum {part:#018x}, its parent's {want:#018x}"
+            )));
+        }
     }
 
     step(
@@ -278,6 +310,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
             },
         )?;
         println!("    {parent}: upper half still seed 1 ({p_ok} mismatches); {ch}: lower half still seed 1 ({c_ok} mismatches)");
+        if p_ok != 0 || c_ok != 0 {
+            return Err(CliError::Check(format!(
+                "writes leaked between parent and child: {p_ok} and {c_ok} mismatches"
+            )));
+        }
     }
 
     step(
@@ -352,6 +389,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
     );
     let same = digest(&parent)? == digest(&restored)?;
     println!("    {restored}'s memory equals {parent}'s, every byte: {same}");
+    if !same {
+        return Err(CliError::Check(format!(
+            "{restored}, started from demo-mem, differs from {parent}"
+        )));
+    }
     call(&c, "DELETE", &format!("/v1/vms/{restored}"), None)?;
     call(&c, "DELETE", "/v1/snapshots/demo-mem", None)?;
 
@@ -385,11 +427,41 @@ pub fn run(args: DemoArgs) -> Result<()> {
         Err(e) => println!("    skipped: {e}"),
     }
 
-    step(8, "clean up");
-    for id in children.iter().chain(std::iter::once(&parent)) {
+    let mut figures = Vec::new();
+    let restores = steps::restores(&c, &args, &parent, 8, &mut figures)?;
+    let (first, rest) = restores
+        .split_first()
+        .ok_or_else(|| CliError::Answer("no restore started".into()))?;
+    let orphan = steps::orphan(&c, &args, first, 9, &mut figures)?;
+    for id in rest {
         call(&c, "DELETE", &format!("/v1/vms/{id}"), None)?;
     }
-    println!("    all VMs deleted; demo done");
+    let running: Vec<String> = std::iter::once(parent.clone())
+        .chain(children.iter().cloned())
+        .chain(std::iter::once(orphan.clone()))
+        .collect();
+    steps::crash(&c, &args, &running, 10, &mut figures)?;
+    let bin = server_bin(&args)?;
+    steps::memcg(
+        &args,
+        &server.dir,
+        |dir| spawn_server(&bin, dir.to_owned(), true),
+        11,
+        &mut figures,
+    )?;
+
+    step(12, "clean up");
+    for id in std::iter::once(&orphan)
+        .chain(children.iter())
+        .chain(std::iter::once(&parent))
+    {
+        call(&c, "DELETE", &format!("/v1/vms/{id}"), None)?;
+    }
+    call(&c, "DELETE", "/v1/snapshots/demo-base", None)?;
+    println!("    all VMs deleted");
+    println!("\nfigures:");
+    steps::table(&figures);
+    println!("demo done");
     drop(server);
     Ok(())
 }

@@ -42,7 +42,8 @@ fn health(client: &Client) -> Result<api::Health> {
         .map_err(|e| CliError::Usage(format!("bad health answer: {e}")))
 }
 
-fn print_health(h: &api::Health) {
+/// Print `uffdctl server status`'s lines for `h`.
+pub(crate) fn print_health(h: &api::Health) {
     let started = std::time::UNIX_EPOCH + Duration::from_millis(h.started_unix_ms);
     let up = std::time::SystemTime::now()
         .duration_since(started)
