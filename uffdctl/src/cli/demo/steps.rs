@@ -14,7 +14,7 @@ use proto::api;
 
 use super::super::body;
 use super::super::vm::call;
-use super::{exec, step, DemoArgs};
+use super::common::{exec, step, DemoArgs, Server};
 use crate::client::Client;
 use crate::{CliError, Result};
 
@@ -476,7 +476,7 @@ fn memcg_missing() -> Option<String> {
 pub fn memcg(
     args: &DemoArgs,
     dir: &Path,
-    start: impl FnOnce(&Path) -> Result<super::Server>,
+    start: impl FnOnce(&Path) -> Result<Server>,
     n: u32,
     figures: &mut Vec<Figure>,
 ) -> Result<()> {
