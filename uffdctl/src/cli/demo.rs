@@ -39,27 +39,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         ),
     );
     let t = Instant::now();
-    let vm = call(
-        &c,
-        "POST",
-        "/v1/vms",
-        Some(&body(&api::CreateVm {
-            memory_mib: args.memory_mib,
-            from_snapshot: None,
-            vcpus: 1,
-            memory_source: None,
-            volume: None,
-            fault_around_kib: None,
-            readahead_kib: None,
-            prefetch: false,
-            hugepages: None,
-            reclaim: None,
-        })),
-    )?;
-    let parent = vm["id"].as_str().unwrap_or_default().to_owned();
+    let vm = steps::create_info(&c, args.memory_mib, None, None)?;
+    let parent = vm.id.clone();
     println!(
         "    {parent} running (vmm pid {}) in {:.0} ms",
-        vm["pid"],
+        vm.pid.map_or_else(|| "none".to_owned(), |p| p.to_string()),
         t.elapsed().as_secs_f64() * 1e3
     );
     let pages = args.memory_mib * 256;
@@ -258,24 +242,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         snap["pages_written"], snap["pause_us"]
     );
     let t = Instant::now();
-    let restored = call(
-        &c,
-        "POST",
-        "/v1/vms",
-        Some(&body(&api::CreateVm {
-            memory_mib: args.memory_mib,
-            from_snapshot: Some("demo-mem".into()),
-            vcpus: 1,
-            memory_source: None,
-            volume: None,
-            fault_around_kib: None,
-            readahead_kib: None,
-            prefetch: false,
-            hugepages: None,
-            reclaim: None,
-        })),
-    )?;
-    let restored = restored["id"].as_str().unwrap_or_default().to_owned();
+    let restored = steps::create(&c, args.memory_mib, Some("demo-mem"), None)?;
     println!(
         "    {restored} started from demo-mem in {:.1} ms",
         t.elapsed().as_secs_f64() * 1e3

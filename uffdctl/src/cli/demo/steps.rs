@@ -56,6 +56,16 @@ pub fn create(
     snapshot: Option<&str>,
     hugepages: Option<bool>,
 ) -> Result<String> {
+    create_info(c, memory_mib, snapshot, hugepages).map(|v| v.id)
+}
+
+/// [`create`], returning the new VM as the API shows it.
+pub fn create_info(
+    c: &Client,
+    memory_mib: u64,
+    snapshot: Option<&str>,
+    hugepages: Option<bool>,
+) -> Result<api::VmInfo> {
     let v = call(
         c,
         "POST",
@@ -73,8 +83,7 @@ pub fn create(
             reclaim: None,
         })),
     )?;
-    let vm: api::VmInfo = answer("POST /v1/vms", v)?;
-    Ok(vm.id)
+    answer("POST /v1/vms", v)
 }
 
 fn vm_info(c: &Client, id: &str) -> Result<api::VmInfo> {
