@@ -599,6 +599,18 @@ fn bad_create_requests_get_4xx_that_say_what_to_fix() {
     }
 
     assert!(s.vm_ids().is_empty(), "no VM was created by a bad request");
+
+    // An array where the schema says object: serde would read `[]` as a
+    // struct whose fields all default, so an upgrade would hand the server
+    // over. It is refused, and the same process goes on serving.
+    let pid = s.health().pid;
+    for (method, path) in [("POST", "/v1/server/upgrade"), ("POST", "/v1/vms")] {
+        let (status, text) = s.raw_bytes(method, path, b" []");
+        let body: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{path}: body {text:?} not JSON: {e}"));
+        Reply { status, body }.assert_error(400, "expected a JSON object", path);
+    }
+    assert_eq!(s.health().pid, pid, "an array body handed the server over");
     s.assert_healthy();
 }
 

@@ -729,6 +729,15 @@ fn access_maps_count_the_faults_since_creation() {
     let acc = s.access(&a, None);
     assert_eq!(acc.touched, 2, "{acc:?}");
     assert_eq!(acc.extents[0].start_page, 300);
+
+    // A reset is a POST: the record is still there after it, only empty.
+    // A DELETE of the record is no route, and leaves it as it was.
+    let (status, _) = s.raw_bytes("DELETE", &format!("/v1/vms/{a}/access"), b"");
+    assert_eq!(status, 405, "DELETE of the access record");
+    assert_eq!(s.access(&a, None).touched, 2);
+    let acc = s.reset_access(&a);
+    assert_eq!((acc.touched, acc.extents.len()), (0, 0), "{acc:?}");
+    assert_eq!(s.access(&a, None).touched, 0);
 }
 
 /// A private tmux server (its own socket), killed when dropped.

@@ -92,10 +92,10 @@ impl Api {
             .unwrap_or_else(|r| panic!("GET {path} failed: {r}"))
     }
 
-    /// `DELETE /v1/vms/{id}/access`: begin the record again; panics unless
-    /// 200. Returns the record as it was.
+    /// `POST /v1/vms/{id}/access/reset`: begin the record again; panics unless
+    /// 200. Returns the record, empty.
     pub fn reset_access(&self, id: &str) -> AccessMap {
-        self.call("DELETE", &format!("/v1/vms/{id}/access"), None, 200)
+        self.call("POST", &format!("/v1/vms/{id}/access/reset"), None, 200)
             .unwrap_or_else(|r| panic!("reset of {id}'s access record failed: {r}"))
     }
 

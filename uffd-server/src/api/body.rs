@@ -106,6 +106,15 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, Error> {
             "request body is empty; send a JSON object".into(),
         ));
     }
+    // serde's derived structs also accept a JSON array (their fields in
+    // order), so `[]` would pass as a body whose every field has a
+    // default; every body of this API is an object, so anything else is
+    // refused before it is parsed.
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(Error::BadRequest(
+            "invalid request body: expected a JSON object".into(),
+        ));
+    }
     serde_json::from_slice(body)
         .map_err(|e| Error::BadRequest(format!("invalid request body: {e}")))
 }

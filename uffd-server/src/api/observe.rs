@@ -3,7 +3,7 @@
 //! ```text
 //! GET /v1/vms/{id}/faults?follow=true[&kind=wp][&limit=N]   NDJSON, live
 //! GET /v1/vms/{id}/access[?within_ms=N]                      JSON extents
-//! DELETE /v1/vms/{id}/access                                 begin it again
+//! POST /v1/vms/{id}/access/reset                             begin it again
 //! GET /v1/vms/{id}/access.png[?cells=N]                      heat map
 //! GET /v1/vms/{id}/map[?cells=N]                             JSON cells
 //! GET /v1/vms/{id}/map.png[?cells=N]                         page-source map
@@ -48,7 +48,8 @@ pub const NDJSON: &str = "application/x-ndjson";
 pub fn routes() -> OpenApiRouter<CoreHandle> {
     OpenApiRouter::default()
         .routes(routes!(faults))
-        .routes(routes!(access, reset_access))
+        .routes(routes!(access))
+        .routes(routes!(reset_access))
         .routes(routes!(access_png))
         .routes(routes!(map))
         .routes(routes!(map_png))
@@ -316,8 +317,9 @@ async fn access_png(
 }
 
 /// Begin the access record again now (install records stay); answers the
-/// record, empty.
-#[utoipa::path(delete, path = "/v1/vms/{id}/access")]
+/// record, empty. A `POST`, not a `DELETE` of the record: the record is
+/// still there after it, only emptied.
+#[utoipa::path(post, path = "/v1/vms/{id}/access/reset")]
 async fn reset_access(
     State(core): State<CoreHandle>,
     Path(p): Path<VmPath>,

@@ -166,7 +166,7 @@ pub fn access(client: &Client, id: &str, args: &AccessArgs, as_json: bool) -> Re
         }
     }
     if args.reset {
-        call(client, "DELETE", &format!("/v1/vms/{id}/access"), None)?;
+        call(client, "POST", &format!("/v1/vms/{id}/access/reset"), None)?;
         println!("{id}: access record begins again now");
     }
     Ok(())
