@@ -32,7 +32,7 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
                 state: if v.deleted {
                     RunState::Deleted
                 } else {
-                    v.state
+                    v.state()
                 }
                 .name()
                 .to_owned(),

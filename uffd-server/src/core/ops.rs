@@ -82,7 +82,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
                 .to_owned(),
         ),
         exit_reason: v.link.exit_reason.clone(),
-        failure: v.failure.clone(),
+        failure: v.failure().map(str::to_owned),
         parent: v.fork.parent.map(|p| p.to_string()),
         volume: v.volume.clone(),
         faults: FaultCounters {
@@ -169,9 +169,7 @@ async fn pause_or_resume(core: &Rc<Core>, id: VmId, pause: bool) -> Result<()> {
         let r = await_reply(id, rx, core.settings.exec_timeout).await;
         if r.is_ok() {
             if let Some(v) = core.reg.borrow_mut().vms.get_mut(&id) {
-                if matches!(v.state, RunState::Running | RunState::Paused) {
-                    v.state = after;
-                }
+                v.set_paused(pause);
             }
         }
         if let Err(Ok(())) = tx.send(r.map(drop)) {

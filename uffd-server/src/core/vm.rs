@@ -39,7 +39,9 @@ pub use proto::api::RunState;
 #[derive(Debug)]
 pub struct Vm {
     pub id: VmId,
-    pub state: RunState,
+    /// Changed only by the transitions below ([`Vm::fail`] and the rest),
+    /// which keep `Failed` and `Exited` final.
+    state: RunState,
     pub memory: Rc<GuestMemory>,
     pub table: PageTable,
     /// Arena id of `Vm(self)`.
@@ -51,8 +53,8 @@ pub struct Vm {
     pub volume: Option<String>,
     /// Its volume was made for it (from a snapshot) and goes with it.
     pub owns_volume: bool,
-    /// Why the VM failed (state `Failed`).
-    pub failure: Option<String>,
+    /// Why the VM failed (state `Failed`): the first reason.
+    failure: Option<String>,
     /// Deleted by the user but kept as a frozen source while other tables
     /// still read pages from it.
     pub deleted: bool,
@@ -131,6 +133,69 @@ impl Vm {
         } else {
             self.state
         }
+    }
+
+    /// Its run state (a deleted VM kept frozen has the state it had).
+    pub fn state(&self) -> RunState {
+        self.state
+    }
+
+    /// Why it failed, if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+
+    /// Fail the VM for `reason`: it is `Failed` from now on, whatever it
+    /// was. False, and the first reason kept, if it had failed already.
+    pub fn fail(&mut self, reason: impl Into<String>) -> bool {
+        if self.failure.is_some() || self.state == RunState::Failed {
+            return false;
+        }
+        self.failure = Some(reason.into());
+        self.state = RunState::Failed;
+        true
+    }
+
+    /// Its VMM said its guest runs: a VM starting (or one adopted while
+    /// starting) is `Running`. A VM that failed or exited stays so.
+    pub fn started(&mut self) {
+        if !self.is_over() {
+            self.state = RunState::Running;
+        }
+    }
+
+    /// A pause (`paused`) or resume of its guest took effect: a running
+    /// or paused VM is `Paused` or `Running`; any other stays as it is.
+    pub fn set_paused(&mut self, paused: bool) {
+        if matches!(self.state, RunState::Running | RunState::Paused) {
+            self.state = if paused {
+                RunState::Paused
+            } else {
+                RunState::Running
+            };
+        }
+    }
+
+    /// Its VMM is gone: `Exited`, unless it had failed (or exited)
+    /// already. True if this is the change.
+    pub fn exited(&mut self) -> bool {
+        if self.is_over() {
+            return false;
+        }
+        self.state = RunState::Exited;
+        true
+    }
+
+    /// It has failed or exited: no state change brings it back.
+    pub fn is_over(&self) -> bool {
+        matches!(self.state, RunState::Exited | RunState::Failed)
+    }
+
+    /// A VM adopted after a restart takes back the state and failure its
+    /// journal record kept (`Vm::new` made it `Starting`).
+    pub fn adopt_state(&mut self, state: RunState, failure: Option<String>) {
+        self.state = state;
+        self.failure = failure;
     }
 
     /// Guest RAM size in MiB.

@@ -14,7 +14,6 @@ use tokio::sync::oneshot;
 use super::books::{install_target, OurBooks};
 use super::install::{self, Request, Served};
 use crate::core::registry::Registry;
-use crate::core::vm::RunState;
 use crate::pages::PageSource;
 
 /// The least run a prefetch installs at once, in pages (256 KiB): fewer,
@@ -48,7 +47,7 @@ pub(crate) fn install_ahead(reg: &mut Registry, vm: VmId, page: u64) -> Ahead {
     let Some(v) = vms.get_mut(&vm) else {
         return Ahead::Stop;
     };
-    if v.deleted || matches!(v.state, RunState::Exited | RunState::Failed) {
+    if v.deleted || v.is_over() {
         return Ahead::Stop;
     }
     if v.busy.is_some() {

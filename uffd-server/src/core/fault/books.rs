@@ -12,7 +12,7 @@ use super::install::{self, Books, How, Served, Target};
 use crate::core::base::state::OnBase;
 use crate::core::ratelimit::RateLimit;
 use crate::core::registry::Registry;
-use crate::core::vm::{RunState, Vm};
+use crate::core::vm::Vm;
 use crate::observe::access::By;
 use crate::observe::stats::FaultStats;
 use crate::pages::{PageTable, Readahead, ResolveError, SourceId};
@@ -84,12 +84,7 @@ impl Books for OurBooks<'_> {
         self.v.scrub(lo, hi).map_err(ResolveError::Memory)
     }
     fn fail(&mut self, reason: &str) -> bool {
-        if self.v.failure.is_some() {
-            return false;
-        }
-        self.v.failure = Some(reason.to_owned());
-        self.v.state = RunState::Failed;
-        true
+        self.v.fail(reason)
     }
 }
 

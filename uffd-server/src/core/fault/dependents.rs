@@ -13,7 +13,7 @@ use uffd_abi::{Errno, Install};
 
 use super::books::target;
 use crate::core::registry::Registry;
-use crate::core::vm::{RunState, Vm};
+use crate::core::vm::Vm;
 use crate::memory::{GuestMemory, MemoryError};
 use crate::observe::access::By;
 use crate::pages::{ResolveError, SourceId};
@@ -120,10 +120,9 @@ fn fail_dependent(reg: &mut Registry, id: VmId, src: SourceId, reason: String) {
         return;
     }
     dep.faults.lost_from.push(src);
-    if dep.failure.is_none() {
+    if dep.failure().is_none() {
         error!("{id}: failed: {reason}");
-        dep.failure = Some(reason);
-        dep.state = RunState::Failed;
+        dep.fail(reason);
     } else {
         warn!("{id}: {reason}");
     }

@@ -84,7 +84,7 @@ pub fn subscribe(core: &Core, id: VmId) -> Result<Subscription> {
     v.log.tap.subscribe(id.to_string()).ok_or_else(|| {
         Error::BadRequest(format!(
             "{id} has no VMM any more (state {}): it takes no faults to trace",
-            v.state
+            v.state()
         ))
     })
 }

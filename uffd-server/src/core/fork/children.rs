@@ -46,7 +46,7 @@ pub(crate) fn create_children(
     let template = reg
         .vms
         .get(&parent)
-        .is_some_and(|p| p.state == crate::core::vm::RunState::Paused);
+        .is_some_and(|p| p.state() == crate::core::vm::RunState::Paused);
     let on_base = if core.settings.shared_bases {
         crate::core::base::for_children(&mut reg, parent, template)
     } else {

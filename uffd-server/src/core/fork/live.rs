@@ -129,7 +129,7 @@ fn check(core: &Core, parent: VmId, count: u32) -> Result<bool> {
         .borrow()
         .vms
         .get(&parent)
-        .is_some_and(|v| v.state == RunState::Paused && !v.deleted);
+        .is_some_and(|v| v.state() == RunState::Paused && !v.deleted);
     if !template {
         expect_state(core, parent, RunState::Running, "fork")?;
     }
@@ -430,9 +430,7 @@ fn resume_in_background(core: &Rc<Core>, vm: VmId) {
             // The guest runs again, whatever a late pause said before.
             Ok(_) => {
                 if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
-                    if v.state == RunState::Paused {
-                        v.state = RunState::Running;
-                    }
+                    v.set_paused(false);
                 }
             }
             Err(e) => warn!("{vm}: resume after a failed fork: {}", e.message()),

@@ -7,7 +7,6 @@ use shared::VmId;
 use tracing::{info, warn};
 
 use crate::core::state::Core;
-use crate::core::vm::RunState;
 
 /// Append why `vm` failed to its log, next to its VMM's last words.
 pub(crate) fn log_failure(core: &Core, vm: VmId, reason: &str) {
@@ -30,9 +29,8 @@ pub(crate) fn mark_exited(core: &Core, vm: VmId, reason: &str) {
     let Some(v) = reg.vms.get_mut(&vm) else {
         return;
     };
-    if !matches!(v.state, RunState::Exited | RunState::Failed) {
+    if v.exited() {
         info!("{vm}: exited: {reason}");
-        v.state = RunState::Exited;
     }
     v.link.exit_reason.get_or_insert_with(|| reason.to_owned());
     if let (Some(name), Some(engine)) = (&v.volume, &core.volumes) {
@@ -48,7 +46,7 @@ pub(crate) fn mark_exited(core: &Core, vm: VmId, reason: &str) {
     v.log.tap.close();
     // A VM that failed tells its waiting requests why, not just that
     // its VMM went away.
-    let why = v.failure.clone();
+    let why = v.failure().map(str::to_owned);
     v.fail_pending(why.as_deref().unwrap_or(reason));
 }
 

@@ -8,7 +8,6 @@ use tracing::info;
 use super::error::LinkError;
 use super::exit::protocol_error;
 use crate::core::state::Core;
-use crate::core::vm::RunState;
 
 /// A message from `vm`'s VMM (its uffd, `UffdReady`, goes to the fault
 /// path: `fault::serve::on_uffd_ready`).
@@ -22,7 +21,7 @@ pub(crate) fn on_message(core: &Core, vm: VmId, msg: VmmMsg) {
                     drop(reg);
                     return protocol_error(core, vm, "running before uffd-ready");
                 }
-                v.state = RunState::Running;
+                v.started();
                 if let Some(tx) = v.link.ready.take() {
                     let _ = tx.send(Ok(()));
                 }

@@ -143,7 +143,7 @@ pub(crate) fn launch_process(
 /// Ask `id`'s VMM to stop; kill it if it does not within a few seconds.
 pub(crate) async fn stop_vmm(core: &Rc<Core>, id: VmId) {
     let (state, pid) = match core.reg.borrow().vms.get(&id) {
-        Some(v) => (v.state, v.link.pid),
+        Some(v) => (v.state(), v.link.pid),
         None => return,
     };
     if matches!(state, RunState::Running | RunState::Paused) {
@@ -164,7 +164,7 @@ pub(crate) async fn stop_vmm(core: &Rc<Core>, id: VmId) {
             .borrow()
             .vms
             .get(&id)
-            .is_none_or(|v| v.state == RunState::Exited);
+            .is_none_or(|v| v.state() == RunState::Exited);
         if exited && !alive() {
             return;
         }

@@ -122,7 +122,7 @@ pub(crate) fn rejoin(
         if let Some(snapshot) = v
             .rollback
             .under_way()
-            .filter(|_| v.state == RunState::Running)
+            .filter(|_| v.state() == RunState::Running)
         {
             // A rollback the crash cut short: finished now (it resumes
             // the VM), with the link attached below.
@@ -132,7 +132,7 @@ pub(crate) fn rejoin(
                 vm,
                 snapshot,
             ));
-        } else if v.state == RunState::Running {
+        } else if v.state() == RunState::Running {
             v.link.next_seq += 1;
             let seq = v.link.next_seq;
             if let Err(e) = writer.send(

@@ -45,7 +45,7 @@ pub(crate) async fn reclaim_based(core: &Rc<Core>, vm: VmId, max: u64, all: bool
         let reg = core.reg.borrow();
         match reg.vms.get(&vm) {
             Some(v) if v.base.is_based() && pass::ineligible(v).is_none() => {
-                v.state == RunState::Running
+                v.state() == RunState::Running
             }
             _ => return took,
         }

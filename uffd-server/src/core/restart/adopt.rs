@@ -250,8 +250,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                     ready,
                 });
                 v.link.ready = None;
-                v.state = rec.state;
-                v.failure.clone_from(&rec.failure);
+                v.adopt_state(rec.state, rec.failure.clone());
                 v.volume.clone_from(&rec.volume);
                 v.owns_volume = rec.owns_volume;
                 v.deleted = rec.deleted;
@@ -294,7 +293,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             match adopted_vm {
                 Ok(v) => {
                     let live = matches!(
-                        v.state,
+                        v.state(),
                         proto::api::RunState::Running | proto::api::RunState::Paused
                     );
                     if live {

@@ -161,8 +161,8 @@ fn vm_rec(found: &mut Found, v: &Vm) -> VmRec {
         uffd,
         vmm_base: v.faults.vmm_base,
         pid: v.link.pid,
-        state: v.state,
-        failure: v.failure.clone(),
+        state: v.state(),
+        failure: v.failure().map(str::to_owned),
         volume: v.volume.clone(),
         owns_volume: v.owns_volume,
         deleted: v.deleted,
@@ -217,8 +217,8 @@ fn vm_rec_is(fds: &VmFds, rec: &VmRec, v: &Vm) -> bool {
         && *self_src == v.self_src
         && *vmm_base == v.faults.vmm_base
         && *pid == v.link.pid
-        && *state == v.state
-        && *failure == v.failure
+        && *state == v.state()
+        && failure.as_deref() == v.failure()
         && *volume == v.volume
         && *owns_volume == v.owns_volume
         && *deleted == v.deleted
@@ -237,7 +237,7 @@ fn vm_rec_is(fds: &VmFds, rec: &VmRec, v: &Vm) -> bool {
 /// parent's later forks while its table is mostly the same.
 fn attach_mirrors(reg: &mut Registry, unders: &mut HashMap<VmId, Rc<Under>>) {
     for v in reg.vms.values_mut() {
-        if v.table.mirror().is_some() || v.state == proto::api::RunState::Starting {
+        if v.table.mirror().is_some() || v.state() == proto::api::RunState::Starting {
             continue;
         }
         let under = v.fork.parent.and_then(|p| under_for(unders, p, &v.table));
@@ -428,7 +428,7 @@ pub(crate) fn sync(core: &Core, full: bool) {
                 gone.push(*k);
             }
             let prev = old.next_if(|(k, _)| **k == id).map(|(_, v)| v);
-            if v.state == proto::api::RunState::Starting {
+            if v.state() == proto::api::RunState::Starting {
                 if prev.is_some() {
                     gone.push(id);
                 }

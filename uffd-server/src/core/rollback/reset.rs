@@ -196,15 +196,18 @@ pub(crate) async fn finish_cut_short(core: Rc<Core>, vm: VmId, snapshot: String)
                 e.message()
             );
             warn!("{vm}: {reason}");
-            let failed = match core.reg.borrow_mut().vms.get_mut(&vm) {
-                Some(v) if v.state != RunState::Failed => {
-                    v.failure = Some(reason);
-                    v.state = RunState::Failed;
-                    v.rollback.end();
-                    true
-                }
-                _ => false,
-            };
+            let failed = core
+                .reg
+                .borrow_mut()
+                .vms
+                .get_mut(&vm)
+                .is_some_and(|v| {
+                    let failed = v.fail(reason);
+                    if failed {
+                        v.rollback.end();
+                    }
+                    failed
+                });
             if failed {
                 stop_vmm(&core, vm).await;
             }
@@ -327,8 +330,7 @@ async fn drop_pages(core: &Rc<Core>, vm: VmId, name: &str, prepared: &Prepared) 
         let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
         if v.base.is_based() {
             let reason = format!("rollback to {name}: its VMM cannot drop the pages it wrote");
-            v.failure = Some(reason.clone());
-            v.state = RunState::Failed;
+            v.fail(reason.clone());
             return Err(Error::RollbackFailed { vm, reason });
         }
         let punched = prepared
@@ -337,8 +339,7 @@ async fn drop_pages(core: &Rc<Core>, vm: VmId, name: &str, prepared: &Prepared) 
             .try_for_each(|(first, n)| v.memory.punch_hole(*first, *n));
         if let Err(e) = punched {
             let reason = format!("rollback to {name}: cannot empty its memory: {e}");
-            v.failure = Some(reason.clone());
-            v.state = RunState::Failed;
+            v.fail(reason.clone());
             return Err(Error::RollbackFailed { vm, reason });
         }
         Ok(())
@@ -467,8 +468,7 @@ async fn restore_state(
     if let Err(e) = restored {
         let reason = format!("rollback to {name} failed half-way: {}", e.message());
         if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
-            v.failure = Some(reason.clone());
-            v.state = RunState::Failed;
+            v.fail(reason.clone());
         }
         stop_vmm(core, vm).await;
         return Err(Error::RollbackFailed { vm, reason });
