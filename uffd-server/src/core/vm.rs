@@ -21,6 +21,7 @@ use shared::{VmId, PAGE_SIZE};
 use userfaultfd::Uffd;
 
 use super::base::state::BaseState;
+use super::busy::state::Busy;
 use super::fault::state::FaultState;
 use super::fork::state::ForkState;
 use super::link::state::{ReadySender, VmmLink};
@@ -58,13 +59,10 @@ pub struct Vm {
     /// Deleted by the user but kept as a frozen source while other tables
     /// still read pages from it.
     pub deleted: bool,
-    /// An operation that pauses, captures and resumes the VM itself (a
-    /// fork, a snapshot, a rollback) is under way: pause, resume and
-    /// another such operation wait their turn.
-    pub busy: Option<&'static str>,
-    /// Operations waiting for a reclaim pass over it to end (no new pass
-    /// begins meanwhile; see `core::busy`).
-    pub busy_waiters: u32,
+    /// Which operation that pauses, captures and resumes the VM itself
+    /// (a fork, a snapshot, a rollback) is under way: pause, resume and
+    /// another such operation wait their turn (see `core::busy`).
+    pub busy: Busy,
     pub link: VmmLink,
     pub faults: FaultState,
     pub fork: ForkState,
@@ -110,8 +108,7 @@ impl Vm {
             owns_volume: false,
             failure: None,
             deleted: false,
-            busy: None,
-            busy_waiters: 0,
+            busy: Busy::default(),
             link: VmmLink::new(p.ready),
             faults: FaultState::new(p.fault_around_pages, p.readahead_pages),
             fork: ForkState::default(),

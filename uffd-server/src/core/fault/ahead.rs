@@ -50,7 +50,7 @@ pub(crate) fn install_ahead(reg: &mut Registry, vm: VmId, page: u64) -> Ahead {
     if v.deleted || v.is_over() {
         return Ahead::Stop;
     }
-    if v.busy.is_some() {
+    if v.busy.is_busy() {
         return Ahead::Later;
     }
     let Some(uffd) = v.faults.uffd.clone() else {

@@ -82,7 +82,7 @@ pub fn ineligible(v: &Vm) -> Option<&'static str> {
     if v.deleted || !matches!(v.state(), RunState::Running | RunState::Paused) {
         return Some("it does not run");
     }
-    if v.busy.is_some() {
+    if v.busy.is_busy() {
         return Some("an operation pauses it");
     }
     if v.base.is_based() && v.rollback.no_discard {

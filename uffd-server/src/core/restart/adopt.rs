@@ -267,7 +267,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                         // Finished once its VMM rejoins; nothing else may
                         // pause it before.
                         v.rollback.begin(snapshot);
-                        v.busy = Some("a rollback a restart cut short");
+                        v.busy.hold("a rollback a restart cut short");
                     }
                 }
                 v.adopted = Some(crate::core::restart::state::AdoptedVm::now());

@@ -57,7 +57,7 @@ pub(crate) async fn upgrade(core: Rc<Core>, req: Upgrade) -> Result<UpgradeStart
     // every operation that pauses a VM.
     let t0 = Instant::now();
     loop {
-        let busy = core.reg.borrow().vms.values().any(|v| v.busy.is_some());
+        let busy = core.reg.borrow().vms.values().any(|v| v.busy.is_busy());
         if r.jobs.get() <= 1 && !busy {
             break;
         }

@@ -180,7 +180,7 @@ pub(crate) async fn finish_cut_short(core: Rc<Core>, vm: VmId, snapshot: String)
     info!("{vm}: finishing the rollback to {snapshot} a restart of the server cut short");
     if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
         // Held since adoption, so nothing else paused it meanwhile.
-        v.busy = None;
+        v.busy.release();
     }
     let req = RollbackVm {
         snapshot: snapshot.clone(),
@@ -196,18 +196,13 @@ pub(crate) async fn finish_cut_short(core: Rc<Core>, vm: VmId, snapshot: String)
                 e.message()
             );
             warn!("{vm}: {reason}");
-            let failed = core
-                .reg
-                .borrow_mut()
-                .vms
-                .get_mut(&vm)
-                .is_some_and(|v| {
-                    let failed = v.fail(reason);
-                    if failed {
-                        v.rollback.end();
-                    }
-                    failed
-                });
+            let failed = core.reg.borrow_mut().vms.get_mut(&vm).is_some_and(|v| {
+                let failed = v.fail(reason);
+                if failed {
+                    v.rollback.end();
+                }
+                failed
+            });
             if failed {
                 stop_vmm(&core, vm).await;
             }

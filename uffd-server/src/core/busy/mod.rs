@@ -11,6 +11,8 @@
 //! to end ([`wait_out_reclaim`]) instead of being refused, and no new pass
 //! begins on that VM while it waits ([`begin_reclaim`]).
 
+pub mod state;
+
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -38,7 +40,7 @@ pub(crate) async fn wait_out_reclaim(
     let give_up = Instant::now() + 2 * core.settings.vmm_deadline;
     loop {
         let busy = match core.reg.borrow().vms.get(&vm) {
-            Some(v) => v.busy,
+            Some(v) => v.busy.running,
             None => return Err(Error::NoSuchVm(vm)),
         };
         if busy != Some(RECLAIM) {
@@ -61,14 +63,15 @@ pub(crate) fn begin_reclaim(core: &Rc<Core>, vm: VmId) -> Option<BusyGuard> {
     {
         let reg = core.reg.borrow();
         let v = reg.vms.get(&vm)?;
-        if v.busy.is_some() || v.busy_waiters > 0 {
+        if v.busy.running.is_some() || v.busy.waiters > 0 {
             return None;
         }
     }
     begin(core, vm, "reclaim", RECLAIM).ok()
 }
 
-/// Counts an operation among `vm`'s `busy_waiters` while alive.
+/// Counts an operation among `vm`'s waiters for a reclaim pass while
+/// alive.
 struct Waiting {
     core: Rc<Core>,
     vm: VmId,
@@ -77,7 +80,7 @@ struct Waiting {
 impl Waiting {
     fn new(core: &Rc<Core>, vm: VmId) -> Self {
         if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
-            v.busy_waiters += 1;
+            v.busy.waiters += 1;
         }
         Waiting {
             core: Rc::clone(core),
@@ -89,7 +92,7 @@ impl Waiting {
 impl Drop for Waiting {
     fn drop(&mut self) {
         if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
-            v.busy_waiters = v.busy_waiters.saturating_sub(1);
+            v.busy.waiters = v.busy.waiters.saturating_sub(1);
         }
     }
 }
@@ -106,7 +109,7 @@ pub(crate) fn begin(
 ) -> Result<BusyGuard> {
     refuse_while_busy(core, vm, action)?;
     if let Some(v) = core.reg.borrow_mut().vms.get_mut(&vm) {
-        v.busy = Some(running);
+        v.busy.running = Some(running);
         if action != "fork" {
             v.fork.forget_template();
         }
@@ -122,7 +125,7 @@ pub(crate) fn begin(
 pub(crate) fn refuse_while_busy(core: &Core, vm: VmId, action: &'static str) -> Result<()> {
     let reg = core.reg.borrow();
     match reg.vms.get(&vm) {
-        Some(v) => match v.busy {
+        Some(v) => match v.busy.running {
             Some(running) => Err(Error::Busy {
                 vm,
                 action,
@@ -164,7 +167,7 @@ pub(crate) struct BusyGuard {
 impl Drop for BusyGuard {
     fn drop(&mut self) {
         if let Some(v) = self.core.reg.borrow_mut().vms.get_mut(&self.vm) {
-            v.busy = None;
+            v.busy.running = None;
         }
     }
 }
