@@ -29,7 +29,7 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
             VmSample {
                 id: v.id.to_string(),
                 kind: "pagefork",
-                state: if v.deleted {
+                state: if v.is_deleted() {
                     RunState::Deleted
                 } else {
                     v.state()
@@ -40,7 +40,7 @@ pub(crate) fn metrics_sample(core: &Core) -> crate::observe::metrics::Sample {
                 resident_pages: (memory.own_bytes + memory.shared_bytes) / shared::PAGE_SIZE,
                 shared_bytes: memory.shared_bytes,
                 pages_by_source: by_kind(&v.table),
-                frozen: v.deleted,
+                frozen: v.is_deleted(),
                 trace_listeners: v.log.tap.listeners(),
                 reclaimed_pages: {
                     let r = v.reclaim.to_api(0);

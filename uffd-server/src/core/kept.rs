@@ -23,7 +23,7 @@ pub(crate) fn lives_in(reg: &Registry, src: SourceId) -> String {
         PageSource::Uninitialized => "nowhere: zero".into(),
         PageSource::Vm(owner) => {
             let state = match reg.vms.get(owner) {
-                Some(v) if v.deleted => format!("; {owner} is deleted"),
+                Some(v) if v.is_deleted() => format!("; {owner} is deleted"),
                 Some(v) if v.link.pid.is_none() || v.faults.uffd.is_none() => {
                     format!("; {owner}'s VMM is not running")
                 }
@@ -43,7 +43,7 @@ pub(crate) fn lives_in(reg: &Registry, src: SourceId) -> String {
                 FrozenKind::Template => "a template's memfd",
                 FrozenKind::Layer => "a layer",
             };
-            let state = if reg.vms.get(&f.vm).is_some_and(|v| !v.deleted) {
+            let state = if reg.vms.get(&f.vm).is_some_and(|v| !v.is_deleted()) {
                 String::new()
             } else {
                 format!("; {} is gone", f.vm)

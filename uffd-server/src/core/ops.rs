@@ -134,7 +134,7 @@ pub(crate) fn list_vms(core: &Core) -> VmList {
         let mut ids: Vec<VmId> = reg
             .vms
             .values()
-            .filter(|v| !v.deleted)
+            .filter(|v| !v.is_deleted())
             .map(|v| v.id)
             .collect();
         ids.extend(reg.fc_vms.keys().copied());

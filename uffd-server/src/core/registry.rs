@@ -53,7 +53,7 @@ impl Registry {
             .vms
             .values()
             .map(|v| {
-                if v.deleted {
+                if v.is_deleted() {
                     v.memory.allocated_bytes()
                 } else {
                     v.memory.size()
@@ -92,7 +92,7 @@ impl Registry {
             let victim = self
                 .vms
                 .values()
-                .filter(|v| v.deleted)
+                .filter(|v| v.is_deleted())
                 .map(|v| (v.id, v.self_src))
                 .find(|(id, src)| {
                     !self

@@ -57,8 +57,8 @@ pub struct Vm {
     /// Why the VM failed (state `Failed`): the first reason.
     failure: Option<String>,
     /// Deleted by the user but kept as a frozen source while other tables
-    /// still read pages from it.
-    pub deleted: bool,
+    /// still read pages from it: set once ([`Vm::mark_deleted`]).
+    deleted: bool,
     /// Which operation that pauses, captures and resumes the VM itself
     /// (a fork, a snapshot, a rollback) is under way: pause, resume and
     /// another such operation wait their turn (see `core::busy`).
@@ -188,11 +188,24 @@ impl Vm {
         matches!(self.state, RunState::Exited | RunState::Failed)
     }
 
-    /// A VM adopted after a restart takes back the state and failure its
-    /// journal record kept (`Vm::new` made it `Starting`).
-    pub fn adopt_state(&mut self, state: RunState, failure: Option<String>) {
+    /// A VM adopted after a restart takes back the state, failure and
+    /// deletion its journal record kept (`Vm::new` made it `Starting`).
+    pub fn adopt_state(&mut self, state: RunState, failure: Option<String>, deleted: bool) {
         self.state = state;
         self.failure = failure;
+        self.deleted = deleted;
+    }
+
+    /// Deleted by the user but kept, frozen, while other tables still
+    /// read pages from it.
+    pub fn is_deleted(&self) -> bool {
+        self.deleted
+    }
+
+    /// The user deleted it; it stays as a frozen source while others read
+    /// from it (the registry drops it when none does).
+    pub fn mark_deleted(&mut self) {
+        self.deleted = true;
     }
 
     /// Guest RAM size in MiB.

@@ -47,7 +47,7 @@ pub(crate) fn install_ahead(reg: &mut Registry, vm: VmId, page: u64) -> Ahead {
     let Some(v) = vms.get_mut(&vm) else {
         return Ahead::Stop;
     };
-    if v.deleted || v.is_over() {
+    if v.is_deleted() || v.is_over() {
         return Ahead::Stop;
     }
     if v.busy.is_busy() {

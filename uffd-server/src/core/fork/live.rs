@@ -129,7 +129,7 @@ fn check(core: &Core, parent: VmId, count: u32) -> Result<bool> {
         .borrow()
         .vms
         .get(&parent)
-        .is_some_and(|v| v.state() == RunState::Paused && !v.deleted);
+        .is_some_and(|v| v.state() == RunState::Paused && !v.is_deleted());
     if !template {
         expect_state(core, parent, RunState::Running, "fork")?;
     }

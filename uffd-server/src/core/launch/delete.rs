@@ -29,7 +29,7 @@ pub(crate) async fn delete_vm(core: Rc<Core>, id: VmId) -> Result<VmDeleted> {
     let frozen = {
         let mut reg = core.reg.borrow_mut();
         if let Some(v) = reg.vms.get_mut(&id) {
-            v.deleted = true;
+            v.mark_deleted();
             forget_borrowed_pages(v);
             if let (Some(vol), Some(engine)) = (v.volume.take(), core.volumes.as_ref()) {
                 if v.owns_volume || (v.fork.parent.is_some() && vol.ends_with(&format!("-{id}"))) {

@@ -79,7 +79,7 @@ pub fn ineligible(v: &Vm) -> Option<&'static str> {
     if !v.reclaim.enabled() {
         return Some("it opted out");
     }
-    if v.deleted || !matches!(v.state(), RunState::Running | RunState::Paused) {
+    if v.is_deleted() || !matches!(v.state(), RunState::Running | RunState::Paused) {
         return Some("it does not run");
     }
     if v.busy.is_busy() {

@@ -250,10 +250,9 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
                     ready,
                 });
                 v.link.ready = None;
-                v.adopt_state(rec.state, rec.failure.clone());
+                v.adopt_state(rec.state, rec.failure.clone(), rec.deleted);
                 v.volume.clone_from(&rec.volume);
                 v.owns_volume = rec.owns_volume;
-                v.deleted = rec.deleted;
                 v.link.pid = rec.pid;
                 v.faults.vmm_base = rec.vmm_base;
                 v.fork.parent = rec.parent.map(VmId);

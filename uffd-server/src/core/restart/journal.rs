@@ -165,7 +165,7 @@ fn vm_rec(found: &mut Found, v: &Vm) -> VmRec {
         failure: v.failure().map(str::to_owned),
         volume: v.volume.clone(),
         owns_volume: v.owns_volume,
-        deleted: v.deleted,
+        deleted: v.is_deleted(),
         on_base: v.base.on.as_ref().map(|o| (o.base.id, o.src)),
         frozen_for: v.base.frozen_for.as_ref().map(|b| b.id),
         fault_around_pages: v.faults.fault_around_pages,
@@ -221,7 +221,7 @@ fn vm_rec_is(fds: &VmFds, rec: &VmRec, v: &Vm) -> bool {
         && failure.as_deref() == v.failure()
         && *volume == v.volume
         && *owns_volume == v.owns_volume
-        && *deleted == v.deleted
+        && *deleted == v.is_deleted()
         && *on_base == v.base.on.as_ref().map(|o| (o.base.id, o.src))
         && *frozen_for == v.base.frozen_for.as_ref().map(|b| b.id)
         && *fault_around_pages == v.faults.fault_around_pages

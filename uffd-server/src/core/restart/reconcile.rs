@@ -30,7 +30,7 @@ const PRESENT: u64 = 1 << 63;
 /// Make every page `v`'s VMM maps from its memfd its own in its table.
 /// Returns how many entries it set.
 pub(super) fn own_pages(v: &mut Vm) -> u64 {
-    if v.base.on.is_some() || v.deleted || v.faults.vmm_base == 0 {
+    if v.base.on.is_some() || v.is_deleted() || v.faults.vmm_base == 0 {
         return 0;
     }
     let Some(pid) = v.link.pid else {

@@ -116,7 +116,7 @@ async fn save_pending(core: &Rc<Core>, vm: VmId) -> Result<(Rc<RefCell<Saving>>,
         {
             let reg = core.reg.borrow();
             match reg.vms.get(&vm) {
-                Some(v) if !v.deleted => {}
+                Some(v) if !v.is_deleted() => {}
                 _ => {
                     return Err(Error::SaveSnapshot {
                         vm,
