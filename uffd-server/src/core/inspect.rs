@@ -423,7 +423,7 @@ pub(crate) fn page_map(core: &Core, id: VmId, q: &MapQuery) -> Result<PageMap> {
 pub(crate) fn access_png(core: &Core, id: VmId, q: &MapQuery) -> Result<Vec<u8>> {
     use crate::observe::map;
     let reg = core.reg.borrow();
-    let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+    let v = reg.vm(id)?;
     let pages = v.log.pages.pages();
     let group = map::group_size(pages, q.cells.unwrap_or(map::MAX_CELLS));
     let per_page: Vec<u64> = v.log.pages.fault_counts().collect();
@@ -443,7 +443,7 @@ pub(crate) fn access_png(core: &Core, id: VmId, q: &MapQuery) -> Result<Vec<u8>>
 /// `GET /v1/vms/{id}/access`.
 pub(crate) fn access(core: &Core, id: VmId, q: &AccessQuery) -> Result<AccessMap> {
     let reg = core.reg.borrow();
-    let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+    let v = reg.vm(id)?;
     let extents = v.log.pages.extents(q.within_ms);
     Ok(AccessMap {
         id: id.to_string(),

@@ -60,7 +60,7 @@ pub(crate) fn info(core: &Core, id: VmId) -> Result<VmInfo> {
             reclaim: proto::api::VmReclaim::default(),
         });
     }
-    let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+    let v = reg.vm(id)?;
     let memory = crate::core::base::memory(&reg, id);
     Ok(VmInfo {
         id: id.to_string(),
@@ -218,7 +218,7 @@ pub(crate) async fn resume(core: Rc<Core>, id: VmId) -> Result<VmInfo> {
 pub(crate) async fn exec(core: &Rc<Core>, id: VmId, req: ExecRequest) -> Result<ExecResponse> {
     let (pages, has_disk) = {
         let reg = core.reg.borrow();
-        let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+        let v = reg.vm(id)?;
         (v.memory.pages(), v.volume.is_some())
     };
     let op = req

@@ -188,6 +188,16 @@ impl Registry {
         VmId(self.next_id)
     }
 
+    /// VM `id`, or [`Error::NoSuchVm`].
+    pub fn vm(&self, id: VmId) -> Result<&Vm> {
+        self.vms.get(&id).ok_or(Error::NoSuchVm(id))
+    }
+
+    /// VM `id` to change, or [`Error::NoSuchVm`].
+    pub fn vm_mut(&mut self, id: VmId) -> Result<&mut Vm> {
+        self.vms.get_mut(&id).ok_or(Error::NoSuchVm(id))
+    }
+
     /// Whether VM `vm` maps a shared base (its own pages are its VMM's).
     pub fn is_based(&self, vm: VmId) -> bool {
         self.vms.get(&vm).is_some_and(|v| v.base.is_based())

@@ -145,7 +145,7 @@ pub(crate) fn expect_state(
     action: &'static str,
 ) -> Result<()> {
     let reg = core.reg.borrow();
-    let v = reg.vms.get(&id).ok_or(Error::NoSuchVm(id))?;
+    let v = reg.vm(id)?;
     let state = v.api_state();
     if state != want {
         return Err(Error::WrongState {

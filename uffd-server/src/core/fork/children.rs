@@ -27,7 +27,7 @@ pub(crate) fn create_children(
 ) -> Result<Vec<(VmId, Ready)>> {
     let mut reg = core.reg.borrow_mut();
     let (table, (size, page_size), vcpus, fault_around) = {
-        let p = reg.vms.get(&parent).ok_or(Error::NoSuchVm(parent))?;
+        let p = reg.vm(parent)?;
         (
             p.table.fork(),
             (p.memory.size(), p.memory.page_size()),

@@ -441,7 +441,7 @@ fn resume_in_background(core: &Rc<Core>, vm: VmId) {
 /// The runs of pages `vm` holds itself (its `Vm(vm)` extents).
 fn materialized(core: &Core, vm: VmId) -> Result<Vec<(u64, u64)>> {
     let reg = core.reg.borrow();
-    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm(vm)?;
     Ok(v.table.ranges_of(v.self_src))
 }
 
@@ -449,6 +449,6 @@ fn materialized(core: &Core, vm: VmId) -> Result<Vec<(u64, u64)>> {
 fn write_protect_materialized(core: &Core, vm: VmId) -> Result<u64> {
     let ranges = materialized(core, vm)?;
     let reg = core.reg.borrow();
-    protect(reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?, &ranges)?;
+    protect(reg.vm(vm)?, &ranges)?;
     Ok(ranges.iter().map(|&(_, n)| n).sum())
 }

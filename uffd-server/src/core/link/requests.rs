@@ -44,7 +44,7 @@ pub(crate) fn send_request_with_fds(
 ) -> Result<PendingReply> {
     let (tx, rx) = oneshot::channel();
     let mut reg = core.reg.borrow_mut();
-    let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm_mut(vm)?;
     let writer = match (&v.link.writer, v.state()) {
         (Some(w), RunState::Running | RunState::Paused) => w.clone(),
         (None, RunState::Running | RunState::Paused) if v.adopted.is_some() => {

@@ -47,7 +47,7 @@ const STEP_PAGES: u64 = 4096;
 pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api::VmReclaimed> {
     {
         let reg = core.reg.borrow();
-        let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let v = reg.vm(vm)?;
         if !core.reclaim.borrow().on() {
             return Err(Error::ReclaimRefused {
                 vm,
@@ -63,7 +63,7 @@ pub(crate) async fn reclaim_now(core: &Rc<Core>, vm: VmId) -> Result<proto::api:
     }
     let pages = {
         let mut reg = core.reg.borrow_mut();
-        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let v = reg.vm_mut(vm)?;
         v.reclaim.hand = 0;
         v.memory.pages()
     };

@@ -221,7 +221,7 @@ fn open_target(core: &Core, vm: VmId, name: String) -> Result<Target> {
     };
     let volume = {
         let reg = core.reg.borrow();
-        let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let v = reg.vm(vm)?;
         fit::check(core.volumes.as_deref(), v, &name, &state)?;
         v.volume.clone()
     };
@@ -255,7 +255,7 @@ fn hand_over(core: &Core, vm: VmId, name: &str) -> Result<Prepared> {
     // its own too (learnt while it is paused), for the dependents' sake.
     crate::core::base::sync_private(&mut reg, vm)?;
     let (self_src, pages, since_target) = {
-        let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let v = reg.vm(vm)?;
         let since = v
             .snapshot
             .dirty
@@ -283,7 +283,7 @@ fn hand_over(core: &Core, vm: VmId, name: &str) -> Result<Prepared> {
             }
         }
     }
-    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm(vm)?;
     // 4 KiB memory whose VMM can: discard rather than punch. A VM on a
     // shared base keeps its own pages in its VMM: only the VMM can drop
     // them (and nothing stays stale: the base is left as it is).
@@ -322,7 +322,7 @@ async fn drop_pages(core: &Rc<Core>, vm: VmId, name: &str, prepared: &Prepared) 
     }
     let punched: Result<()> = (|| {
         let mut reg = core.reg.borrow_mut();
-        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let v = reg.vm_mut(vm)?;
         if v.base.is_based() {
             let reason = format!("rollback to {name}: its VMM cannot drop the pages it wrote");
             v.fail(reason.clone());
@@ -372,7 +372,7 @@ fn point_at_snapshot(
         snapshot: name.to_owned(),
         file: FileSource::new(path, file, len, pin),
     }));
-    let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm_mut(vm)?;
     let pages = v.memory.pages();
     // Over a base, the discard dropped the VM's own pages outright.
     if discarded && !v.base.is_based() {

@@ -38,7 +38,7 @@ use std::time::Instant;
 use shared::VmId;
 
 use super::error::ArmError;
-use crate::core::error::{Error, Result};
+use crate::core::error::Result;
 use crate::core::state::Core;
 use crate::core::vm::Vm;
 use crate::snapshot::pageset::PageSet;
@@ -98,7 +98,7 @@ impl ArmedAhead<'_> {
     fn protect_written(&self, go_on: bool) -> Result<(u64, u64)> {
         let vm = self.vm;
         let mut reg = self.core.reg.borrow_mut();
-        let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+        let v = reg.vm_mut(vm)?;
         let written = v.snapshot.arming.take().ok_or(ArmError::NotArmed { vm })?;
         if go_on {
             v.snapshot.arming = Some(PageSet::new(written.pages()));
@@ -128,7 +128,7 @@ pub(crate) fn arm_ahead<'a>(
     runs: &[(u64, u64)],
 ) -> Result<ArmedAhead<'a>> {
     let mut reg = core.reg.borrow_mut();
-    let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm_mut(vm)?;
     v.snapshot.arming = Some(PageSet::new(v.memory.pages()));
     let took = protect(v, runs);
     if took.is_err() {

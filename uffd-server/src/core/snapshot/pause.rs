@@ -18,7 +18,7 @@ use tracing::warn;
 use super::arm::ArmedAhead;
 use super::plan::Plan;
 use super::state::{DirtyLog, Saving};
-use crate::core::error::{Error, Result};
+use crate::core::error::Result;
 use crate::core::link::error::LinkError;
 use crate::core::link::requests::{await_reply, send_request};
 use crate::core::link::state::PendingReply;
@@ -204,7 +204,7 @@ fn open_window(
     // The pages a VM on a shared base wrote over it raised no fault: its
     // table learns them now, while its vCPUs are stopped.
     crate::core::base::sync_private(&mut reg, vm)?;
-    let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm_mut(vm)?;
     let pages = v.memory.pages();
     let pending = match plan.mode {
         SnapshotMode::Full => {
@@ -247,7 +247,7 @@ fn open_window(
     drop(reg);
     ahead.finish()?;
     let mut reg = core.reg.borrow_mut();
-    let v = reg.vms.get_mut(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm_mut(vm)?;
     v.snapshot.dirty = Some(DirtyLog {
         since: name.to_owned(),
         pages: PageSet::new(pages),

@@ -11,7 +11,7 @@ use std::rc::Rc;
 use proto::api::SnapshotMode;
 use shared::VmId;
 
-use crate::core::error::{Error, Result};
+use crate::core::error::Result;
 use crate::core::state::Core;
 use crate::pages::SourceId;
 use crate::snapshot::image::{self, ImageWriter};
@@ -33,7 +33,7 @@ pub(crate) struct Plan {
 /// for `incremental` and `dirty`), before the pause.
 pub(crate) fn plan(core: &Core, vm: VmId, asked: SnapshotMode, tmp: &Path) -> Result<Plan> {
     let reg = core.reg.borrow();
-    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm(vm)?;
     let cat = core.snapshots.borrow();
     let size = v.memory.size();
     let fits = |name: &str| cat.get(name).is_ok_and(|s| s.memory_bytes == size);
@@ -109,7 +109,7 @@ pub(crate) fn plan(core: &Core, vm: VmId, asked: SnapshotMode, tmp: &Path) -> Re
 /// RAM (never touched pages get markers, WP_UNPOPULATED).
 pub(crate) fn unprotected_runs(core: &Core, vm: VmId) -> Result<Vec<(u64, u64)>> {
     let reg = core.reg.borrow();
-    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm(vm)?;
     Ok(match &v.snapshot.dirty {
         Some(d) => d.pages.runs(),
         None => vec![(0, v.memory.pages())],

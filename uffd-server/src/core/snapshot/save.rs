@@ -58,7 +58,7 @@ pub(crate) async fn snapshot(
 /// what Firecracker requires: it is captured as it is and stays paused.
 fn check(core: &Core, vm: VmId) -> Result<bool> {
     let reg = core.reg.borrow();
-    let v = reg.vms.get(&vm).ok_or(Error::NoSuchVm(vm))?;
+    let v = reg.vm(vm)?;
     match v.api_state() {
         RunState::Running => Ok(false),
         RunState::Paused => Ok(true),
