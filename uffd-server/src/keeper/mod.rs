@@ -35,26 +35,24 @@
 //! Here the error pipe is moved above the LISTEN_FDS range first.
 
 use std::collections::HashMap;
-use std::ffi::{CString, OsString};
-use std::io::{self, IoSliceMut, Read};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::ffi::OsString;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use libc::{c_char, c_int, c_ulong, pid_t};
+use libc::c_int;
 use nix::errno::Errno;
-use nix::fcntl::OFlag;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
 use nix::sys::signal::{kill, SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{
-    self, recvmsg, sockopt, AddressFamily, ControlMessageOwned, MsgFlags, SockFlag, SockType,
-    UnixAddr, UnixCredentials,
+    self, sockopt, AddressFamily, SockFlag, SockType, UnixAddr, UnixCredentials,
 };
 use nix::sys::stat::{umask, Mode};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -62,6 +60,11 @@ use nix::unistd::Pid;
 use tracing::{debug, error, info, warn};
 
 use crate::fdstore::{self, StartReason};
+
+mod notify;
+mod spawn;
+
+use spawn::spawn;
 
 /// The notification socket's name in the state directory.
 pub const SOCKET_NAME: &str = "keeper.sock";
@@ -76,17 +79,6 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const MAX_DATAGRAM: usize = 16 * 1024;
 /// The kernel's limit of fds in one SCM_RIGHTS message.
 const SCM_MAX_FD: usize = 253;
-/// The environment variables the keeper sets for (or takes away from) the
-/// serving process.
-const OUR_ENV: [&str; 7] = [
-    fdstore::NOTIFY_SOCKET,
-    fdstore::KEEPER_ENV,
-    fdstore::FDNAMES_ENV,
-    fdstore::START_ENV,
-    "LISTEN_PID",
-    "LISTEN_FDS",
-    "LISTEN_FDNAMES",
-];
 
 /// Whether this process runs under our own keeper (`PAGEFORK_KEEPER=1`).
 pub fn is_kept() -> bool {
@@ -468,235 +460,6 @@ impl Keeper {
         None
     }
 
-    /// Handles every queued notification.
-    fn drain(&mut self) {
-        loop {
-            match self.recv_one() {
-                Ok(true) => {}
-                Ok(false) => return,
-                Err(e) => {
-                    warn!("keeper: receiving a notification: {e}");
-                    return;
-                }
-            }
-        }
-    }
-
-    /// Receives and handles one notification; `false` when none is queued.
-    fn recv_one(&mut self) -> io::Result<bool> {
-        self.cmsg.clear();
-        let mut iov = [IoSliceMut::new(&mut self.buf)];
-        let msg = match recvmsg::<()>(
-            self.sock.as_raw_fd(),
-            &mut iov,
-            Some(&mut self.cmsg),
-            MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC,
-        ) {
-            Ok(msg) => msg,
-            Err(Errno::EAGAIN) => return Ok(false),
-            Err(Errno::EINTR) => return Ok(true),
-            Err(e) => return Err(e.into()),
-        };
-        let mut fds = Vec::new();
-        let mut sender = None;
-        match msg.cmsgs() {
-            Ok(cmsgs) => {
-                for c in cmsgs {
-                    match c {
-                        ControlMessageOwned::ScmRights(raw) => {
-                            // SAFETY: SCM_RIGHTS fds were just installed in
-                            // this process for us; nothing else owns them.
-                            fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
-                        }
-                        ControlMessageOwned::ScmCredentials(cred) => sender = Some(cred.pid()),
-                        _ => {}
-                    }
-                }
-            }
-            Err(_) => {
-                // MSG_CTRUNC: the kernel could not give us every fd (out of
-                // fds); those it did are not reachable through nix.
-                warn!("a notification's fds were cut (keeper out of fds?); dropped");
-                return Ok(true);
-            }
-        }
-        let (len, truncated) = (msg.bytes, msg.flags.contains(MsgFlags::MSG_TRUNC));
-        let child = self.child.as_ref().map(|c| c.pid.as_raw());
-        if sender.is_none() || sender != child {
-            warn!(
-                "dropping a notification from pid {}: not the serving process ({})",
-                sender.map_or("?".into(), |p| p.to_string()),
-                child.map_or("none".into(), |p| p.to_string()),
-            );
-            return Ok(true);
-        }
-        if truncated {
-            warn!("dropping a notification longer than {MAX_DATAGRAM} bytes");
-            return Ok(true);
-        }
-        let data = self.buf[..len].to_vec();
-        self.handle_message(&data, fds);
-        Ok(true)
-    }
-
-    /// One notification of the serving process: newline-separated KEY=VALUE.
-    fn handle_message(&mut self, data: &[u8], fds: Vec<OwnedFd>) {
-        let (mut store, mut remove, mut ready) = (false, false, false);
-        let (mut name, mut status, mut upgrade) = (None, None, None);
-        let mut names = None;
-        for line in data.split(|b| *b == b'\n') {
-            let Some(eq) = line.iter().position(|b| *b == b'=') else {
-                continue;
-            };
-            let (key, value) = (&line[..eq], &line[eq + 1..]);
-            match key {
-                b"FDSTORE" => store = value == b"1",
-                b"FDSTOREREMOVE" => remove = value == b"1",
-                b"FDNAME" => name = Some(value),
-                b"READY" => ready = value == b"1",
-                b"STATUS" => status = Some(value),
-                k if k == fdstore::UPGRADE_KEY.as_bytes() => upgrade = Some(value),
-                k if k == fdstore::FDNAMES_KEY.as_bytes() => names = Some(value),
-                _ => {}
-            }
-        }
-        let name = match name {
-            None => Some(fdstore::FDNAME_DEFAULT.to_owned()),
-            Some(n) => std::str::from_utf8(n)
-                .ok()
-                .filter(|n| fdstore::fdname_is_valid(n))
-                .map(str::to_owned),
-        };
-
-        if let Some(names) = names {
-            self.handle_named(store, remove, names, fds);
-        } else {
-            if remove {
-                match &name {
-                    Some(name) => {
-                        if let Some(old) = self.stored.remove(name) {
-                            self.nfds -= old.fds.len();
-                            debug!("removed {name} ({} fds)", old.fds.len());
-                        }
-                    }
-                    None => warn!("FDSTOREREMOVE with an invalid FDNAME; ignored"),
-                }
-            }
-            if store {
-                match name {
-                    Some(name) => self.store(name, fds),
-                    None => warn!("FDSTORE with an invalid FDNAME; {} fds closed", fds.len()),
-                }
-            } else if !fds.is_empty() {
-                debug!("closing {} fds sent without FDSTORE=1", fds.len());
-            }
-        }
-        if let Some(status) = status {
-            debug!("status: {}", String::from_utf8_lossy(status));
-        }
-        if let Some(path) = upgrade {
-            let path = PathBuf::from(OsString::from_vec(path.to_vec()));
-            if path.is_absolute() {
-                info!(
-                    "upgrade to {} requested: it starts when the serving process exits",
-                    path.display()
-                );
-                self.upgrade = Some(path);
-            } else {
-                warn!(
-                    "ignoring an upgrade to {}: not an absolute path",
-                    path.display()
-                );
-            }
-        }
-        if ready {
-            if let Some(child) = &mut self.child {
-                if !child.ready {
-                    child.ready = true;
-                    info!("serving (pid {})", child.pid);
-                    if child.reason == StartReason::Upgrade {
-                        info!("upgrade to {} complete", child.binary.display());
-                    }
-                }
-                self.failures = 0;
-                self.fallback = None;
-            }
-        }
-    }
-
-    /// `FDSTORE=1` or `FDSTOREREMOVE=1` of the fds named in `names`
-    /// (`:`-separated, each fd sent with its own name, in order). Nothing
-    /// is stored unless every name is valid and there is one per fd.
-    fn handle_named(&mut self, store: bool, remove: bool, names: &[u8], fds: Vec<OwnedFd>) {
-        let names: Option<Vec<String>> = names
-            .split(|b| *b == b':')
-            .map(|n| {
-                std::str::from_utf8(n)
-                    .ok()
-                    .filter(|n| fdstore::fdname_is_valid(n))
-                    .map(str::to_owned)
-            })
-            .collect();
-        let Some(names) = names else {
-            warn!(
-                "{} with an invalid name; {} fds closed",
-                fdstore::FDNAMES_KEY,
-                fds.len()
-            );
-            return;
-        };
-        if store {
-            if names.len() != fds.len() {
-                warn!(
-                    "FDSTORE=1 naming {} fds with {} fds; closed",
-                    names.len(),
-                    fds.len()
-                );
-                return;
-            }
-            for (name, fd) in names.into_iter().zip(fds) {
-                self.store(name, vec![fd]);
-            }
-        } else if remove {
-            for name in &names {
-                if let Some(old) = self.stored.remove(name) {
-                    self.nfds -= old.fds.len();
-                    debug!("removed {name} ({} fds)", old.fds.len());
-                }
-            }
-        } else if !fds.is_empty() {
-            debug!("closing {} fds sent without FDSTORE=1", fds.len());
-        }
-    }
-
-    fn store(&mut self, name: String, fds: Vec<OwnedFd>) {
-        if fds.is_empty() {
-            warn!("FDSTORE=1 for {name} without an fd; ignored");
-            return;
-        }
-        let replaced = self.stored.get(&name).map_or(0, |s| s.fds.len());
-        if self.nfds - replaced + fds.len() > MAX_STORED_FDS {
-            warn!(
-                "fd store full ({MAX_STORED_FDS} fds): {name} not stored, its {} fds closed",
-                fds.len()
-            );
-            return;
-        }
-        self.seq += 1;
-        let n = fds.len();
-        // A replaced entry's fds close as it drops.
-        if let Some(old) = self
-            .stored
-            .insert(name.clone(), Stored { seq: self.seq, fds })
-        {
-            self.nfds -= old.fds.len();
-            debug!("stored {name} ({n} fds), replacing {} fds", old.fds.len());
-        } else {
-            debug!("stored {name} ({n} fds)");
-        }
-        self.nfds += n;
-    }
-
     /// Closes every stored fd and the socket's name; returns `code`.
     fn shutdown(&mut self, code: u8) -> u8 {
         let n = self.nfds;
@@ -782,249 +545,10 @@ fn bind_socket(path: &Path) -> io::Result<OwnedFd> {
     Ok(sock)
 }
 
-fn cstring(bytes: Vec<u8>) -> io::Result<CString> {
-    CString::new(bytes).map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "a NUL byte in the program, an argument or the environment",
-        )
-    })
-}
-
-/// What the child needs between fork and exec, all prepared before the
-/// fork: the child only makes async-signal-safe calls and writes to its
-/// copy of this memory.
-struct ExecPlan<'a> {
-    path: *const c_char,
-    argv: *const *const c_char,
-    envp: *const *const c_char,
-    /// The keeper's stored fds, to become 3, 4, ...
-    fds: &'a [RawFd],
-    /// Room for the temporary copies of `fds`.
-    tmp: *mut RawFd,
-    /// The first fd above the LISTEN_FDS range (3 + fds.len()).
-    floor: c_int,
-    /// Where the child's pid goes ("LISTEN_PID=" is before it).
-    pid_digits: *mut u8,
-    parent: pid_t,
-    deathsig: c_ulong,
-    /// Write end of the CLOEXEC pipe for the exec errno.
-    err: RawFd,
-}
-
-/// Starts `program args` with the keeper's environment minus [`OUR_ENV`]
-/// plus `env`, and `fds` as its fds 3, 4, ... (LISTEN_PID is set in the
-/// child). Returns once the child has exec'd, or the exec error.
-fn spawn(
-    program: &Path,
-    args: &[OsString],
-    env: &[(&str, Vec<u8>)],
-    fds: &[RawFd],
-) -> io::Result<Pid> {
-    let path = cstring(program.as_os_str().as_bytes().to_vec())?;
-    let mut argv = vec![path.clone()];
-    for a in args {
-        argv.push(cstring(a.clone().into_vec())?);
-    }
-    let mut envs = Vec::new();
-    for (k, v) in std::env::vars_os() {
-        if OUR_ENV.iter().any(|o| k == *o) {
-            continue;
-        }
-        let mut kv = k.into_vec();
-        kv.push(b'=');
-        kv.extend(v.into_vec());
-        envs.push(cstring(kv)?);
-    }
-    for (k, v) in env {
-        let mut kv = k.as_bytes().to_vec();
-        kv.push(b'=');
-        kv.extend_from_slice(v);
-        envs.push(cstring(kv)?);
-    }
-    // "LISTEN_PID=" and room for the digits (and the NUL) the child writes.
-    let mut listen_pid = b"LISTEN_PID=".to_vec();
-    let digits_at = listen_pid.len();
-    listen_pid.resize(digits_at + 24, 0);
-    let listen_pid_ptr = listen_pid.as_mut_ptr();
-
-    let argv_p: Vec<*const c_char> = argv
-        .iter()
-        .map(|c| c.as_ptr())
-        .chain(std::iter::once(std::ptr::null()))
-        .collect();
-    let mut envp: Vec<*const c_char> = envs.iter().map(|c| c.as_ptr()).collect();
-    if !fds.is_empty() {
-        envp.push(listen_pid_ptr.cast_const().cast());
-    }
-    envp.push(std::ptr::null());
-
-    let floor = c_int::try_from(3 + fds.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "too many fds"))?;
-    let mut tmp: Vec<RawFd> = vec![-1; fds.len()];
-    let (err_read, err_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
-    let plan = ExecPlan {
-        path: path.as_ptr(),
-        argv: argv_p.as_ptr(),
-        envp: envp.as_ptr(),
-        fds,
-        tmp: tmp.as_mut_ptr(),
-        floor,
-        // SAFETY: `digits_at` is inside `listen_pid` (24 bytes follow).
-        pid_digits: unsafe { listen_pid_ptr.add(digits_at) },
-        parent: nix::unistd::getpid().as_raw(),
-        deathsig: c_ulong::try_from(libc::SIGTERM).unwrap_or(15),
-        err: err_write.as_raw_fd(),
-    };
-
-    // SAFETY: the keeper is single-threaded, so the child is a full copy in
-    // a consistent state; it runs only `exec_child` (async-signal-safe calls
-    // on memory prepared above) and never returns.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if pid == 0 {
-        // SAFETY: in the child, right after fork; see above.
-        unsafe { exec_child(&plan) }
-    }
-    drop(err_write);
-    // EOF: the exec closed the pipe (CLOEXEC). Four bytes: its errno.
-    let mut report = std::fs::File::from(err_read);
-    let mut buf = [0u8; 4];
-    let mut got = 0;
-    while got < buf.len() {
-        match report.read(&mut buf[got..]) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                warn!("reading the exec report of pid {pid}: {e}");
-                break;
-            }
-        }
-    }
-    // Everything the child used stays alive until here (not needed: the
-    // child has its own copy; but the pointers in `plan` were into these).
-    drop((argv, envs, listen_pid, tmp, path));
-    let pid = Pid::from_raw(pid);
-    if got == 0 {
-        return Ok(pid);
-    }
-    while let Err(Errno::EINTR) = waitpid(pid, None) {}
-    Err(if got == buf.len() {
-        io::Error::from_raw_os_error(i32::from_ne_bytes(buf))
-    } else {
-        io::Error::other("the child died before exec")
-    })
-}
-
-/// The child's side of [`spawn`]: never returns.
-///
-/// # Safety
-/// Only in the child of a fork of a single-threaded process, with `plan`'s
-/// pointers valid.
-unsafe fn exec_child(plan: &ExecPlan<'_>) -> ! {
-    /// Reports errno on `err` and leaves.
-    unsafe fn fail(err: RawFd) -> ! {
-        let e = Errno::last_raw().to_ne_bytes();
-        // SAFETY: writing 4 bytes from a local array; _exit never returns.
-        unsafe {
-            libc::write(err, e.as_ptr().cast(), e.len());
-            libc::_exit(127)
-        }
-    }
-    // SAFETY: every call below is async-signal-safe, on fds and memory of
-    // this (child) process prepared by `spawn`.
-    unsafe {
-        // Stop (gracefully) if the keeper dies; it may already have.
-        if libc::prctl(
-            libc::PR_SET_PDEATHSIG,
-            plan.deathsig,
-            0 as c_ulong,
-            0 as c_ulong,
-            0 as c_ulong,
-        ) != 0
-        {
-            fail(plan.err);
-        }
-        if libc::getppid() != plan.parent {
-            Errno::set_raw(libc::ESRCH);
-            fail(plan.err);
-        }
-        // The error pipe, then copies of every stored fd, above 3 + n, so
-        // that moving them onto 3.. clobbers nothing still to be copied.
-        let mut err = plan.err;
-        if err < plan.floor {
-            err = libc::fcntl(err, libc::F_DUPFD_CLOEXEC, plan.floor);
-            if err < 0 {
-                fail(plan.err);
-            }
-        }
-        for (i, &fd) in plan.fds.iter().enumerate() {
-            let copy = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, plan.floor);
-            if copy < 0 {
-                fail(err);
-            }
-            *plan.tmp.add(i) = copy;
-        }
-        // dup2 leaves the new fd without CLOEXEC: these are inherited.
-        for (i, target) in (0..plan.fds.len()).zip(3..) {
-            while libc::dup2(*plan.tmp.add(i), target) < 0 {
-                if Errno::last_raw() != libc::EINTR {
-                    fail(err);
-                }
-            }
-        }
-        // Nothing else of the keeper's goes through exec (its own fds are
-        // CLOEXEC already; this also covers what the keeper inherited).
-        // Best effort: ENOSYS before Linux 5.11.
-        libc::syscall(
-            libc::SYS_close_range,
-            plan.floor,
-            c_int::MAX,
-            libc::CLOSE_RANGE_CLOEXEC,
-        );
-        write_decimal(plan.pid_digits, libc::getpid());
-        // Signals as a fresh process has them: none blocked (the keeper
-        // blocks its own for the signalfd), SIGPIPE default.
-        let mut none: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut none);
-        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        libc::execve(plan.path, plan.argv, plan.envp);
-        fail(err)
-    }
-}
-
-/// Writes `n` in decimal and a NUL at `out` (room for 12 bytes needed).
-///
-/// # Safety
-/// `out` must be valid for 12 bytes of writes.
-unsafe fn write_decimal(out: *mut u8, n: pid_t) {
-    let mut digits = [0u8; 12];
-    let mut len = 0;
-    let mut v = n.unsigned_abs();
-    loop {
-        digits[len] = b'0' + u8::try_from(v % 10).unwrap_or(0);
-        len += 1;
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    for i in 0..len {
-        // SAFETY: len <= 10 digits + NUL < 12 bytes, which the caller provides.
-        unsafe { *out.add(i) = digits[len - 1 - i] };
-    }
-    // SAFETY: as above.
-    unsafe { *out.add(len) = 0 };
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nix::sys::socket::{sendmsg, ControlMessage};
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
     use nix::unistd::ForkResult;
     use std::fs;
     use std::io::IoSlice;
