@@ -18,7 +18,7 @@
 //!             workset/ pool/ firecracker/ fault/ base/ link/ busy.rs sources.rs
 //!   the shared state: state.rs (Core), registry.rs, vm.rs
 //!   each feature's per-VM state (*/state.rs) and errors (*/error.rs),
-//!             fault/install.rs, settings.rs, error.rs, ratelimit.rs,
+//!             fault/install/, settings.rs, error.rs, ratelimit.rs,
 //!             fd_budget.rs
 //!   snapshot/ pages/ observe/ images/ memory.rs conn/ volume/ (outside core)
 //! ```

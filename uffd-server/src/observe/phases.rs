@@ -13,7 +13,7 @@
 //!
 //! A thread-local lap clock ([`start`], [`lap`], [`take`]) lets the code
 //! deep in the install path (the `uffd_abi` calls of the installer,
-//! `core/fault/install.rs`) close a phase without threading a timer
+//! `core/fault/install/`) close a phase without threading a timer
 //! through every call: each lap charges the time since the previous one to
 //! the phase it names. Nothing is timed while no clock is started (API
 //! requests that install pages, prefetch). The laps are added to the VM's

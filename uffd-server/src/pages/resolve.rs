@@ -2,7 +2,7 @@
 //! for a fault, and the bytes of pages from their source.
 //!
 //! Both kinds of VM install the bytes the same way (the fault installer,
-//! `core/fault/install.rs`: read into its staging buffer, then UFFDIO_COPY
+//! `core/fault/install/`: read into its staging buffer, then UFFDIO_COPY
 //! through the VM's uffd); what to install and what the bytes are is
 //! decided here, once, so a new kind of source is added in [`read_pages`]
 //! and serves both.

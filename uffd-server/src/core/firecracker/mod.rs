@@ -4,7 +4,7 @@
 //!
 //! Firecracker's guest memory is anonymous and lives in its own process, so
 //! pages are installed with UFFDIO_COPY from the installer's staging buffer
-//! (`core/fault/install.rs`, which our own VMs use too) and
+//! (`core/fault/install/`, which our own VMs use too) and
 //! UFFDIO_ZEROPAGE. The table indexes pages by their
 //! offset in the source file; `Vm(self)` means "installed in Firecracker".
 //!
