@@ -25,15 +25,22 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
 use std::rc::{Rc, Weak};
 
 use shared::VmId;
+use vm_memory::VolatileSlice;
 
 use crate::images::ImageId;
 use crate::memory::{GuestMemory, MemoryError, PageSize};
 use crate::pages::resolve::{read_pages, ResolveError};
 use crate::pages::source::PageSource;
 use crate::snapshot::pageset::PageSet;
+
+thread_local! {
+    /// Where [`Base::fill`] reads a run before writing it into the base.
+    static FILL: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
 
 /// Which image a base mirrors: the image's identity, and whether its
 /// pages are 2 MiB ones (a 4 KiB base and a hugetlb base are different
@@ -103,7 +110,8 @@ impl Base {
 
     /// Fill the pages of `[lo, hi)` the base lacks from `source` (the
     /// image it mirrors), whole units at a time (2 MiB on hugetlb), into
-    /// the memfd through the server's mapping. No VM maps those pages yet
+    /// the memfd (by `pwrite` from a buffer; through the server's mapping
+    /// on hugetlb). No VM maps those pages yet
     /// (a page the base lacks cannot be mapped), so none can see one half
     /// written. Returns the pages filled. A compressed image's frames not
     /// decoded yet come back as `ResolveError::NotDecoded`, as for a
@@ -125,8 +133,35 @@ impl Base {
                 end += 1;
             }
             let (a, b) = self.memory.unit_range(p, end);
-            let dst = self.memory.slice(a, b - a)?;
-            read_pages(source, a, &dst, &|_| None)?;
+            if self.memory.unit_pages() == 1 {
+                // Read into a buffer, then `pwrite`: a page written
+                // through the mapping is present from its first byte, so
+                // a crash of the server in the middle of one would leave
+                // a half-written page that the next server, which takes
+                // the base's filled pages from the memfd's present ones,
+                // maps into VMs. A `write` copies whole pages and stops
+                // between two at a fatal signal.
+                FILL.with(|buf| {
+                    let mut buf = buf.borrow_mut();
+                    let bytes = shared::geometry::usize_of((b - a) * shared::PAGE_SIZE);
+                    if buf.len() < bytes {
+                        buf.resize(bytes, 0);
+                    }
+                    let dst = VolatileSlice::from(&mut buf[..bytes]);
+                    read_pages(source, a, &dst, &|_| None)?;
+                    self.memory
+                        .memfd()
+                        .write_all_at(&buf[..bytes], a * shared::PAGE_SIZE)
+                        .map_err(|e| ResolveError::Memory(MemoryError::Write(e)))
+                })?;
+            } else {
+                // hugetlbfs takes no `write`: through the mapping. (A
+                // crash mid-block can leave that block half written; a
+                // hugetlb base is rare and its blocks are filled in one
+                // copy each.)
+                let dst = self.memory.slice(a, b - a)?;
+                read_pages(source, a, &dst, &|_| None)?;
+            }
             filled.borrow_mut().insert_range(a, b - a);
             done += b - a;
             p = b;
