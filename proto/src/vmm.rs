@@ -66,6 +66,12 @@ pub enum VmmMsg {
     /// handed over to a new one): take it back. No fds: its uffd and guest
     /// RAM are the ones the server (or its keeper) holds already.
     Rejoin { version: u16, vm: VmId, pid: u32 },
+    /// The pid of this VMM's anchor: a process that shares its address
+    /// space (and nothing else), made at its start when the server asked
+    /// for one (`--anchor`), so that the pages its guest wrote stay
+    /// readable for as long as the server needs them, whatever becomes of
+    /// the VMM. Sent before `UffdReady` and after each `Rejoined`. No fds.
+    Anchor { pid: u32 },
 }
 
 /// Messages the server sends.
@@ -299,6 +305,7 @@ mod tests {
                     pid,
                 }
             }),
+            any::<u32>().prop_map(|pid| VmmMsg::Anchor { pid }),
         ]
     }
 

@@ -36,6 +36,9 @@ pub struct ServerArgs {
     /// it, before the Welcome (which then brings the same memfd).
     #[arg(long, requires = "ram_hint_mib")]
     pub ram_fd: Option<i32>,
+    /// Make an anchor at start (see `anchor`) and report it to the server.
+    #[arg(long)]
+    pub anchor: bool,
 }
 
 /// Subcommands.

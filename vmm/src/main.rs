@@ -6,6 +6,7 @@
 //! test the guest agent without a server (see [`standalone`]).
 
 mod agent;
+mod anchor;
 mod block;
 mod cli;
 mod connection;
@@ -45,6 +46,12 @@ fn main() -> std::process::ExitCode {
         Some(cli::Command::Standalone(args)) => standalone::run(args),
         None => match (&cli.server.socket, &cli.server.token) {
             (Some(socket), Some(token)) => {
+                if cli.server.anchor {
+                    if let Err(e) = anchor::make() {
+                        eprintln!("vmm: cannot make an anchor: {e}");
+                        return std::process::ExitCode::FAILURE;
+                    }
+                }
                 server::run(socket, token, cli.server.ram_hint_mib, cli.server.ram_fd)
             }
             _ => Err(Error::Usage),

@@ -257,6 +257,9 @@ fn setup(
         .iter()
         .map(|(a, _)| *a as u64)
         .collect();
+    if let Some(pid) = crate::anchor::report() {
+        conn.send(&VmmMsg::Anchor { pid }, &[])?;
+    }
     conn.send(&VmmMsg::UffdReady { bases }, &[guest_uffd.uffd.as_raw_fd()])?;
 
     let events_conn = conn.clone();
@@ -386,6 +389,11 @@ fn rejoin_or_exit(conn: &Connection, socket: &Path, vm: VmId) {
                     after_ms = start.elapsed().as_millis(),
                     "rejoined the server"
                 );
+                if let Some(pid) = crate::anchor::pid() {
+                    if let Err(e) = conn.send(&VmmMsg::Anchor { pid }, &[]) {
+                        tracing::warn!(error = %shared::error_chain(&e), "cannot report the anchor");
+                    }
+                }
                 return;
             }
             Err(e) => e,
