@@ -299,6 +299,7 @@ pub fn kind(m: &VmmMsg) -> &'static str {
         VmmMsg::Console { .. } => "console",
         VmmMsg::Exited { .. } => "exited",
         VmmMsg::Rejoin { .. } => "rejoin",
+        VmmMsg::Anchor { .. } => "anchor",
     }
 }
 

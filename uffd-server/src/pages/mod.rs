@@ -3,6 +3,7 @@
 //! fault into a run of pages and their bytes (shared by our VMs and
 //! Firecracker's).
 
+pub mod anchor;
 pub mod mirror;
 pub mod process;
 pub mod readahead;

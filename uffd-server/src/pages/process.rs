@@ -8,13 +8,17 @@
 //! reading it is the one to serve, and the read would never return. The
 //! pagemap says which are mapped without touching them.
 
+use std::cell::RefCell;
 use std::io::IoSliceMut;
+use std::rc::Rc;
 
 use nix::sys::uio::{process_vm_readv, RemoteIoVec};
 use nix::unistd::Pid;
 use shared::PAGE_SIZE;
 use uffd_abi::pagemap::Pagemap;
 use vm_memory::VolatileSlice;
+
+use super::anchor::Anchor;
 
 /// Why pages of a VMM process cannot be read.
 #[derive(Debug, thiserror::Error)]
@@ -40,25 +44,51 @@ pub enum ProcessReadError {
 /// A VM's guest RAM in its VMM process.
 #[derive(Debug)]
 pub struct ProcessPages {
+    /// The pid the pages are read by: the VMM's anchor if it has one,
+    /// else the VMM.
     pid: u32,
     /// The VMM's address of guest page 0.
     base: u64,
     pagemap: Pagemap,
+    /// Held while these pages are needed after the VMM went (see
+    /// [`Self::let_go_anchor`]).
+    anchor: RefCell<Option<Rc<Anchor>>>,
 }
 
 impl ProcessPages {
-    /// The guest RAM of VMM `pid`, mapped at `base` there.
-    pub fn open(pid: u32, base: u64) -> std::io::Result<Self> {
+    /// The guest RAM of VMM `pid`, mapped at `base` there, read by its
+    /// `anchor`'s pid if it has one.
+    pub fn open(pid: u32, base: u64, anchor: Option<Rc<Anchor>>) -> std::io::Result<Self> {
+        let pid = anchor.as_ref().map_or(pid, |a| a.pid());
         Ok(ProcessPages {
             pid,
             base,
             pagemap: Pagemap::open(pid)?,
+            anchor: RefCell::new(anchor),
         })
     }
 
-    /// The VMM's pid.
+    /// The pid the pages are read by.
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// The VMM's address of guest page 0.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// The anchor these pages are read through, while they hold it.
+    pub fn anchor(&self) -> Option<Rc<Anchor>> {
+        self.anchor.borrow().clone()
+    }
+
+    /// The VMM went: these pages hold its anchor no more (whoever still
+    /// needs the pages, a layer being filled, holds it by
+    /// [`Self::anchor`]). Once the anchor is gone every read fails: the
+    /// pagemap, opened on the anchor, says nothing is mapped.
+    pub fn let_go_anchor(&self) {
+        self.anchor.borrow_mut().take();
     }
 
     /// Read pages `first..` (as many as `dst` holds) out of the process.

@@ -29,6 +29,8 @@ pub enum ResolveError {
     NoSuchVm(VmId),
     #[error("page source id {0} is unknown; the table names a released source")]
     UnknownSource(SourceId),
+    #[error("pages {vm} wrote before it forked were lost before they reached its layer: {why}")]
+    LayerLost { vm: VmId, why: String },
     #[error("{owner}, the source of page {page}, is gone")]
     SourceGone { owner: VmId, page: u64 },
     #[error("cannot read image {} at byte {offset}", path.display())]
@@ -268,6 +270,8 @@ pub fn read_pages(
             Ok(())
         }
         PageSource::Frozen(f) => {
+            f.ensure(first, len as u64 / PAGE_SIZE)
+                .map_err(|why| ResolveError::LayerLost { vm: f.vm, why })?;
             let src = f.memory.slice(first, len as u64 / PAGE_SIZE)?;
             src.copy_to_volatile_slice(*dst);
             Ok(())

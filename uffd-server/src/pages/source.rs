@@ -8,6 +8,7 @@
 //! Ids are never reused while the server runs, so a stale id in a table can
 //! never be mistaken for another source.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
@@ -115,6 +116,54 @@ pub struct FrozenSource {
     pub vm: VmId,
     pub memory: Rc<GuestMemory>,
     pub kind: FrozenKind,
+    /// A layer still being filled: what copies a page in before it is
+    /// read (see [`LayerFill`]); `None` once whole.
+    pub filling: RefCell<Option<Rc<dyn LayerFill>>>,
+}
+
+impl FrozenSource {
+    /// Frozen pages of `vm` in `memory`, whole.
+    pub fn new(vm: VmId, memory: Rc<GuestMemory>, kind: FrozenKind) -> Self {
+        FrozenSource {
+            vm,
+            memory,
+            kind,
+            filling: RefCell::new(None),
+        }
+    }
+
+    /// Make sure pages `first..first + n` are in the memfd before they are
+    /// read: a layer still being filled copies them in first. Every read
+    /// of a frozen source's pages goes through here ([`super::read_pages`]).
+    pub fn ensure(&self, first: u64, n: u64) -> Result<(), String> {
+        let filling = self.filling.borrow().clone();
+        match filling {
+            Some(f) => f.ensure(first, n),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A layer being filled, as its readers see it: pages not copied yet are
+/// copied when asked for (out of the VMM they are the pages of).
+pub trait LayerFill: std::fmt::Debug {
+    /// Copy whichever of pages `first..first + n` are still to copy; the
+    /// error says why they cannot be (the VMM and its anchor are gone).
+    fn ensure(&self, first: u64, n: u64) -> Result<(), String>;
+
+    /// Where the pages still to copy are read from, for the journal: a
+    /// restarted server goes on filling from there.
+    fn origin(&self) -> FillOrigin;
+}
+
+/// The process a layer is filled from: by pid and start time (which tell
+/// it from a later process with the same pid), and the address of guest
+/// page 0 in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FillOrigin {
+    pub pid: u32,
+    pub started: u64,
+    pub vmm_base: u64,
 }
 
 /// What a frozen memfd was before it froze.
@@ -460,11 +509,11 @@ impl SourceArena {
             }
         };
         if let Some(slot) = self.slots.get_mut(id as usize) {
-            let frozen = Rc::new(PageSource::Frozen(FrozenSource {
+            let frozen = Rc::new(PageSource::Frozen(FrozenSource::new(
                 vm,
                 memory,
-                kind: FrozenKind::Template,
-            }));
+                FrozenKind::Template,
+            )));
             if let Some(h) = &self.hook {
                 (h.0)(id, &frozen);
             }
@@ -482,11 +531,11 @@ impl SourceArena {
     pub fn freeze_to_layer(&mut self, vm: VmId, layer: Rc<GuestMemory>) -> Option<SourceId> {
         let id = self.vm_ids.remove(&vm)?;
         if let Some(slot) = self.slots.get_mut(id as usize) {
-            *slot = Some(Rc::new(PageSource::Frozen(FrozenSource {
+            *slot = Some(Rc::new(PageSource::Frozen(FrozenSource::new(
                 vm,
-                memory: layer,
-                kind: FrozenKind::Layer,
-            })));
+                layer,
+                FrozenKind::Layer,
+            ))));
         }
         Some(id)
     }

@@ -136,7 +136,7 @@ pub(crate) async fn move_onto_base(core: &Rc<Core>, vm: VmId) -> Result<()> {
     };
     v.self_src = arena.vm(vm);
     if let Some(pid) = v.link.pid {
-        if let Ok(pages) = ProcessPages::open(pid, v.faults.vmm_base) {
+        if let Ok(pages) = ProcessPages::open(pid, v.faults.vmm_base, v.link.anchor.clone()) {
             arena.vm_in_process(vm, pages);
         }
     }
@@ -297,7 +297,7 @@ pub(crate) fn on_uffd_ready(reg: &mut Registry, vm: VmId) {
     let Some(pid) = v.link.pid else {
         return;
     };
-    match ProcessPages::open(pid, v.faults.vmm_base) {
+    match ProcessPages::open(pid, v.faults.vmm_base, v.link.anchor.clone()) {
         Ok(pages) => arena.vm_in_process(vm, pages),
         Err(e) => tracing::warn!("{vm}: cannot read its VMM's pagemap: {e}"),
     }

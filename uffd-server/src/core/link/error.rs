@@ -42,6 +42,8 @@ pub enum LinkError {
     },
     #[error("{vm}'s vmm did not answer within {after:?}")]
     VmmTimeout { vm: VmId, after: Duration },
+    #[error("{vm}'s vmm named an anchor the server cannot take: {why}")]
+    Anchor { vm: VmId, why: String },
 }
 
 impl LinkError {
@@ -58,7 +60,8 @@ impl LinkError {
             LinkError::Vmm { .. }
             | LinkError::VmmGone { .. }
             | LinkError::VmmExited { .. }
-            | LinkError::UnexpectedReply { .. } => 502,
+            | LinkError::UnexpectedReply { .. }
+            | LinkError::Anchor { .. } => 502,
             LinkError::QueueFull { .. } => 503,
             LinkError::VmmTimeout { .. } => 504,
         }

@@ -40,6 +40,14 @@ pub(crate) fn mark_exited(core: &Core, vm: VmId, reason: &str) {
         w.shutdown();
     }
     v.faults.uffd = None;
+    // Its anchor goes, unless a layer being filled from it holds it.
+    v.link.anchor = None;
+    if let Some(crate::pages::VmPages::Process(p)) = reg.arena.memory_of(vm) {
+        p.let_go_anchor();
+    }
+    let Some(v) = reg.vms.get_mut(&vm) else {
+        return;
+    };
     // Writes waiting for its uffd go on: nothing runs in it any more.
     v.faults.on_uffd.clear();
     v.faults.closed.notify_one();

@@ -44,6 +44,23 @@ pub(crate) fn on_message(core: &Core, vm: VmId, msg: VmmMsg) {
                 v.link.exit_reason = Some(format!("vmm exited ({code}): {reason}"));
             }
         }
+        VmmMsg::Anchor { pid } => {
+            let mut reg = core.reg.borrow_mut();
+            let taken = reg.vm_mut(vm).and_then(|v| {
+                v.link.take_anchor(vm, pid)?;
+                Ok(v.faults.uffd.is_some())
+            });
+            match taken {
+                // A VMM that rejoined: its pages are read by its anchor
+                // from now on.
+                Ok(true) => crate::core::base::on_uffd_ready(&mut reg, vm),
+                Ok(false) => {}
+                Err(e) => {
+                    drop(reg);
+                    protocol_error(core, vm, &e.message());
+                }
+            }
+        }
         VmmMsg::Hello { .. } => protocol_error(core, vm, "hello sent twice"),
         VmmMsg::Rejoin { .. } => protocol_error(core, vm, "rejoin after the first message"),
     }

@@ -75,7 +75,10 @@ pub(crate) fn launch_process(
     cmd.arg("--socket")
         .arg(core.settings.state_dir.join("vmm.sock"))
         .arg("--token")
-        .arg(&token);
+        .arg(&token)
+        // Every VMM may come to hold pages a fork's children need (it is
+        // on a shared base, or moves onto one): see `pages::anchor`.
+        .arg("--anchor");
     // A pooled VMM learns the RAM size to prepare for, and gets the
     // memfd made for it as its stdin (so the spawn stays a plain
     // posix_spawn, with no code run between fork and exec).
@@ -107,7 +110,7 @@ pub(crate) fn launch_process(
     // its VMMs the default back; one that could not (no
     // CAP_SYS_RESOURCE) raises theirs instead, which needs no privilege.
     let adj = vmm_oom_score_adj();
-    if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), adj) {
+    if let Err(e) = std::fs::write(format!("/proc/{pid}/oom_score_adj"), adj.to_string()) {
         warn!("{id}: cannot set the vmm's oom_score_adj to {adj}: {e}");
     }
     pending.insert(
@@ -214,14 +217,14 @@ fn create_log(path: &std::path::Path) -> std::io::Result<File> {
 
 /// The `oom_score_adj` a VMM gets: the default if the server's own is
 /// lowered, else one that makes the OOM killer prefer the VMM.
-fn vmm_oom_score_adj() -> &'static str {
+pub(crate) fn vmm_oom_score_adj() -> i32 {
     let own = std::fs::read_to_string("/proc/self/oom_score_adj")
         .ok()
         .and_then(|s| s.trim().parse::<i32>().ok())
         .unwrap_or(0);
     if own < 0 {
-        "0"
+        0
     } else {
-        "500"
+        500
     }
 }

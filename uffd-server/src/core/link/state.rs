@@ -2,6 +2,7 @@
 //! side, and the requests waiting for its answers.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use proto::vmm::Reply;
@@ -11,6 +12,7 @@ use tokio::sync::oneshot;
 use super::error::LinkError;
 use crate::conn::VmmWriter;
 use crate::core::error::{Error, Result};
+use crate::pages::anchor::Anchor;
 
 /// A pending answer from the VMM.
 pub type ReplySender = oneshot::Sender<Result<Reply>>;
@@ -26,6 +28,9 @@ pub type PendingReply = oneshot::Receiver<Result<Reply>>;
 pub struct VmmLink {
     /// The VMM's process, once launched.
     pub pid: Option<u32>,
+    /// The VMM's anchor, once it reported one (see `pages::anchor`):
+    /// killed when the VMM goes and nothing else holds it.
+    pub anchor: Option<Rc<Anchor>>,
     /// Where messages to the VMM go, once it said hello.
     pub writer: Option<Arc<VmmWriter>>,
     /// Requests sent and not answered yet, by sequence number.
@@ -41,6 +46,23 @@ pub struct VmmLink {
 }
 
 impl VmmLink {
+    /// The anchor VMM `pid` reported, if the kernel says it is one.
+    pub fn take_anchor(&mut self, vm: VmId, anchor: u32) -> Result<()> {
+        let Some(vmm) = self.pid else {
+            return Err(LinkError::Anchor {
+                vm,
+                why: "no VMM process is known".into(),
+            }
+            .into());
+        };
+        let a = Anchor::of_vmm(anchor, vmm).map_err(|e| LinkError::Anchor {
+            vm,
+            why: shared::error_chain(&e),
+        })?;
+        self.anchor = Some(Rc::new(a));
+        Ok(())
+    }
+
     /// A link waiting for its VMM; `ready` fires when it runs.
     pub fn new(ready: ReadySender) -> Self {
         VmmLink {
