@@ -726,11 +726,13 @@ pub struct ForkPhases {
     /// Pages protected for the fork, before and in the pause.
     pub write_protected_pages: Option<u64>,
     /// Pages a parent on a shared base had written (held only in its
-    /// VMM), copied into a layer the server owns for its children, after
-    /// the resume and before the children start (0: none to copy).
+    /// VMM), frozen into a layer the server owns for its children and
+    /// copied into it in the background after the answer (0: none).
     #[serde(default)]
     pub layer_pages: u64,
-    /// Copying them, after the resume.
+    /// How long the answer waited for that copy: 0, as the children start
+    /// at once and read a page not copied yet through its parent's VMM's
+    /// anchor. (Kept for clients that read it.)
     #[serde(default)]
     pub layer_us: u64,
     /// In the pause: making the layer and freezing the parent's pages

@@ -24,7 +24,9 @@ pub enum LayerError {
         #[source]
         source: MemoryError,
     },
-    #[error("cannot copy pages {vm} holds out of its VMM into its layer (the VMM exited?)")]
+    #[error("pages {vm} wrote before it forked were lost before they reached its layer: {why}")]
+    Lost { vm: VmId, why: String },
+    #[error("cannot copy pages {vm} holds out of its VMM into its layer (the VMM and its anchor are gone?)")]
     Read {
         vm: VmId,
         #[source]

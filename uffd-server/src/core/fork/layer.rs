@@ -2,25 +2,41 @@
 //! forks, so that no child ever depends on the parent's process.
 //!
 //! A VM on a base holds the pages its guest wrote as private pages of its
-//! VMM: they die with that process, and a SIGKILL gives no chance to copy
-//! them anywhere. So a fork of such a VM copies the pages it holds, as the
-//! fork captured them, into a memfd the server owns (a layer), and the
-//! children read them there, whatever becomes of the parent:
+//! VMM. So a fork of such a VM copies the pages it holds, as the fork
+//! captured them, into a memfd the server owns (a layer), and the children
+//! read them there, whatever becomes of the parent:
 //!
-//! 1. In the pause ([`begin`]): a layer memfd is made and the parent's
-//!    `Vm(parent)` source is frozen over it, so the children's tables,
-//!    forked in the same pause, name the layer. The parent gets a new
-//!    source for its own pages, and its table names them by it. Every
-//!    page to copy is write-protected in the parent (the fork protected
-//!    them), so its bytes cannot change before they are copied.
-//! 2. After the resume ([`fill`]): the pages are copied out of the VMM
-//!    (`process_vm_readv`) into the layer a few MiB at a time, with the
-//!    rest of the core's work served between two steps. A write (or a
-//!    discard) of the parent to a page not copied yet copies that page
-//!    first (`Layering::save`, from the write-protect and remove paths).
-//! 3. The children start once the layer is whole. If the parent's VMM
-//!    dies before, the fork fails and its children are discarded: no VM
-//!    ever reads a page the layer lacks.
+//! 1. In the pause ([`begin`]): a layer memfd is made (before the pause,
+//!    [`prepare`]) and the parent's `Vm(parent)` source is frozen over it,
+//!    so the children's tables, forked in the same pause, name the layer.
+//!    The parent gets a new source for its own pages, and its table names
+//!    them by it. Every page to copy is write-protected in the parent (the
+//!    fork protected them), so its bytes cannot change before they are
+//!    copied.
+//! 2. The children start at once, as any fork's do; the fork answers
+//!    without waiting for the copy.
+//! 3. After the resume, in a task of its own ([`spawn_fill`]): the pages
+//!    are copied out of the VMM (`process_vm_readv`) into the layer a few
+//!    MiB at a time, with the rest of the core's work served between two
+//!    steps. A read of a page not copied yet (a child's fault, a snapshot,
+//!    anything through `pages::read_pages`) copies it first
+//!    (`LayerFill::ensure`), and so does a write or a discard of the parent
+//!    (`Layering::save`, from the write-protect and remove paths).
+//!
+//! What keeps the pages not copied yet readable whatever happens to the
+//! parent's VMM (DELETE, exit, crash, SIGKILL) is its anchor, a process
+//! that shares its address space (`pages::anchor`): they are read by the
+//! anchor's pid, which the fill holds until the layer is whole. The one
+//! death an anchor does not survive is the OOM killer's, which kills every
+//! process of an address space; while the layer fills, the parent's VMM
+//! and its anchor have the lowest `oom_score_adj` of all VMMs and the
+//! children the highest, so the kernel kills a child (which loses only
+//! itself) before the VMM whose pages others need. A restarted server
+//! goes on filling from the journal (`Record::Filling`: the anchor by pid
+//! and start time; the pages still to copy are those the tables name the
+//! layer for that its memfd lacks). If the pages are lost all the same,
+//! every read of one fails with the reason: no VM reads a page the layer
+//! lacks.
 //!
 //! The parent's table goes on naming the layer for the pages it holds
 //! unchanged: it holds them as the layer does until it writes one, and
@@ -28,12 +44,13 @@
 //! again (`Vm::own_written`). So a further fork, of a paused template or
 //! of a running VM, copies only what the parent wrote since the fork
 //! before, and its children share the earlier layers for the rest:
-//! nothing is copied twice.
+//! nothing is copied twice. A further fork waits for the layer before it
+//! ([`wait_filled`]).
 
 use std::rc::Rc;
 
 use shared::VmId;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::error::LayerError;
 use super::layering::Layering;
@@ -41,7 +58,8 @@ use crate::core::error::{Error, Result};
 use crate::core::registry::Registry;
 use crate::core::state::Core;
 use crate::memory::GuestMemory;
-use crate::pages::VmPages;
+use crate::pages::source::LayerFill;
+use crate::pages::{PageSource, VmPages};
 use crate::snapshot::PageSet;
 
 /// Pages copied into a layer in one step of [`fill`] (4 MiB).
@@ -93,6 +111,13 @@ pub(crate) fn begin(
     if !v.base.is_based() {
         return Ok(false);
     }
+    if v.fork.layering.is_some() {
+        // `wait_filled` runs first: never two layers filling from one VM.
+        return Err(Error::Layer(LayerError::Lost {
+            vm: parent,
+            why: "a layer is still being filled from it".into(),
+        }));
+    }
     let runs = v.table.ranges_of(v.self_src);
     if runs.is_empty() {
         return Ok(false);
@@ -119,66 +144,152 @@ pub(crate) fn begin(
         return Ok(false);
     };
     v.self_src = arena.vm(parent);
-    v.fork.layering = Some(Layering::new(parent, frozen, layer, process, pending, unit));
+    let l = Rc::new(Layering::new(parent, frozen, layer, process, pending, unit));
+    if let Some(PageSource::Frozen(f)) = arena.get(frozen).map(|s| &**s) {
+        *f.filling.borrow_mut() = Some(Rc::clone(&l) as Rc<dyn LayerFill>);
+    }
+    // Until the layer is whole, the kernel's OOM killer must choose any
+    // other VMM before this one (it cannot be forbidden to choose it: see
+    // `pages::anchor`): the lowest score for the VMM and its anchor.
+    if let Some(pid) = v.link.pid {
+        set_oom_score_adj(pid, 0);
+    }
+    if let Some(a) = l.anchor() {
+        a.set_oom_score_adj(0);
+    }
+    v.fork.layering = Some(l);
     info!("{parent}: {pages} pages it wrote are frozen into a layer for its children");
     Ok(true)
 }
 
 /// Step 2, after the resume: copy every pending page into the layer, a
-/// step at a time, serving the rest of the core between steps. On
-/// failure (the parent's VMM died), the error; the caller fails the fork.
-pub(crate) async fn fill(core: &Rc<Core>, parent: VmId) -> Result<u64> {
-    loop {
-        let step = {
-            let mut reg = core.reg.borrow_mut();
-            let Some(l) = reg
-                .vms
-                .get_mut(&parent)
-                .and_then(|v| v.fork.layering.as_mut())
-            else {
-                return Err(Error::NoSuchVm(parent));
-            };
-            if let Some(why) = l.take_failure() {
-                Err(Error::LayerLost { vm: parent, why })
-            } else {
-                l.step(STEP_PAGES).map_err(Error::Layer)
-            }
-        };
-        match step {
-            Ok(true) => tokio::task::yield_now().await,
-            Ok(false) => break,
-            Err(e) => {
-                end(core, parent, false);
-                return Err(e);
+/// step at a time, serving the rest of the core between steps, in a task
+/// of its own: the children run meanwhile, and a read of a page not copied
+/// yet copies it first (`Layering::ensure`).
+pub(crate) fn spawn_fill(core: &Rc<Core>, l: Rc<Layering>) {
+    let core = Rc::clone(core);
+    let parent = l.vm();
+    tokio::task::spawn_local(async move {
+        let t = std::time::Instant::now();
+        loop {
+            match l.step(STEP_PAGES) {
+                Ok(true) => tokio::task::yield_now().await,
+                Ok(false) => break,
+                Err(e) => {
+                    warn!(
+                        "{parent}: its layer cannot be filled; the pages still to copy are lost: {}",
+                        shared::error_chain(&e)
+                    );
+                    break;
+                }
             }
         }
-    }
-    let copied = end(core, parent, true);
-    info!("{parent}: {copied} pages it wrote copied into a layer for its children");
-    Ok(copied)
+        finish(&core, &l);
+        if l.failure().is_none() {
+            info!(
+                "{parent}: {} pages it wrote copied into a layer for its children in {} ms",
+                l.copied(),
+                t.elapsed().as_millis()
+            );
+        }
+    });
 }
 
-/// The layering of `parent` is over: filled, or failed (`filled` false:
-/// its fork fails and discards the children, and its table, which named
-/// the unfilled layer for the pages it holds, names them as its own
-/// again). Later writes need no saving. Returns the pages copied.
-pub(crate) fn end(core: &Core, parent: VmId, filled: bool) -> u64 {
-    let mut reg = core.reg.borrow_mut();
-    let Some(v) = reg.vms.get_mut(&parent) else {
-        return 0;
+/// Wait until no layer is being filled from `parent`: a fork that froze
+/// a new layer over it meanwhile would take the earlier layer's place in
+/// the parent, whose writes must go on saving the earlier one's pages.
+/// Fills are short (a few hundred MiB a second) and run on this thread.
+pub(crate) async fn wait_filled(core: &Core, parent: VmId) {
+    loop {
+        let filling = core
+            .reg
+            .borrow()
+            .vms
+            .get(&parent)
+            .is_some_and(|v| v.fork.layering.is_some());
+        if !filling {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// Pages of `parent`'s layer still to copy.
+pub(crate) fn pending(core: &Core, parent: VmId) -> u64 {
+    core.reg
+        .borrow()
+        .vms
+        .get(&parent)
+        .and_then(|v| v.fork.layering.as_ref().map(|l| l.pending()))
+        .unwrap_or(0)
+}
+
+/// The children of a fork whose layer is filling: until it is whole, the
+/// OOM killer prefers them to the VMM they read from.
+pub(crate) fn children_started(core: &Core, parent: VmId, children: &[VmId]) {
+    let reg = core.reg.borrow();
+    let Some(l) = reg.vms.get(&parent).and_then(|v| v.fork.layering.clone()) else {
+        return;
     };
-    let Some(l) = v.fork.layering.take() else {
-        return 0;
-    };
-    if !filled {
-        let me = v.self_src;
-        for (first, n) in v.table.ranges_of(l.frozen()) {
-            v.table.set_range(first, n, me);
+    for c in children {
+        if let Some(pid) = reg.vms.get(c).and_then(|v| v.link.pid) {
+            set_oom_score_adj(pid, 1000);
+            l.add_dependent(pid);
         }
     }
-    if !filled {
-        // An unfilled layer no table reads any more goes now.
-        reg.release_unused_sources();
+}
+
+/// A fill is over, whole or failed: the layer's readers read it as it is
+/// (a failed one keeps failing the reads of the pages it lost), the
+/// parent's writes need no saving, and the OOM scores are as before.
+fn finish(core: &Core, l: &Rc<Layering>) {
+    let mut reg = core.reg.borrow_mut();
+    if l.failure().is_none() {
+        if let Some(PageSource::Frozen(f)) = reg.arena.get(l.frozen()).map(|s| &**s) {
+            f.filling.borrow_mut().take();
+        }
     }
-    l.copied()
+    let default = crate::core::link::process::vmm_oom_score_adj();
+    if let Some(v) = reg.vms.get_mut(&l.vm()) {
+        if v.fork.layering.as_ref().is_some_and(|m| Rc::ptr_eq(m, l)) {
+            v.fork.layering = None;
+        }
+        if let Some(pid) = v.link.pid {
+            set_oom_score_adj(pid, default);
+        }
+    }
+    if let Some(a) = l.anchor() {
+        a.set_oom_score_adj(default);
+    }
+    for pid in l.dependents() {
+        set_oom_score_adj(pid, default);
+    }
+}
+
+fn set_oom_score_adj(pid: u32, adj: i32) {
+    let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), adj.to_string());
+}
+
+/// The fork failed before its children started: the layering of `parent`
+/// is undone (its table, which named the unfilled layer for the pages it
+/// holds, names them as its own again, and the layer goes).
+pub(crate) fn undo(core: &Core, parent: VmId) {
+    let mut reg = core.reg.borrow_mut();
+    let Some(v) = reg.vms.get_mut(&parent) else {
+        return;
+    };
+    let Some(l) = v.fork.layering.take() else {
+        return;
+    };
+    let me = v.self_src;
+    for (first, n) in v.table.ranges_of(l.frozen()) {
+        v.table.set_range(first, n, me);
+    }
+    if let Some(PageSource::Frozen(f)) = reg.arena.get(l.frozen()).map(|s| &**s) {
+        f.filling.borrow_mut().take();
+    }
+    // An unfilled layer no table reads any more goes now.
+    reg.release_unused_sources();
+    drop(reg);
+    finish(core, &l);
 }

@@ -12,7 +12,9 @@ use vm_memory::VolatileSlice;
 
 use super::error::LayerError;
 use crate::memory::GuestMemory;
+use crate::pages::anchor::Anchor;
 use crate::pages::process::ProcessPages;
+use crate::pages::source::{FillOrigin, LayerFill};
 use crate::pages::SourceId;
 use crate::snapshot::PageSet;
 
@@ -22,8 +24,10 @@ thread_local! {
     static STAGING: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
-/// A layer being filled from a VM's VMM, kept in the VM (`ForkState`) so
-/// that its writes and discards can save a page before it changes.
+/// A layer being filled from a VM's VMM. Held by the fill's task, by the
+/// parent's fork state (so that its writes and discards save a page before
+/// it changes) and by the layer's frozen source (so that every read of a
+/// page not copied yet copies it first: the children run while it fills).
 #[derive(Debug)]
 pub struct Layering {
     vm: VmId,
@@ -31,10 +35,21 @@ pub struct Layering {
     frozen: SourceId,
     layer: Rc<GuestMemory>,
     process: Rc<ProcessPages>,
+    /// Keeps the VMM's pages readable until the layer is whole, whatever
+    /// becomes of the VMM (see `pages::anchor`).
+    anchor: Option<Rc<Anchor>>,
+    unit: u64,
+    state: RefCell<Fill>,
+    /// VMMs of the children, whose OOM score is raised while it fills.
+    dependents: RefCell<Vec<u32>>,
+}
+
+/// What changes as a layer fills.
+#[derive(Debug)]
+struct Fill {
     /// Pages still to copy (whole kernel pages).
     pending: PageSet,
-    unit: u64,
-    /// The first failure; the fork fails with it.
+    /// The first failure: every page still pending is lost with it.
     failed: Option<String>,
     /// Pages copied so far.
     copied: u64,
@@ -56,12 +71,31 @@ impl Layering {
             vm,
             frozen,
             layer,
+            anchor: process.anchor(),
             process,
-            pending,
             unit,
-            failed: None,
-            copied: 0,
+            state: RefCell::new(Fill {
+                pending,
+                failed: None,
+                copied: 0,
+            }),
+            dependents: RefCell::new(Vec::new()),
         }
+    }
+
+    /// VMM `pid` reads this layer (its OOM score is raised meanwhile).
+    pub fn add_dependent(&self, pid: u32) {
+        self.dependents.borrow_mut().push(pid);
+    }
+
+    /// The VMMs that read this layer while it filled.
+    pub fn dependents(&self) -> Vec<u32> {
+        self.dependents.borrow().clone()
+    }
+
+    /// The VM whose pages these are.
+    pub fn vm(&self) -> VmId {
+        self.vm
     }
 
     /// The id the children's tables read the layer by.
@@ -69,43 +103,87 @@ impl Layering {
         self.frozen
     }
 
-    /// Pages copied so far.
-    pub fn copied(&self) -> u64 {
-        self.copied
+    /// The layer's memfd.
+    pub fn layer(&self) -> &Rc<GuestMemory> {
+        &self.layer
     }
 
-    /// The first failure of a save, if any (the fork fails with it).
-    pub fn take_failure(&mut self) -> Option<String> {
-        self.failed.take()
+    /// The anchor the pages are read through, if the VMM has one.
+    pub fn anchor(&self) -> Option<&Rc<Anchor>> {
+        self.anchor.as_ref()
+    }
+
+    /// Pages copied so far.
+    pub fn copied(&self) -> u64 {
+        self.state.borrow().copied
+    }
+
+    /// Pages still to copy.
+    pub fn pending(&self) -> u64 {
+        self.state.borrow().pending.len()
+    }
+
+    /// The failure that lost the pages still pending, if any.
+    pub fn failure(&self) -> Option<String> {
+        self.state.borrow().failed.clone()
     }
 
     /// Before `page` of the VM is written or discarded: copy its unit
     /// into the layer if it is still to be copied.
-    pub fn save(&mut self, page: u64) {
-        if !self.pending.contains(page) {
-            return;
+    pub fn save(&self, page: u64) {
+        let _ = self.ensure_range(page, 1);
+    }
+
+    /// Copy whichever units of pages `first..first + n` are still to copy.
+    fn ensure_range(&self, first: u64, n: u64) -> Result<(), String> {
+        let end = first + n;
+        let mut st = self.state.borrow_mut();
+        let mut p = first;
+        while let Some(at) = st.pending.next_from(p).filter(|&at| at < end) {
+            if let Some(why) = &st.failed {
+                return Err(why.clone());
+            }
+            let lo = at / self.unit * self.unit;
+            // The run of pending units from `lo`, up to the range's end.
+            let mut len = self.unit;
+            while lo + len < end && st.pending.contains(lo + len) {
+                len += self.unit;
+            }
+            if let Err(e) = self.copy(&mut st, lo, len) {
+                let why = shared::error_chain(&e);
+                st.failed.get_or_insert(why.clone());
+                return Err(why);
+            }
+            p = lo + len;
         }
-        let lo = page / self.unit * self.unit;
-        if let Err(e) = self.copy(lo, self.unit) {
-            self.failed.get_or_insert_with(|| shared::error_chain(&e));
-        }
+        Ok(())
     }
 
     /// Copy the next run of pending pages (at most `max`). `Ok(false)`
     /// when nothing is left.
-    pub fn step(&mut self, max: u64) -> std::result::Result<bool, LayerError> {
-        let Some(first) = self.pending.next_from(0) else {
+    pub fn step(&self, max: u64) -> std::result::Result<bool, LayerError> {
+        let mut st = self.state.borrow_mut();
+        if let Some(why) = &st.failed {
+            return Err(LayerError::Lost {
+                vm: self.vm,
+                why: why.clone(),
+            });
+        }
+        let Some(first) = st.pending.next_from(0) else {
             return Ok(false);
         };
         let mut n = self.unit;
-        while n < max && self.pending.contains(first + n) {
+        while n < max && st.pending.contains(first + n) {
             n += self.unit;
         }
-        self.copy(first, n)?;
+        if let Err(e) = self.copy(&mut st, first, n) {
+            st.failed.get_or_insert_with(|| shared::error_chain(&e));
+            return Err(e);
+        }
         Ok(true)
     }
 
-    fn copy(&mut self, first: u64, n: u64) -> std::result::Result<(), LayerError> {
+    fn copy(&self, st: &mut Fill, first: u64, n: u64) -> std::result::Result<(), LayerError> {
         let vm = self.vm;
         let end = first + n;
         let write_err = |source| LayerError::Write {
@@ -143,9 +221,30 @@ impl Layering {
                 .map_err(|source| LayerError::Read { vm, source })?;
         }
         for p in first..end {
-            self.pending.remove(p);
+            st.pending.remove(p);
         }
-        self.copied += n;
+        st.copied += n;
         Ok(())
+    }
+}
+
+impl LayerFill for Layering {
+    fn ensure(&self, first: u64, n: u64) -> Result<(), String> {
+        self.ensure_range(first, n)
+    }
+
+    fn origin(&self) -> FillOrigin {
+        let (pid, started) = match &self.anchor {
+            Some(a) => (a.pid(), a.started()),
+            None => {
+                let pid = self.process.pid();
+                (pid, crate::pages::anchor::start_time(pid).unwrap_or(0))
+            }
+        };
+        FillOrigin {
+            pid,
+            started,
+            vmm_base: self.process.base(),
+        }
     }
 }

@@ -37,6 +37,8 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     // The children's fds are promised to the fork until they have started.
     let _fds = core.fds.admit(FdKind::ForkChild, u64::from(count))?;
     let _busy = busy::begin(core, parent, "fork", "a fork")?;
+    // Held busy: no other fork of it can begin a layer meanwhile.
+    layer::wait_filled(core, parent).await;
     let mut stopped = stop_parent(core, parent, template).await?;
     let protected = protect_at_fork(core, parent, template, &mut stopped);
     let t_fork = Instant::now();
@@ -49,13 +51,10 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     let t_begin = Instant::now();
     let (created, layered) = begin_layer(core, parent, &protected, created, stopped.layer.take());
     let layer_begin_us = if layered { us(t_begin) } else { 0 };
-    let early = if layered {
-        // The children read the layer, which is whole only after the
-        // resume: none of them starts before.
-        Vec::new()
-    } else {
-        start_early(core, template, &protected, &created)
-    };
+    // The children of a parent on a base read its layer while it fills
+    // (a page not copied yet is copied when read): they start as early as
+    // any other fork's.
+    let early = start_early(core, template, &protected, &created);
     let t_resume = Instant::now();
     let resumed = resume_parent(core, parent, template).await;
     let resume_us = us(t_resume);
@@ -75,33 +74,38 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
         layer_begin_us,
         late_protect_us: stopped.late_protect_us,
     };
+    let layer_pages = if layered {
+        layer::pending(core, parent)
+    } else {
+        0
+    };
     let children = match keep_or_undo(core, protected, created, resumed, &early).await {
         Ok(c) => c,
         Err(e) => {
-            layer::end(core, parent, false);
+            layer::undo(core, parent);
             return Err(e);
         }
     };
-    let t_layer = Instant::now();
-    let phases = if layered {
-        match layer::fill(core, parent).await {
-            Ok(pages) => ForkPhases {
-                layer_pages: pages,
-                layer_us: us(t_layer),
-                ..phases
-            },
-            Err(e) => {
-                discard_vms(
-                    core,
-                    &children.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
-                );
-                return Err(e);
-            }
+    if layered {
+        // Off the answer's path: the children start meanwhile.
+        if let Some(l) = core
+            .reg
+            .borrow()
+            .vms
+            .get(&parent)
+            .and_then(|v| v.fork.layering.clone())
+        {
+            layer::spawn_fill(core, l);
         }
-    } else {
-        phases
+    }
+    let phases = ForkPhases {
+        layer_pages,
+        ..phases
     };
     let ids = start_children(core, children, &early).await?;
+    if layered {
+        layer::children_started(core, parent, &ids);
+    }
     core.log_after_answer(format!(
         "{parent}: forked into {ids:?} (pause {pause_us} us, table fork {fork_us} us)"
     ));

@@ -21,8 +21,9 @@ pub struct ForkState {
     /// The state a fork of this paused VM captured, reused by later forks
     /// until it runs or changes (cleared with `protected_paused`).
     pub paused_state: Option<Rc<shared::VmState>>,
-    /// A layer a fork of this VM is filling (see `fork::layer`).
-    pub layering: Option<Layering>,
+    /// A layer a fork of this VM is filling (see `fork::layer`); its
+    /// fill task and the layer's source hold it too.
+    pub layering: Option<Rc<Layering>>,
 }
 
 impl ForkState {
@@ -35,8 +36,8 @@ impl ForkState {
 
     /// Before `page` is written or discarded: a layer being filled from
     /// this VM saves it first.
-    pub fn save_before_write(&mut self, page: u64) {
-        if let Some(l) = &mut self.layering {
+    pub fn save_before_write(&self, page: u64) {
+        if let Some(l) = &self.layering {
             l.save(page);
         }
     }
