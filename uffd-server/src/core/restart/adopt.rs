@@ -26,9 +26,13 @@ use super::journal::{replay, sync};
 use super::record::{BaseOrigin, FileRec, IdentityRec, PinRec, SourceRec};
 use crate::bases::{Base, ImageKey, Origin};
 use crate::core::base::state::OnBase;
+use crate::core::fork::layering::Layering;
 use crate::core::state::Core;
 use crate::core::vm::{Vm, VmParts};
 use crate::images::{Identity, ImageId, Pin, Stamp};
+use crate::pages::anchor::Anchor;
+use crate::pages::process::ProcessPages;
+use crate::pages::source::LayerFill;
 use crate::pages::{FileSource, FrozenKind, FrozenSource, ImageSource, PageSource, ZstdSource};
 use crate::snapshot::pageset::PageSet;
 
@@ -57,6 +61,88 @@ fn file_source(h: &mut Handed, f: &FileRec) -> Result<FileSource> {
     Ok(s)
 }
 
+/// Layers the server before this one was still filling: the pages the
+/// adopted tables name them for that their memfds lack are copied on,
+/// from the same process (the parent's VMM's anchor, by pid and start
+/// time), before any fault is served. If that process is gone, those pages
+/// are lost: every VM that reads one fails, with the reason, instead of
+/// reading a page that was never copied.
+fn adopt_fills(core: &Rc<Core>, journal: &super::handed::Replayed) {
+    let mut fills = Vec::new();
+    let mut reg = core.reg.borrow_mut();
+    for (id, fill) in &journal.fills {
+        let Some(PageSource::Frozen(f)) = reg.arena.get(*id).map(|s| &**s) else {
+            continue;
+        };
+        let layer = Rc::clone(&f.memory);
+        let parent = VmId(fill.vm);
+        let unit = layer.unit_pages();
+        let mut named = PageSet::new(layer.pages());
+        for v in reg.vms.values() {
+            for (first, n) in v.table.ranges_of(*id) {
+                let (lo, hi) = layer.unit_range(first, first + n);
+                named.insert_range(lo, hi - lo);
+            }
+        }
+        let lost = |reg: &mut crate::core::registry::Registry, why: String| {
+            for v in reg.vms.values_mut() {
+                if !v.table.ranges_of(*id).is_empty() {
+                    warn!("{}: {why}", v.id);
+                    v.fail(why.clone());
+                }
+            }
+        };
+        let Some(present) = layer.present_ranges() else {
+            lost(
+                &mut reg,
+                format!("{parent}'s hugepage layer was being filled when the server stopped: which of its pages were copied cannot be told"),
+            );
+            continue;
+        };
+        for (first, n) in present {
+            for p in first..first + n {
+                named.remove(p);
+            }
+        }
+        if named.is_empty() {
+            continue;
+        }
+        let process = Anchor::adopt(fill.pid, fill.started)
+            .map_err(|e| shared::error_chain(&e))
+            .and_then(|a| {
+                ProcessPages::open(fill.pid, fill.vmm_base, Some(Rc::new(a)))
+                    .map_err(|e| format!("cannot read the pagemap of pid {}: {e}", fill.pid))
+            });
+        let process = match process {
+            Ok(p) => Rc::new(p),
+            Err(why) => {
+                lost(
+                    &mut reg,
+                    format!(
+                        "{} page(s) {parent} wrote before it forked were lost before they reached its layer: {why}",
+                        named.len()
+                    ),
+                );
+                continue;
+            }
+        };
+        info!(
+            "{parent}: its layer (source {id}) still lacks {} page(s); filling it on",
+            named.len()
+        );
+        let l = Rc::new(Layering::new(parent, *id, layer, process, named, unit));
+        *f.filling.borrow_mut() = Some(Rc::clone(&l) as Rc<dyn LayerFill>);
+        if let Some(v) = reg.vms.get_mut(&parent) {
+            v.fork.layering = Some(Rc::clone(&l));
+        }
+        fills.push(l);
+    }
+    drop(reg);
+    for l in fills {
+        crate::core::fork::layer::spawn_fill(core, l);
+    }
+}
+
 fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource> {
     Ok(match rec {
         SourceRec::Vm { vm } => PageSource::Vm(VmId(*vm)),
@@ -65,15 +151,15 @@ fn source(core: &Core, h: &mut Handed, rec: &SourceRec) -> Result<PageSource> {
             layer,
             fd,
             huge,
-        } => PageSource::Frozen(FrozenSource {
-            vm: VmId(*vm),
-            memory: h.memory(fd, *huge)?,
-            kind: if *layer {
+        } => PageSource::Frozen(FrozenSource::new(
+            VmId(*vm),
+            h.memory(fd, *huge)?,
+            if *layer {
                 FrozenKind::Layer
             } else {
                 FrozenKind::Template
             },
-        }),
+        )),
         SourceRec::File { file } => PageSource::File(file_source(h, file)?),
         SourceRec::Image { snapshot, file } => PageSource::Image(ImageSource {
             snapshot: snapshot.clone(),
@@ -322,6 +408,7 @@ pub(crate) fn adopt(core: &Rc<Core>, fds: Vec<(String, OwnedFd)>) -> Vec<(VmId, 
             }
         }
     }
+    adopt_fills(core, &journal);
     let (fc_adopted, fc_lost) = super::firecracker::adopt(core, &mut h, &journal, &lost_sources);
     adopted += fc_adopted;
     lost.extend(fc_lost);

@@ -105,6 +105,8 @@ pub(super) struct Replayed {
     pub vms: BTreeMap<u32, VmRec>,
     pub fc_listeners: BTreeMap<u32, FcListenerRec>,
     pub fc_vms: BTreeMap<u32, FcVmRec>,
+    /// Layers still being filled, by source id.
+    pub fills: BTreeMap<u32, super::record::FillRec>,
 }
 
 /// The fds handed over, by name; each is taken once.

@@ -26,7 +26,7 @@
 //! 1.4 ms a request with 1,000 VMs: a fork of 1,000 children whose
 //! clients then asked each one something spent 1.4 s in it.)
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -35,7 +35,9 @@ use std::rc::Rc;
 use tracing::warn;
 
 use super::handed::{identity_rec, pin_rec, FdName, Found, Replayed};
-use super::record::{BaseOrigin, BaseRec, FileRec, Record, SourceRec, TableOver, VmFds, VmRec};
+use super::record::{
+    BaseOrigin, BaseRec, FileRec, FillRec, Record, SourceRec, TableOver, VmFds, VmRec,
+};
 use super::state::{Log, Written};
 use crate::bases::{Base, Origin};
 use crate::core::registry::Registry;
@@ -354,6 +356,38 @@ pub(crate) fn sync(core: &Core, full: bool) {
         }
         w.names.put(&mut w.sources, id, (key, rec));
     }
+    // Layers still being filled (see `fork::layer`).
+    let fills: BTreeMap<u32, FillRec> = reg
+        .arena
+        .iter()
+        .filter_map(|(id, s)| match &**s {
+            PageSource::Frozen(f) => f.filling.borrow().as_ref().map(|l| {
+                let o = l.origin();
+                (
+                    id,
+                    FillRec {
+                        vm: f.vm.0,
+                        pid: o.pid,
+                        started: o.started,
+                        vmm_base: o.vmm_base,
+                    },
+                )
+            }),
+            _ => None,
+        })
+        .collect();
+    for (id, fill) in &fills {
+        if w.fills.get(id) != Some(fill) {
+            found.records.push(Record::Filling {
+                id: *id,
+                fill: *fill,
+            });
+        }
+    }
+    for id in w.fills.keys().filter(|id| !fills.contains_key(id)) {
+        found.records.push(Record::Filled { id: *id });
+    }
+    w.fills = fills;
     // Where VMs' pages are.
     let mut kept = 0;
     for (vm, pages) in reg.arena.memories() {
@@ -577,6 +611,13 @@ pub(super) fn replay(path: &std::path::Path) -> Replayed {
             }
             Record::Released { id } => {
                 out.sources.remove(&id);
+                out.fills.remove(&id);
+            }
+            Record::Filled { id } => {
+                out.fills.remove(&id);
+            }
+            Record::Filling { id, fill } => {
+                out.fills.insert(id, fill);
             }
             Record::Memory { vm, fd, huge } => {
                 out.memories.insert(vm, (fd, huge));

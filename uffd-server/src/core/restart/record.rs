@@ -31,6 +31,22 @@ pub enum Record {
     FcVm(FcVmRec),
     /// Firecracker client `id` is gone (it hung up or was deleted).
     FcVmGone { id: u32 },
+    /// Source `id`, a layer, is still being filled from `fill`: the pages
+    /// the tables name it for that its memfd lacks are still to copy.
+    Filling { id: u32, fill: FillRec },
+    /// Source `id`'s layer is whole.
+    Filled { id: u32 },
+}
+
+/// Where a layer still being filled is filled from (see
+/// `pages::source::FillOrigin`): the VM it is the pages of, and the
+/// process (its VMM's anchor, or the VMM) by pid and start time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillRec {
+    pub vm: u32,
+    pub pid: u32,
+    pub started: u64,
+    pub vmm_base: u64,
 }
 
 /// An image's identity (see `images::Identity`).

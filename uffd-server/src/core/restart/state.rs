@@ -66,6 +66,8 @@ pub(super) struct Written {
     /// changes.
     pub fc_listeners: BTreeMap<u32, (usize, FcListenerRec)>,
     pub fc_vms: BTreeMap<u32, FcVmRec>,
+    /// Layers still being filled, by source id.
+    pub fills: BTreeMap<u32, super::record::FillRec>,
     /// Names of the fds in the store.
     pub stored: HashSet<String>,
     /// Which fds the records above name.
