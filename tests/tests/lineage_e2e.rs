@@ -517,3 +517,61 @@ fn a_running_restore_forked_again_copies_only_what_it_wrote_since() {
 fn a_running_templates_child_forked_again_copies_only_what_it_wrote_since() {
     forks_again_share_what_earlier_forks_keep(Lineage::TemplateChild);
 }
+
+/// A parent on a base writes all of its RAM and forks into two; its VMM
+/// is SIGKILLed the moment the fork answers, while the layer its children
+/// read is still being filled (the children start at once and the fill
+/// runs after the answer). With `crash_server`, the serving process is
+/// SIGKILLed first, between the fork and the parent's death, and its
+/// successor goes on filling from the journal. The children read exactly
+/// what the parent held at the fork: the pages not copied yet come
+/// through the VMM's anchor, a process that shares its address space.
+fn children_exact_when_the_parent_dies_as_its_layer_fills(crash_server: bool) {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let p = parent(&s, Lineage::Restore);
+    let all = Fill {
+        start: 0,
+        pages: pages_of(MIB),
+        seed: 77,
+    };
+    fill(&s, &p.id, all);
+    let at_fork = all_ram(&s, &p.id, "the parent right before the fork");
+    let vmm = s.vmm_pid(&p.id);
+    let serving = s.pid();
+    let f = s.fork(&p.id, 2);
+    if crash_server {
+        signal(serving, Signal::SIGKILL);
+    }
+    signal(vmm, Signal::SIGKILL);
+    assert!(
+        f.phases.layer_pages >= all.pages,
+        "the fork freezes every page the parent wrote into its layer: {:?}",
+        f.phases
+    );
+    if crash_server {
+        wait_until("a new serving process", Duration::from_secs(30), || {
+            s.health_now()
+                .filter(|h| h.pid != serving && h.pid != 0)
+                .map(|_| ())
+        });
+    }
+    let what = if crash_server {
+        "after the server and then the parent's VMM were SIGKILLed as the layer filled"
+    } else {
+        "after the parent's VMM was SIGKILLed as the layer filled"
+    };
+    for child in &f.children {
+        assert_holds(&s, child, at_fork, &[all], what);
+    }
+    s.assert_invariant(what);
+}
+
+#[test]
+fn a_restores_children_are_exact_when_its_vmm_is_killed_as_the_layer_fills() {
+    children_exact_when_the_parent_dies_as_its_layer_fills(false);
+}
+
+#[test]
+fn a_restores_children_are_exact_when_the_server_then_its_vmm_are_killed_as_the_layer_fills() {
+    children_exact_when_the_parent_dies_as_its_layer_fills(true);
+}
