@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    new_vm, op, pages_of, realistic_memory, server_on_xfs, signal, wait_until, zstd_source,
-    TestServer,
+    new_vm, op, pages_of, realistic_memory, require_memcg_v1, server_on_xfs, set_oom_score_adj,
+    signal, wait_until, zstd_source, Memcg, TestServer,
 };
 use proto::api::{CreateSnapshot, CreateVm, RunState, SnapshotCreated, SnapshotMode};
 use shared::PAGE_SIZE;
@@ -574,4 +574,101 @@ fn a_restores_children_are_exact_when_its_vmm_is_killed_as_the_layer_fills() {
 #[test]
 fn a_restores_children_are_exact_when_the_server_then_its_vmm_are_killed_as_the_layer_fills() {
     children_exact_when_the_parent_dies_as_its_layer_fills(true);
+}
+
+/// Whether process `pid` is alive (a zombie is not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().to_owned()))
+        .is_some_and(|r| !r.starts_with('Z') && !r.starts_with('X'))
+}
+
+/// A real OOM in a memory cgroup holding the server and its VMMs, in the
+/// middle of a layer's fill: the group has room for all but 32 MiB of the
+/// layer, so the fill runs it out of memory, and the kernel's OOM killer
+/// chooses (nothing here sends a signal). While the layer fills, the
+/// parent's VMM and its anchor have the lowest score and its children the
+/// highest; a bystander on the same base that wrote 48 MiB is, as any VMM
+/// may be, the OOM killer's first choice (score 1000). Whatever the
+/// kernel kills, every VM whose VMM lives reads exactly what it held, and
+/// the parent, whose pages the children need, is not the one it kills.
+#[test]
+fn an_oom_as_the_layer_fills_spares_the_parent_and_every_survivor_is_exact() {
+    if !require_memcg_v1() {
+        return;
+    }
+    let cg = Memcg::new(&format!("pagefork-lineage-oom-{}", std::process::id()));
+    let Some(s) = cg.spawn_inside(|| server_on_xfs(&[])) else {
+        return;
+    };
+    let p = parent(&s, Lineage::Restore);
+    let all = Fill {
+        start: 0,
+        pages: pages_of(MIB),
+        seed: 78,
+    };
+    fill(&s, &p.id, all);
+    let bystander = s.restore("gold");
+    let theirs = Fill {
+        start: 4096,
+        pages: pages_of(48),
+        seed: 79,
+    };
+    fill(&s, &bystander, theirs);
+    set_oom_score_adj(s.vmm_pid(&bystander), 1000);
+    let bystander_vmm = s.vmm_pid(&bystander);
+    let at_fork = all_ram(&s, &p.id, "the parent right before the fork");
+    let parent_vmm = s.vmm_pid(&p.id);
+    let layer = all.pages * PAGE_SIZE;
+    cg.limit(cg.usage() + layer - (32 << 20));
+    let f = s.fork(&p.id, 2);
+    wait_until("an OOM kill in the group", Duration::from_secs(60), || {
+        (cg.oom_kills() > 0).then_some(())
+    });
+    // The fill is over once the parent's score is back.
+    wait_until("the layer to fill", Duration::from_secs(60), || {
+        std::fs::read_to_string(format!("/proc/{parent_vmm}/oom_score_adj"))
+            .is_ok_and(|a| a.trim() != "0")
+            .then_some(())
+    });
+    let kills = cg.oom_kills();
+    cg.release();
+    eprintln!(
+        "OOM kills: {kills}; bystander's VMM alive {}, children's {:?}",
+        alive(bystander_vmm),
+        f.children
+            .iter()
+            .map(|c| (c, s.try_vm(c).ok().and_then(|v| v.pid).is_some_and(alive)))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        alive(parent_vmm),
+        "the OOM killer took the parent's VMM, whose pages its children needed ({kills} kills)"
+    );
+    assert_holds(
+        &s,
+        &p.id,
+        at_fork,
+        &[all],
+        "the parent after an OOM as its layer filled",
+    );
+    let mut survivors = 0;
+    for child in &f.children {
+        let pid = s.try_vm(child).ok().and_then(|v| v.pid);
+        if pid.is_some_and(alive) {
+            assert_holds(&s, child, at_fork, &[all], "a child that survived the OOM");
+            survivors += 1;
+        }
+    }
+    if alive(bystander_vmm) {
+        assert_eq!(
+            s.verify(&bystander, theirs.start, theirs.pages, theirs.seed),
+            0,
+            "the bystander survived the OOM and lost pages"
+        );
+    }
+    eprintln!("{survivors} of {} children survived", f.children.len());
+    s.assert_invariant("after an OOM as a layer filled");
+    drop(s);
 }

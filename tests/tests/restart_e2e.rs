@@ -360,7 +360,39 @@ fn upgrade_by_cli(s: &TestServer, c: &Client) -> (Health, Duration) {
 
 /// Pids of the `vmm` processes of the server on `state_dir` (those
 /// started with its vmm.sock), wherever they are in the process tree.
+/// The VMMs serving `state_dir`'s server (their anchors, which share
+/// their command line, apart: see [`anchor_processes`]).
 fn vmm_processes(state_dir: &Path) -> Vec<u32> {
+    vmm_like(state_dir)
+        .into_iter()
+        .filter(|pid| !is_anchor(*pid))
+        .collect()
+}
+
+/// The anchors of those VMMs (`vmm/src/anchor.rs`), each with its parent.
+fn anchor_processes(state_dir: &Path) -> Vec<(u32, u32)> {
+    vmm_like(state_dir)
+        .into_iter()
+        .filter(|pid| is_anchor(*pid))
+        .map(|pid| (pid, parent_of(pid)))
+        .collect()
+}
+
+fn is_anchor(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "vmm-anchor")
+}
+
+fn parent_of(pid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = s[s.rfind(')')? + 1..].to_owned();
+            rest.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+fn vmm_like(state_dir: &Path) -> Vec<u32> {
     let sock = state_dir.join("vmm.sock");
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -1639,6 +1671,19 @@ fn a_crash_mid_fork_loses_no_vm() {
         settled.is_some(),
         "vmm processes left besides the parent's (pool {pool}): {:?}",
         vmm_processes(s.state_dir())
+    );
+    // Nor an anchor of one: each anchor left is a live VMM's.
+    let vmms = vmm_processes(s.state_dir());
+    let settled = pagefork_tests::wait_for(Duration::from_secs(10), || {
+        anchor_processes(s.state_dir())
+            .iter()
+            .all(|(_, parent)| vmms.contains(parent))
+            .then_some(())
+    });
+    assert!(
+        settled.is_some(),
+        "anchors left whose VMM is gone: {:?} (VMMs {vmms:?})",
+        anchor_processes(s.state_dir())
     );
 }
 

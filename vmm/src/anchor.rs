@@ -41,6 +41,9 @@ const STACK_BYTES: usize = 64 << 10;
 
 static ANCHOR: OnceLock<u32> = OnceLock::new();
 
+/// The anchor's process name (`/proc/PID/comm`).
+pub const NAME: &[u8; 11] = b"vmm-anchor\0";
+
 /// The anchor's pid, if this VMM made one.
 pub fn pid() -> Option<u32> {
     ANCHOR.get().copied()
@@ -52,6 +55,18 @@ pub fn report() -> Option<u32> {
     let pid = pid()?;
     REPORTED.store(true, Ordering::SeqCst);
     Some(pid)
+}
+
+/// This VMM exits because no server takes it (refused, or none there):
+/// nobody will read its pages, so its anchor goes with it.
+pub fn end() {
+    if let Some(pid) = pid().and_then(|p| libc::pid_t::try_from(p).ok()) {
+        // SAFETY: a signal to the anchor this process made (its child, not
+        // reaped, so the pid is still its own).
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+    }
 }
 
 /// Make this VMM's anchor (once). Returns its pid.
@@ -117,6 +132,14 @@ extern "C" fn anchor_main(arg: *mut libc::c_void) -> libc::c_int {
         std::ptr::addr_of!(all) as u64,
         0,
         8,
+    );
+    // Named apart from its VMM in `ps` and /proc (it shares the VMM's
+    // command line, which lives in the memory they share).
+    raw::syscall3(
+        libc::SYS_prctl,
+        libc::PR_SET_NAME as u64,
+        NAME.as_ptr() as u64,
+        0,
     );
     let death = libc::SIGUSR2;
     raw::syscall3(

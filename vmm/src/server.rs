@@ -400,6 +400,7 @@ fn rejoin_or_exit(conn: &Connection, socket: &Path, vm: VmId) {
         };
         if e.is_definitive() {
             tracing::warn!(error = %shared::error_chain(&e), "cannot rejoin a server; exiting");
+            crate::anchor::end();
             exit_now(0);
         }
         if Instant::now() + REJOIN_RETRY >= deadline {
@@ -409,6 +410,7 @@ fn rejoin_or_exit(conn: &Connection, socket: &Path, vm: VmId) {
                 "no server took this VMM back within {} s; exiting",
                 REJOIN_WAIT.as_secs()
             );
+            crate::anchor::end();
             exit_now(0);
         }
         if attempts == 1 {
