@@ -277,3 +277,59 @@ impl Holdings {
         }
     }
 }
+
+/// The VMM processes serving the server of `state_dir` (by the socket on
+/// their command line), their anchors apart (see [`anchor_processes`]).
+pub fn vmm_processes(state_dir: &Path) -> Vec<u32> {
+    vmm_like(state_dir)
+        .into_iter()
+        .filter(|pid| !is_anchor(*pid))
+        .collect()
+}
+
+/// The anchors of those VMMs (`vmm/src/anchor.rs`: a process that shares
+/// its VMM's address space, and so its command line), each with its
+/// parent's pid.
+pub fn anchor_processes(state_dir: &Path) -> Vec<(u32, u32)> {
+    vmm_like(state_dir)
+        .into_iter()
+        .filter(|pid| is_anchor(*pid))
+        .map(|pid| (pid, parent_of(pid)))
+        .collect()
+}
+
+fn is_anchor(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "vmm-anchor")
+}
+
+fn parent_of(pid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = s[s.rfind(')')? + 1..].to_owned();
+            rest.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// Processes whose command line is a `vmm` of `state_dir`'s socket.
+fn vmm_like(state_dir: &Path) -> Vec<u32> {
+    use std::os::unix::ffi::OsStrExt;
+    let sock = state_dir.join("vmm.sock");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                return false;
+            };
+            let mut args = cmdline.split(|b| *b == 0);
+            let is_vmm = args
+                .next()
+                .is_some_and(|a| Path::new(std::ffi::OsStr::from_bytes(a)).ends_with("vmm"));
+            is_vmm && args.any(|a| a == sock.as_os_str().as_bytes())
+        })
+        .collect()
+}

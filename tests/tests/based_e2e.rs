@@ -6,7 +6,8 @@
 //! `digest` of all RAM.
 
 use pagefork_tests::{
-    new_vm, pages_of, server_on_xfs, uffdctl_json, uffdctl_ok, Holdings, TestServer,
+    anchor_processes, new_vm, pages_of, server_on_xfs, signal, uffdctl_json, uffdctl_ok,
+    vmm_processes, Holdings, TestServer,
 };
 use proto::api::{BaseList, CreateSnapshot, SnapshotMode};
 
@@ -354,6 +355,75 @@ fn two_thousand_fork_restore_delete_cycles_leave_bases_fds_and_memory_at_baselin
     assert!(
         after.rss_kib <= before.rss_kib + (32 << 10),
         "server RSS {before:?} -> {after:?}"
+    );
+}
+
+/// 1,000 cycles of: a running restore (a VM on a base) writes, forks into
+/// a child, and its VMM is SIGKILLed the moment the fork answers, while
+/// the layer the child reads fills; the child reads what the parent
+/// wrote, and both are deleted. Afterwards the server holds no more fds
+/// (memfds included), uffds, child processes or mapped memfd pages than
+/// before, and no VMM or anchor of theirs is left.
+#[test]
+fn a_thousand_fork_kill_delete_cycles_of_based_parents_leave_nothing_behind() {
+    let Some(s) = server_on_xfs(&[]) else { return };
+    let g = s.create_vm(&new_vm(4));
+    s.fill(&g, 0, 64, 82);
+    snap(&s, &g, "fork-kill", SnapshotMode::Full, false);
+    s.delete_vm(&g);
+    let cycle = |i: u64| {
+        let p = s.restore("fork-kill");
+        s.fill(&p, 32, 256, i);
+        let vmm = s.vmm_pid(&p);
+        let c = s.fork_one(&p);
+        signal(vmm, nix::sys::signal::Signal::SIGKILL);
+        assert_eq!(s.verify(&c, 32, 256, i), 0, "child {c} (cycle {i})");
+        assert_eq!(s.verify(&c, 0, 32, 82), 0, "child {c} (cycle {i})");
+        s.delete_vm(&c);
+        s.delete_vm(&p);
+    };
+    cycle(0);
+    let pid = s.pid();
+    s.wait_pool_full();
+    let before = Holdings::of(pid);
+    for i in 1..=1000 {
+        cycle(i);
+    }
+    assert!(s.vm_ids().is_empty(), "{:?}", s.vm_ids());
+    s.wait_pool_full();
+    let pool = s.metric("pagefork_vmm_pool_target").unwrap_or(0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let (after, vmms, anchors) = loop {
+        let h = Holdings::of(pid);
+        let vmms = vmm_processes(s.state_dir());
+        let anchors = anchor_processes(s.state_dir());
+        let done = h.fds <= before.fds
+            && vmms.len() as u64 <= pool
+            && anchors.iter().all(|(_, parent)| vmms.contains(parent));
+        if done || std::time::Instant::now() > deadline {
+            break (h, vmms, anchors);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(after.fds <= before.fds, "fds {before:?} -> {after:?}");
+    assert_eq!(
+        after.userfaultfds, before.userfaultfds,
+        "{before:?} -> {after:?}"
+    );
+    assert!(after.children <= before.children, "{before:?} -> {after:?}");
+    assert!(
+        vmms.len() as u64 <= pool,
+        "VMMs left (pool {pool}): {vmms:?}"
+    );
+    assert!(
+        anchors.iter().all(|(_, parent)| vmms.contains(parent)),
+        "anchors left whose VMM is gone: {anchors:?} (VMMs {vmms:?})"
+    );
+    // Every memfd (a layer's included) is an fd of the server's: none is
+    // left (above); nor a mapping of one.
+    assert!(
+        after.rss_shmem_kib <= before.rss_shmem_kib + 1024,
+        "{before:?} -> {after:?}"
     );
 }
 

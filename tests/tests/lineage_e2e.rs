@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    new_vm, op, pages_of, realistic_memory, require_memcg_v1, server_on_xfs, set_oom_score_adj,
-    signal, wait_until, zstd_source, Memcg, TestServer,
+    counts_4k_pages_only, new_vm, op, pages_of, realistic_memory, require_memcg_v1, server_on_xfs,
+    set_oom_score_adj, signal, wait_until, zstd_source, Memcg, TestServer,
 };
 use proto::api::{CreateSnapshot, CreateVm, RunState, SnapshotCreated, SnapshotMode};
 use shared::PAGE_SIZE;
@@ -593,9 +593,17 @@ fn alive(pid: u32) -> bool {
 /// may be, the OOM killer's first choice (score 1000). Whatever the
 /// kernel kills, every VM whose VMM lives reads exactly what it held, and
 /// the parent, whose pages the children need, is not the one it kills.
+///
+/// Not run by default: on these hosts the kernel, short of room, often
+/// evicts and refaults the group's page cache (the binaries' text) for
+/// minutes instead of killing (1 run in 4 here), which no limit chosen
+/// from the group's counters avoided. Run it by hand with `--ignored`.
 #[test]
+#[ignore = "the kernel may thrash on page cache for minutes instead of OOM-killing"]
 fn an_oom_as_the_layer_fills_spares_the_parent_and_every_survivor_is_exact() {
-    if !require_memcg_v1() {
+    if !require_memcg_v1()
+        || counts_4k_pages_only("a memory cgroup does not charge hugetlb pages: no OOM to make")
+    {
         return;
     }
     let cg = Memcg::new(&format!("pagefork-lineage-oom-{}", std::process::id()));

@@ -41,7 +41,6 @@
 //! must be exact.
 
 use std::collections::BTreeMap;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,9 +49,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use pagefork_tests::{
-    apply_fill, compress_image, file_source, free_hugepages, new_vm, op, open_fds,
-    require_kvm_uffd, server_on_xfs, signal, uffdctl, zstd_source, OneShot, OneShotError,
-    RandomImage, Reply, Rng, TestServer,
+    anchor_processes, apply_fill, compress_image, file_source, free_hugepages, new_vm, op,
+    open_fds, require_kvm_uffd, server_on_xfs, signal, uffdctl, vmm_processes, zstd_source,
+    OneShot, OneShotError, RandomImage, Reply, Rng, TestServer,
 };
 use proto::api::{CreateVm, ExecRequest, Health, MemorySource, RunState, VmInfo};
 use serde_json::{json, Value};
@@ -360,58 +359,6 @@ fn upgrade_by_cli(s: &TestServer, c: &Client) -> (Health, Duration) {
 
 /// Pids of the `vmm` processes of the server on `state_dir` (those
 /// started with its vmm.sock), wherever they are in the process tree.
-/// The VMMs serving `state_dir`'s server (their anchors, which share
-/// their command line, apart: see [`anchor_processes`]).
-fn vmm_processes(state_dir: &Path) -> Vec<u32> {
-    vmm_like(state_dir)
-        .into_iter()
-        .filter(|pid| !is_anchor(*pid))
-        .collect()
-}
-
-/// The anchors of those VMMs (`vmm/src/anchor.rs`), each with its parent.
-fn anchor_processes(state_dir: &Path) -> Vec<(u32, u32)> {
-    vmm_like(state_dir)
-        .into_iter()
-        .filter(|pid| is_anchor(*pid))
-        .map(|pid| (pid, parent_of(pid)))
-        .collect()
-}
-
-fn is_anchor(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "vmm-anchor")
-}
-
-fn parent_of(pid: u32) -> u32 {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let rest = s[s.rfind(')')? + 1..].to_owned();
-            rest.split_whitespace().nth(1)?.parse().ok()
-        })
-        .unwrap_or(0)
-}
-
-fn vmm_like(state_dir: &Path) -> Vec<u32> {
-    let sock = state_dir.join("vmm.sock");
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-                return false;
-            };
-            let mut args = cmdline.split(|b| *b == 0);
-            let is_vmm = args
-                .next()
-                .is_some_and(|a| Path::new(std::ffi::OsStr::from_bytes(a)).ends_with("vmm"));
-            is_vmm && args.any(|a| a == sock.as_os_str().as_bytes())
-        })
-        .collect()
-}
-
 // ---------------------------------------------------------------- model --
 
 /// Per chunk: the seed it was last filled with, 0 for zeroes.

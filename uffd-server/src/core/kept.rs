@@ -101,9 +101,12 @@ pub(crate) fn reads_from(
 pub(crate) fn kept_of(reg: &Registry, vm: VmId) -> Vec<KeptMemory> {
     let mut kept = Vec::new();
     for (src, source) in reg.arena.iter() {
-        let (kind, memory) = match &**source {
+        let (kind, memory, bytes) = match &**source {
             PageSource::Vm(owner) if *owner == vm => match reg.arena.memory_of(vm) {
-                Some(VmPages::Memfd(m)) => ("memfd", m),
+                Some(VmPages::Memfd(m)) => {
+                    let bytes = m.allocated_bytes();
+                    ("memfd", m, bytes)
+                }
                 _ => continue,
             },
             PageSource::Frozen(f) if f.vm == vm => (
@@ -112,6 +115,8 @@ pub(crate) fn kept_of(reg: &Registry, vm: VmId) -> Vec<KeptMemory> {
                     FrozenKind::Layer => "layer",
                 },
                 std::rc::Rc::clone(&f.memory),
+                // A layer still being filled: what it holds once whole.
+                f.held_bytes(),
             ),
             _ => continue,
         };
@@ -134,7 +139,7 @@ pub(crate) fn kept_of(reg: &Registry, vm: VmId) -> Vec<KeptMemory> {
             source: source.describe(),
             kind: kind.into(),
             memfd: memory.name().to_owned(),
-            bytes: memory.allocated_bytes(),
+            bytes,
             readers,
         });
     }

@@ -41,7 +41,9 @@ pub struct Anchor {
     pidfd: OwnedFd,
     /// When it started (`/proc/PID/stat`'s starttime, clock ticks since
     /// boot): with the pid, what names it across a restart of the server.
-    started: u64,
+    /// Read when first asked for (a fill journals it), not on the start of
+    /// every VM.
+    started: std::cell::OnceCell<u64>,
 }
 
 impl Anchor {
@@ -68,11 +70,10 @@ impl Anchor {
         if same != 0 {
             return Err(AnchorError::NotShared { pid, vmm });
         }
-        let started = start_time(pid).ok_or(AnchorError::NotShared { pid, vmm })?;
         Ok(Anchor {
             pid,
             pidfd,
-            started,
+            started: std::cell::OnceCell::new(),
         })
     }
 
@@ -91,7 +92,7 @@ impl Anchor {
         Ok(Anchor {
             pid,
             pidfd,
-            started,
+            started: std::cell::OnceCell::from(started),
         })
     }
 
@@ -100,9 +101,11 @@ impl Anchor {
         self.pid
     }
 
-    /// When it started (see the field).
+    /// When it started (see the field); 0 if it is gone already.
     pub fn started(&self) -> u64 {
-        self.started
+        *self
+            .started
+            .get_or_init(|| start_time(self.pid).unwrap_or(0))
     }
 
     /// Whether it is still alive.

@@ -132,6 +132,17 @@ impl FrozenSource {
         }
     }
 
+    /// Bytes of the memfd's pages, counting those a layer still being
+    /// filled will hold once whole.
+    pub fn held_bytes(&self) -> u64 {
+        let pending = self
+            .filling
+            .borrow()
+            .as_ref()
+            .map_or(0, |f| f.pending_pages());
+        self.memory.allocated_bytes() + pending * shared::PAGE_SIZE
+    }
+
     /// Make sure pages `first..first + n` are in the memfd before they are
     /// read: a layer still being filled copies them in first. Every read
     /// of a frozen source's pages goes through here ([`super::read_pages`]).
@@ -154,6 +165,9 @@ pub trait LayerFill: std::fmt::Debug {
     /// Where the pages still to copy are read from, for the journal: a
     /// restarted server goes on filling from there.
     fn origin(&self) -> FillOrigin;
+
+    /// 4 KiB pages still to copy.
+    fn pending_pages(&self) -> u64;
 }
 
 /// The process a layer is filled from: by pid and start time (which tell

@@ -28,9 +28,12 @@ pub(crate) const RECLAIM: &str = "a reclaim";
 /// How often an operation waiting for a reclaim pass looks again.
 pub(crate) const RECLAIM_POLL: Duration = Duration::from_millis(1);
 
-/// Wait while a reclaim pass runs on `vm`. A pass pauses and resumes its
-/// VM within a step; one that outlasts twice the VMM deadline (its VMM
-/// not answering) gets `action` refused as busy.
+/// Wait while a reclaim pass runs on `vm`, or a layer a fork of it froze
+/// is still being filled from it (an operation that pauses, rolls back or
+/// saves the parent would otherwise race the fill for pages it has not
+/// copied yet; fills are short: see `fork::layer`). A pass pauses and
+/// resumes its VM within a step; one that outlasts twice the VMM deadline
+/// (its VMM not answering) gets `action` refused as busy.
 pub(crate) async fn wait_out_reclaim(
     core: &Rc<Core>,
     vm: VmId,
@@ -39,10 +42,14 @@ pub(crate) async fn wait_out_reclaim(
     let _waiting = Waiting::new(core, vm);
     let give_up = Instant::now() + 2 * core.settings.vmm_deadline;
     loop {
-        let busy = match core.reg.borrow().vms.get(&vm) {
-            Some(v) => v.busy.running,
+        let (busy, filling) = match core.reg.borrow().vms.get(&vm) {
+            Some(v) => (v.busy.running, v.fork.layering.is_some()),
             None => return Err(Error::NoSuchVm(vm)),
         };
+        if filling {
+            tokio::time::sleep(RECLAIM_POLL).await;
+            continue;
+        }
         if busy != Some(RECLAIM) {
             return Ok(());
         }

@@ -62,8 +62,13 @@ use crate::pages::source::LayerFill;
 use crate::pages::{PageSource, VmPages};
 use crate::snapshot::PageSet;
 
-/// Pages copied into a layer in one step of [`fill`] (4 MiB).
-const STEP_PAGES: u64 = 1024;
+/// Pages copied into a layer in one step of the fill (256 KiB).
+const STEP_PAGES: u64 = 64;
+
+/// The fill copies steps for at most this long before the core's other
+/// work runs: the children it fills for start meanwhile, and every message
+/// and fault of theirs waits for the step in progress.
+const SLICE: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Before the fork's pause: the memfd a layer of `parent` would be
 /// filled into, made while the parent still runs (making it costs a few
@@ -128,7 +133,6 @@ pub(crate) fn begin(
         let (lo, hi) = v.memory.unit_range(first, first + n);
         pending.insert_range(lo, hi - lo);
     }
-    let pages = pending.len();
     let layer = match made {
         Some(m) => m,
         None => Rc::new(
@@ -148,17 +152,9 @@ pub(crate) fn begin(
     if let Some(PageSource::Frozen(f)) = arena.get(frozen).map(|s| &**s) {
         *f.filling.borrow_mut() = Some(Rc::clone(&l) as Rc<dyn LayerFill>);
     }
-    // Until the layer is whole, the kernel's OOM killer must choose any
-    // other VMM before this one (it cannot be forbidden to choose it: see
-    // `pages::anchor`): the lowest score for the VMM and its anchor.
-    if let Some(pid) = v.link.pid {
-        set_oom_score_adj(pid, 0);
-    }
-    if let Some(a) = l.anchor() {
-        a.set_oom_score_adj(0);
-    }
     v.fork.layering = Some(l);
-    info!("{parent}: {pages} pages it wrote are frozen into a layer for its children");
+    // Logged and scored after the resume (`spawn_fill`): a log line or a
+    // write to /proc costs tens of µs, which the pause need not pay.
     Ok(true)
 }
 
@@ -169,11 +165,29 @@ pub(crate) fn begin(
 pub(crate) fn spawn_fill(core: &Rc<Core>, l: Rc<Layering>) {
     let core = Rc::clone(core);
     let parent = l.vm();
+    // Until the layer is whole, the kernel's OOM killer must choose any
+    // other VMM before this one (it cannot be forbidden to choose it: see
+    // `pages::anchor`): the lowest score for the VMM and its anchor.
+    if let Some(pid) = core.reg.borrow().vms.get(&parent).and_then(|v| v.link.pid) {
+        set_oom_score_adj(pid, 0);
+    }
+    if let Some(a) = l.anchor() {
+        a.set_oom_score_adj(0);
+    }
+    info!(
+        "{parent}: {} pages it wrote are frozen into a layer for its children; filling it",
+        l.pending()
+    );
     tokio::task::spawn_local(async move {
         let t = std::time::Instant::now();
+        let mut slice = std::time::Instant::now();
         loop {
             match l.step(STEP_PAGES) {
-                Ok(true) => tokio::task::yield_now().await,
+                Ok(true) if slice.elapsed() < SLICE => {}
+                Ok(true) => {
+                    tokio::task::yield_now().await;
+                    slice = std::time::Instant::now();
+                }
                 Ok(false) => break,
                 Err(e) => {
                     warn!(

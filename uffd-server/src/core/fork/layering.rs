@@ -53,6 +53,9 @@ struct Fill {
     failed: Option<String>,
     /// Pages copied so far.
     copied: u64,
+    /// Where the next step looks from: every page before it is copied
+    /// (steps go up; reads and saves only take pages away).
+    cursor: u64,
 }
 
 impl Layering {
@@ -78,6 +81,7 @@ impl Layering {
                 pending,
                 failed: None,
                 copied: 0,
+                cursor: 0,
             }),
             dependents: RefCell::new(Vec::new()),
         }
@@ -169,9 +173,10 @@ impl Layering {
                 why: why.clone(),
             });
         }
-        let Some(first) = st.pending.next_from(0) else {
+        let Some(first) = st.pending.next_from(st.cursor) else {
             return Ok(false);
         };
+        st.cursor = first;
         let mut n = self.unit;
         while n < max && st.pending.contains(first + n) {
             n += self.unit;
@@ -231,6 +236,10 @@ impl Layering {
 impl LayerFill for Layering {
     fn ensure(&self, first: u64, n: u64) -> Result<(), String> {
         self.ensure_range(first, n)
+    }
+
+    fn pending_pages(&self) -> u64 {
+        self.pending()
     }
 
     fn origin(&self) -> FillOrigin {
