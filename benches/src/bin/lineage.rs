@@ -460,7 +460,7 @@ fn fork_rows(sz: &Size, on_base: &Forks, on_own: &Forks, floor: &[f64]) {
     .goal("report (1 = the floor)")
     .note(
         "the server reads the parent's VMM with process_vm_readv into a buffer and writes the layer with \
-         pwrite, 4 MiB a step, serving its other work between steps",
+         pwrite, 256 KiB a step, serving its other work every 200 µs, once the children run",
     )
     .emit();
 }
