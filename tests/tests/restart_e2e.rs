@@ -357,8 +357,6 @@ fn upgrade_by_cli(s: &TestServer, c: &Client) -> (Health, Duration) {
     (h, t0.elapsed())
 }
 
-/// Pids of the `vmm` processes of the server on `state_dir` (those
-/// started with its vmm.sock), wherever they are in the process tree.
 // ---------------------------------------------------------------- model --
 
 /// Per chunk: the seed it was last filled with, 0 for zeroes.

@@ -92,12 +92,13 @@ pub fn make() -> std::io::Result<u32> {
     // SAFETY: the top of the mapping just made, 16-byte aligned (mmap
     // returns page-aligned memory and STACK_BYTES is a multiple of 16).
     let top = unsafe { stack.cast::<u8>().add(STACK_BYTES) };
+    // The anchor's argument: this process's pid, its parent-to-be.
+    let me = usize::try_from(std::process::id()).unwrap_or(0);
     // SAFETY: `anchor_main` runs on its own stack, touches no memory but
     // that stack, and makes only raw system calls (see the module doc).
     // CLONE_VM shares the address space; without CLONE_THREAD, CLONE_FILES
     // or CLONE_SIGHAND the anchor is a process of its own with its own fd
     // table (which it empties) and signal handlers.
-    let me = std::process::id() as usize;
     let child = unsafe {
         libc::clone(
             anchor_main,
@@ -145,10 +146,10 @@ extern "C" fn anchor_main(arg: *mut libc::c_void) -> libc::c_int {
     raw::syscall3(
         libc::SYS_prctl,
         libc::PR_SET_PDEATHSIG as u64,
-        death as u64,
+        death.unsigned_abs().into(),
         0,
     );
-    let vmm = arg as usize as i64;
+    let vmm = i64::try_from(arg as usize).unwrap_or(-1);
     // The VMM may have gone before the prctl: then no signal comes.
     if raw::syscall3(libc::SYS_getppid, 0, 0, 0) == vmm {
         let set: u64 = 1 << (death - 1);
@@ -167,7 +168,7 @@ extern "C" fn anchor_main(arg: *mut libc::c_void) -> libc::c_int {
     }
     if REPORTED.load(Ordering::SeqCst) {
         let wait = libc::timespec {
-            tv_sec: ORPHAN_SECONDS as libc::time_t,
+            tv_sec: ORPHAN_SECONDS.cast_signed(),
             tv_nsec: 0,
         };
         let mut left = libc::timespec {
@@ -209,7 +210,7 @@ mod raw {
         unsafe {
             std::arch::asm!(
                 "syscall",
-                inlateout("rax") n as i64 => ret,
+                inlateout("rax") n => ret,
                 in("rdi") a,
                 in("rsi") b,
                 in("rdx") c,
