@@ -149,7 +149,16 @@ pub(crate) async fn stop_vmm(core: &Rc<Core>, id: VmId) {
         Some(v) => (v.state(), v.link.pid),
         None => return,
     };
-    if matches!(state, RunState::Running | RunState::Paused) {
+    // The process is known by its pid and its start time, taken while it
+    // still speaks for the VM: once it is gone its pid may be another
+    // process's (pids wrap at 32,768 on these hosts, and a busy host goes
+    // round in minutes), which must be neither waited for nor killed. A VM
+    // whose VMM went before (exited, killed) has nothing left to stop.
+    let live = matches!(state, RunState::Running | RunState::Paused);
+    let started = pid
+        .filter(|_| live)
+        .and_then(crate::pages::anchor::start_time);
+    if live {
         let _ = super::requests::request(core, id, Request::Stop, Duration::from_secs(3)).await;
     }
     // Wait for the process to go, then make sure. The state turns
@@ -157,8 +166,8 @@ pub(crate) async fn stop_vmm(core: &Rc<Core>, id: VmId) {
     // process is gone: also wait until `launch_process`'s wait task (which
     // runs while we sleep) has reaped it.
     let alive = || {
-        pid.and_then(|p| i32::try_from(p).ok())
-            .is_some_and(|p| nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), None).is_ok())
+        pid.zip(started)
+            .is_some_and(|(p, t)| crate::pages::anchor::start_time(p) == Some(t))
     };
     // Polled finely: a rollback waits here with its guest stopped.
     for _ in 0..1500 {
@@ -173,7 +182,7 @@ pub(crate) async fn stop_vmm(core: &Rc<Core>, id: VmId) {
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+    if let Some(pid) = pid.filter(|_| alive()).and_then(|p| i32::try_from(p).ok()) {
         warn!("{id}: vmm pid {pid} did not stop; killing it");
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL);
     }

@@ -122,11 +122,19 @@ const REJOIN_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The pids of every VMM the server knows (its VMs' and its pool's).
 pub fn vmm_pids(core: &Core) -> Vec<u32> {
+    // Only VMs whose VMM still speaks for them: the pid of one that went is
+    // free, and may be another process's by now.
     let mut pids: Vec<u32> = core
         .reg
         .borrow()
         .vms
         .values()
+        .filter(|v| {
+            matches!(
+                v.state(),
+                proto::api::RunState::Running | proto::api::RunState::Paused
+            )
+        })
         .filter_map(|v| v.link.pid)
         .collect();
     pids.extend(core.pool.borrow().pids());
