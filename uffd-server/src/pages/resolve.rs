@@ -271,7 +271,10 @@ pub fn read_pages(
         }
         PageSource::Frozen(f) => {
             f.ensure(first, len as u64 / PAGE_SIZE)
-                .map_err(|why| ResolveError::LayerLost { vm: f.vm, why })?;
+                .map_err(|lost| ResolveError::LayerLost {
+                    vm: f.vm,
+                    why: lost.0,
+                })?;
             let src = f.memory.slice(first, len as u64 / PAGE_SIZE)?;
             src.copy_to_volatile_slice(*dst);
             Ok(())

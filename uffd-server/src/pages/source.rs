@@ -146,7 +146,7 @@ impl FrozenSource {
     /// Make sure pages `first..first + n` are in the memfd before they are
     /// read: a layer still being filled copies them in first. Every read
     /// of a frozen source's pages goes through here ([`super::read_pages`]).
-    pub fn ensure(&self, first: u64, n: u64) -> Result<(), String> {
+    pub fn ensure(&self, first: u64, n: u64) -> Result<(), LayerLost> {
         let filling = self.filling.borrow().clone();
         match filling {
             Some(f) => f.ensure(first, n),
@@ -155,12 +155,19 @@ impl FrozenSource {
     }
 }
 
+/// Pages a layer was to hold could not be copied into it (the VMM they
+/// were read from and its anchor are gone): why, as the first failed copy
+/// said.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct LayerLost(pub String);
+
 /// A layer being filled, as its readers see it: pages not copied yet are
 /// copied when asked for (out of the VMM they are the pages of).
 pub trait LayerFill: std::fmt::Debug {
     /// Copy whichever of pages `first..first + n` are still to copy; the
     /// error says why they cannot be (the VMM and its anchor are gone).
-    fn ensure(&self, first: u64, n: u64) -> Result<(), String>;
+    fn ensure(&self, first: u64, n: u64) -> Result<(), LayerLost>;
 
     /// Where the pages still to copy are read from, for the journal: a
     /// restarted server goes on filling from there.

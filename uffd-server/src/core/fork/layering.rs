@@ -14,7 +14,7 @@ use super::error::LayerError;
 use crate::memory::GuestMemory;
 use crate::pages::anchor::Anchor;
 use crate::pages::process::ProcessPages;
-use crate::pages::source::{FillOrigin, LayerFill};
+use crate::pages::source::{FillOrigin, LayerFill, LayerLost};
 use crate::pages::SourceId;
 use crate::snapshot::PageSet;
 
@@ -139,13 +139,13 @@ impl Layering {
     }
 
     /// Copy whichever units of pages `first..first + n` are still to copy.
-    fn ensure_range(&self, first: u64, n: u64) -> Result<(), String> {
+    fn ensure_range(&self, first: u64, n: u64) -> Result<(), LayerLost> {
         let end = first + n;
         let mut st = self.state.borrow_mut();
         let mut p = first;
         while let Some(at) = st.pending.next_from(p).filter(|&at| at < end) {
             if let Some(why) = &st.failed {
-                return Err(why.clone());
+                return Err(LayerLost(why.clone()));
             }
             let lo = at / self.unit * self.unit;
             // The run of pending units from `lo`, up to the range's end.
@@ -156,7 +156,7 @@ impl Layering {
             if let Err(e) = self.copy(&mut st, lo, len) {
                 let why = shared::error_chain(&e);
                 st.failed.get_or_insert(why.clone());
-                return Err(why);
+                return Err(LayerLost(why));
             }
             p = lo + len;
         }
@@ -234,7 +234,7 @@ impl Layering {
 }
 
 impl LayerFill for Layering {
-    fn ensure(&self, first: u64, n: u64) -> Result<(), String> {
+    fn ensure(&self, first: u64, n: u64) -> Result<(), LayerLost> {
         self.ensure_range(first, n)
     }
 
