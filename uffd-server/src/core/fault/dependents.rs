@@ -38,8 +38,8 @@ enum PreserveError {
 /// table still reads that page from `vm`. Returns how many VMs got a copy.
 pub(crate) fn preserve_for_dependents(reg: &mut Registry, vm: VmId, page: u64) -> u64 {
     // A layer a fork is filling from this VM takes the page first.
-    if let Some(v) = reg.vms.get_mut(&vm) {
-        v.fork.save_before_write(page);
+    if let Some(v) = reg.vms.get(&vm) {
+        v.fork.save_before_write(page, v.table.get(page));
     }
     let Some(src) = reg.arena.vm_id(vm) else {
         return 0;

@@ -123,16 +123,22 @@ pub(crate) fn begin(
             why: "a layer is still being filled from it".into(),
         }));
     }
-    let runs = v.table.ranges_of(v.self_src);
-    if runs.is_empty() {
+    let held = v.table.count_of(v.self_src);
+    if held == 0 {
         return Ok(false);
     }
     let unit = v.memory.unit_pages();
-    let mut pending = PageSet::new(v.memory.pages());
-    for &(first, n) in &runs {
-        let (lo, hi) = v.memory.unit_range(first, first + n);
-        pending.insert_range(lo, hi - lo);
-    }
+    // 4 KiB pages: the set to copy is made after the resume (`plan`);
+    // until then what the layer's memfd lacks is to copy. Hugepages (whose
+    // memfd cannot say which blocks it holds): made now.
+    let pending = (unit > 1).then(|| {
+        let mut pending = PageSet::new(v.memory.pages());
+        for (first, n) in v.table.ranges_of(v.self_src) {
+            let (lo, hi) = v.memory.unit_range(first, first + n);
+            pending.insert_range(lo, hi - lo);
+        }
+        pending
+    });
     let layer = match made {
         Some(m) => m,
         None => Rc::new(
@@ -163,6 +169,7 @@ pub(crate) fn begin(
 /// of its own: the children run meanwhile, and a read of a page not copied
 /// yet copies it first (`Layering::ensure`).
 pub(crate) fn spawn_fill(core: &Rc<Core>, l: Rc<Layering>) {
+    plan(&core.reg.borrow(), &l);
     let core = Rc::clone(core);
     let parent = l.vm();
     // Until the layer is whole, the kernel's OOM killer must choose any
@@ -228,14 +235,30 @@ pub(crate) async fn wait_filled(core: &Core, parent: VmId) {
     }
 }
 
-/// Pages of `parent`'s layer still to copy.
-pub(crate) fn pending(core: &Core, parent: VmId) -> u64 {
+/// Pages `parent` holds of its own (what a layer frozen from it now
+/// would be to copy).
+pub(crate) fn held(core: &Core, parent: VmId) -> u64 {
     core.reg
         .borrow()
         .vms
         .get(&parent)
-        .and_then(|v| v.fork.layering.as_ref().map(|l| l.pending()))
-        .unwrap_or(0)
+        .map_or(0, |v| v.table.count_of(v.self_src))
+}
+
+/// After the resume, before the fill: the set of pages `l` is to copy,
+/// every page a table names its layer for, less what reads and saves
+/// copied since the pause.
+pub(crate) fn plan(reg: &Registry, l: &Layering) {
+    if l.planned() {
+        return;
+    }
+    let mut named = PageSet::new(l.layer().pages());
+    for v in reg.vms.values() {
+        for (first, n) in v.table.ranges_of(l.frozen()) {
+            named.insert_range(first, n);
+        }
+    }
+    l.plan(named);
 }
 
 /// The children of a fork whose layer is filling: until it is whole, the

@@ -47,8 +47,12 @@ pub struct Layering {
 /// What changes as a layer fills.
 #[derive(Debug)]
 struct Fill {
-    /// Pages still to copy (whole kernel pages).
-    pending: PageSet,
+    /// Pages still to copy (whole kernel pages); `None` until it is made
+    /// after the resume ([`Layering::plan`]): until then a page is to
+    /// copy if the layer's memfd lacks it (its readers' tables name the
+    /// layer for it, the parent's for the pages it saves), so the pause
+    /// makes no set of all of guest RAM.
+    pending: Option<PageSet>,
     /// The first failure: every page still pending is lost with it.
     failed: Option<String>,
     /// Pages copied so far.
@@ -60,14 +64,15 @@ struct Fill {
 
 impl Layering {
     /// A layer `layer` to fill with `pending` (whole kernel pages of
-    /// `unit` 4 KiB pages) out of `vm`'s VMM (`process`); the children's
-    /// tables read it by `frozen`.
+    /// `unit` 4 KiB pages; `None`: what its memfd lacks, see the field)
+    /// out of `vm`'s VMM (`process`); the children's tables read it by
+    /// `frozen`.
     pub fn new(
         vm: VmId,
         frozen: SourceId,
         layer: Rc<GuestMemory>,
         process: Rc<ProcessPages>,
-        pending: PageSet,
+        pending: Option<PageSet>,
         unit: u64,
     ) -> Self {
         Layering {
@@ -122,9 +127,29 @@ impl Layering {
         self.state.borrow().copied
     }
 
-    /// Pages still to copy.
+    /// Pages still to copy (0 before [`Self::plan`]).
     pub fn pending(&self) -> u64 {
-        self.state.borrow().pending.len()
+        self.state.borrow().pending.as_ref().map_or(0, PageSet::len)
+    }
+
+    /// Whether the set of pages to copy is made.
+    pub fn planned(&self) -> bool {
+        self.state.borrow().pending.is_some()
+    }
+
+    /// The set of pages to copy, after the resume: `named` (the pages the
+    /// tables name the layer for) less those copied meanwhile.
+    pub fn plan(&self, mut named: PageSet) {
+        let mut st = self.state.borrow_mut();
+        if st.pending.is_some() {
+            return;
+        }
+        for (first, n) in self.layer.present_ranges().unwrap_or_default() {
+            for p in first..first + n {
+                named.remove(p);
+            }
+        }
+        st.pending = Some(named);
     }
 
     /// The failure that lost the pages still pending, if any.
@@ -142,25 +167,70 @@ impl Layering {
     fn ensure_range(&self, first: u64, n: u64) -> Result<(), LayerLost> {
         let end = first + n;
         let mut st = self.state.borrow_mut();
-        let mut p = first;
-        while let Some(at) = st.pending.next_from(p).filter(|&at| at < end) {
+        let runs = match &st.pending {
+            Some(pending) => {
+                let mut runs = Vec::new();
+                let mut p = first;
+                while let Some(at) = pending.next_from(p).filter(|&at| at < end) {
+                    let lo = at / self.unit * self.unit;
+                    // The run of pending units from `lo`, up to the range's end.
+                    let mut len = self.unit;
+                    while lo + len < end && pending.contains(lo + len) {
+                        len += self.unit;
+                    }
+                    runs.push((lo, len));
+                    p = lo + len;
+                }
+                runs
+            }
+            None => self.holes(first, end),
+        };
+        for (lo, len) in runs {
             if let Some(why) = &st.failed {
                 return Err(LayerLost(why.clone()));
-            }
-            let lo = at / self.unit * self.unit;
-            // The run of pending units from `lo`, up to the range's end.
-            let mut len = self.unit;
-            while lo + len < end && st.pending.contains(lo + len) {
-                len += self.unit;
             }
             if let Err(e) = self.copy(&mut st, lo, len) {
                 let why = shared::error_chain(&e);
                 st.failed.get_or_insert(why.clone());
                 return Err(LayerLost(why));
             }
-            p = lo + len;
         }
         Ok(())
+    }
+
+    /// The runs of pages `first..end` the layer's memfd lacks
+    /// (`SEEK_DATA` / `SEEK_HOLE`: a copied page is written whole).
+    fn holes(&self, first: u64, end: u64) -> Vec<(u64, u64)> {
+        use std::os::fd::AsRawFd;
+        let fd = self.layer.memfd().as_raw_fd();
+        let page = shared::PAGE_SIZE;
+        let mut runs = Vec::new();
+        let mut p = first;
+        while p < end {
+            let at = libc::off_t::try_from(p * page).unwrap_or(libc::off_t::MAX);
+            // SAFETY: lseek on the layer's own fd has no memory effects.
+            let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+            let data = if data < 0 {
+                end
+            } else {
+                (data.unsigned_abs() / page).min(end)
+            };
+            if data > p {
+                runs.push((p, data - p));
+            }
+            if data >= end {
+                break;
+            }
+            let from = libc::off_t::try_from(data * page).unwrap_or(libc::off_t::MAX);
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, from, libc::SEEK_HOLE) };
+            p = if hole < 0 {
+                end
+            } else {
+                hole.unsigned_abs().div_ceil(page)
+            };
+        }
+        runs
     }
 
     /// Copy the next run of pending pages (at most `max`). `Ok(false)`
@@ -173,14 +243,20 @@ impl Layering {
                 why: why.clone(),
             });
         }
-        let Some(first) = st.pending.next_from(st.cursor) else {
+        let Some(pending) = &st.pending else {
+            return Err(LayerError::Lost {
+                vm: self.vm,
+                why: "its pages to copy were never planned".into(),
+            });
+        };
+        let Some(first) = pending.next_from(st.cursor) else {
             return Ok(false);
         };
-        st.cursor = first;
         let mut n = self.unit;
-        while n < max && st.pending.contains(first + n) {
+        while n < max && pending.contains(first + n) {
             n += self.unit;
         }
+        st.cursor = first;
         if let Err(e) = self.copy(&mut st, first, n) {
             st.failed.get_or_insert_with(|| shared::error_chain(&e));
             return Err(e);
@@ -225,8 +301,10 @@ impl Layering {
                 .read(first, &dst)
                 .map_err(|source| LayerError::Read { vm, source })?;
         }
-        for p in first..end {
-            st.pending.remove(p);
+        if let Some(pending) = &mut st.pending {
+            for p in first..end {
+                pending.remove(p);
+            }
         }
         st.copied += n;
         Ok(())

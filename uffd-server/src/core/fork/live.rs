@@ -48,6 +48,7 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
     let t_vol = Instant::now();
     let created = created.and_then(|c| fork_volumes(core, parent, c));
     let volume_us = us(t_vol);
+    let layer_held = layer::held(core, parent);
     let t_begin = Instant::now();
     let (created, layered) = begin_layer(core, parent, &protected, created, stopped.layer.take());
     let layer_begin_us = if layered { us(t_begin) } else { 0 };
@@ -74,11 +75,7 @@ pub(crate) async fn fork(core: &Rc<Core>, parent: VmId, count: u32) -> Result<Fo
         layer_begin_us,
         late_protect_us: stopped.late_protect_us,
     };
-    let layer_pages = if layered {
-        layer::pending(core, parent)
-    } else {
-        0
-    };
+    let layer_pages = if layered { layer_held } else { 0 };
     let children = match keep_or_undo(core, protected, created, resumed, &early).await {
         Ok(c) => c,
         Err(e) => {

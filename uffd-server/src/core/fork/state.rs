@@ -34,11 +34,14 @@ impl ForkState {
         self.paused_state = None;
     }
 
-    /// Before `page` is written or discarded: a layer being filled from
-    /// this VM saves it first.
-    pub fn save_before_write(&self, page: u64) {
+    /// Before `page` is written or discarded (its table names `src` for
+    /// it): a layer being filled from this VM saves it first, if it is
+    /// one of the layer's pages.
+    pub fn save_before_write(&self, page: u64, src: crate::pages::SourceId) {
         if let Some(l) = &self.layering {
-            l.save(page);
+            if l.frozen() == src {
+                l.save(page);
+            }
         }
     }
 }

@@ -130,7 +130,14 @@ fn adopt_fills(core: &Rc<Core>, journal: &super::handed::Replayed) {
             "{parent}: its layer (source {id}) still lacks {} page(s); filling it on",
             named.len()
         );
-        let l = Rc::new(Layering::new(parent, *id, layer, process, named, unit));
+        let l = Rc::new(Layering::new(
+            parent,
+            *id,
+            layer,
+            process,
+            Some(named),
+            unit,
+        ));
         *f.filling.borrow_mut() = Some(Rc::clone(&l) as Rc<dyn LayerFill>);
         if let Some(v) = reg.vms.get_mut(&parent) {
             v.fork.layering = Some(Rc::clone(&l));
