@@ -3,7 +3,7 @@
 
 use proto::vmm::VmmMsg;
 use shared::VmId;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::error::LinkError;
 use super::exit::protocol_error;
@@ -55,10 +55,10 @@ pub(crate) fn on_message(core: &Core, vm: VmId, msg: VmmMsg) {
                 // from now on.
                 Ok(true) => crate::core::base::on_uffd_ready(&mut reg, vm),
                 Ok(false) => {}
-                Err(e) => {
-                    drop(reg);
-                    protocol_error(core, vm, &e.message());
-                }
+                // An anchor that is not one (gone, or another process's
+                // pid): the VM goes on without one, its pages read by its
+                // VMM's pid as they were before anchors.
+                Err(e) => warn!("{vm}: {}", e.message()),
             }
         }
         VmmMsg::Hello { .. } => protocol_error(core, vm, "hello sent twice"),
